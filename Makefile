@@ -1,0 +1,40 @@
+# `make test` and `make demo` create or refresh .venv themselves (README, first screen).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: venv test lint typecheck unit demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(BIN)/ruff check .
+
+typecheck: venv
+	$(BIN)/mypy --strict common/
+
+unit: venv
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+demo: venv
+	$(BIN)/esa account plan --target-eps 1 --delta 5e-10 --n 203950512 --mechanism krappor --bound cheu-lemma-ii6
+	$(BIN)/esa account plan --target-eps 1 --delta 5e-10 --n 203950512 --mechanism krappor
+
+bench: venv
+	$(BIN)/python benchmarks/accounting.py
+	$(BIN)/python benchmarks/mechanisms.py
+	$(BIN)/python benchmarks/shuffler.py
+	$(BIN)/python benchmarks/analyzer.py
+	$(BIN)/python benchmarks/client.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,85 @@
+"""Privacy accounting for the ESA pipeline (``ACCOUNTING.md``).
+
+Every bound returns an immutable :class:`BoundResult`; :func:`certify` gathers the bounds
+that apply to a mechanism and picks the certificate; :func:`plan_eps0` inverts it.
+"""
+
+from common.accounting.composition import (
+    EpsDelta,
+    advanced_composition_bun_steinke,
+    advanced_composition_drv,
+    basic_composition,
+    best_composition,
+    compose_with_deletion,
+    deletion_offset,
+    deletion_utility_bound,
+    removal_to_replacement,
+    replacement_to_removal,
+    subsample,
+)
+from common.accounting.local import composed_randomizer_eps, esa_thm_iv1, fragment_eps
+from common.accounting.lower import lower_2rr
+from common.accounting.mechanisms import (
+    Certification,
+    MechanismParams,
+    best_bound,
+    certify,
+    compute_bounds,
+    methods_for,
+    rfrag_across_batches,
+)
+from common.accounting.planner import Plan, plan_eps0
+from common.accounting.results import BoundResult, Mechanism, Method, Neighbouring
+from common.accounting.shuffle_bounds import (
+    balcer_cheu_thm12,
+    blanket_binary_rr,
+    blanket_krr,
+    cheu_lemma_ii6,
+    efmrtt19_thm7,
+    esa_thm_iii1,
+    fmt21_clones,
+    fmt21_closed,
+    fmt21_krr_cor42,
+    fmt21_thm38,
+)
+
+__all__ = [
+    "BoundResult",
+    "Certification",
+    "EpsDelta",
+    "Mechanism",
+    "MechanismParams",
+    "Method",
+    "Neighbouring",
+    "Plan",
+    "advanced_composition_bun_steinke",
+    "advanced_composition_drv",
+    "balcer_cheu_thm12",
+    "basic_composition",
+    "best_bound",
+    "best_composition",
+    "blanket_binary_rr",
+    "blanket_krr",
+    "certify",
+    "cheu_lemma_ii6",
+    "compose_with_deletion",
+    "composed_randomizer_eps",
+    "compute_bounds",
+    "deletion_offset",
+    "deletion_utility_bound",
+    "efmrtt19_thm7",
+    "esa_thm_iii1",
+    "esa_thm_iv1",
+    "fmt21_clones",
+    "fmt21_closed",
+    "fmt21_krr_cor42",
+    "fmt21_thm38",
+    "fragment_eps",
+    "lower_2rr",
+    "methods_for",
+    "plan_eps0",
+    "removal_to_replacement",
+    "replacement_to_removal",
+    "rfrag_across_batches",
+    "subsample",
+]

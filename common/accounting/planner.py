@@ -1,0 +1,200 @@
+"""The inverse problem: the largest ε0 whose certified central ε is at most a target.
+
+For each applicable method we find the largest ε0 it certifies at the target, then take the
+largest over methods (the certificate is the minimum over valid bounds, so ε0 is feasible iff
+some method certifies it).
+
+* Numerical methods (:mod:`.hockey_stick`): the hockey-stick divergence at the target ε grows
+  with ε0 (clone probability falls, the target's randomized response sharpens), so we bisect on
+  ε0 directly, evaluating ``δ(target)`` once per step.
+* Closed forms (and regime limits, which can make the feasible set an interval rather than a
+  half-line): a scan over a fixed grid of ε0 finds the largest feasible grid point, then
+  bisection refines between it and the next grid point.
+
+Every answer is re-certified; if rounding left it a hair above the target it is stepped down,
+so ``certify(plan(target)).eps <= target`` always holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.accounting._checks import check_count, check_positive, check_probability
+from common.accounting.hockey_stick import delta_for_eps
+from common.accounting.mechanisms import (
+    SPECS,
+    Certification,
+    MechanismParams,
+    MethodSpec,
+    _mechanism,
+    applicable_methods,
+    certify,
+)
+from common.accounting.results import Mechanism, Method
+
+#: Largest ε0 the planner considers; beyond it amplification is negligible for any n <= 1e12.
+EPS0_MAX = 50.0
+#: Resolution of the ε0 search (the issue asks for 1e-3).
+EPS0_TOL = 1e-6
+_GRID = np.unique(np.concatenate([np.geomspace(1e-3, 1.0, 200), np.arange(1.0, EPS0_MAX, 0.02)]))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The planned ε0 and the certificate it gets.
+
+    Attributes:
+        eps0: Largest ε0 found whose certificate is <= ``target_eps``.
+        method: The method that certifies it.
+        certification: The full certification at ``eps0`` (restricted to ``method`` when the
+            caller restricted the bound).
+        per_method: Largest ε0 per method (None where a method certifies nothing).
+        capped: True when every ε0 up to ``EPS0_MAX`` certifies the target (the planner does
+            not search further; for rfrag this happens when ε_ℓ∞ <= τ ε_f is already small).
+    """
+
+    target_eps: float
+    delta: float
+    n: int
+    mechanism: Mechanism
+    eps0: float
+    method: Method
+    certification: Certification
+    per_method: tuple[tuple[Method, float | None], ...]
+    capped: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready form (``esa account plan --json``)."""
+        out = self.certification.as_dict()
+        out["eps0"] = self.eps0
+        out["target_eps"] = self.target_eps
+        out["planned_with"] = str(self.method)
+        out["per_method"] = {str(m): e for m, e in self.per_method}
+        out["capped"] = self.capped
+        return out
+
+
+def _feasible(
+    spec: MethodSpec, target: float, n: int, delta: float, p: MechanismParams
+) -> Callable[[float], bool]:
+    def check(eps0: float) -> bool:
+        result = spec.bound(eps0, n, delta, p)
+        return result.certifiable and result.eps <= target
+
+    return check
+
+
+def _bisect_up(ok: Callable[[float], bool], good: float, bad: float) -> float:
+    while bad - good > EPS0_TOL:
+        mid = 0.5 * (good + bad)
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _plan_numerical(
+    spec: MethodSpec, target: float, n: int, delta: float, p: MechanismParams
+) -> float:
+    assert spec.pair is not None
+    pair_of = spec.pair
+
+    def ok(eps0: float) -> bool:
+        return delta_for_eps(pair_of(eps0, n, p), target, delta) <= delta
+
+    if ok(EPS0_MAX):
+        return EPS0_MAX
+    low = min(target, EPS0_MAX) * 0.5
+    while not ok(low):
+        low *= 0.5
+        if low < 1e-12:
+            return 0.0
+    return _bisect_up(ok, low, EPS0_MAX)
+
+
+def _plan_scan(
+    spec: MethodSpec, target: float, n: int, delta: float, p: MechanismParams
+) -> float | None:
+    ok = _feasible(spec, target, n, delta, p)
+    feasible = [float(x) for x in _GRID if ok(float(x))]
+    if not feasible:
+        return None
+    best = feasible[-1]
+    above = _GRID[best < _GRID]
+    return best if above.size == 0 else _bisect_up(ok, best, float(above[0]))
+
+
+def _plan_one(
+    spec: MethodSpec, target: float, n: int, delta: float, p: MechanismParams
+) -> float | None:
+    if spec.pair is not None:
+        return _plan_numerical(spec, target, n, delta, p)
+    return _plan_scan(spec, target, n, delta, p)
+
+
+def _verified(
+    mech: Mechanism,
+    eps0: float,
+    method: Method,
+    target: float,
+    n: int,
+    delta: float,
+    p: MechanismParams,
+    restrict: bool,
+) -> tuple[float, Certification]:
+    methods = [method] if restrict else None
+    for _ in range(1000):
+        cert = certify(mech, eps0, n, delta, p, methods)
+        if cert.certified.certifiable and cert.certified.eps <= target:
+            return eps0, cert
+        if eps0 <= 2 * EPS0_TOL:
+            break
+        eps0 -= min(EPS0_TOL, eps0 / 2)
+    raise RuntimeError(f"planner could not verify eps0={eps0} for target={target}")
+
+
+def plan_eps0(
+    target_eps: float,
+    delta: float,
+    n: int,
+    mechanism: Mechanism | str = Mechanism.GENERIC,
+    params: MechanismParams | None = None,
+    bound: Method | str | None = None,
+) -> Plan:
+    """Largest ε0 whose certified central ε is <= ``target_eps`` (ACCOUNTING.md, Planner).
+
+    Args:
+        target_eps: Target central ε (> 0).
+        delta: δ of the certificate.
+        n: Crowd size.
+        mechanism: Mechanism name.
+        params: Mechanism-specific parameters (ε_f and τ for rfrag plan ε_b; k for krr).
+        bound: Plan with this one method only (e.g. ``cheu-lemma-ii6`` for the paper's tables).
+
+    Raises:
+        ValueError: on bad arguments, or when no ε0 in (0, EPS0_MAX] certifies the target.
+    """
+    target_eps = check_positive("target_eps", target_eps)
+    delta = check_probability("delta", delta)
+    n = check_count("n", n)
+    mech = _mechanism(mechanism)
+    params = params or MechanismParams()
+    wanted = applicable_methods(mech, params, None if bound is None else [bound])
+    per_method: list[tuple[Method, float | None]] = []
+    for spec in SPECS[mech].methods:
+        if spec.method in wanted:
+            per_method.append((spec.method, _plan_one(spec, target_eps, n, delta, params)))
+    found = [(e, m) for m, e in per_method if e is not None and e > 0]
+    if not found:
+        raise ValueError(
+            f"no eps0 in (0, {EPS0_MAX}] certifies target_eps={target_eps} at delta={delta}, "
+            f"n={n} for {mech}" + (f" with {bound}" if bound else "")
+        )
+    eps0, method = max(found)
+    eps0, cert = _verified(mech, eps0, method, target_eps, n, delta, params, bound is not None)
+    capped = eps0 >= EPS0_MAX
+    return Plan(target_eps, delta, n, mech, eps0, method, cert, tuple(per_method), capped)

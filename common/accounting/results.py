@@ -1,0 +1,102 @@
+"""Immutable result objects and the method / mechanism identifiers of ``ACCOUNTING.md``.
+
+A bound is a value, not a float: every function in :mod:`common.accounting` returns a
+:class:`BoundResult` that carries the ε, the δ it holds for, which theorem produced it, the
+neighbouring notion, its inputs, whether the inputs are inside the theorem's stated regime,
+and a human-readable note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Literal
+
+Neighbouring = Literal["removal", "replacement", "add-remove"]
+BoundKind = Literal["upper", "lower"]
+InputValue = float | int | str
+
+
+class Method(StrEnum):
+    """Method ids used in results, the CLI and the analyzer's privacy ledger."""
+
+    EFMRTT19_THM7 = "efmrtt19-thm7"
+    FMT21_CLOSED = "fmt21-closed"
+    FMT21_THM38 = "fmt21-thm38"
+    FMT21_CLONES = "fmt21-clones"
+    BLANKET_BINARY_RR = "blanket-binary-rr"
+    CHEU_LEMMA_II6 = "cheu-lemma-ii6"
+    ESA_THM_III1 = "esa-thm-iii1"
+    FMT21_KRR_COR42 = "fmt21-krr-cor42"
+    BLANKET_KRR = "blanket-krr"
+    BALCER_CHEU_THM12 = "balcer-cheu-thm12"
+    ESA_THM_IV1 = "esa-thm-iv1"
+    ESA_THM_IV2 = "esa-thm-iv2"
+    RFRAG_PER_BATCH = "rfrag-per-batch"
+    LOWER_2RR = "lower-2rr"
+    LOCAL = "local"
+
+
+class Mechanism(StrEnum):
+    """Mechanism names shared by accounting, the mechanisms package and the CLI."""
+
+    GENERIC = "generic"
+    KRAPPOR = "krappor"
+    RFRAG = "rfrag"
+    LONGITUDINAL = "longitudinal"
+    ZSUM = "zsum"
+    KRR = "krr"
+
+
+@dataclass(frozen=True, slots=True)
+class BoundResult:
+    """One privacy statement: the output is (``eps``, ``delta``)-DP under ``neighbouring``.
+
+    Attributes:
+        eps: The privacy-loss bound. For ``kind == "upper"`` it is a rigorous upper bound
+            whenever ``valid_regime`` is true (and the trivial local bound otherwise).
+        delta: The δ the statement holds for.
+        method: Which theorem or computation produced it (:class:`Method`).
+        neighbouring: ``"removal"`` (a user's report vs. the reference "no data" report,
+            ESA-revisited Definition II.3, crowd size unchanged), ``"replacement"``, or
+            ``"add-remove"`` (the user is absent and the crowd shrinks by one; used once
+            randomized report deletion has made crowd sizes private).
+        inputs: The inputs as ``(name, value)`` pairs, in call order.
+        valid_regime: False when the inputs are outside the theorem's stated regime; then
+            ``eps`` is the trivial bound and ``note`` says why.
+        note: Why the regime failed, or how the value was obtained.
+        kind: ``"upper"`` for certificates, ``"lower"`` for lower bounds shown for honesty
+            (never certified).
+    """
+
+    eps: float
+    delta: float
+    method: Method
+    neighbouring: Neighbouring
+    inputs: tuple[tuple[str, InputValue], ...] = field(default=())
+    valid_regime: bool = True
+    note: str = ""
+    kind: BoundKind = "upper"
+
+    @property
+    def certifiable(self) -> bool:
+        """True if this result may be used as a certificate (a valid upper bound)."""
+        return self.kind == "upper" and self.valid_regime
+
+    def with_note(self, note: str) -> BoundResult:
+        """Return a copy whose note is ``note`` appended to the current one."""
+        joined = f"{self.note}; {note}" if self.note else note
+        return replace(self, note=joined)
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-ready dictionary (used by ``--json`` and the analyzer's ledger)."""
+        return {
+            "method": str(self.method),
+            "eps": self.eps,
+            "delta": self.delta,
+            "neighbouring": self.neighbouring,
+            "valid_regime": self.valid_regime,
+            "kind": self.kind,
+            "note": self.note,
+            "inputs": dict(self.inputs),
+        }

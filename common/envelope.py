@@ -1,0 +1,319 @@
+"""Sealed envelopes: HPKE (RFC 9180) through ``cryptography``, fixed-size padding, key files.
+
+Suite (PROTOCOL.md): DHKEM(X25519, HKDF-SHA256), HKDF-SHA256, AES-128-GCM, base mode, the
+library's one-shot ``encrypt``/``decrypt``. We never compose KEM/KDF/AEAD ourselves.
+
+Context is bound through HPKE's ``info``: ``b"esa/1 inner " + channel_id`` for fragments sealed
+for the analyzer, ``b"esa/1 outer " + shuffler_id`` for contributions sealed for a shuffler, so
+a ciphertext replayed on another channel or at another shuffler fails to open.
+
+Sealed blob: ``key id (8 bytes) | enc (32) | ciphertext + tag``. The key id is the first 8 bytes
+of SHA-256 of the raw X25519 public key; it names which of the recipient's live keys to use
+(the analyzer keeps at least two, so a key can rotate without dropping in-flight fragments).
+
+Inner plaintexts are padded to the channel's ``payload_size``
+(``uint16 length | fragment | zeros``), so ciphertext length never reveals the value.
+
+Contribution encoding (outer plaintext, big-endian):
+``b"ESA1" | u8 len + channel_id | u8 len + crowd_id | u64 epoch | 16-byte nonce |
+u16 count | count × (u16 len + inner blob)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
+
+SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
+INNER_INFO = b"esa/1 inner "
+OUTER_INFO = b"esa/1 outer "
+KEY_ID_SIZE = 8
+ENC_SIZE = 32
+TAG_SIZE = 16
+NONCE_SIZE = 16
+MAGIC = b"ESA1"
+PrivateKey = TypeVar("PrivateKey", X25519PrivateKey, Ed25519PrivateKey)
+
+
+class EnvelopeError(ValueError):
+    """A blob that does not open or parse (wrong key, channel, shuffler, tampered, malformed)."""
+
+
+def key_id(public_key: X25519PublicKey) -> bytes:
+    """First 8 bytes of SHA-256 of the raw public key."""
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).digest()[:KEY_ID_SIZE]
+
+
+def public_bytes(key: X25519PublicKey | Ed25519PublicKey) -> bytes:
+    """Raw 32-byte public key (published, base64, in the collection config)."""
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def load_x25519_public(raw: bytes) -> X25519PublicKey:
+    """Inverse of :func:`public_bytes` for X25519."""
+    return X25519PublicKey.from_public_bytes(raw)
+
+
+def load_ed25519_public(raw: bytes) -> Ed25519PublicKey:
+    """Inverse of :func:`public_bytes` for Ed25519."""
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+@dataclass
+class KeyRing:
+    """A recipient's live X25519 keys, by key id; ``current`` is the one senders should use."""
+
+    keys: dict[bytes, X25519PrivateKey] = field(default_factory=dict)
+    current: bytes = b""
+
+    @classmethod
+    def of(cls, *private_keys: X25519PrivateKey) -> KeyRing:
+        """A ring whose first key is current."""
+        ring = cls()
+        for private_key in private_keys:
+            ring.add(private_key)
+        ring.current = key_id(private_keys[0].public_key())
+        return ring
+
+    def add(self, private_key: X25519PrivateKey) -> bytes:
+        """Add a live key; returns its id."""
+        kid = key_id(private_key.public_key())
+        self.keys[kid] = private_key
+        return kid
+
+    def public(self) -> X25519PublicKey:
+        """The current public key."""
+        return self.keys[self.current].public_key()
+
+
+def seal(plaintext: bytes, public_key: X25519PublicKey, info: bytes) -> bytes:
+    """HPKE base-mode one-shot seal, prefixed with the recipient key id."""
+    return key_id(public_key) + SUITE.encrypt(plaintext, public_key, info)
+
+
+def open_sealed(blob: bytes, ring: KeyRing, info: bytes) -> bytes:
+    """Open a blob made by :func:`seal` with whichever live key it names.
+
+    Raises:
+        EnvelopeError: unknown key id, wrong ``info``, tampering or truncation.
+    """
+    if len(blob) < KEY_ID_SIZE + ENC_SIZE + TAG_SIZE:
+        raise EnvelopeError(f"sealed blob too short ({len(blob)} bytes)")
+    private_key = ring.keys.get(blob[:KEY_ID_SIZE])
+    if private_key is None:
+        raise EnvelopeError(f"no live key with id {blob[:KEY_ID_SIZE].hex()}")
+    try:
+        return SUITE.decrypt(blob[KEY_ID_SIZE:], private_key, info)
+    except (InvalidTag, ValueError) as error:
+        raise EnvelopeError("ciphertext does not open (wrong context, key or tampered)") from error
+
+
+def pad(data: bytes, size: int) -> bytes:
+    """``uint16 length | data | zeros`` to exactly ``size`` bytes.
+
+    Raises:
+        ValueError: if ``data`` does not fit.
+    """
+    if len(data) + 2 > size or size > 0xFFFF:
+        raise ValueError(f"{len(data)} bytes do not fit a padded size of {size}")
+    return len(data).to_bytes(2, "big") + data + bytes(size - 2 - len(data))
+
+
+def unpad(padded: bytes) -> bytes:
+    """Inverse of :func:`pad`.
+
+    Raises:
+        EnvelopeError: if the length prefix or the padding is inconsistent.
+    """
+    if len(padded) < 2:
+        raise EnvelopeError("padded plaintext shorter than its length prefix")
+    length = int.from_bytes(padded[:2], "big")
+    if length + 2 > len(padded) or any(padded[2 + length :]):
+        raise EnvelopeError("inconsistent padding")
+    return padded[2 : 2 + length]
+
+
+def inner_info(channel_id: str) -> bytes:
+    """HPKE info binding a fragment to its channel."""
+    return INNER_INFO + channel_id.encode()
+
+
+def outer_info(shuffler_id: str) -> bytes:
+    """HPKE info binding a contribution to its shuffler."""
+    return OUTER_INFO + shuffler_id.encode()
+
+
+def inner_size(payload_size: int) -> int:
+    """Length of every sealed fragment of a channel."""
+    return KEY_ID_SIZE + ENC_SIZE + payload_size + TAG_SIZE
+
+
+def seal_fragment(
+    fragment: bytes, channel_id: str, payload_size: int, analyzer: X25519PublicKey
+) -> bytes:
+    """Pad a fragment to the channel's payload size and seal it for the analyzer."""
+    return seal(pad(fragment, payload_size), analyzer, inner_info(channel_id))
+
+
+def open_fragment(blob: bytes, channel_id: str, ring: KeyRing) -> bytes:
+    """Open a sealed fragment of ``channel_id`` and strip its padding."""
+    return unpad(open_sealed(blob, ring, inner_info(channel_id)))
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What a shuffler reads: routing metadata and sealed fragments it cannot open."""
+
+    channel_id: str
+    crowd_id: str
+    epoch: int
+    nonce: bytes
+    fragments: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        """The compact binary encoding of the module docstring."""
+        channel, crowd = self.channel_id.encode(), self.crowd_id.encode()
+        if len(channel) > 255 or len(crowd) > 255 or len(self.nonce) != NONCE_SIZE:
+            raise ValueError("channel_id and crowd_id must be <= 255 bytes, nonce 16 bytes")
+        if not 0 <= self.epoch < 1 << 64 or len(self.fragments) > 0xFFFF:
+            raise ValueError(
+                f"epoch or fragment count out of range: {self.epoch}, {len(self.fragments)}"
+            )
+        parts = [MAGIC, bytes([len(channel)]), channel, bytes([len(crowd)]), crowd]
+        parts.append(
+            self.epoch.to_bytes(8, "big") + self.nonce + len(self.fragments).to_bytes(2, "big")
+        )
+        for fragment in self.fragments:
+            parts.append(len(fragment).to_bytes(2, "big") + fragment)
+        return b"".join(parts)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Contribution:
+        """Inverse of :meth:`encode`.
+
+        Raises:
+            EnvelopeError: naming what is malformed.
+        """
+        try:
+            if data[:4] != MAGIC:
+                raise EnvelopeError("not an ESA contribution (bad magic)")
+            offset = 4
+            channel, offset = _short_string(data, offset)
+            crowd, offset = _short_string(data, offset)
+            epoch = int.from_bytes(data[offset : offset + 8], "big")
+            nonce = data[offset + 8 : offset + 8 + NONCE_SIZE]
+            offset += 8 + NONCE_SIZE
+            count = int.from_bytes(data[offset : offset + 2], "big")
+            offset += 2
+            fragments = []
+            for _ in range(count):
+                length = int.from_bytes(data[offset : offset + 2], "big")
+                fragment = data[offset + 2 : offset + 2 + length]
+                if len(fragment) != length:
+                    raise EnvelopeError("truncated fragment")
+                fragments.append(fragment)
+                offset += 2 + length
+        except (IndexError, UnicodeDecodeError) as error:
+            raise EnvelopeError(f"malformed contribution: {error}") from error
+        if offset != len(data) or len(nonce) != NONCE_SIZE:
+            raise EnvelopeError("malformed contribution: trailing or missing bytes")
+        return cls(channel, crowd, epoch, bytes(nonce), tuple(fragments))
+
+
+def _short_string(data: bytes, offset: int) -> tuple[str, int]:
+    length = data[offset]
+    raw = data[offset + 1 : offset + 1 + length]
+    if len(raw) != length:
+        raise EnvelopeError("truncated string")
+    return raw.decode(), offset + 1 + length
+
+
+def new_nonce() -> bytes:
+    """16 random bytes from the OS CSPRNG."""
+    return os.urandom(NONCE_SIZE)
+
+
+def seal_contribution(
+    contribution: Contribution, shuffler_id: str, shuffler: X25519PublicKey
+) -> bytes:
+    """Seal a contribution for one shuffler."""
+    return seal(contribution.encode(), shuffler, outer_info(shuffler_id))
+
+
+def open_contribution(blob: bytes, shuffler_id: str, ring: KeyRing) -> Contribution:
+    """Open and parse a contribution sealed for ``shuffler_id``."""
+    return Contribution.decode(open_sealed(blob, ring, outer_info(shuffler_id)))
+
+
+def sign(body: bytes, key: Ed25519PrivateKey) -> bytes:
+    """Ed25519 signature of the exact bytes."""
+    return key.sign(body)
+
+
+def verify(body: bytes, signature: bytes, key: Ed25519PublicKey) -> bool:
+    """True if ``signature`` is a valid Ed25519 signature of ``body``."""
+    try:
+        key.verify(signature, body)
+    except InvalidSignature:
+        return False
+    return True
+
+
+def write_private_key(path: Path, key: X25519PrivateKey | Ed25519PrivateKey) -> None:
+    """Write an unencrypted PKCS#8 PEM with mode 0600 (created atomically, never widened).
+
+    Raises:
+        FileExistsError: if ``path`` exists (keys are never overwritten silently).
+    """
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(pem)
+
+
+def _load_or_create(path: Path, generate: Callable[[], PrivateKey], kind: str) -> object:
+    """Load the PEM key at ``path``, creating it (mode 0600) with ``generate`` on first use."""
+    if not path.exists():
+        write_private_key(path, generate())
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, X25519PrivateKey | Ed25519PrivateKey):
+        raise ValueError(f"{path} does not hold a {kind} key")
+    return key
+
+
+def load_or_create_x25519(path: Path) -> X25519PrivateKey:
+    """The HPKE key at ``path``, created on first use.
+
+    Raises:
+        ValueError: if the file holds another kind of key.
+    """
+    key = _load_or_create(path, X25519PrivateKey.generate, "X25519")
+    if not isinstance(key, X25519PrivateKey):
+        raise ValueError(f"{path} does not hold an X25519 key")
+    return key
+
+
+def load_or_create_ed25519(path: Path) -> Ed25519PrivateKey:
+    """The signing key at ``path``, created on first use.
+
+    Raises:
+        ValueError: if the file holds another kind of key.
+    """
+    key = _load_or_create(path, Ed25519PrivateKey.generate, "Ed25519")
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} does not hold an Ed25519 key")
+    return key

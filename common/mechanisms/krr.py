@@ -1,0 +1,128 @@
+"""k-ary randomized response — Hiding Among the Clones §4.1 (MECHANISMS.md §5).
+
+With probability ``(e^ε - 1)/(e^ε + k - 1)`` the true value is sent, otherwise a uniform value
+in [0, k): the true value is reported w.p. ``a = e^ε/(e^ε + k - 1)``, each other value w.p.
+``b = 1/(e^ε + k - 1)`` (replacement ε-LDP). One message per report.
+
+Wire payload: ``uint32 value`` (mechanism code 5).
+
+Estimator: ``ĉ_v = (N_v - n b)/(a - b)``, ``Var(ĉ_v) = (c_v a(1-a) + (n - c_v) b(1-b))/(a - b)²``
+(reported with the clipped estimate plugged in for ``c_v``).
+
+Central privacy (replacement): FMT21 Corollary 4.2 and its numerical counterpart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.accounting import Certification, MechanismParams, certify
+from common.mechanisms._base import (
+    LocalPrivacy,
+    add_index_fragments,
+    check_bins,
+    check_eps,
+    check_value,
+    index_fragment,
+)
+from common.mechanisms._estimates import (
+    CountAccumulator,
+    Estimate,
+    FloatArray,
+    IntArray,
+    clip_estimate,
+)
+from common.mechanisms._random import RandomSource, bernoulli, default_source
+
+NAME = "krr"
+MECHANISM_CODE = 5
+PAYLOAD_SIZE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class KRRParams:
+    """Attributes: ``k`` domain size, ``eps`` replacement ε."""
+
+    k: int
+    eps: float
+
+    def __post_init__(self) -> None:
+        check_bins("k", self.k)
+        check_eps("eps", self.eps)
+
+    @property
+    def truth_prob(self) -> float:
+        """``a = e^ε/(e^ε + k - 1)``."""
+        return 1.0 / (1.0 + (self.k - 1) * math.exp(-self.eps))
+
+    @property
+    def other_prob(self) -> float:
+        """``b = 1/(e^ε + k - 1)``."""
+        return 1.0 / (math.exp(self.eps) + self.k - 1)
+
+
+def encode(value: int, params: KRRParams, rng: RandomSource | None = None) -> list[bytes]:
+    """One fragment: the value or, with probability k/(e^ε + k - 1), a uniform value."""
+    value = check_value(value, params.k)
+    rng = rng or default_source()
+    keep = math.expm1(params.eps) * params.other_prob
+    reported = value if bernoulli(rng, keep) else rng.randbelow(params.k)
+    return [index_fragment(MECHANISM_CODE, reported)]
+
+
+def new_accumulator(params: KRRParams) -> CountAccumulator:
+    """An empty accumulator for this channel."""
+    return CountAccumulator.empty(params.k)
+
+
+def add_fragments(
+    accumulator: CountAccumulator,
+    params: KRRParams,
+    fragments: Iterable[bytes],
+    n_contributions: int,
+) -> int:
+    """Count one batch; returns how many fragments were invalid (chaff)."""
+    return add_index_fragments(accumulator, MECHANISM_CODE, params.k, fragments, n_contributions)
+
+
+def variance(true_counts: FloatArray | IntArray, n: int, params: KRRParams) -> FloatArray:
+    """Exact variance of ĉ for the given counts."""
+    a, b = params.truth_prob, params.other_prob
+    c = np.asarray(true_counts, dtype=np.float64)
+    result: FloatArray = (c * a * (1 - a) + (n - c) * b * (1 - b)) / (a - b) ** 2
+    return result
+
+
+def estimate(accumulator: CountAccumulator, params: KRRParams, clip: bool = False) -> Estimate:
+    """Debiased counts with plug-in standard errors."""
+    a, b, n = params.truth_prob, params.other_prob, accumulator.n
+    values = np.asarray((accumulator.counts - n * b) / (a - b), dtype=np.float64)
+    std = np.sqrt(variance(np.clip(values, 0, n), n, params))
+    note = "k-RR debiasing" + ("; negatives clipped to 0" if clip else "")
+    return Estimate(clip_estimate(values, clip), std, n, clip, note)
+
+
+def simulate_aggregate(
+    true_counts: IntArray, params: KRRParams, rng: np.random.Generator
+) -> CountAccumulator:
+    """Truthful reports ~ Bin(c_v, keep); the rest are a multinomial over k uniform values."""
+    counts = np.asarray(true_counts, dtype=np.int64)
+    keep = math.expm1(params.eps) * params.other_prob
+    truthful = rng.binomial(counts, keep)
+    uniform = rng.multinomial(int(counts.sum() - truthful.sum()), np.full(params.k, 1.0 / params.k))
+    return CountAccumulator((truthful + uniform).astype(np.int64), int(counts.sum()))
+
+
+def local_privacy(params: KRRParams) -> LocalPrivacy:
+    """Replacement ε; removal against the uniform reference ``ln(k e^ε/(e^ε + k - 1))``."""
+    removal = math.log(params.k * params.truth_prob)
+    return LocalPrivacy(removal, params.eps, removal, removal, "single message")
+
+
+def central(params: KRRParams, n: int, delta: float) -> Certification:
+    """Certified central (ε, δ) for a crowd of n (replacement)."""
+    return certify("krr", params.eps, n, delta, MechanismParams(k=params.k))

@@ -1,0 +1,325 @@
+"""Tree-based longitudinal reports — Erlingsson et al. 2019, Algorithms 1 and 2 (MECHANISMS.md §3).
+
+Each user holds a 0/1 state over periods ``t = 1..d`` (d a power of two) that changes at most k
+times; ``x_t ∈ {-1, 0, +1}`` is the change at t. Setup draws ``κ* ~ U[k]`` and
+``h* ~ U[L]``, ``L = log2(d) + 1``; the client state is four integers ``(κ*, h*, κ, c)``.
+
+UPDATE(t, x_t): if ``x_t != 0`` count it, and keep ``c = x_t`` at the κ*-th change. Then, for
+EVERY t divisible by ``2^{h*-1}`` — whether or not x_t != 0 (the printed algorithm's indentation
+would make report timing depend on the data and break Theorem 5) — report ``(h*, t, u)``:
+``u`` uniform ±1 if ``c = 0``, else ``u = c · (+1 w.p. e^{ε/2}/(1+e^{ε/2}), -1 otherwise)``; then
+``c = 0``. Changes beyond the k-th are ignored (documented accuracy cost).
+
+Wire payload: ``uint8 level h | uint32 period t | int8 u`` (mechanism code 3).
+
+Server (Algorithm 2): ``T[h, t/2^{h-1}] = Σ u`` over reports at level h and time t;
+``f̃_t = c_ε k L Σ_{[h,i] ∈ C(t)} T[h,i]`` with ``c_ε = (e^{ε/2}+1)/(e^{ε/2}-1)`` and C(t) the
+dyadic cover of [1, t]. We scale by **L**, the number of levels clients sample from (the paper
+prints log2 d, which biases the estimate by ``L/log2 d``). ``f̃_t`` estimates ``Σ_i st_i[t]``
+(exactly, when nobody changes more than k times), with
+``Var(f̃_t) <= (c_ε k L)² Σ_{[h,i] ∈ C(t)} N[h,i]``, N the number of reports in the node (each
+``u² = 1``; the bound is tight when few users' data fall in a node).
+
+Privacy: the whole sequence is ε-LDP (Theorem 5); each report is (ε/2)-DP binary RR or uniform;
+see :mod:`common.accounting.mechanisms` for the central argument (mechanism ``longitudinal``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.accounting import Certification, MechanismParams, certify
+from common.mechanisms._base import LocalPrivacy, check_eps
+from common.mechanisms._estimates import Estimate, FloatArray, IntArray
+from common.mechanisms._random import RandomSource, bernoulli, default_source
+from common.mechanisms._wire import FragmentError, frame, unframe
+
+NAME = "longitudinal"
+MECHANISM_CODE = 3
+PAYLOAD_SIZE = 6
+_PAYLOAD = struct.Struct(">BIb")
+MAX_HORIZON = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LongitudinalParams:
+    """Attributes: ``d`` horizon (power of two), ``k`` max changes per user, ``eps`` sequence ε."""
+
+    d: int
+    k: int
+    eps: float
+
+    def __post_init__(self) -> None:
+        d_ok = (
+            isinstance(self.d, int) and not isinstance(self.d, bool) and 1 <= self.d <= MAX_HORIZON
+        )
+        if not d_ok or self.d & (self.d - 1):
+            raise ValueError(f"d must be a power of two in [1, {MAX_HORIZON}], got d={self.d!r}")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k must be an integer >= 1, got k={self.k!r}")
+        check_eps("eps", self.eps)
+
+    @property
+    def levels(self) -> int:
+        """``L = log2(d) + 1``."""
+        return self.d.bit_length()
+
+    @property
+    def c_eps(self) -> float:
+        """``c_ε = (e^{ε/2} + 1)/(e^{ε/2} - 1)``."""
+        return 1.0 / math.tanh(self.eps / 4.0)
+
+    @property
+    def keep_prob(self) -> float:
+        """Probability that a data report keeps the sign of c: ``e^{ε/2}/(1 + e^{ε/2})``."""
+        return 1.0 / (1.0 + math.exp(-self.eps / 2.0))
+
+    def nodes(self, level: int) -> int:
+        """``H(h) = d / 2^{h-1}`` nodes at level h."""
+        return self.d >> (level - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeState:
+    """The client's four integers (Algorithm 1): κ*, h*, changes seen κ, pending c ∈ {-1,0,1}."""
+
+    kappa_star: int
+    h_star: int
+    kappa: int = 0
+    c: int = 0
+
+
+def setup(params: LongitudinalParams, rng: RandomSource | None = None) -> TreeState:
+    """SETUP(d, k): ``κ* ~ U[k]``, ``h* ~ U[L]``."""
+    rng = rng or default_source()
+    return TreeState(1 + rng.randbelow(params.k), 1 + rng.randbelow(params.levels))
+
+
+def update(
+    state: TreeState, t: int, x_t: int, params: LongitudinalParams, rng: RandomSource | None = None
+) -> tuple[TreeState, bytes | None]:
+    """UPDATE(t, x_t): the new state and the report for period t, if this is a reporting time.
+
+    Raises:
+        ValueError: if t is not in [1, d] or x_t not in {-1, 0, 1}.
+    """
+    if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= params.d:
+        raise ValueError(f"t must be an integer in [1, {params.d}], got t={t!r}")
+    if x_t not in (-1, 0, 1) or isinstance(x_t, bool):
+        raise ValueError(f"x_t must be -1, 0 or 1, got x_t={x_t!r}")
+    rng = rng or default_source()
+    kappa, c = state.kappa, state.c
+    if x_t != 0:
+        kappa += 1
+        if kappa == state.kappa_star:
+            c = x_t
+    if t % (1 << (state.h_star - 1)):
+        return TreeState(state.kappa_star, state.h_star, kappa, c), None
+    if c == 0:
+        u = 1 if bernoulli(rng, 0.5) else -1
+    else:
+        u = c if bernoulli(rng, params.keep_prob) else -c
+    report = frame(MECHANISM_CODE, _PAYLOAD.pack(state.h_star, t, u))
+    return TreeState(state.kappa_star, state.h_star, kappa, 0), report
+
+
+def parse(fragment: bytes, params: LongitudinalParams) -> tuple[int, int, int]:
+    """``(h, t, u)`` of one report.
+
+    Raises:
+        FragmentError: if it does not parse, or (h, t, u) is not a valid report.
+    """
+    h, t, u = _PAYLOAD.unpack(unframe(MECHANISM_CODE, PAYLOAD_SIZE, fragment))
+    if (
+        not 1 <= h <= params.levels
+        or not 1 <= t <= params.d
+        or t % (1 << (h - 1))
+        or u not in (-1, 1)
+    ):
+        raise FragmentError(f"invalid longitudinal report (h={h}, t={t}, u={u})")
+    return h, t, u
+
+
+@dataclass
+class TreeAccumulator:
+    """``T[h, i]`` sums and ``N[h, i]`` report counts, flattened level by level."""
+
+    params_d: int
+    sums: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    reports: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @staticmethod
+    def offsets(d: int) -> IntArray:
+        """Start of each level's nodes in the flat arrays (index h-1), plus the total."""
+        sizes = [d >> (h - 1) for h in range(1, d.bit_length() + 1)]
+        result: IntArray = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        return result
+
+    def flat_index(self, h: IntArray, t: IntArray) -> IntArray:
+        """Flat position of node ``[h, t / 2^{h-1}]``."""
+        result: IntArray = self.offsets(self.params_d)[h - 1] + (t >> (h - 1)) - 1
+        return result
+
+    def merge(self, other: TreeAccumulator) -> TreeAccumulator:
+        """Sum of two accumulators over the same horizon."""
+        if other.params_d != self.params_d:
+            raise ValueError(f"cannot merge horizons d={self.params_d} and d={other.params_d}")
+        return TreeAccumulator(self.params_d, self.sums + other.sums, self.reports + other.reports)
+
+    def to_bytes(self) -> bytes:
+        """Compressed, pickle-free serialization."""
+        buffer = io.BytesIO()
+        np.savez_compressed(
+            buffer, d=np.array([self.params_d]), sums=self.sums, reports=self.reports
+        )
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TreeAccumulator:
+        """Inverse of :meth:`to_bytes`."""
+        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+            return cls(
+                int(arrays["d"][0]),
+                arrays["sums"].astype(np.int64),
+                arrays["reports"].astype(np.int64),
+            )
+
+    @property
+    def n(self) -> int:
+        """Users seen: every user reports at its level's first node."""
+        starts = self.offsets(self.params_d)[:-1]
+        return int(self.reports[starts].sum())
+
+
+def new_accumulator(params: LongitudinalParams) -> TreeAccumulator:
+    """An empty tree for the channel's horizon."""
+    size = int(TreeAccumulator.offsets(params.d)[-1])
+    return TreeAccumulator(params.d, np.zeros(size, np.int64), np.zeros(size, np.int64))
+
+
+def add_fragments(
+    accumulator: TreeAccumulator,
+    params: LongitudinalParams,
+    fragments: Iterable[bytes],
+    n_contributions: int = 0,
+) -> int:
+    """Add one batch of reports (Algorithm 2, line 4); returns how many were invalid."""
+    parsed: list[tuple[int, int, int]] = []
+    invalid = 0
+    for fragment in fragments:
+        try:
+            parsed.append(parse(fragment, params))
+        except (FragmentError, struct.error):
+            invalid += 1
+    if parsed:
+        h, t, u = (np.asarray(column, dtype=np.int64) for column in zip(*parsed, strict=True))
+        flat = accumulator.flat_index(h, t)
+        np.add.at(accumulator.sums, flat, u)
+        np.add.at(accumulator.reports, flat, 1)
+    return invalid
+
+
+def dyadic_cover(t: int, d: int) -> list[tuple[int, int]]:
+    """Nodes ``[h, i]`` whose intervals ``((i-1) 2^{h-1}, i 2^{h-1}]`` partition [1, t]."""
+    nodes: list[tuple[int, int]] = []
+    covered = 0
+    for bit in range(d.bit_length() - 1, -1, -1):
+        if t & (1 << bit):
+            covered += 1 << bit
+            nodes.append((bit + 1, covered >> bit))
+    return nodes
+
+
+def cover_matrix(params: LongitudinalParams) -> tuple[IntArray, IntArray]:
+    """For every t, the flat node indices of C(t): (row t-1, flat index) pairs."""
+    offsets = TreeAccumulator.offsets(params.d)
+    rows: list[int] = []
+    cols: list[int] = []
+    for t in range(1, params.d + 1):
+        for h, i in dyadic_cover(t, params.d):
+            rows.append(t - 1)
+            cols.append(int(offsets[h - 1]) + i - 1)
+    return np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+
+
+def estimate(accumulator: TreeAccumulator, params: LongitudinalParams) -> Estimate:
+    """``f̃_t`` for t = 1..d with standard errors (Algorithm 2, scaled by L)."""
+    rows, cols = cover_matrix(params)
+    scale = params.c_eps * params.k * params.levels
+    sums = np.zeros(params.d)
+    np.add.at(sums, rows, accumulator.sums[cols])
+    reports = np.zeros(params.d)
+    np.add.at(reports, rows, accumulator.reports[cols])
+    values: FloatArray = scale * sums
+    std: FloatArray = scale * np.sqrt(reports)
+    return Estimate(values, std, accumulator.n, False, "Algorithm 2 scaled by L = log2 d + 1")
+
+
+@dataclass(frozen=True)
+class ChangeLog:
+    """A longitudinal population: every change as (user, period, sign), plus the user count."""
+
+    n_users: int
+    d: int
+    user: IntArray
+    period: IntArray
+    sign: IntArray
+
+    def true_counts(self) -> IntArray:
+        """``Σ_i st_i[t]`` for t = 1..d (states start at 0)."""
+        per_period = np.zeros(self.d + 1, dtype=np.int64)
+        np.add.at(per_period, self.period, self.sign)
+        result: IntArray = np.cumsum(per_period)[1:]
+        return result
+
+
+def simulate_aggregate(
+    population: ChangeLog, params: LongitudinalParams, rng: np.random.Generator
+) -> TreeAccumulator:
+    """Sample ``T`` and ``N`` directly: levels and κ* per user, binomials per node."""
+    if population.d != params.d:
+        raise ValueError(f"population horizon d={population.d} differs from params d={params.d}")
+    n = population.n_users
+    level = rng.integers(1, params.levels + 1, size=n)
+    kappa_star = rng.integers(1, params.k + 1, size=n)
+    order = np.lexsort((population.period, population.user))
+    user, period, sign = population.user[order], population.period[order], population.sign[order]
+    first = np.r_[True, user[1:] != user[:-1]]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(user.size), 0))
+    rank = np.arange(user.size) - group_start + 1
+    chosen = rank == kappa_star[user]
+    acc = new_accumulator(params)
+    h_users = level[user[chosen]]
+    node_t = (((period[chosen] - 1) >> (h_users - 1)) + 1) << (h_users - 1)
+    flat = acc.flat_index(h_users, node_t)
+    plus = np.zeros_like(acc.sums)
+    minus = np.zeros_like(acc.sums)
+    np.add.at(plus, flat[sign[chosen] > 0], 1)
+    np.add.at(minus, flat[sign[chosen] < 0], 1)
+    offsets = TreeAccumulator.offsets(params.d)
+    per_level = np.bincount(level, minlength=params.levels + 1)[1:]
+    acc.reports = np.repeat(per_level, np.diff(offsets)).astype(np.int64)
+    rest = acc.reports - plus - minus
+    q = params.keep_prob
+    acc.sums = (2 * rng.binomial(plus, q) - plus) - (2 * rng.binomial(minus, q) - minus)
+    acc.sums += 2 * rng.binomial(rest, 0.5) - rest
+    return acc
+
+
+def local_privacy(params: LongitudinalParams) -> LocalPrivacy:
+    """Theorem 5: the sequence is ε-LDP; a single report is (ε/2)-DP."""
+    half = params.eps / 2.0
+    return LocalPrivacy(half, params.eps, params.eps, half, "sequence ε (Theorem 5); report ε/2")
+
+
+def central(params: LongitudinalParams, crowd: int, delta: float) -> Certification:
+    """Certified central (ε, δ) for the smallest (period, level) crowd (removal)."""
+    return certify(
+        "longitudinal", params.eps, crowd, delta, MechanismParams(d=params.d, k=params.k)
+    )

@@ -1,0 +1,272 @@
+"""Report fragments with a privacy backstop — ESA-revisited Algorithm 2, §IV (MECHANISMS.md §2).
+
+For each bit of the one-hot encoding, a *backstop* ``x' = R_b(x; ε_b)`` (binary RR, flip
+probability ``p_b = 1/(1 + e^{ε_b})``) is drawn ONCE per (device, channel, true value) and kept
+in a :class:`BackstopState` that the SDK persists; every report then sends ``τ`` fresh fragments
+``y_r = R_f(x'; ε_f)`` (flip probability ``p_f``). Fragment r is the sparse row r of the τ×k
+matrix of ESA-revisited §IV: one message per 1-bit, carrying ``(r, bit index)``. The SDK routes
+row r to shuffler ``r mod K``.
+
+Wire payload: ``uint16 fragment index | uint32 bit index`` (mechanism code 2).
+
+Local privacy (Theorem IV.1): an adversary holding t rows sees
+``ε(t) = ln((e^{ε_b + t ε_f} + 1)/(e^{ε_b} + e^{t ε_f}))``; ``ε_ℓ∞ = ε(τ)``, ``ε_ℓ1 = ε(1)``.
+Regenerating a backstop would void the ε_ℓ∞ cap, so a lost or mismatched state is an error here
+and a new device identity in the SDK, never a silent redraw.
+
+Estimator (two-stage debiasing). With ``S_j`` the fragments naming j over all rows and ``n_r``
+the contributions that carried row r, ``E[S_j] = Σ_r n_r (p_f + (1-2p_f) p_b)
++ (1-2p_f)(1-2p_b) Σ_r c_j^{(r)}``, so
+``ĉ_j = (S_j - Σ_r n_r (p_f + (1-2p_f) p_b)) / (τ (1-2p_f)(1-2p_b))`` estimates the count among
+the users (the mean over rows when rows reached different crowds). A user's τ fragments share
+one backstop, so ``Var(S_j) = n (τ p_f(1-p_f) + τ² (1-2p_f)² p_b(1-p_b))``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.accounting import Certification, MechanismParams, certify, fragment_eps
+from common.mechanisms._base import LocalPrivacy, check_bins, check_eps, check_value
+from common.mechanisms._estimates import (
+    CountAccumulator,
+    Estimate,
+    FloatArray,
+    IntArray,
+    clip_estimate,
+)
+from common.mechanisms._random import (
+    RandomSource,
+    bernoulli,
+    default_source,
+    geometric_positions,
+    randomized_onehot,
+)
+from common.mechanisms._wire import FragmentError, frame, unframe
+
+NAME = "rfrag"
+MECHANISM_CODE = 2
+PAYLOAD_SIZE = 6
+MAX_TAU = 1 << 16
+
+
+class BackstopStateError(ValueError):
+    """The backstop state is corrupted or was drawn for other parameters."""
+
+
+@dataclass(frozen=True, slots=True)
+class RFragParams:
+    """Attributes: ``k`` domain, ``eps_b`` backstop ε, ``eps_f`` fragment ε, ``tau`` rows."""
+
+    k: int
+    eps_b: float
+    eps_f: float
+    tau: int
+
+    def __post_init__(self) -> None:
+        check_bins("k", self.k)
+        check_eps("eps_b", self.eps_b)
+        check_eps("eps_f", self.eps_f)
+        if (
+            isinstance(self.tau, bool)
+            or not isinstance(self.tau, int)
+            or not 1 <= self.tau < MAX_TAU
+        ):
+            raise ValueError(f"tau must be an integer in [1, {MAX_TAU}), got tau={self.tau!r}")
+
+    @property
+    def backstop_flip(self) -> float:
+        """``p_b = 1/(1 + e^{ε_b})``."""
+        return 1.0 / (1.0 + math.exp(self.eps_b))
+
+    @property
+    def fragment_flip(self) -> float:
+        """``p_f = 1/(1 + e^{ε_f})``."""
+        return 1.0 / (1.0 + math.exp(self.eps_f))
+
+    def fingerprint(self) -> str:
+        """Identifies the parameters a backstop was drawn for (k and ε_b)."""
+        return f"rfrag/k={self.k}/eps_b={self.eps_b!r}"
+
+
+@dataclass
+class BackstopState:
+    """Permanent randomized responses of one device on one channel, memoized per true value.
+
+    ``backstops[value]`` is the sorted list of 1-bits of ``R_b(onehot(value))``. ``state_id`` is
+    random per device state, so a lost state shows up as a new identity.
+    """
+
+    fingerprint: str
+    backstops: dict[int, list[int]] = field(default_factory=dict)
+    state_id: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def backstop(self, value: int, params: RFragParams, rng: RandomSource) -> list[int]:
+        """The backstop for ``value``, drawn on first use and reused forever after."""
+        if self.fingerprint != params.fingerprint():
+            raise BackstopStateError(
+                f"backstops were drawn for {self.fingerprint}, not {params.fingerprint()}; "
+                "redrawing would void the ε_ℓ∞ cap: treat this as a new device"
+            )
+        if value not in self.backstops:
+            self.backstops[value] = randomized_onehot(rng, value, params.k, params.backstop_flip)
+        return self.backstops[value]
+
+    def to_json(self) -> str:
+        """Serialization with a SHA-256 checksum, so corruption is detected on load."""
+        body = {
+            "fingerprint": self.fingerprint,
+            "state_id": self.state_id,
+            "backstops": {str(v): ones for v, ones in sorted(self.backstops.items())},
+        }
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return json.dumps({"body": body, "sha256": hashlib.sha256(text.encode()).hexdigest()})
+
+    @classmethod
+    def from_json(cls, data: str) -> BackstopState:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            BackstopStateError: if the data does not parse or the checksum does not match.
+        """
+        try:
+            outer = json.loads(data)
+            body = outer["body"]
+            text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+            if hashlib.sha256(text.encode()).hexdigest() != outer["sha256"]:
+                raise BackstopStateError("backstop state checksum mismatch: the state is corrupted")
+            backstops = {int(v): [int(i) for i in ones] for v, ones in body["backstops"].items()}
+            return cls(str(body["fingerprint"]), backstops, str(body["state_id"]))
+        except (KeyError, TypeError, ValueError) as error:
+            if isinstance(error, BackstopStateError):
+                raise
+            raise BackstopStateError(f"backstop state does not parse: {error}") from error
+
+
+def new_state(params: RFragParams) -> BackstopState:
+    """A fresh (empty) backstop state for a new device."""
+    return BackstopState(params.fingerprint())
+
+
+def _complement_positions(ones: Sequence[int], rank: IntArray) -> IntArray:
+    """Map ranks among the zeros of a sparse 0/1 vector to positions (``ones`` sorted)."""
+    ones_arr = np.asarray(ones, dtype=np.int64)
+    shifted = ones_arr - np.arange(ones_arr.size)
+    result: IntArray = rank + np.searchsorted(shifted, rank, side="right")
+    return result
+
+
+def _row(r: int, ones: list[int], params: RFragParams, rng: RandomSource) -> list[bytes]:
+    p = params.fragment_flip
+    kept = [i for i in ones if not bernoulli(rng, p)]
+    ranks = np.fromiter(geometric_positions(rng, params.k - len(ones), p), dtype=np.int64)
+    flipped = _complement_positions(ones, ranks).tolist() if ranks.size else []
+    prefix = r.to_bytes(2, "big")
+    return [frame(MECHANISM_CODE, prefix + i.to_bytes(4, "big")) for i in sorted(kept + flipped)]
+
+
+def encode(
+    value: int, params: RFragParams, state: BackstopState, rng: RandomSource | None = None
+) -> list[list[bytes]]:
+    """τ rows of fragments for one report; row r goes to shuffler ``r mod K``."""
+    value = check_value(value, params.k)
+    rng = rng or default_source()
+    ones = state.backstop(value, params, rng)
+    return [_row(r, ones, params, rng) for r in range(params.tau)]
+
+
+def parse(fragment: bytes, params: RFragParams) -> tuple[int, int]:
+    """``(row, bit index)`` of one fragment.
+
+    Raises:
+        FragmentError: if it does not parse or is out of range.
+    """
+    payload = unframe(MECHANISM_CODE, PAYLOAD_SIZE, fragment)
+    row, index = int.from_bytes(payload[:2], "big"), int.from_bytes(payload[2:], "big")
+    if row >= params.tau or index >= params.k:
+        raise FragmentError(
+            f"fragment (row={row}, index={index}) outside tau={params.tau}, k={params.k}"
+        )
+    return row, index
+
+
+def new_accumulator(params: RFragParams) -> CountAccumulator:
+    """Counts per bit over all rows, plus contributions per row."""
+    return CountAccumulator.empty(params.k, rows=params.tau)
+
+
+def add_fragments(
+    accumulator: CountAccumulator,
+    params: RFragParams,
+    fragments: Iterable[bytes],
+    n_contributions: int,
+    rows: Iterable[int] | None = None,
+) -> int:
+    """Count one batch whose contributions carried ``rows`` (default: all τ rows)."""
+    indices: list[int] = []
+    invalid = 0
+    for fragment in fragments:
+        try:
+            indices.append(parse(fragment, params)[1])
+        except FragmentError:
+            invalid += 1
+    accumulator.add(np.asarray(indices, dtype=np.int64), 0)
+    carried = list(range(params.tau)) if rows is None else list(rows)
+    accumulator.rows[carried] += n_contributions
+    accumulator.n = int(accumulator.rows.max()) if accumulator.rows.size else 0
+    return invalid
+
+
+def variance(n: int, params: RFragParams) -> float:
+    """Variance of ĉ_j with the shared backstop accounted for (same n on every row)."""
+    p_b, p_f, tau = params.backstop_flip, params.fragment_flip, params.tau
+    var_sum = n * (tau * p_f * (1 - p_f) + tau**2 * (1 - 2 * p_f) ** 2 * p_b * (1 - p_b))
+    return var_sum / (tau * (1 - 2 * p_f) * (1 - 2 * p_b)) ** 2
+
+
+def estimate(accumulator: CountAccumulator, params: RFragParams, clip: bool = False) -> Estimate:
+    """Two-stage debiased counts (fragment flip, then backstop flip)."""
+    p_b, p_f, tau = params.backstop_flip, params.fragment_flip, params.tau
+    base = p_f + (1 - 2 * p_f) * p_b
+    scale = tau * (1 - 2 * p_f) * (1 - 2 * p_b)
+    values: FloatArray = (accumulator.counts - base * accumulator.rows.sum()) / scale
+    n = round(float(accumulator.rows.mean())) if accumulator.rows.size else 0
+    std = np.full(params.k, math.sqrt(variance(n, params)))
+    note = "two-stage debiasing (ESA-revisited §IV)" + ("; negatives clipped to 0" if clip else "")
+    return Estimate(clip_estimate(values, clip), std, n, clip, note)
+
+
+def simulate_aggregate(
+    true_counts: IntArray, params: RFragParams, rng: np.random.Generator
+) -> CountAccumulator:
+    """Backstop ones ~ Bin(c, 1-p_b) + Bin(n-c, p_b); fragment ones from those, τ per user."""
+    counts = np.asarray(true_counts, dtype=np.int64)
+    n = int(counts.sum())
+    p_b, p_f, tau = params.backstop_flip, params.fragment_flip, params.tau
+    backstop_ones = rng.binomial(counts, 1 - p_b) + rng.binomial(n - counts, p_b)
+    sums = rng.binomial(tau * backstop_ones, 1 - p_f) + rng.binomial(tau * (n - backstop_ones), p_f)
+    return CountAccumulator(sums.astype(np.int64), n, np.full(tau, n, dtype=np.int64))
+
+
+def local_privacy(params: RFragParams) -> LocalPrivacy:
+    """Theorem IV.1: removal ε_ℓ∞ = ε(τ), ε_ℓ1 = ε(1); replacement touches two bits: 2 ε(τ)."""
+    eps_inf = fragment_eps(params.eps_b, params.eps_f, params.tau)
+    eps_one = fragment_eps(params.eps_b, params.eps_f, 1)
+    return LocalPrivacy(eps_inf, 2 * eps_inf, eps_inf, eps_one, "Theorem IV.1")
+
+
+def central(params: RFragParams, n: int, delta: float) -> Certification:
+    """Certified central (ε, δ) when every row reached the same n users (removal).
+
+    When randomized deletion left different crowds at different shufflers, certify with
+    :func:`common.accounting.rfrag_across_batches` instead.
+    """
+    mech = MechanismParams(eps_f=params.eps_f, tau=params.tau)
+    return certify("rfrag", params.eps_b, n, delta, mech)

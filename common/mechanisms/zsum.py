@@ -1,0 +1,146 @@
+"""Balcer–Cheu zero-sum histogram — *Separating Local & Shuffled DP*, Figures 1–2, Theorem 12.
+
+For every bin j a user sends ``b_j + Ber(p)`` copies of the message "j", with
+``p = 1 - 50 ln(2/δ_bin)/(ε² n)`` fixed by the channel's *declared* crowd size n and per-bin δ
+(``δ_bin = δ/2``, so the histogram is (2ε, δ)-DP, replacement). Theorem 11 needs
+``n >= 100 ln(2/δ_bin)/ε²`` and ``ε <= 1``; other configurations are refused. A user sends
+about ``1 + d p ≈ d`` messages, so the domain is capped at ``MAX_BINS``.
+
+Wire payload: ``uint32 bin`` (mechanism code 4).
+
+Analyzer (Figure 1, in counts, with the received crowd ``m``): ``ĉ_j = |y_j| - m p`` if
+``|y_j| > m`` else 0. Bins nobody holds have ``|y_j| ~ Bin(m, p) <= m`` and are exactly 0. The
+truncation biases small counts toward 0; counts well above ``sqrt(m p (1-p))`` are unbiased with
+``Var = m p (1 - p)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.accounting import Certification, MechanismParams, certify
+from common.mechanisms._base import (
+    LocalPrivacy,
+    add_index_fragments,
+    check_bins,
+    check_value,
+    index_fragment,
+)
+from common.mechanisms._estimates import CountAccumulator, Estimate, FloatArray, IntArray
+from common.mechanisms._random import RandomSource, bernoulli, default_source
+
+NAME = "zsum"
+MECHANISM_CODE = 4
+PAYLOAD_SIZE = 4
+#: Each user sends about d messages (Theorem 12 (iv)); larger domains belong to k-RAPPOR.
+MAX_BINS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ZSumParams:
+    """Attributes: ``d`` bins, ``eps`` per-bin ε (<= 1), ``delta`` histogram δ, ``n`` crowd.
+
+    Raises:
+        ValueError: outside Theorem 11's regime or above ``MAX_BINS``, with the reason.
+    """
+
+    d: int
+    eps: float
+    delta: float
+    n: int
+
+    def __post_init__(self) -> None:
+        check_bins("d", self.d, MAX_BINS + 1)
+        if not (
+            isinstance(self.eps, int | float) and math.isfinite(self.eps) and 0 < self.eps <= 1
+        ):
+            raise ValueError(
+                f"eps must be in (0, 1] (Balcer-Cheu Theorem 11), got eps={self.eps!r}"
+            )
+        if not (isinstance(self.delta, int | float) and 0 < self.delta < 1):
+            raise ValueError(f"delta must be in (0, 1), got delta={self.delta!r}")
+        required = 100.0 * math.log(2.0 / self.bin_delta) / self.eps**2
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < required:
+            raise ValueError(
+                f"n must be >= 100 ln(2/δ_bin)/ε² = {math.ceil(required)} for eps={self.eps}, "
+                f"delta={self.delta} (Balcer-Cheu Theorem 11), got n={self.n!r}"
+            )
+
+    @property
+    def bin_delta(self) -> float:
+        """Per-bin δ: half the histogram's δ (Theorem 12 composes two bins)."""
+        return self.delta / 2.0
+
+    @property
+    def noise_prob(self) -> float:
+        """``p = 1 - 50 ln(2/δ_bin)/(ε² n)``."""
+        return 1.0 - 50.0 * math.log(2.0 / self.bin_delta) / (self.eps**2 * self.n)
+
+
+def encode(value: int, params: ZSumParams, rng: RandomSource | None = None) -> list[bytes]:
+    """``b_j + Ber(p)`` messages "j" for every bin j (Figure 2)."""
+    value = check_value(value, params.d)
+    rng = rng or default_source()
+    p = params.noise_prob
+    messages = [value]
+    messages.extend(j for j in range(params.d) if bernoulli(rng, p))
+    return [index_fragment(MECHANISM_CODE, j) for j in sorted(messages)]
+
+
+def new_accumulator(params: ZSumParams) -> CountAccumulator:
+    """An empty accumulator for this channel."""
+    return CountAccumulator.empty(params.d)
+
+
+def add_fragments(
+    accumulator: CountAccumulator,
+    params: ZSumParams,
+    fragments: Iterable[bytes],
+    n_contributions: int,
+) -> int:
+    """Count one batch; returns how many fragments were invalid (chaff)."""
+    return add_index_fragments(accumulator, MECHANISM_CODE, params.d, fragments, n_contributions)
+
+
+def variance(m: int, params: ZSumParams) -> float:
+    """``m p (1 - p)`` for bins far from the truncation point."""
+    p = params.noise_prob
+    return m * p * (1.0 - p)
+
+
+def estimate(accumulator: CountAccumulator, params: ZSumParams, clip: bool = True) -> Estimate:
+    """Figure 1's analyzer in counts; ``clip`` is inherent (bins at or below m are 0)."""
+    m = accumulator.n
+    counts = accumulator.counts.astype(np.float64)
+    values: FloatArray = np.where(counts > m, counts - m * params.noise_prob, 0.0)
+    std = np.full(params.d, math.sqrt(variance(m, params)))
+    return Estimate(values, std, m, True, "Balcer-Cheu zero-sum analyzer (Figure 1)")
+
+
+def simulate_aggregate(
+    true_counts: IntArray, params: ZSumParams, rng: np.random.Generator
+) -> CountAccumulator:
+    """``|y_j| = c_j + Bin(m, p)``."""
+    counts = np.asarray(true_counts, dtype=np.int64)
+    m = int(counts.sum())
+    noise = rng.binomial(m, params.noise_prob, size=params.d)
+    return CountAccumulator((counts + noise).astype(np.int64), m)
+
+
+def local_privacy(params: ZSumParams) -> LocalPrivacy:
+    """None: a user's own messages reveal its value (the privacy is all in the shuffle)."""
+    return LocalPrivacy(math.inf, math.inf, math.inf, math.inf, "no local privacy (multi-message)")
+
+
+def central(params: ZSumParams, m: int, delta: float | None = None) -> Certification:
+    """Certified (2ε', δ) for a received crowd m (ε' = ε sqrt(n/m)); δ is fixed by params."""
+    if delta is not None and not math.isclose(delta, params.delta):
+        raise ValueError(
+            f"zsum's δ is fixed by the channel (delta={params.delta}), got delta={delta}"
+        )
+    mech = MechanismParams(d=params.d, n_declared=params.n)
+    return certify("zsum", params.eps, m, params.delta, mech)
