@@ -1,0 +1,163 @@
+"""Server-rendered dashboard: inline SVG charts and PNG images, no scripts, no network.
+
+Per channel: the latest release as a top-k histogram with 95% error bars, an image (2-D
+channels), or a running series with its 95% band (longitudinal); the crowd sizes behind the
+certificate; and the privacy ledger.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+WIDTH, HEIGHT, PAD = 640, 220, 36
+
+
+def png_gray(values: np.ndarray, shape: tuple[int, int]) -> bytes:
+    """An 8-bit grayscale PNG of ``values`` (clipped at 0, scaled to the maximum)."""
+    image = np.clip(np.asarray(values, dtype=float).reshape(shape), 0, None)
+    top = image.max() or 1.0
+    pixels = (image / top * 255).astype(np.uint8)
+    raw = b"".join(b"\x00" + row.tobytes() for row in pixels)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    header = struct.pack(">IIBBBBB", shape[1], shape[0], 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw, 6))
+        + chunk(b"IEND", b"")
+    )
+
+
+def _scale(values: Sequence[float], low: float, high: float, size: float) -> list[float]:
+    span = (high - low) or 1.0
+    return [size - (v - low) / span * size for v in values]
+
+
+def bars_svg(labels: Sequence[str], values: Sequence[float], errors: Sequence[float]) -> str:
+    """Bars with 95% error bars."""
+    if not values:
+        return "<p>no data</p>"
+    top = max(v + e for v, e in zip(values, errors, strict=True))
+    bottom = min(0.0, min(v - e for v, e in zip(values, errors, strict=True)))
+    step = (WIDTH - 2 * PAD) / len(values)
+    ys = _scale(values, bottom, top, HEIGHT - 2 * PAD)
+    zero = _scale([0.0], bottom, top, HEIGHT - 2 * PAD)[0]
+    parts = [f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img">']
+    for i, (label, y, e) in enumerate(zip(labels, ys, errors, strict=True)):
+        x = PAD + i * step
+        height = abs(zero - y)
+        half = e / ((top - bottom) or 1.0) * (HEIGHT - 2 * PAD)
+        parts.append(
+            f'<rect x="{x + 2:.1f}" y="{PAD + min(y, zero):.1f}" width="{step - 4:.1f}" '
+            f'height="{height:.1f}" fill="#8fb3d9"/>'
+        )
+        parts.append(
+            f'<line x1="{x + step / 2:.1f}" x2="{x + step / 2:.1f}" y1="{PAD + y - half:.1f}" '
+            f'y2="{PAD + y + half:.1f}" stroke="#b2182b"/>'
+        )
+        parts.append(
+            f'<text x="{x + step / 2:.1f}" y="{HEIGHT - 8}" font-size="9" '
+            f'text-anchor="middle">{html.escape(label)}</text>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def series_svg(values: Sequence[float], errors: Sequence[float]) -> str:
+    """A running series with its 95% band."""
+    if not values:
+        return "<p>no data</p>"
+    upper = [v + 1.96 * e for v, e in zip(values, errors, strict=True)]
+    lower = [v - 1.96 * e for v, e in zip(values, errors, strict=True)]
+    low, high = min(lower), max(upper)
+    step = (WIDTH - 2 * PAD) / max(1, len(values) - 1)
+    xs = [PAD + i * step for i in range(len(values))]
+
+    def points(series: Sequence[float]) -> str:
+        return " ".join(
+            f"{x:.1f},{PAD + y:.1f}"
+            for x, y in zip(xs, _scale(series, low, high, HEIGHT - 2 * PAD), strict=True)
+        )
+
+    band = points(upper) + " " + " ".join(reversed(points(lower).split()))
+    return (
+        f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img">'
+        f'<polygon points="{band}" fill="#b2182b" fill-opacity="0.2"/>'
+        f'<polyline points="{points(values)}" fill="none" stroke="#b2182b"/></svg>'
+    )
+
+
+def page(channels: list[dict[str, Any]]) -> str:
+    """The whole dashboard page."""
+    sections = "".join(_section(c) for c in channels) or "<p>No channels configured.</p>"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>ESA analyzer</title>
+<link rel="icon" href="data:,">
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2rem; color: #222; }}
+section {{ border-top: 1px solid #ccc; padding: 1rem 0; }}
+table {{ border-collapse: collapse; font-size: 0.85rem; }}
+td, th {{ border: 1px solid #ddd; padding: 0.2rem 0.5rem; text-align: right; }}
+.chart {{ width: 100%; max-width: {WIDTH}px; }} .muted {{ color: #666; }}
+img.channel {{ image-rendering: pixelated; width: 100%; max-width: 480px; border: 1px solid #ccc; }}
+</style></head><body>
+<h1>ESA analyzer</h1>
+<p class="muted">Certified central (ε, δ) for every release; estimates with 95% intervals.</p>
+{sections}
+</body></html>"""
+
+
+def _section(channel: dict[str, Any]) -> str:
+    release = channel.get("release")
+    head = (
+        f'<section id="{html.escape(channel["id"])}"><h2>{html.escape(channel["id"])} '
+        f'<span class="muted">({html.escape(channel["mechanism"])})</span></h2>'
+    )
+    if release is None:
+        return head + "<p>No batch received yet.</p></section>"
+    cert = release["certificate"]
+    summary = (
+        f'<p class="certificate">n = <b class="n">{release["n"]:,}</b>; certified '
+        f'<b>ε = <span class="eps">{cert["eps"]:.4g}</span></b>, δ = {cert["delta"]:.3g} '
+        f"({html.escape(cert['neighbouring'])}, {html.escape(cert['method'])}); epochs "
+        f"{release['epochs'][0]}–{release['epochs'][1]}</p>"
+    )
+    crowds = ", ".join(
+        f"{html.escape(k)}: {v:,}" for k, v in sorted(release["crowds"].items())[:12]
+    )
+    chart = channel.get("chart", "")
+    ledger = "".join(
+        f"<tr><td>{row['id']}</td><td>{row['epochs'][0]}–{row['epochs'][1]}</td><td>{row['n']:,}</td>"
+        f"<td>{row['eps']:.4g}</td><td>{row['delta']:.3g}</td><td>{html.escape(row['method'])}</td>"
+        f"<td>{row['cumulative_eps']:.4g}</td></tr>"
+        for row in channel.get("ledger", [])[-10:]
+    )
+    table = (
+        "<table><tr><th>release</th><th>epochs</th><th>n</th><th>ε</th><th>δ</th>"
+        f"<th>method</th><th>cumulative ε</th></tr>{ledger}</table>"
+    )
+    return head + summary + chart + f'<p class="muted">crowds: {crowds}</p>' + table + "</section>"
+
+
+def chart_for(display: str, release: dict[str, Any], image_png: bytes | None) -> str:
+    """The chart a person wants for this channel's kind."""
+    if display == "image" and image_png is not None:
+        data = base64.b64encode(image_png).decode()
+        return f'<img class="channel" alt="reconstruction" src="data:image/png;base64,{data}">'
+    if display == "series":
+        return series_svg(release["values"], release["std_errors"])
+    labels = [str(b) for b in release["bins"][:20]]
+    errors = [1.96 * e for e in release["std_errors"][:20]]
+    return bars_svg(labels, release["values"][:20], errors)

@@ -1,0 +1,61 @@
+"""Analyzer settings: environment variables ``ESA_ANALYZER_*`` (or a ``.env`` file).
+
+Channels come from ``ESA_ANALYZER_CHANNELS`` (JSON list of :class:`ChannelConfig`) or
+``ESA_ANALYZER_CHANNELS_FILE``; the shuffler registry from ``ESA_ANALYZER_SHUFFLERS`` (JSON list
+of :class:`ShufflerInfo`: id, url, HPKE public key and key id, Ed25519 signing key) or
+``ESA_ANALYZER_SHUFFLERS_FILE``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.wire import ChannelConfig, ShufflerInfo
+
+
+def _listed(path: Path, key: str) -> list[Any]:
+    data = json.loads(path.read_text())
+    return list(data.get(key, data) if isinstance(data, dict) else data)
+
+
+class AnalyzerSettings(BaseSettings):
+    """Everything the analyzer needs; validated at start."""
+
+    model_config = SettingsConfigDict(env_prefix="ESA_ANALYZER_", env_file=".env", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    public_url: str | None = None
+    database_url: str = "sqlite:///var/analyzer/analyzer.db"
+    key_dir: Path = Path("var/keys/analyzer")
+    channels: list[ChannelConfig] = Field(default_factory=list)
+    channels_file: Path | None = None
+    shufflers: list[ShufflerInfo] = Field(default_factory=list)
+    shufflers_file: Path | None = None
+    config_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
+    max_batch_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _load(self) -> AnalyzerSettings:
+        if self.channels_file is not None:
+            self.channels = [ChannelConfig(**c) for c in _listed(self.channels_file, "channels")]
+        if self.shufflers_file is not None:
+            self.shufflers = [ShufflerInfo(**s) for s in _listed(self.shufflers_file, "shufflers")]
+        for name, ids in (
+            ("channel", [c.id for c in self.channels]),
+            ("shuffler", [s.id for s in self.shufflers]),
+        ):
+            if len(ids) != len(set(ids)):
+                raise ValueError(f"duplicate {name} ids in {ids}")
+        return self
+
+    @property
+    def url(self) -> str:
+        """Where clients reach the analyzer."""
+        return self.public_url or f"http://{self.host}:{self.port}"

@@ -1,0 +1,32 @@
+"""The ESA device SDK: what an app embeds (imports only ``common``).
+
+    client = Client("https://analyzer.example/v1/config", trusted_key=KEY, state_path="esa.db")
+    client.histogram("homepage").report(42)
+    client.flush()
+
+Values are encoded with the channel's LDP mechanism (OS CSPRNG), each fragment sealed for the
+analyzer and each contribution for one shuffler, queued in a persistent outbox and delivered in
+the background. Catch :class:`EsaError` for every SDK error.
+"""
+
+from encoder_client._client import Client, HistogramReporter, LongitudinalReporter
+from encoder_client._errors import (
+    AlreadyReportedError,
+    ChannelError,
+    ConfigError,
+    EsaError,
+    StateError,
+    ValueOutOfDomainError,
+)
+
+__all__ = [
+    "AlreadyReportedError",
+    "ChannelError",
+    "Client",
+    "ConfigError",
+    "EsaError",
+    "HistogramReporter",
+    "LongitudinalReporter",
+    "StateError",
+    "ValueOutOfDomainError",
+]

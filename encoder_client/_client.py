@@ -1,0 +1,386 @@
+"""The client: fetch and verify the collection config, encode, seal, queue, deliver."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from common.collection import ConfigError as _ConfigError
+from common.collection import verify_config
+from common.envelope import (
+    Contribution,
+    load_ed25519_public,
+    load_x25519_public,
+    new_nonce,
+    seal_contribution,
+    seal_fragment,
+)
+from common.mechanisms import MODULES, PARAMS, longitudinal, rfrag
+from common.wire import ChannelConfig, EnrollResponse, ShufflerInfo
+from encoder_client._errors import (
+    AlreadyReportedError,
+    ChannelError,
+    ConfigError,
+    StateError,
+    ValueOutOfDomainError,
+)
+from encoder_client._state import DeviceState, OutboxItem
+
+log = logging.getLogger("esa.client")
+
+
+class Client:
+    """An ESA client for one device.
+
+    Args:
+        config_url: The analyzer's ``/v1/config`` URL (or give ``config_file``).
+        trusted_key: The analyzer's Ed25519 signing key (raw 32 bytes or base64), pinned by the
+            app: a config signed by any other key is refused.
+        state_path: The device's SQLite state file (created on first use).
+        config_file: A saved signed config document instead of ``config_url``.
+        background: Deliver the outbox from a background thread (``flush()`` always works).
+        flush_interval: Seconds between background delivery attempts.
+        weights: Relative trust in each shuffler id for routing (default: uniform).
+        timeout: HTTP timeout in seconds.
+        clock: Time source (tests).
+
+    Raises:
+        ConfigError: unreachable, unsigned, mis-signed, tampered or expired config.
+    """
+
+    def __init__(
+        self,
+        config_url: str | None = None,
+        *,
+        trusted_key: bytes | str,
+        state_path: Path | str,
+        config_file: Path | str | None = None,
+        background: bool = True,
+        flush_interval: float = 5.0,
+        weights: dict[str, float] | None = None,
+        timeout: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._clock = clock
+        self._http = httpx.Client(timeout=timeout)
+        self._config = self._load_config(config_url, config_file, trusted_key)
+        self._channels = {c["id"]: ChannelConfig(**c) for c in self._config["channels"]}
+        self._shufflers = [ShufflerInfo(**s) for s in self._config["shufflers"]]
+        self._analyzer_key = load_x25519_public(
+            base64.b64decode(self._config["analyzer"]["keys"][0]["public_key"])
+        )
+        self._weights = weights
+        self.state = DeviceState(Path(state_path))
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(flush_interval,), daemon=True)
+            self._thread.start()
+
+    # --- config ---------------------------------------------------------------------------
+
+    def _load_config(
+        self, url: str | None, path: Path | str | None, key: bytes | str
+    ) -> dict[str, Any]:
+        raw_key = base64.b64decode(key) if isinstance(key, str) else key
+        try:
+            if path is not None:
+                document = json.loads(Path(path).read_text())
+            elif url is not None:
+                document = self._http.get(url).raise_for_status().json()
+            else:
+                raise ConfigError("give config_url or config_file")
+            return verify_config(document, load_ed25519_public(raw_key), self._clock())
+        except (_ConfigError, httpx.HTTPError, OSError, ValueError) as error:
+            raise ConfigError(f"collection config refused: {error}") from error
+
+    @property
+    def device_id(self) -> str:
+        """This device's identity (a new one after the state file is lost)."""
+        return self.state.device_id
+
+    def channel(self, channel_id: str) -> ChannelConfig:
+        """A channel of the collection config.
+
+        Raises:
+            ChannelError: unknown channel.
+        """
+        config = self._channels.get(channel_id)
+        if config is None:
+            raise ChannelError(f"channel {channel_id!r} is not in the collection config")
+        return config
+
+    # --- reporters ------------------------------------------------------------------------
+
+    def histogram(self, channel_id: str) -> HistogramReporter:
+        """Reporter for k-RAPPOR, report-fragment and k-RR channels."""
+        return HistogramReporter(self, self._kind(channel_id, {"krappor", "rfrag", "krr"}))
+
+    def counts(self, channel_id: str) -> HistogramReporter:
+        """Reporter for Balcer–Cheu zero-sum histogram channels."""
+        return HistogramReporter(self, self._kind(channel_id, {"zsum"}))
+
+    def longitudinal(self, channel_id: str) -> LongitudinalReporter:
+        """Reporter for tree-based longitudinal channels."""
+        return LongitudinalReporter(self, self._kind(channel_id, {"longitudinal"}))
+
+    def _kind(self, channel_id: str, kinds: set[str]) -> ChannelConfig:
+        config = self.channel(channel_id)
+        if config.mechanism not in kinds:
+            raise ChannelError(
+                f"channel {channel_id!r} is {config.mechanism}; use the matching reporter"
+            )
+        return config
+
+    # --- sealing and queueing -------------------------------------------------------------
+
+    def _epoch(self, config: ChannelConfig) -> int:
+        return int(self._clock() // config.epoch_seconds)
+
+    def _pick(self) -> ShufflerInfo:
+        if not self._weights:
+            return self._shufflers[secrets.randbelow(len(self._shufflers))]
+        total = sum(self._weights.get(s.id, 0.0) for s in self._shufflers)
+        point = secrets.randbelow(1 << 30) / (1 << 30) * total
+        for shuffler in self._shufflers:
+            point -= self._weights.get(shuffler.id, 0.0)
+            if point < 0:
+                return shuffler
+        return self._shufflers[-1]
+
+    def _seal(
+        self, config: ChannelConfig, epoch: int, shuffler: ShufflerInfo, fragments: list[bytes]
+    ) -> tuple[str, bytes]:
+        sealed = tuple(
+            seal_fragment(f, config.id, config.payload_size, self._analyzer_key) for f in fragments
+        )
+        contribution = Contribution(config.id, "", epoch, new_nonce(), sealed)
+        key = load_x25519_public(base64.b64decode(shuffler.public_key))
+        return shuffler.id, seal_contribution(contribution, shuffler.id, key)
+
+    def _queue(
+        self,
+        config: ChannelConfig,
+        epoch: int,
+        kind: str,
+        data: dict[str, Any] | None,
+        outbox: list[tuple[str, bytes]],
+    ) -> None:
+        if not self.state.commit_report(config.id, epoch, kind, data, outbox):
+            raise AlreadyReportedError(
+                f"channel {config.id!r} already has a report in epoch {epoch}"
+            )
+        self._wake.set()
+
+    # --- delivery -------------------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Try to deliver every due contribution now; returns how many were delivered."""
+        delivered = 0
+        for item in self.state.due(self._clock()):
+            delivered += self._deliver(item)
+        return delivered
+
+    def _deliver(self, item: OutboxItem) -> int:
+        shuffler = next((s for s in self._shufflers if s.id == item.shuffler_id), None)
+        if shuffler is None:
+            log.warning("outbox entry for a shuffler no longer configured; kept")
+            self.state.retry_later(item.id, self._clock() + 3600)
+            return 0
+        try:
+            token = self.state.token(shuffler.id) or self._enroll(shuffler)
+            response = self._http.post(
+                shuffler.url + "/v1/contributions",
+                content=item.body,
+                headers={
+                    "Authorization": f"Bearer {token}",
+                    "Content-Type": "application/octet-stream",
+                },
+            )
+        except httpx.HTTPError:
+            self._backoff(item)
+            return 0
+        if response.status_code in (202, 409):  # 409: already stored (a lost 202) — done
+            self.state.delivered(item.id)
+            return 1
+        if response.status_code == 401:
+            self.state.set_token(shuffler.id, "")
+            self._backoff(item)
+        elif response.status_code == 429:
+            wait = retry_after_seconds(response.headers.get("Retry-After"))
+            self.state.retry_later(item.id, self._clock() + wait)
+        elif response.status_code in (400, 413):
+            log.error(
+                "contribution refused for good; dropped",
+                extra={
+                    "shuffler": shuffler.id,
+                    "status": response.status_code,
+                    "error": response.json().get("error"),
+                },
+            )
+            self.state.delivered(item.id)
+        else:
+            self._backoff(item)
+        return 0
+
+    def _enroll(self, shuffler: ShufflerInfo) -> str:
+        response = self._http.post(shuffler.url + "/v1/enroll").raise_for_status()
+        token = EnrollResponse.model_validate(response.json()).client_token
+        self.state.set_token(shuffler.id, token)
+        return token
+
+    def _backoff(self, item: OutboxItem) -> None:
+        delay = min(300.0, 0.5 * 2 ** min(item.attempts, 10)) * (
+            0.5 + secrets.randbelow(1000) / 1000
+        )
+        self.state.retry_later(item.id, self._clock() + delay)
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.flush()
+            except Exception:  # the background thread must survive any single failure
+                log.exception("background flush failed")
+
+    def close(self) -> None:
+        """Stop background delivery and release the state file (the outbox persists)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._http.close()
+        self.state.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HistogramReporter:
+    """Reports one value per epoch on a histogram-type channel."""
+
+    def __init__(self, client: Client, config: ChannelConfig) -> None:
+        self._client = client
+        self._config = config
+        self._params = PARAMS[config.mechanism](**config.params)
+
+    def report(self, value: int) -> None:
+        """Encode, seal and queue this epoch's report of ``value``.
+
+        Raises:
+            ValueOutOfDomainError: the channel cannot encode ``value``.
+            AlreadyReportedError: this channel already has a report this epoch.
+            StateError: the saved backstops were drawn for other parameters.
+        """
+        client, config = self._client, self._config
+        epoch = client._epoch(config)
+        try:
+            if config.mechanism == "rfrag":
+                self._report_fragments(value, epoch)
+                return
+            fragments = MODULES[config.mechanism].encode(value, self._params)
+        except rfrag.BackstopStateError as error:
+            raise StateError(str(error)) from error
+        except ValueError as error:
+            raise ValueOutOfDomainError(str(error)) from error
+        client._queue(
+            config,
+            epoch,
+            config.mechanism,
+            None,
+            [client._seal(config, epoch, client._pick(), fragments)],
+        )
+
+    def _report_fragments(self, value: int, epoch: int) -> None:
+        """Report fragments: row r goes to shuffler ``r mod K``; the backstop persists."""
+        client, config = self._client, self._config
+        saved = client.state.channel_state(config.id, "rfrag")
+        state = (
+            rfrag.BackstopState.from_json(saved["backstops"])
+            if saved
+            else rfrag.new_state(self._params)
+        )
+        rows = rfrag.encode(value, self._params, state)
+        routed: dict[int, list[bytes]] = {}
+        for r, row in enumerate(rows):
+            routed.setdefault(r % len(client._shufflers), []).extend(row)
+        outbox = [
+            client._seal(config, epoch, client._shufflers[i], frags)
+            for i, frags in sorted(routed.items())
+        ]
+        client._queue(config, epoch, "rfrag", {"backstops": state.to_json()}, outbox)
+
+
+class LongitudinalReporter:
+    """Reports a 0/1 state over periods (Erlingsson et al. 2019, Algorithm 1)."""
+
+    def __init__(self, client: Client, config: ChannelConfig) -> None:
+        self._client = client
+        self._config = config
+        self._params = longitudinal.LongitudinalParams(**config.params)
+
+    def update(self, period: int, changed: bool) -> None:
+        """Tell the SDK whether the state changed at ``period`` (1..d, increasing).
+
+        Raises:
+            ValueOutOfDomainError: period outside 1..d.
+            AlreadyReportedError: a period at or before the last one given, or a second report
+                in the same epoch.
+        """
+        client, config = self._client, self._config
+        saved = client.state.channel_state(config.id, "longitudinal")
+        if saved is None:
+            tree = longitudinal.setup(self._params)
+            saved = {"tree": [tree.kappa_star, tree.h_star, tree.kappa, tree.c], "st": 0, "last": 0}
+        if period <= saved["last"]:
+            raise AlreadyReportedError(
+                f"period {period} is not after the last period {saved['last']}"
+            )
+        step = 0 if not changed else (1 if saved["st"] == 0 else -1)
+        try:
+            tree, report = longitudinal.update(
+                longitudinal.TreeState(*saved["tree"]), period, step, self._params
+            )
+        except ValueError as error:
+            raise ValueOutOfDomainError(str(error)) from error
+        data = {
+            "tree": [tree.kappa_star, tree.h_star, tree.kappa, tree.c],
+            "st": saved["st"] ^ int(changed),
+            "last": period,
+        }
+        if report is None:
+            client.state.save_state(config.id, "longitudinal", data)
+            return
+        epoch = client._epoch(config)
+        client._queue(
+            config,
+            epoch,
+            "longitudinal",
+            data,
+            [client._seal(config, epoch, client._pick(), [report])],
+        )
+
+
+def retry_after_seconds(value: str | None) -> float:
+    """Seconds from a ``Retry-After`` header (delta-seconds form), at least 1."""
+    try:
+        return max(1.0, math.ceil(float(value or 1)))
+    except ValueError:
+        return 1.0

@@ -1,0 +1,195 @@
+"""Device state in one small SQLite file (stdlib ``sqlite3``; no server dependencies).
+
+Holds the enrolment tokens, report-fragment backstops, longitudinal tree states, which
+(channel, epoch) pairs were already reported, and the outbox of sealed, unsent contributions.
+A state file that fails SQLite's integrity check, or holds channel state without an identity,
+is moved aside and replaced by a fresh one: the device becomes a new device (new id, new
+backstops), never a silent mix of old and new randomness.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from encoder_client._errors import StateError
+
+log = logging.getLogger("esa.client")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS identity (device_id TEXT PRIMARY KEY, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens (shuffler_id TEXT PRIMARY KEY, token TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS channel_state (channel_id TEXT PRIMARY KEY, kind TEXT NOT NULL,
+                                          data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS reported (channel_id TEXT NOT NULL, epoch INTEGER NOT NULL,
+                                     PRIMARY KEY (channel_id, epoch));
+CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, shuffler_id TEXT NOT NULL,
+                                   body BLOB NOT NULL, created_at REAL NOT NULL,
+                                   attempts INTEGER NOT NULL DEFAULT 0,
+                                   next_attempt_at REAL NOT NULL DEFAULT 0);
+"""
+
+
+@dataclass(frozen=True)
+class OutboxItem:
+    """A sealed contribution waiting for its shuffler's 202."""
+
+    id: int
+    shuffler_id: str
+    body: bytes
+    attempts: int
+
+
+class DeviceState:
+    """The SDK's persistent state; one instance per state file, safe across threads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.was_reset = False
+        self._lock = threading.RLock()
+        self._db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            db = self._connect()
+            if db.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
+                raise sqlite3.DatabaseError("integrity check failed")
+            db.executescript(SCHEMA)
+            if db.execute("SELECT count(*) FROM identity").fetchone()[0] == 0:
+                if db.execute("SELECT count(*) FROM channel_state").fetchone()[0]:
+                    raise sqlite3.DatabaseError("channel state without a device identity")
+                db.execute(
+                    "INSERT INTO identity VALUES (?, ?)", (secrets.token_hex(16), time.time())
+                )
+            return db
+        except sqlite3.DatabaseError as error:
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            log.warning(
+                "device state unusable; starting as a new device",
+                extra={"moved_to": str(aside), "reason": str(error)},
+            )
+            self.path.replace(aside)
+            self.was_reset = True
+            db = self._connect()
+            db.executescript(SCHEMA)
+            db.execute("INSERT INTO identity VALUES (?, ?)", (secrets.token_hex(16), time.time()))
+            return db
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        return db
+
+    @property
+    def device_id(self) -> str:
+        """This device's identity (changes only when the state is lost or reset)."""
+        with self._lock:
+            return str(self._db.execute("SELECT device_id FROM identity").fetchone()[0])
+
+    def token(self, shuffler_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT token FROM tokens WHERE shuffler_id = ?", (shuffler_id,)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_token(self, shuffler_id: str, token: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO tokens VALUES (?, ?)", (shuffler_id, token))
+
+    def channel_state(self, channel_id: str, kind: str) -> dict[str, Any] | None:
+        """Saved device state of a channel, if any.
+
+        Raises:
+            StateError: if the saved state belongs to another kind of channel.
+        """
+        with self._lock:
+            row = self._db.execute(
+                "SELECT kind, data FROM channel_state WHERE channel_id = ?", (channel_id,)
+            ).fetchone()
+        if row is None:
+            return None
+        if row[0] != kind:
+            raise StateError(f"state of channel {channel_id!r} is {row[0]}, not {kind}")
+        return dict(json.loads(row[1]))
+
+    def commit_report(
+        self,
+        channel_id: str,
+        epoch: int,
+        kind: str,
+        data: dict[str, Any] | None,
+        outbox: list[tuple[str, bytes]],
+    ) -> bool:
+        """Atomically mark (channel, epoch) reported, save channel state, queue contributions.
+
+        Returns False, changing nothing, if (channel, epoch) was already reported.
+        """
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT INTO reported VALUES (?, ?)", (channel_id, epoch))
+            except sqlite3.IntegrityError:
+                self._db.execute("ROLLBACK")
+                return False
+            try:
+                if data is not None:
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO channel_state VALUES (?, ?, ?)",
+                        (channel_id, kind, json.dumps(data)),
+                    )
+                now = time.time()
+                self._db.executemany(
+                    "INSERT INTO outbox (shuffler_id, body, created_at) VALUES (?, ?, ?)",
+                    [(s, b, now) for s, b in outbox],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return True
+
+    def save_state(self, channel_id: str, kind: str, data: dict[str, Any]) -> None:
+        """Persist a channel's device state outside a report (a longitudinal update)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO channel_state VALUES (?, ?, ?)",
+                (channel_id, kind, json.dumps(data)),
+            )
+
+    def due(self, now: float, limit: int = 256) -> list[OutboxItem]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, shuffler_id, body, attempts FROM outbox WHERE next_attempt_at <= ? "
+                "ORDER BY id LIMIT ?",
+                (now, limit),
+            ).fetchall()
+        return [OutboxItem(int(r[0]), str(r[1]), bytes(r[2]), int(r[3])) for r in rows]
+
+    def delivered(self, item_id: int) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM outbox WHERE id = ?", (item_id,))
+
+    def retry_later(self, item_id: int, at: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE outbox SET attempts = attempts + 1, next_attempt_at = ? WHERE id = ?",
+                (at, item_id),
+            )
+
+    def outbox_size(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT count(*) FROM outbox").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,1 @@
+"""Server runtime shared by the shuffler and the analyzer, and the ``esa`` command line."""

@@ -1,0 +1,139 @@
+"""``esa shuffler serve`` and ``esa keys``: run one shuffler instance, create key files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def shuffler() -> None:
+    """Run a shuffler instance (settings from ESA_SHUFFLER_* environment variables)."""
+
+
+@shuffler.command("serve")
+@click.option(
+    "--host", default=None, help="Bind address (default: ESA_SHUFFLER_HOST or 127.0.0.1)."
+)
+@click.option("--port", type=int, default=None, help="Port (default: ESA_SHUFFLER_PORT or 8101).")
+def shuffler_serve(host: str | None, port: int | None) -> None:
+    """Serve the shuffler API with uvicorn until interrupted."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from shuffler.app import create_asgi
+    from shuffler.settings import ShufflerSettings
+
+    try:
+        settings = ShufflerSettings()
+    except (ValidationError, ValueError) as error:
+        raise click.UsageError(f"invalid shuffler settings: {error}") from error
+    overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    settings = settings.model_copy(update=overrides)
+    uvicorn.run(
+        create_asgi(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+    )
+
+
+@click.group()
+def analyzer() -> None:
+    """Run the analyzer (settings from ESA_ANALYZER_* environment variables)."""
+
+
+@analyzer.command("serve")
+@click.option(
+    "--host", default=None, help="Bind address (default: ESA_ANALYZER_HOST or 127.0.0.1)."
+)
+@click.option("--port", type=int, default=None, help="Port (default: ESA_ANALYZER_PORT or 8100).")
+def analyzer_serve(host: str | None, port: int | None) -> None:
+    """Serve the analyzer API and dashboard with uvicorn until interrupted."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from analyzer.app import create_app
+    from analyzer.channels import ChannelConfigError
+    from analyzer.settings import AnalyzerSettings
+
+    try:
+        settings = AnalyzerSettings()
+        overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+        app = create_app(settings.model_copy(update=overrides))
+    except (ValidationError, ChannelConfigError, ValueError) as error:
+        raise click.UsageError(f"invalid analyzer settings: {error}") from error
+    uvicorn.run(
+        app,
+        host=overrides.get("host", settings.host),  # type: ignore[arg-type]
+        port=overrides.get("port", settings.port),  # type: ignore[arg-type]
+        log_config=None,
+        access_log=False,
+    )
+
+
+@click.command("up")
+@click.option(
+    "--var",
+    "var",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("var"),
+    show_default=True,
+    help="Where keys, SQLite files, channel config and logs live.",
+)
+@click.option("--shufflers", type=click.IntRange(1, 16), default=3, show_default=True)
+@click.option(
+    "--base-port",
+    type=int,
+    default=8100,
+    show_default=True,
+    help="Analyzer port; shuffler i listens on base-port + i.",
+)
+def up_command(var: Path, shufflers: int, base_port: int) -> None:
+    """Start the analyzer and K shufflers on 127.0.0.1 and keep them running.
+
+    Creates keys and the default channel set (every mechanism) on first run, waits until all
+    services are ready, prints their URLs, and stops them all on Ctrl-C or SIGTERM.
+    """
+    from services.launcher import LaunchError, serve_forever, up
+
+    try:
+        services = up(var, shufflers, base_port)
+    except LaunchError as error:
+        raise click.ClickException(str(error)) from error
+    for service in services:
+        click.echo(f"{service.name:<12} {service.url}")
+    click.echo(f"dashboard    http://127.0.0.1:{base_port}/   (Ctrl-C stops everything)")
+    try:
+        serve_forever(services)
+    except LaunchError as error:
+        raise click.ClickException(str(error)) from error
+
+
+@click.group()
+def keys() -> None:
+    """Create key files (PEM, mode 0600)."""
+
+
+@keys.command("generate")
+@click.option("--role", type=click.Choice(["analyzer", "shuffler"]), required=True)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Directory for the key files (created; existing keys are never overwritten).",
+)
+def keys_generate(role: str, out: Path) -> None:
+    """Analyzer: hpke.pem (X25519) and signing.pem (Ed25519, signs the collection config).
+    Shuffler: hpke.pem (X25519) and signing.pem (Ed25519, signs batches)."""
+    from common.envelope import key_id, load_or_create_ed25519, load_or_create_x25519
+
+    hpke_path, signing_path = out / "hpke.pem", out / "signing.pem"
+    existed = hpke_path.exists(), signing_path.exists()
+    hpke = load_or_create_x25519(hpke_path)
+    load_or_create_ed25519(signing_path)
+    for path, was_there in zip((hpke_path, signing_path), existed, strict=True):
+        click.echo(f"{'kept existing' if was_there else 'created'} {path}")
+    click.echo(f"{role} HPKE key id: {key_id(hpke.public_key()).hex()}")

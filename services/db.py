@@ -1,0 +1,71 @@
+"""Database engines and migrations shared by the shuffler and the analyzer.
+
+SQLite (the embedded default) runs in WAL mode with ``synchronous=FULL``: a committed
+transaction is on disk before the service acknowledges it. PostgreSQL (``postgresql+psycopg``)
+is the production database. Schemas are managed by alembic; every service runs
+``upgrade head`` on start (the pre-start step), after waiting for the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``; SQLite files get their directory, WAL and FULL sync."""
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 5.0})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_connection: Any, _: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
+
+
+def wait_for(engine: Engine, timeout: float = 30.0) -> None:
+    """Block until the database answers ``SELECT 1`` (raises after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with engine.connect() as connection:
+                connection.execute(text("SELECT 1"))
+            return
+        except OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            log.info("waiting for the database")
+            time.sleep(0.5)
+
+
+def upgrade(engine: Engine, script_location: Path) -> None:
+    """Run alembic ``upgrade head`` for one service's migration folder."""
+    config = Config()
+    config.set_main_option("script_location", str(script_location))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+
+def is_sqlite(engine: Engine) -> bool:
+    """True for the embedded SQLite backend."""
+    return engine.dialect.name == "sqlite"

@@ -1,0 +1,269 @@
+"""``esa up``: the embedded deployment — an analyzer and K shufflers as processes on 127.0.0.1.
+
+On first run it creates ``<var>/keys/...`` (PEM, 0600) and writes the channel set and the
+shuffler registry under ``<var>``; every service keeps its SQLite file under ``<var>``. It
+refuses to start when a port is taken, waits until every service is ready, prints the URLs,
+and on Ctrl-C / SIGTERM stops every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from common.envelope import key_id, load_or_create_ed25519, load_or_create_x25519, public_bytes
+from common.wire import ChannelConfig, b64
+
+ANALYZER_PORT = 8100
+
+#: The default channel set shows every mechanism (ARCHITECTURE.md, "Running it").
+DEFAULT_CHANNELS = [
+    ChannelConfig(
+        id="homepage",
+        title="Heavy-hitter pages (k-RAPPOR attribute fragments)",
+        mechanism="krappor",
+        params={"k": 1000, "eps": 6.0},
+        min_crowd=50,
+        eps_cr=1.0,
+        delta_cr=1e-6,
+        max_fragments=64,
+        delta=1e-8,
+    ),
+    ChannelConfig(
+        id="homepage-fragments",
+        title="Same, with report fragments and backstops",
+        mechanism="rfrag",
+        params={"k": 1000, "eps_b": 6.0, "eps_f": 4.0, "tau": 3},
+        min_crowd=50,
+        eps_cr=1.0,
+        delta_cr=1e-6,
+        max_fragments=64,
+        delta=1e-8,
+    ),
+    ChannelConfig(
+        id="picture",
+        title="An image channel (32x32 pixels)",
+        mechanism="krappor",
+        params={"k": 1024, "eps": 6.0},
+        min_crowd=50,
+        eps_cr=1.0,
+        delta_cr=1e-6,
+        max_fragments=64,
+        delta=1e-8,
+        display="image",
+        image_shape=(32, 32),
+    ),
+    ChannelConfig(
+        id="abroad",
+        title="Longitudinal: state changed",
+        mechanism="longitudinal",
+        params={"d": 16, "k": 2, "eps": 4.0},
+        min_crowd=20,
+        eps_cr=1.0,
+        delta_cr=1e-6,
+        max_fragments=1,
+        delta=1e-8,
+        display="series",
+    ),
+    ChannelConfig(
+        id="features",
+        title="Balcer-Cheu zero-sum histogram",
+        mechanism="zsum",
+        params={"d": 8, "eps": 1.0, "delta": 1e-6, "n": 2000},
+        min_crowd=50,
+        eps_cr=1.0,
+        delta_cr=1e-6,
+        max_fragments=16,
+        delta=1e-6,
+    ),
+]
+
+
+class LaunchError(RuntimeError):
+    """The deployment cannot start (port taken, a service did not become ready)."""
+
+
+@dataclass
+class Service:
+    """One started process."""
+
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+def port_free(port: int) -> bool:
+    """True if nothing listens on 127.0.0.1:port."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def prepare(
+    var: Path, shufflers: int, base_port: int
+) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """Keys, channel file and shuffler registry; returns (analyzer env, shuffler envs)."""
+    registry, shuffler_envs = [], []
+    for i in range(1, shufflers + 1):
+        sid = f"shuffler-{i}"
+        keys = var / "keys" / sid
+        hpke, signer = (
+            load_or_create_x25519(keys / "hpke.pem"),
+            load_or_create_ed25519(keys / "signing.pem"),
+        )
+        port = base_port + i
+        registry.append(
+            {
+                "id": sid,
+                "url": f"http://127.0.0.1:{port}",
+                "public_key": b64(public_bytes(hpke.public_key())),
+                "key_id": key_id(hpke.public_key()).hex(),
+                "signing_key": b64(public_bytes(signer.public_key())),
+            }
+        )
+        shuffler_envs.append(
+            {
+                "ESA_SHUFFLER_SHUFFLER_ID": sid,
+                "ESA_SHUFFLER_PORT": str(port),
+                "ESA_SHUFFLER_DATABASE_URL": f"sqlite:///{var / sid / 'shuffler.db'}",
+                "ESA_SHUFFLER_KEY_DIR": str(keys),
+                "ESA_SHUFFLER_CHANNELS_FILE": str(var / "channels.json"),
+                "ESA_SHUFFLER_ANALYZER_URL": f"http://127.0.0.1:{base_port}",
+            }
+        )
+    var.mkdir(parents=True, exist_ok=True)
+    (var / "channels.json").write_text(
+        json.dumps([c.model_dump() for c in DEFAULT_CHANNELS], indent=2)
+    )
+    (var / "shufflers.json").write_text(json.dumps(registry, indent=2))
+    analyzer_env = {
+        "ESA_ANALYZER_PORT": str(base_port),
+        "ESA_ANALYZER_DATABASE_URL": f"sqlite:///{var / 'analyzer' / 'analyzer.db'}",
+        "ESA_ANALYZER_KEY_DIR": str(var / "keys" / "analyzer"),
+        "ESA_ANALYZER_CHANNELS_FILE": str(var / "channels.json"),
+        "ESA_ANALYZER_SHUFFLERS_FILE": str(var / "shufflers.json"),
+    }
+    return analyzer_env, shuffler_envs
+
+
+def _start(name: str, command: list[str], env: dict[str, str], url: str, log: Path) -> Service:
+    handle = log.open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *command],
+        env={**os.environ, **env},
+        stdout=handle,
+        stderr=handle,
+        start_new_session=True,
+    )
+    return Service(name, url, process)
+
+
+def _wait_ready(services: list[Service], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(services)
+    while pending:
+        for service in list(pending):
+            if service.process.poll() is not None:
+                raise LaunchError(f"{service.name} exited with {service.process.returncode}")
+            try:
+                if httpx.get(service.url + "/readyz", timeout=1.0).status_code == 200:
+                    pending.remove(service)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise LaunchError(
+                f"not ready after {timeout:.0f} s: {', '.join(s.name for s in pending)}"
+            )
+        time.sleep(0.1)
+
+
+def stop(services: list[Service]) -> None:
+    """SIGTERM every service, then SIGKILL whatever is left after 10 s."""
+    for service in services:
+        if service.process.poll() is None:
+            service.process.terminate()
+    deadline = time.monotonic() + 10
+    for service in services:
+        try:
+            service.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()
+
+
+def up(
+    var: Path, shufflers: int = 3, base_port: int = ANALYZER_PORT, timeout: float = 60.0
+) -> list[Service]:
+    """Start the deployment and return its services once all are ready.
+
+    Raises:
+        LaunchError: a port is taken or a service did not become ready (nothing is left running).
+    """
+    ports = [base_port + i for i in range(shufflers + 1)]
+    taken = [p for p in ports if not port_free(p)]
+    if taken:
+        raise LaunchError(
+            f"port(s) {', '.join(map(str, taken))} on 127.0.0.1 already in use: is "
+            "another deployment running? Stop it or pass --base-port."
+        )
+    analyzer_env, shuffler_envs = prepare(var, shufflers, base_port)
+    logs = var / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    services = [
+        _start(
+            "analyzer",
+            ["analyzer", "serve"],
+            analyzer_env,
+            f"http://127.0.0.1:{base_port}",
+            logs / "analyzer.log",
+        )
+    ]
+    services += [
+        _start(
+            env["ESA_SHUFFLER_SHUFFLER_ID"],
+            ["shuffler", "serve"],
+            env,
+            f"http://127.0.0.1:{env['ESA_SHUFFLER_PORT']}",
+            logs / f"{env['ESA_SHUFFLER_SHUFFLER_ID']}.log",
+        )
+        for env in shuffler_envs
+    ]
+    try:
+        _wait_ready(services, timeout)
+    except LaunchError:
+        stop(services)
+        raise
+    return services
+
+
+def serve_forever(services: list[Service]) -> None:
+    """Block until Ctrl-C / SIGTERM or a service dies, then stop everything."""
+    stopping = {"flag": False}
+
+    def _handler(signum: int, _: Any) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+    try:
+        while not stopping["flag"]:
+            dead = [s for s in services if s.process.poll() is not None]
+            if dead:
+                raise LaunchError(f"{dead[0].name} stopped unexpectedly")
+            time.sleep(0.2)
+    finally:
+        stop(services)

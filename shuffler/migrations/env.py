@@ -1,0 +1,12 @@
+"""Alembic environment: run against the connection that services.db.upgrade passes in."""
+
+from alembic import context
+
+from shuffler.storage import metadata
+
+connection = context.config.attributes["connection"]
+context.configure(
+    connection=connection, target_metadata=metadata, version_table="alembic_version_shuffler"
+)
+with context.begin_transaction():
+    context.run_migrations()

@@ -1,0 +1,74 @@
+"""Shuffler settings: environment variables ``ESA_SHUFFLER_*`` (or a ``.env`` file).
+
+Channels come from ``ESA_SHUFFLER_CHANNELS`` (a JSON list of :class:`ChannelPolicy`) or
+``ESA_SHUFFLER_CHANNELS_FILE`` (a JSON file with that list, or with an analyzer collection
+config's ``channels``). Placeholder secrets are refused outside ``environment=development``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.wire import ChannelPolicy
+
+PLACEHOLDERS = {"", "changeme", "change-me", "secret", "development"}
+
+
+class ShufflerSettings(BaseSettings):
+    """Everything a shuffler instance needs; validated at start."""
+
+    model_config = SettingsConfigDict(env_prefix="ESA_SHUFFLER_", env_file=".env", extra="ignore")
+
+    shuffler_id: str = "shuffler-1"
+    environment: Literal["development", "production"] = "development"
+    host: str = "127.0.0.1"
+    port: int = Field(8101, ge=1, le=65535)
+    database_url: str = "sqlite:///var/shuffler-1/shuffler.db"
+    key_dir: Path = Path("var/keys/shuffler-1")
+    analyzer_url: str | None = None
+    token_secret: SecretStr = SecretStr("development")
+    admin_token: SecretStr = SecretStr("development")
+    channels: list[ChannelPolicy] = Field(default_factory=list)
+    channels_file: Path | None = None
+    max_body_bytes: int = Field(256 * 1024, ge=1024)
+    rate_per_second: float = Field(5.0, gt=0)
+    rate_burst: int = Field(20, ge=1)
+    enroll_per_minute: float = Field(600.0, gt=0)
+    epoch_grace_seconds: float = Field(2.0, ge=0)
+    batch_interval_seconds: float = Field(1.0, gt=0)
+    forward_interval_seconds: float = Field(0.5, gt=0)
+    backoff_base_seconds: float = Field(0.5, gt=0)
+    backoff_cap_seconds: float = Field(60.0, gt=0)
+    retention_seconds: float = Field(7 * 24 * 3600.0, gt=0)
+    commit_batch: int = Field(64, ge=1)
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _load_and_check(self) -> ShufflerSettings:
+        if self.channels_file is not None:
+            data = json.loads(self.channels_file.read_text())
+            listed = data.get("channels", data) if isinstance(data, dict) else data
+            fields = set(ChannelPolicy.model_fields)
+            self.channels = [
+                ChannelPolicy(**{k: v for k, v in c.items() if k in fields}) for c in listed
+            ]
+        if self.environment != "development":
+            for name in ("token_secret", "admin_token"):
+                value = getattr(self, name).get_secret_value()
+                if value.lower() in PLACEHOLDERS or len(value) < 16:
+                    raise ValueError(
+                        f"{name} must be set to a real secret (>= 16 chars) in {self.environment}"
+                    )
+        ids = [c.id for c in self.channels]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"duplicate channel ids in {ids}")
+        return self
+
+    def channel(self, channel_id: str) -> ChannelPolicy | None:
+        """The policy of ``channel_id``, if configured."""
+        return next((c for c in self.channels if c.id == channel_id), None)

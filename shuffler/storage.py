@@ -1,0 +1,109 @@
+"""The shuffler's tables (SQLAlchemy Core; the schema is created by alembic migrations).
+
+* ``contributions``: acknowledged contributions awaiting their group's evaluation. The client
+  id stays here for the per-(client, channel, crowd, epoch) quota (one contribution) and never
+  leaves the shuffler; ``held_part`` marks contributions of a group that was evaluated below
+  the minimum crowd and is held until retention expiry.
+* ``groups``: one row per evaluated (channel, crowd, epoch, part) — a group is never evaluated
+  twice with fresh noise; records what randomized deletion did.
+* ``batches``: signed batches and their forwarding state.
+* ``purges``: contributions deleted by retention, so every acknowledged contribution is
+  accounted for (forwarded, deleted by Algorithm 3, or purged).
+* ``revoked``: revoked client ids.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData()
+
+contributions = Table(
+    "contributions",
+    metadata,
+    Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
+    Column("channel_id", String(64), nullable=False),
+    Column("crowd_id", String(255), nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("client_id", String(64), nullable=False),
+    Column("nonce", LargeBinary(16), nullable=False, unique=True),
+    Column("fragments", LargeBinary, nullable=False),
+    Column("n_fragments", Integer, nullable=False),
+    Column("received_at", Float, nullable=False),
+    Column("held_part", Integer, nullable=True),
+    Column("receipt", String(32), nullable=False, unique=True),
+    UniqueConstraint("client_id", "channel_id", "crowd_id", "epoch", name="uq_contribution_quota"),
+    Index("ix_contributions_group", "channel_id", "crowd_id", "epoch", "held_part"),
+)
+
+groups = Table(
+    "groups",
+    metadata,
+    Column("channel_id", String(64), primary_key=True),
+    Column("crowd_id", String(255), primary_key=True),
+    Column("epoch", BigInteger, primary_key=True),
+    Column("part", Integer, primary_key=True),
+    Column("status", String(16), nullable=False),
+    Column("n", Integer, nullable=False),
+    Column("kept", Integer, nullable=False),
+    Column("deleted", Integer, nullable=False),
+    Column("evaluated_at", Float, nullable=False),
+)
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("batch_id", String(32), primary_key=True),
+    Column("channel_id", String(64), nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("n_contributions", Integer, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("signature", Text, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("next_attempt_at", Float, nullable=False),
+    Column("forwarded_at", Float, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Index("ix_batches_status", "status", "next_attempt_at"),
+)
+
+purges = Table(
+    "purges",
+    metadata,
+    Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
+    Column("reason", String(32), nullable=False),
+    Column("contributions", Integer, nullable=False),
+    Column("purged_at", Float, nullable=False),
+)
+
+closed_epochs = Table(
+    "closed_epochs",
+    metadata,
+    Column("channel_id", String(64), primary_key=True),
+    Column("epoch", BigInteger, primary_key=True),
+    Column("closed_at", Float, nullable=False),
+)
+
+revoked = Table(
+    "revoked",
+    metadata,
+    Column("client_id", String(64), primary_key=True),
+    Column("revoked_at", Float, nullable=False),
+)
