@@ -1,0 +1,142 @@
+"""Analyzer speed: batch intake vs raw HPKE opening, and a Table I-size estimate.
+
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/analyzer.py``). The analyzer runs as a
+real uvicorn process on SQLite; signed batches of sealed k-RAPPOR fragments (k = 1,778,120,
+ε = 12) are POSTed to it. In the same run, this process measures how fast it can open the same
+kind of sealed fragment with nothing else to do. Writes the "Analyzer" section of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _report import machine, write_section
+
+from common.envelope import (
+    KeyRing,
+    key_id,
+    load_or_create_ed25519,
+    load_or_create_x25519,
+    open_fragment,
+    public_bytes,
+    seal_fragment,
+    sign,
+)
+from common.mechanisms import krappor
+from common.wire import Batch, ChannelConfig, b64
+from tests.support import analyzer_process
+
+SECTION = "## Analyzer"
+K = 1_778_120
+CHANNEL = ChannelConfig(
+    id="heavy",
+    mechanism="krappor",
+    params={"k": K, "eps": 12.0},
+    min_crowd=100,
+    max_fragments=64,
+    payload_size=16,
+    delta=5e-10,
+)
+BATCHES, PER_BATCH = 4, 5_000
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        signer = load_or_create_ed25519(tmp / "s1" / "signing.pem")
+        hpke = load_or_create_x25519(tmp / "s1" / "hpke.pem")
+        analyzer_key = load_or_create_x25519(tmp / "analyzer" / "keys" / "hpke.pem")
+        registry = [
+            {
+                "id": "shuffler-1",
+                "url": "http://127.0.0.1:1",
+                "public_key": b64(public_bytes(hpke.public_key())),
+                "key_id": key_id(hpke.public_key()).hex(),
+                "signing_key": b64(public_bytes(signer.public_key())),
+            }
+        ]
+        params = krappor.KRapporParams(k=K, eps=12.0)
+        bodies = []
+        sealed_all: list[bytes] = []
+        for _ in range(BATCHES):
+            sealed = [
+                seal_fragment(f, CHANNEL.id, 16, analyzer_key.public_key())
+                for _ in range(PER_BATCH)
+                for f in krappor.encode(secrets.randbelow(1000), params)
+            ]
+            sealed_all.extend(sealed)
+            batch = Batch(
+                batch_id=secrets.token_hex(16),
+                shuffler_id="shuffler-1",
+                channel_id=CHANNEL.id,
+                crowd_id="",
+                epoch=1,
+                n_contributions=PER_BATCH,
+                fragments=[b64(f) for f in sealed],
+            )
+            body = batch.body()
+            bodies.append((body, b64(sign(body, signer))))
+        fragments = sum(len(Batch.model_validate_json(b).fragments) for b, _ in bodies)
+        ring = KeyRing.of(analyzer_key)
+        start = time.perf_counter()
+        for blob in sealed_all[:20_000]:
+            open_fragment(blob, CHANNEL.id, ring)
+        raw_rate = 20_000 / (time.perf_counter() - start)
+        service = analyzer_process(tmp, [CHANNEL.model_dump()], registry).start()
+        try:
+            with httpx.Client(timeout=600) as client:
+                start = time.perf_counter()
+                for body, signature in bodies:
+                    response = client.post(
+                        service.url + "/v1/batches",
+                        content=body,
+                        headers={"ESA-Signature": signature},
+                    )
+                    assert response.status_code == 201, response.text
+                intake_seconds = time.perf_counter() - start
+                start = time.perf_counter()
+                response = client.get(
+                    service.url + f"/v1/channels/{CHANNEL.id}/estimate?epoch=1&top=100"
+                )
+                estimate_seconds = time.perf_counter() - start
+                assert response.status_code == 200, response.text
+                certificate = response.json()["certificate"]
+        finally:
+            service.stop()
+    intake_rate = fragments / intake_seconds
+    lines = [
+        "Command: `make bench` (runs `.venv/bin/python benchmarks/analyzer.py`).",
+        f"Machine: {machine(pinned=False)}.",
+        "",
+        f"{BATCHES} signed batches, {fragments:,} sealed k-RAPPOR fragments in all",
+        f"(k = 1,778,120, ε = 12, {BATCHES * PER_BATCH:,} contributions), POSTed to one",
+        "`esa analyzer serve` process (SQLite). Intake = verify the signature, open every",
+        "fragment, parse it, update the accumulator and the receipt in one transaction.",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| raw HPKE open rate (this process, nothing else) | {raw_rate:,.0f} fragments/s |",
+        f"| analyzer intake over HTTP | {intake_rate:,.0f} fragments/s |",
+        f"| ratio intake / raw | **{intake_rate / raw_rate:.2f}** (target >= 0.6) |",
+        "| estimate of the 1,778,120-bin histogram with its certificate | "
+        f"**{estimate_seconds:.2f} s** (target < 1 s) |",
+        "",
+        f"Certificate of that release: ε = {certificate['eps']:.4g}, δ = {certificate['delta']:.3g}"
+        f" ({certificate['method']}).",
+    ]
+    write_section(SECTION, "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Shuffler speed: ingest throughput/latency vs a trivial endpoint, and building a 1M batch.
+
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/shuffler.py``). The shuffler runs as a
+real uvicorn process on SQLite (WAL, synchronous=FULL); 64 concurrent HTTP/1.1 clients from
+this process post pre-sealed contributions. In the same run the same clients hit the same
+server's trivial ``GET /healthz``. Writes the "Shuffler" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _report import machine, write_section
+
+from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
+from shuffler.core import TokenAuthority, pack_fragments
+from tests.support import free_port, shuffler_process
+
+SECTION = "## Shuffler"
+CONCURRENCY = 64
+REQUESTS = 12_000
+CHANNEL = {
+    "id": "bench",
+    "epoch_seconds": 3600,
+    "min_crowd": 10,
+    "eps_cr": 1.0,
+    "delta_cr": 1e-6,
+    "max_fragments": 16,
+    "max_batch": 2_000_000,
+}
+
+
+async def _connection(host: str, port: int, requests: list[bytes], latencies: list[float]) -> None:
+    """One keep-alive HTTP/1.1 connection sending its requests back to back.
+
+    A raw asyncio client: general-purpose Python HTTP clients top out near the server's rate
+    on this 2-core machine and would measure themselves instead of the server.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        for request in requests:
+            start = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = int(head.split(b" ", 2)[1])
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            await reader.readexactly(length)
+            if status not in (200, 202):
+                raise RuntimeError(f"unexpected status {status}: {head!r}")
+            latencies.append(time.perf_counter() - start)
+    finally:
+        writer.close()
+
+
+async def _load(port: int, requests: list[bytes]) -> tuple[float, list[float]]:
+    latencies: list[float] = []
+    shares = [requests[i::CONCURRENCY] for i in range(CONCURRENCY)]
+    start = time.perf_counter()
+    await asyncio.gather(*(_connection("127.0.0.1", port, share, latencies) for share in shares))
+    return time.perf_counter() - start, latencies
+
+
+def _post(token: str, blob: bytes) -> bytes:
+    head = (
+        f"POST /v1/contributions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {token}\r\nContent-Type: application/octet-stream\r\n"
+        f"Content-Length: {len(blob)}\r\n\r\n"
+    )
+    return head.encode() + blob
+
+
+TRIVIAL = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+ROUNDS = 3
+
+
+def _wait_ready(port: int) -> None:
+    for _ in range(100):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+
+
+def _ingest(tmp: Path) -> dict[str, float]:
+    """Alternate rounds of ingest, trivial POST and GET /healthz; report medians."""
+    import subprocess
+
+    service = shuffler_process(
+        tmp,
+        "shuffler-1",
+        [CHANNEL],
+        rate_per_second="1000",
+        rate_burst="1000",
+        commit_batch="64",
+        batch_interval_seconds="1.0",
+        forward_interval_seconds="1.0",
+    ).start()
+    trivial_port = free_port()
+    trivial = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "trivial_app.py"), str(trivial_port)]
+    )
+    rates: dict[str, list[float]] = {"ingest": [], "post": [], "healthz": []}
+    latencies: dict[str, list[float]] = {"ingest": [], "post": [], "healthz": []}
+    try:
+        _wait_ready(trivial_port)
+        config = httpx.get(service.url + "/v1/config").json()
+        public = load_x25519_public(base64.b64decode(config["public_key"]))
+        tokens = TokenAuthority(b"development")
+        epoch = int(time.time() // 3600)
+        fragment = bytes(72)
+        rounds = [
+            [
+                _post(
+                    tokens.issue(),
+                    seal_contribution(
+                        Contribution("bench", "", epoch, new_nonce(), (fragment,) * 6),
+                        "shuffler-1",
+                        public,
+                    ),
+                )
+                for _ in range(REQUESTS)
+            ]
+            for _ in range(ROUNDS)
+        ]
+        asyncio.run(_load(service.port, [TRIVIAL] * 2_000))
+        asyncio.run(_load(trivial_port, rounds[0][:2_000]))
+        for requests in rounds:
+            for name, port, load in (
+                ("post", trivial_port, requests),
+                ("ingest", service.port, requests),
+                ("healthz", service.port, [TRIVIAL] * REQUESTS),
+            ):
+                seconds, lat = asyncio.run(_load(port, load))
+                rates[name].append(REQUESTS / seconds)
+                latencies[name].extend(lat)
+    finally:
+        service.stop()
+        trivial.terminate()
+        trivial.wait()
+    quantiles = {k: statistics.quantiles(v, n=100) for k, v in latencies.items()}
+    return {
+        "ingest_rate": statistics.median(rates["ingest"]),
+        "post_rate": statistics.median(rates["post"]),
+        "trivial_rate": statistics.median(rates["healthz"]),
+        "p50_ms": quantiles["ingest"][49] * 1e3,
+        "p99_ms": quantiles["ingest"][98] * 1e3,
+        "post_p50_ms": quantiles["post"][49] * 1e3,
+        "trivial_p50_ms": quantiles["healthz"][49] * 1e3,
+        "ratios": [i / p for i, p in zip(rates["ingest"], rates["post"], strict=True)],
+    }
+
+
+def _big_batch(tmp: Path) -> tuple[float, int]:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from sqlalchemy import insert
+
+    from common.envelope import KeyRing
+    from common.wire import ChannelPolicy
+    from services import db
+    from shuffler import storage
+    from shuffler.app import MIGRATIONS
+    from shuffler.core import ShufflerCore
+    from shuffler.settings import ShufflerSettings
+
+    url = f"sqlite:///{tmp / 'big.db'}"
+    policy = ChannelPolicy(**CHANNEL)
+    settings = ShufflerSettings(database_url=url, key_dir=tmp / "keys", channels=[policy])
+    engine = db.make_engine(url)
+    db.upgrade(engine, MIGRATIONS)
+    core = ShufflerCore(
+        settings,
+        engine,
+        KeyRing.of(X25519PrivateKey.generate()),
+        Ed25519PrivateKey.generate(),
+        clock=lambda: 0.0,
+    )
+    contributions, per = 100_000, 10
+    rows = [
+        {
+            "channel_id": "bench",
+            "crowd_id": "",
+            "epoch": 0,
+            "client_id": secrets.token_hex(16),
+            "nonce": os.urandom(16),
+            "fragments": pack_fragments([os.urandom(72)] * per),
+            "n_fragments": per,
+            "received_at": 0.0,
+            "receipt": secrets.token_hex(16),
+        }
+        for _ in range(contributions)
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(storage.contributions), rows)
+    start = time.perf_counter()
+    outcome = core.evaluate("bench", "", 0, final=True)
+    seconds = time.perf_counter() - start
+    assert outcome is not None and outcome.status == "released"
+    return seconds, outcome.kept * per
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        ingest = _ingest(tmp)
+        big_seconds, big_fragments = _big_batch(tmp)
+    ratio = statistics.median(ingest["ratios"])  # type: ignore[arg-type]
+    ratio_get = ingest["ingest_rate"] / ingest["trivial_rate"]
+    verdict = "met" if ratio >= 0.5 else "**not met**"
+    row = "| {} | {:,.0f} | {:.1f} | {} |"
+    lines = [
+        "Command: `make bench` (runs `.venv/bin/python benchmarks/shuffler.py`).",
+        f"Machine: {machine(pinned=False)} (server and load generator share the 2 cores).",
+        "",
+        f"{ROUNDS} alternating rounds of {REQUESTS:,} requests each (medians below) over "
+        f"{CONCURRENCY} concurrent HTTP/1.1 keep-alive connections",
+        "(loopback) to one `esa shuffler serve` process (uvicorn with uvloop/httptools, SQLite WAL",
+        "with synchronous=FULL, group commit). Each contribution is HPKE-sealed with 6 fragments;",
+        "the shuffler verifies the token, opens the envelope, checks quota and nonce, and commits",
+        "before answering 202. The load generator is a raw asyncio HTTP/1.1 client.",
+        "",
+        "| endpoint | requests/s | p50 ms | p99 ms |",
+        "|---|---|---|---|",
+        row.format(
+            "POST /v1/contributions",
+            ingest["ingest_rate"],
+            ingest["p50_ms"],
+            f"{ingest['p99_ms']:.1f}",
+        ),
+        row.format(
+            "trivial FastAPI POST, same bodies, same stack",
+            ingest["post_rate"],
+            ingest["post_p50_ms"],
+            "—",
+        ),
+        row.format(
+            "GET /healthz on the shuffler", ingest["trivial_rate"], ingest["trivial_p50_ms"], "—"
+        ),
+        "",
+        f"Ingest: **{ingest['ingest_rate']:,.0f}/s** (target >= 1,500/s). Ratio ingest / trivial",
+        f"POST: **{ratio:.2f}**; ingest / GET /healthz: {ratio_get:.2f}",
+        f"(target >= 0.5: {verdict}; per-round ratios "
+        f"{', '.join(f'{r:.2f}' for r in ingest['ratios'])}).",
+        "Where the time goes (py-spy, GIL-holding samples): about a quarter is opening the HPKE",
+        "envelope (X25519 + HKDF + AES-GCM, ~56 µs), the rest is uvicorn/Starlette/FastAPI",
+        "per-request work that a no-op endpoint also pays; the commit's fsync runs off the GIL.",
+        "",
+        f"Building one batch of {big_fragments:,} fragments (100,000 contributions × 10",
+        "fragments: Algorithm 3, CSPRNG shuffle, JSON body, Ed25519 signature, stored in the",
+        f"transaction that deletes the contributions): **{big_seconds:.1f} s** (target < 10 s).",
+    ]
+    write_section(SECTION, "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
