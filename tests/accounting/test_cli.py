@@ -1,0 +1,110 @@
+"""``esa account`` end to end through the real console script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+ESA = [sys.executable, "-m", "services.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*ESA, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_plan_table_i_paper_bound_prints_12_99() -> None:
+    out = run(
+        "account",
+        "plan",
+        "--target-eps",
+        "1",
+        "--delta",
+        "5e-10",
+        "--n",
+        "203950512",
+        "--mechanism",
+        "krappor",
+        "--bound",
+        "cheu-lemma-ii6",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ε0 = 12.99" in out.stdout
+
+
+def test_plan_tightest_is_larger_and_json_is_one_object() -> None:
+    out = run(
+        "account",
+        "plan",
+        "--target-eps",
+        "1",
+        "--delta",
+        "5e-10",
+        "--n",
+        "203950512",
+        "--mechanism",
+        "krappor",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert set(data) >= {"certified", "bounds", "eps0"}
+    assert data["eps0"] > 13.5
+    assert data["certified"]["eps"] <= 1.0
+    assert data["certified"]["method"] == "blanket-binary-rr"
+
+
+def test_certify_marks_the_smallest_valid_bound() -> None:
+    out = run(
+        "account",
+        "certify",
+        "--mechanism",
+        "krappor",
+        "--eps0",
+        "8",
+        "--n",
+        "1000000",
+        "--delta",
+        "1e-9",
+        "--json",
+    )
+    data = json.loads(out.stdout)
+    valid = [b for b in data["bounds"] if b["valid_regime"]]
+    assert data["certified"]["eps"] == min(b["eps"] for b in valid)
+    assert data["eps0"] == 8.0
+    table = run(
+        "account",
+        "certify",
+        "--mechanism",
+        "krappor",
+        "--eps0",
+        "8",
+        "--n",
+        "1000000",
+        "--delta",
+        "1e-9",
+    )
+    assert "★" in table.stdout and "blanket-binary-rr" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--eps0", "1", "--n", "0", "--delta", "1e-6"], "n=0"),
+        (["--eps0", "1", "--n", "10", "--delta", "2"], "delta=2.0"),
+        (["--eps0", "nan", "--n", "10", "--delta", "1e-6"], "eps0=nan"),
+        (["--n", "10", "--delta", "1e-6"], "--eps0"),
+        (["--eps0", "1", "--n", "10", "--delta", "1e-6", "--mechanism", "krr"], "k is required"),
+    ],
+)
+def test_bad_input_exits_2_with_the_value_named(args: list[str], message: str) -> None:
+    out = run("account", "certify", *args)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_help_explains_commands() -> None:
+    out = run("account", "plan", "--help")
+    assert out.returncode == 0 and "--target-eps" in out.stdout and "cheu-lemma-ii6" in out.stdout

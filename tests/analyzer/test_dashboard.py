@@ -1,0 +1,178 @@
+"""The dashboard in headless Chromium: loads, no console errors, shows the channels' numbers."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from common.envelope import (
+    key_id,
+    load_or_create_ed25519,
+    load_or_create_x25519,
+    public_bytes,
+    seal_fragment,
+    sign,
+)
+from common.mechanisms import SeededSource, krappor, longitudinal
+from common.wire import Batch, ChannelConfig, b64
+
+from ..support import analyzer_process
+
+CHANNELS = [
+    ChannelConfig(
+        id="homepage",
+        mechanism="krappor",
+        params={"k": 12, "eps": 4.0},
+        min_crowd=20,
+        max_fragments=12,
+        payload_size=16,
+    ),
+    ChannelConfig(
+        id="picture",
+        mechanism="krappor",
+        params={"k": 48, "eps": 6.0},
+        min_crowd=20,
+        max_fragments=48,
+        payload_size=16,
+        display="image",
+        image_shape=(6, 8),
+    ),
+    ChannelConfig(
+        id="abroad",
+        mechanism="longitudinal",
+        params={"d": 8, "k": 1, "eps": 4.0},
+        min_crowd=20,
+        max_fragments=1,
+        payload_size=16,
+        display="series",
+    ),
+]
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("chromium is required under CI=true (.ci/run installs it)")
+        pytest.skip("chromium not installed")
+    return path
+
+
+def _post(
+    url: str, key: object, channel: ChannelConfig, epoch: int, fragments: list[bytes], n: int
+) -> None:
+    batch = Batch(
+        batch_id=secrets.token_hex(16),
+        shuffler_id="shuffler-1",
+        channel_id=channel.id,
+        crowd_id="",
+        epoch=epoch,
+        n_contributions=n,
+        fragments=[b64(f) for f in fragments],
+    )
+    body = batch.body()
+    response = httpx.post(
+        url + "/v1/batches", content=body, headers={"ESA-Signature": b64(sign(body, key))}
+    )  # type: ignore[arg-type]
+    assert response.status_code == 201, response.text
+
+
+def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
+    browser = _chromium()
+    keys = tmp_path / "shuffler-1"
+    signer = load_or_create_ed25519(keys / "signing.pem")
+    hpke = load_or_create_x25519(keys / "hpke.pem")
+    registry = [
+        {
+            "id": "shuffler-1",
+            "url": "http://127.0.0.1:1",
+            "public_key": b64(public_bytes(hpke.public_key())),
+            "key_id": key_id(hpke.public_key()).hex(),
+            "signing_key": b64(public_bytes(signer.public_key())),
+        }
+    ]
+    analyzer_keys = tmp_path / "analyzer" / "keys"
+    analyzer_key = load_or_create_x25519(analyzer_keys / "hpke.pem")
+    service = analyzer_process(tmp_path, [c.model_dump() for c in CHANNELS], registry).start()
+    try:
+        rng = SeededSource(1)
+        for channel in CHANNELS[:2]:
+            params = krappor.KRapporParams(**channel.params)
+            values = np.random.default_rng(2).integers(0, params.k, size=300)
+            frags = [
+                seal_fragment(f, channel.id, 16, analyzer_key.public_key())
+                for v in values
+                for f in krappor.encode(int(v), params, rng)
+            ]
+            _post(service.url, signer, channel, 3, frags, values.size)
+        l_params = longitudinal.LongitudinalParams(**CHANNELS[2].params)
+        states = [longitudinal.setup(l_params, rng) for _ in range(200)]
+        for t in range(1, 9):
+            reports = []
+            for i, state in enumerate(states):
+                states[i], report = longitudinal.update(
+                    state, t, 1 if (t == 3 and i % 2) else 0, l_params, rng
+                )
+                if report is not None:
+                    reports.append(seal_fragment(report, "abroad", 16, analyzer_key.public_key()))
+            _post(service.url, signer, CHANNELS[2], t, reports, 200)
+        releases = {}
+        for channel, query in (
+            ("homepage", "epoch=3"),
+            ("picture", "epoch=3"),
+            ("abroad", "epoch_from=1&epoch_to=8"),
+        ):
+            response = httpx.get(f"{service.url}/v1/channels/{channel}/estimate?{query}")
+            assert response.status_code == 200, response.text
+            releases[channel] = response.json()
+        profile = tmp_path / "chromium-profile"
+        screenshot = tmp_path / "dashboard.png"
+        flags = [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+        ]
+        dom = subprocess.run(
+            [*flags, "--dump-dom", service.url + "/"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        subprocess.run(
+            [*flags, f"--screenshot={screenshot}", "--window-size=1200,2400", service.url + "/"],
+            capture_output=True,
+            timeout=120,
+            check=True,
+        )
+    finally:
+        service.stop()
+    page = dom.stdout
+    for channel, release in releases.items():
+        assert f'id="{channel}"' in page
+        assert f"{release['certificate']['eps']:.4g}" in page
+        assert f"{release['n']:,}" in page
+    assert "data:image/png;base64," in page and "<polyline" in page and "<rect" in page
+    console_errors = [
+        line
+        for line in dom.stderr.splitlines()
+        if "CONSOLE" in line and ("error" in line.lower() or "uncaught" in line.lower())
+    ]
+    assert console_errors == []
+    assert screenshot.stat().st_size > 10_000

@@ -1,0 +1,260 @@
+"""The SDK against real shuffler and analyzer processes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from common.envelope import public_bytes
+from common.wire import ChannelConfig
+from encoder_client import (
+    AlreadyReportedError,
+    ChannelError,
+    Client,
+    ConfigError,
+    ValueOutOfDomainError,
+)
+
+from ..support import Deployment, close_epoch, start_deployment, wait_until
+
+CHANNELS = [
+    ChannelConfig(
+        id="homepage",
+        mechanism="krappor",
+        params={"k": 10, "eps": 4.0},
+        min_crowd=20,
+        eps_cr=1.0,
+        delta_cr=1e-3,
+        max_fragments=10,
+        payload_size=16,
+        delta=1e-8,
+    ),
+    ChannelConfig(
+        id="pages",
+        mechanism="rfrag",
+        params={"k": 10, "eps_b": 4.0, "eps_f": 2.0, "tau": 3},
+        min_crowd=20,
+        eps_cr=1.0,
+        delta_cr=1e-3,
+        max_fragments=10,
+        payload_size=16,
+    ),
+    ChannelConfig(
+        id="abroad",
+        mechanism="longitudinal",
+        params={"d": 8, "k": 1, "eps": 2.0},
+        min_crowd=20,
+        max_fragments=1,
+        payload_size=16,
+        display="series",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    running = start_deployment(tmp_path_factory.mktemp("sdk"), CHANNELS)
+    yield running
+    running.stop()
+
+
+def _client(deployment: Deployment, state: Path, **kwargs: object) -> Client:
+    return Client(
+        deployment.analyzer.url + "/v1/config",
+        trusted_key=deployment.trusted_key(),
+        state_path=state,
+        **kwargs,
+    )  # type: ignore[arg-type]
+
+
+def test_reports_reach_the_analyzer_estimates(deployment: Deployment, tmp_path: Path) -> None:
+    truth = np.array([60, 45, 30, 25, 20, 10, 5, 3, 1, 1])
+    values = np.repeat(np.arange(10), truth)
+    for i, value in enumerate(values):
+        with _client(deployment, tmp_path / f"device-{i}.db", background=False) as client:
+            client.histogram("homepage").report(int(value))
+            assert client.flush() == 1
+    epoch = int(time.time() // 3600)
+    close_epoch(deployment, "homepage", epoch)
+    url = deployment.analyzer.url + f"/v1/channels/homepage/estimate?epoch={epoch}"
+    wait_until(lambda: httpx.get(url).status_code == 200)
+    time.sleep(1.0)
+    release = httpx.get(url).json()
+    kept = release["n"] / values.size
+    bins = np.array(release["bins"])
+    values_hat = np.array(release["values"])
+    expected = truth[bins] * kept
+    # The analyzer's standard error covers the randomized response only; randomized
+    # deletion adds (about) hypergeometric sampling noise of the kept users per bin.
+    deletion_var = truth[bins] * kept * (1 - kept)
+    spread = np.sqrt(np.array(release["std_errors"]) ** 2 + deletion_var)
+    assert 0.7 < kept <= 1.0
+    # 99.9% per bin: a correct pipeline fails this with probability about 1%.
+    assert np.all(np.abs(values_hat - expected) <= 3.29 * spread), (values_hat, expected, spread)
+    # ... and a wrong one (say, estimates off by a factor or in the wrong bin) fails it.
+    assert np.corrcoef(values_hat, expected)[0, 1] > 0.8
+
+
+def test_outbox_survives_app_restarts_and_delivers_exactly_once(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    state = tmp_path / "device.db"
+    key = deployment.trusted_key()
+    config_url = deployment.analyzer.url + "/v1/config"
+    for process in deployment.shufflers:
+        process.stop()
+    script = (
+        "import sys; from encoder_client import Client\n"
+        "c = Client(sys.argv[1], trusted_key=sys.argv[2], state_path=sys.argv[3],\n"
+        "           background=False)\n"
+        "c.histogram('pages').report(3)\n"
+        "print(c.flush(), c.state.outbox_size()); c.close()\n"
+    )
+    queued = subprocess.run(
+        [sys.executable, "-c", script, config_url, key, str(state)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert queued.stdout.split() == ["0", "3"]  # three rows, one per shuffler, all queued
+    for process in deployment.shufflers:
+        process.start()
+    before = _received(deployment)
+    drain = (
+        "import sys, time; from encoder_client import Client\n"
+        "c = Client(sys.argv[1], trusted_key=sys.argv[2], state_path=sys.argv[3],\n"
+        "           background=False)\n"
+        "sent = 0\n"
+        "for _ in range(60):\n"
+        "    sent += c.flush()\n"
+        "    if c.state.outbox_size() == 0: break\n"
+        "    time.sleep(0.25)\n"
+        "print(sent, c.state.outbox_size(), c.flush()); c.close()\n"
+    )
+    drained = subprocess.run(
+        [sys.executable, "-c", drain, config_url, key, str(state)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert drained.stdout.split() == ["3", "0", "0"]
+    assert _received(deployment) - before == 3
+
+
+def _received(deployment: Deployment) -> int:
+    total = 0
+    for process in deployment.shufflers:
+        for line in httpx.get(process.url + "/metrics").text.splitlines():
+            if line.startswith("esa_shuffler_contributions_received_total"):
+                total += int(float(line.split()[-1]))
+    return total
+
+
+def test_restart_reuses_state_and_a_lost_file_is_a_new_device(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    state = tmp_path / "device.db"
+    with _client(deployment, state, background=False) as client:
+        client.histogram("pages").report(4)
+        device = client.device_id
+        backstops = client.state.channel_state("pages", "rfrag")
+        tracker = client.longitudinal("abroad")
+        tracker.update(1, False)
+        tree = client.state.channel_state("abroad", "longitudinal")
+    with _client(deployment, state, background=False) as again:
+        assert again.device_id == device
+        assert again.state.channel_state("pages", "rfrag") == backstops
+        assert again.state.channel_state("abroad", "longitudinal") == tree
+        with pytest.raises(AlreadyReportedError):
+            again.histogram("pages").report(4)
+    state.unlink()
+    for suffix in ("-wal", "-shm"):
+        Path(str(state) + suffix).unlink(missing_ok=True)
+    with _client(deployment, state, background=False) as fresh:
+        assert fresh.device_id != device
+        assert fresh.state.channel_state("pages", "rfrag") is None
+
+
+def test_corrupted_state_is_detected_and_reset(deployment: Deployment, tmp_path: Path) -> None:
+    state = tmp_path / "device.db"
+    state.write_bytes(b"this is not a sqlite database" * 100)
+    with _client(deployment, state, background=False) as client:
+        assert client.state.was_reset
+        assert list(tmp_path.glob("device.db.corrupt-*"))
+
+
+def test_typed_errors(deployment: Deployment, tmp_path: Path) -> None:
+    url = deployment.analyzer.url + "/v1/config"
+    other_key = base64.b64encode(public_bytes(Ed25519PrivateKey.generate().public_key())).decode()
+    with pytest.raises(ConfigError, match="does not verify"):
+        Client(url, trusted_key=other_key, state_path=tmp_path / "a.db", background=False)
+    with pytest.raises(ConfigError, match="expired"):
+        Client(
+            url,
+            trusted_key=deployment.trusted_key(),
+            state_path=tmp_path / "b.db",
+            background=False,
+            clock=lambda: time.time() + 30 * 24 * 3600,
+        )
+    document = httpx.get(url).json()
+    document["config"]["channels"][0]["params"]["eps"] = 20.0
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(document))
+    with pytest.raises(ConfigError, match="does not verify"):
+        Client(
+            config_file=tampered,
+            trusted_key=deployment.trusted_key(),
+            state_path=tmp_path / "c.db",
+            background=False,
+        )
+    unsigned = tmp_path / "unsigned.json"
+    unsigned.write_text(json.dumps({"config": document["config"]}))
+    with pytest.raises(ConfigError, match="not signed"):
+        Client(
+            config_file=unsigned,
+            trusted_key=deployment.trusted_key(),
+            state_path=tmp_path / "d.db",
+            background=False,
+        )
+    with _client(deployment, tmp_path / "e.db", background=False) as client:
+        with pytest.raises(ValueOutOfDomainError, match="value must be an integer in \\[0, 10\\)"):
+            client.histogram("homepage").report(10)
+        client.histogram("homepage").report(2)
+        with pytest.raises(AlreadyReportedError):
+            client.histogram("homepage").report(5)
+        with pytest.raises(ChannelError):
+            client.longitudinal("homepage")
+        with pytest.raises(ChannelError):
+            client.histogram("nope")
+        assert client.state.outbox_size() == 1
+
+
+def test_readme_example_runs_verbatim(deployment: Deployment, tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Embed it in your app", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 15
+    code = code.replace("http://127.0.0.1:8100/v1/config", deployment.analyzer.url + "/v1/config")
+    code = code.replace("PASTE-YOUR-ANALYZER-SIGNING-KEY-BASE64", deployment.trusted_key())
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "outbox 0" in result.stdout and "not reported" not in result.stdout
+    assert (tmp_path / "esa-device.db").exists()

@@ -1,0 +1,173 @@
+"""Unbiasedness, variance and per-report vs aggregate agreement for every mechanism.
+
+MECHANISMS.md, "Accuracy we hold ourselves to": on seeded populations, the mean estimate over
+>= 200 runs is within 4 standard errors of the truth and the empirical variance is within 15%
+of the variance the module reports, both through the per-report path (small n) and through
+``simulate_aggregate`` (large n); the two paths agree in distribution (two-sample KS test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from common.mechanisms import SeededSource, krappor, krr, rfrag, zsum
+from common.mechanisms._estimates import CountAccumulator, Estimate
+
+RUNS = 200
+SMALL = np.array([120, 80, 50, 30, 20, 0, 0, 0], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    report: Callable[[int, SeededSource], list[bytes]]
+    empty: Callable[[], CountAccumulator]
+    add: Callable[[CountAccumulator, list[bytes], int], int]
+    estimate: Callable[[CountAccumulator], Estimate]
+    simulate: Callable[[np.ndarray, np.random.Generator], CountAccumulator]
+    variance: Callable[[np.ndarray], np.ndarray]
+    checked: np.ndarray  # bins where the estimator is unbiased (zsum truncates small counts)
+
+
+def _krappor() -> Case:
+    p = krappor.KRapporParams(k=8, eps=1.5)
+    return Case(
+        "krappor",
+        lambda v, rng: krappor.encode(v, p, rng),
+        lambda: krappor.new_accumulator(p),
+        lambda acc, frags, n: krappor.add_fragments(acc, p, frags, n),
+        lambda acc: krappor.estimate(acc, p),
+        lambda c, g: krappor.simulate_aggregate(c, p, g),
+        lambda c: np.full(c.size, krappor.variance(int(c.sum()), p)),
+        np.arange(8),
+    )
+
+
+def _krr() -> Case:
+    p = krr.KRRParams(k=8, eps=2.0)
+    return Case(
+        "krr",
+        lambda v, rng: krr.encode(v, p, rng),
+        lambda: krr.new_accumulator(p),
+        lambda acc, frags, n: krr.add_fragments(acc, p, frags, n),
+        lambda acc: krr.estimate(acc, p),
+        lambda c, g: krr.simulate_aggregate(c, p, g),
+        lambda c: krr.variance(c, int(c.sum()), p),
+        np.arange(8),
+    )
+
+
+def _rfrag() -> Case:
+    p = rfrag.RFragParams(k=8, eps_b=2.0, eps_f=1.0, tau=4)
+
+    def report(v: int, rng: SeededSource) -> list[bytes]:
+        rows = rfrag.encode(v, p, rfrag.new_state(p), rng)
+        return [f for row in rows for f in row]
+
+    return Case(
+        "rfrag",
+        report,
+        lambda: rfrag.new_accumulator(p),
+        lambda acc, frags, n: rfrag.add_fragments(acc, p, frags, n),
+        lambda acc: rfrag.estimate(acc, p),
+        lambda c, g: rfrag.simulate_aggregate(c, p, g),
+        lambda c: np.full(c.size, rfrag.variance(int(c.sum()), p)),
+        np.arange(8),
+    )
+
+
+ZSUM_SMALL = np.array([360, 160, 50, 30, 0, 0, 0, 0], dtype=np.int64)
+
+
+def _zsum(counts: np.ndarray) -> Case:
+    n = int(counts.sum())
+    p = zsum.ZSumParams(d=8, eps=1.0, delta=0.5, n=n)
+    # Figure 1 zeroes bins with |y| <= m; check bins 6 sd clear of that truncation point.
+    noise_sd = np.sqrt(n * p.noise_prob * (1 - p.noise_prob))
+    big = np.flatnonzero(counts > n * (1 - p.noise_prob) + 6 * noise_sd)
+    return Case(
+        "zsum",
+        lambda v, rng: zsum.encode(v, p, rng),
+        lambda: zsum.new_accumulator(p),
+        lambda acc, frags, m: zsum.add_fragments(acc, p, frags, m),
+        lambda acc: zsum.estimate(acc, p),
+        lambda c, g: zsum.simulate_aggregate(c, p, g),
+        lambda c: np.full(c.size, zsum.variance(int(c.sum()), p)),
+        big,
+    )
+
+
+CASES = {"krappor": _krappor, "krr": _krr, "rfrag": _rfrag}
+
+
+def _per_report_runs(case: Case, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    values = np.repeat(np.arange(counts.size), counts)
+    estimates, sums = [], []
+    for run in range(RUNS):
+        rng = SeededSource(10_000 + run)
+        acc = case.empty()
+        fragments = [f for v in values for f in case.report(int(v), rng)]
+        assert case.add(acc, fragments, int(counts.sum())) == 0
+        estimates.append(case.estimate(acc).values)
+        sums.append(acc.counts.copy())
+    return np.array(estimates), np.array(sums)
+
+
+def _aggregate_runs(case: Case, counts: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    gen = np.random.default_rng(seed)
+    accs = [case.simulate(counts, gen) for _ in range(RUNS)]
+    return np.array([case.estimate(a).values for a in accs]), np.array([a.counts for a in accs])
+
+
+def _check_unbiased_and_variance(case: Case, counts: np.ndarray, estimates: np.ndarray) -> None:
+    variance = case.variance(counts)
+    bins = case.checked
+    mean_error = estimates.mean(axis=0)[bins] - counts[bins]
+    assert np.all(np.abs(mean_error) <= 4 * np.sqrt(variance[bins] / RUNS)), mean_error
+    ratio = estimates.var(axis=0, ddof=1)[bins].mean() / variance[bins].mean()
+    assert abs(ratio - 1) <= 0.15, ratio
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_per_report_path_unbiased_with_reported_variance(name: str) -> None:
+    case = CASES[name]()
+    estimates, _ = _per_report_runs(case, SMALL)
+    _check_unbiased_and_variance(case, SMALL, estimates)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_aggregate_path_unbiased_at_large_n(name: str) -> None:
+    case = CASES[name]()
+    counts = SMALL * 25_000
+    estimates, _ = _aggregate_runs(case, counts, seed=7)
+    _check_unbiased_and_variance(case, counts, estimates)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_per_report_and_aggregate_paths_agree_in_distribution(name: str) -> None:
+    case = CASES[name]()
+    _, per_report = _per_report_runs(case, SMALL)
+    _, aggregate = _aggregate_runs(case, SMALL, seed=11)
+    for j in (0, 3, 6):
+        assert stats.ks_2samp(per_report[:, j], aggregate[:, j]).pvalue > 1e-3, j
+
+
+def test_zsum_paths() -> None:
+    case = _zsum(ZSUM_SMALL)
+    assert case.checked.size >= 2
+    estimates, per_report = _per_report_runs(case, ZSUM_SMALL)
+    _check_unbiased_and_variance(case, ZSUM_SMALL, estimates)
+    assert np.all(estimates[:, ZSUM_SMALL == 0] == 0.0)
+    _, aggregate = _aggregate_runs(case, ZSUM_SMALL, seed=3)
+    assert stats.ks_2samp(per_report[:, 0], aggregate[:, 0]).pvalue > 1e-3
+    large = SMALL * 1000
+    big_case = _zsum(large)
+    assert big_case.checked.size >= 4
+    big_estimates, _ = _aggregate_runs(big_case, large, seed=5)
+    _check_unbiased_and_variance(big_case, large, big_estimates)
+    assert np.all(big_estimates[:, large == 0] == 0.0)

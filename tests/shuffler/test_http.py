@@ -1,0 +1,181 @@
+"""Every status code of PROTOCOL.md's shuffler endpoints, over real HTTP to a uvicorn process."""
+
+from __future__ import annotations
+
+import base64
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
+
+from ..support import ServiceProcess, shuffler_process
+
+CHANNEL = {
+    "id": "homepage",
+    "epoch_seconds": 3600,
+    "min_crowd": 5,
+    "eps_cr": 1.0,
+    "delta_cr": 1e-3,
+    "max_fragments": 4,
+}
+ANALYZER = X25519PrivateKey.generate()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    tmp = tmp_path_factory.mktemp("http")
+    process = shuffler_process(
+        tmp, "shuffler-1", [CHANNEL], rate_per_second="0.5", rate_burst="3", max_body_bytes="4096"
+    ).start()
+    yield process
+    process.stop()
+
+
+def _public(service: ServiceProcess) -> object:
+    config = httpx.get(service.url + "/v1/config").json()
+    return load_x25519_public(base64.b64decode(config["public_key"]))
+
+
+def _token(service: ServiceProcess) -> str:
+    response = httpx.post(service.url + "/v1/enroll")
+    assert response.status_code == 200
+    return str(response.json()["client_token"])
+
+
+def _blob(
+    service: ServiceProcess,
+    channel: str = "homepage",
+    fragments: int = 2,
+    nonce: bytes | None = None,
+    shuffler: str = "shuffler-1",
+) -> bytes:
+    contribution = Contribution(
+        channel,
+        "",
+        int(time.time() // 3600),
+        nonce or new_nonce(),
+        tuple(bytes(72) for _ in range(fragments)),
+    )
+    return seal_contribution(contribution, shuffler, _public(service))  # type: ignore[arg-type]
+
+
+def _post(
+    service: ServiceProcess,
+    body: bytes,
+    token: str | None,
+    content_type: str = "application/octet-stream",
+) -> httpx.Response:
+    headers = {"Content-Type": content_type}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    return httpx.post(service.url + "/v1/contributions", content=body, headers=headers, timeout=30)
+
+
+def _error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.json()["error"] == code and response.json()["detail"]
+
+
+def test_202_after_commit_with_receipt(service: ServiceProcess) -> None:
+    response = _post(service, _blob(service), _token(service))
+    assert response.status_code == 202 and len(response.json()["receipt"]) == 32
+
+
+def test_400_malformed_wrong_channel_wrong_shuffler_and_content_type(
+    service: ServiceProcess,
+) -> None:
+    token = _token(service)
+    _error(_post(service, b"not a ciphertext at all" * 4, token), 400, "malformed")
+    _error(_post(service, _blob(service, channel="other"), _token(service)), 400, "unknown_channel")
+    _error(_post(service, _blob(service, shuffler="shuffler-2"), _token(service)), 400, "malformed")
+    _error(
+        _post(service, _blob(service), _token(service), "application/json"), 400, "bad_content_type"
+    )
+
+
+def test_401_missing_forged_and_revoked_tokens(service: ServiceProcess) -> None:
+    _error(_post(service, _blob(service), None), 401, "bad_token")
+    token = _token(service)
+    _error(_post(service, _blob(service), token[:-2] + "xx"), 401, "bad_token")
+    client_id = token.split(".")[0]
+    revoke = httpx.post(
+        service.url + "/v1/admin/revoke",
+        json={"client_id": client_id},
+        headers={"Authorization": "Bearer development"},
+    )
+    assert revoke.status_code == 200
+    _error(_post(service, _blob(service), token), 401, "revoked")
+    _error(
+        httpx.post(service.url + "/v1/admin/revoke", json={"client_id": "x"}),
+        401,
+        "bad_admin_token",
+    )
+
+
+def test_409_replay_and_quota(service: ServiceProcess) -> None:
+    token = _token(service)
+    nonce = new_nonce()
+    assert _post(service, _blob(service, nonce=nonce), token).status_code == 202
+    _error(_post(service, _blob(service), token), 409, "quota_exceeded")
+    _error(_post(service, _blob(service, nonce=nonce), _token(service)), 409, "replayed_nonce")
+
+
+def test_413_too_large_and_too_many_fragments(service: ServiceProcess) -> None:
+    _error(_post(service, b"x" * 5000, _token(service)), 413, "too_large")
+    _error(_post(service, _blob(service, fragments=5), _token(service)), 413, "too_many_fragments")
+
+
+def test_429_with_retry_after(service: ServiceProcess) -> None:
+    token = _token(service)
+    statuses = [_post(service, b"x" * 100, token) for _ in range(6)]
+    limited = [r for r in statuses if r.status_code == 429]
+    assert limited and int(limited[0].headers["Retry-After"]) >= 1
+    _error(limited[0], 429, "rate_limited")
+
+
+def test_health_readiness_config_and_metrics(service: ServiceProcess) -> None:
+    assert httpx.get(service.url + "/healthz").json() == {"status": "ok"}
+    assert httpx.get(service.url + "/readyz").status_code == 200
+    config = httpx.get(service.url + "/v1/config").json()
+    assert config["id"] == "shuffler-1" and len(base64.b64decode(config["signing_key"])) == 32
+    metrics = httpx.get(service.url + "/metrics").text
+    for name in (
+        "esa_shuffler_contributions_received_total",
+        "esa_shuffler_contributions_rejected_total",
+        "esa_shuffler_contributions_deleted_total",
+        "esa_shuffler_queue_depth",
+        "esa_shuffler_batches_forwarded_total",
+    ):
+        assert name in metrics
+
+
+def test_503_when_storage_is_unavailable(tmp_path: Path) -> None:
+    """Hold SQLite's write lock from outside: the commit fails and nothing is acknowledged."""
+    process = shuffler_process(tmp_path, "shuffler-1", [CHANNEL]).start()
+    try:
+        token = _token(process)
+        blob = _blob(process)
+        lock = sqlite3.connect(tmp_path / "shuffler-1" / "db.sqlite", timeout=1)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            response = _post(process, blob, token)
+        finally:
+            lock.rollback()
+            lock.close()
+        _error(response, 503, "storage_unavailable")
+        assert _post(process, blob, token).status_code == 202  # nothing was stored before
+    finally:
+        process.stop()
+
+
+def test_logs_never_contain_tokens_or_client_ids(service: ServiceProcess) -> None:
+    token = _token(service)
+    _post(service, _blob(service), token)
+    log_text = service.log_path.read_text()
+    assert token not in log_text and token.split(".")[0] not in log_text
