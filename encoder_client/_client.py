@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import math
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +39,16 @@ from encoder_client._errors import (
 from encoder_client._state import DeviceState, OutboxItem
 
 log = logging.getLogger("esa.client")
+
+
+@functools.lru_cache(maxsize=1)
+def _tls_context() -> ssl.SSLContext:
+    """One verifying TLS context (httpx's trust store, certifi) shared by every Client:
+    building one reads the whole CA bundle, about 35 ms, which apps that open a Client per
+    report (and ``esa demo``'s thousands of devices) should not pay each time."""
+    import certifi
+
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 class Client:
@@ -72,7 +84,7 @@ class Client:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._clock = clock
-        self._http = httpx.Client(timeout=timeout)
+        self._http = httpx.Client(timeout=timeout, verify=_tls_context())
         self._config = self._load_config(config_url, config_file, trusted_key)
         self._channels = {c["id"]: ChannelConfig(**c) for c in self._config["channels"]}
         self._shufflers = [ShufflerInfo(**s) for s in self._config["shufflers"]]

@@ -65,9 +65,10 @@ DEFAULT_CHANNELS = [
     ),
     ChannelConfig(
         id="abroad",
-        title="Longitudinal: state changed",
+        title="Longitudinal: state changed (a period is one 5-second epoch here)",
         mechanism="longitudinal",
-        params={"d": 16, "k": 2, "eps": 4.0},
+        params={"d": 8, "k": 2, "eps": 4.0},
+        epoch_seconds=5,
         min_crowd=20,
         eps_cr=1.0,
         delta_cr=1e-6,
@@ -93,6 +94,31 @@ class LaunchError(RuntimeError):
     """The deployment cannot start (port taken, a service did not become ready)."""
 
 
+#: Settings every deployment of this layout runs with, whatever starts it (``esa up`` or
+#: ``docker-compose.yml``). All simulated devices of ``esa demo`` share one address, so the
+#: per-address enrolment limit is raised from its public-internet default.
+SHARED_SETTINGS = {
+    "ESA_SHUFFLER_ENROLL_PER_MINUTE": "120000",
+    "ESA_SHUFFLER_BATCH_INTERVAL_SECONDS": "1.0",
+    "ESA_SHUFFLER_FORWARD_INTERVAL_SECONDS": "0.5",
+}
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How one service of the deployment runs: ``esa <command>`` with ``env`` on ``port``."""
+
+    name: str
+    command: tuple[str, ...]
+    env: dict[str, str]
+    port: int
+
+    @property
+    def url(self) -> str:
+        """Its URL on 127.0.0.1."""
+        return f"http://127.0.0.1:{self.port}"
+
+
 @dataclass
 class Service:
     """One started process."""
@@ -113,11 +139,75 @@ def port_free(port: int) -> bool:
     return True
 
 
+def database_url(template: str | None, var: Path, service: str) -> str:
+    """The service's database: ``template`` with ``{service}`` (``analyzer``, ``shuffler_1``...)
+    filled in, or a SQLite file under ``var/<service dir>/`` when no template is given."""
+    if template is None:
+        folder = "analyzer" if service == "analyzer" else service.replace("_", "-")
+        name = "analyzer.db" if service == "analyzer" else "shuffler.db"
+        return f"sqlite:///{var / folder / name}"
+    if "{service}" not in template:
+        raise LaunchError(f"database URL template {template!r} needs a {{service}} placeholder")
+    return template.replace("{service}", service)
+
+
+def service_specs(
+    var: Path,
+    shufflers: int = 3,
+    base_port: int = ANALYZER_PORT,
+    *,
+    database_template: str | None = None,
+    analyzer_url: str | None = None,
+) -> list[ServiceSpec]:
+    """The analyzer and shufflers 1..K: command, environment and port of each (no side effects;
+    ``docker-compose.yml`` is checked against this)."""
+    analyzer_url = analyzer_url or f"http://127.0.0.1:{base_port}"
+    specs = [
+        ServiceSpec(
+            "analyzer",
+            ("analyzer", "serve"),
+            {
+                "ESA_ANALYZER_PORT": str(base_port),
+                "ESA_ANALYZER_DATABASE_URL": database_url(database_template, var, "analyzer"),
+                "ESA_ANALYZER_KEY_DIR": str(var / "keys" / "analyzer"),
+                "ESA_ANALYZER_CHANNELS_FILE": str(var / "channels.json"),
+                "ESA_ANALYZER_SHUFFLERS_FILE": str(var / "shufflers.json"),
+            },
+            base_port,
+        )
+    ]
+    for i in range(1, shufflers + 1):
+        sid, port = f"shuffler-{i}", base_port + i
+        env = {
+            "ESA_SHUFFLER_SHUFFLER_ID": sid,
+            "ESA_SHUFFLER_PORT": str(port),
+            "ESA_SHUFFLER_DATABASE_URL": database_url(database_template, var, f"shuffler_{i}"),
+            "ESA_SHUFFLER_KEY_DIR": str(var / "keys" / sid),
+            "ESA_SHUFFLER_CHANNELS_FILE": str(var / "channels.json"),
+            "ESA_SHUFFLER_ANALYZER_URL": analyzer_url,
+            **SHARED_SETTINGS,
+        }
+        specs.append(ServiceSpec(sid, ("shuffler", "serve"), env, port))
+    return specs
+
+
 def prepare(
-    var: Path, shufflers: int, base_port: int
-) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """Keys, channel file and shuffler registry; returns (analyzer env, shuffler envs)."""
-    registry, shuffler_envs = [], []
+    var: Path,
+    shufflers: int = 3,
+    base_port: int = ANALYZER_PORT,
+    *,
+    database_template: str | None = None,
+    shuffler_url: str = "http://127.0.0.1:{port}",
+    analyzer_url: str | None = None,
+) -> list[ServiceSpec]:
+    """Keys, channel file, shuffler registry and the pinned analyzer key; returns the services.
+
+    Writes ``var/keys/<service>/`` (PEM, 0600; existing keys are kept), ``var/channels.json``,
+    ``var/shufflers.json`` (public keys and URLs, ``shuffler_url`` formatted with ``i`` and
+    ``port``) and ``var/analyzer.pub`` (the analyzer's Ed25519 config-signing key, base64: what
+    an app pins).
+    """
+    registry = []
     for i in range(1, shufflers + 1):
         sid = f"shuffler-{i}"
         keys = var / "keys" / sid
@@ -125,24 +215,13 @@ def prepare(
             load_or_create_x25519(keys / "hpke.pem"),
             load_or_create_ed25519(keys / "signing.pem"),
         )
-        port = base_port + i
         registry.append(
             {
                 "id": sid,
-                "url": f"http://127.0.0.1:{port}",
+                "url": shuffler_url.format(i=i, port=base_port + i),
                 "public_key": b64(public_bytes(hpke.public_key())),
                 "key_id": key_id(hpke.public_key()).hex(),
                 "signing_key": b64(public_bytes(signer.public_key())),
-            }
-        )
-        shuffler_envs.append(
-            {
-                "ESA_SHUFFLER_SHUFFLER_ID": sid,
-                "ESA_SHUFFLER_PORT": str(port),
-                "ESA_SHUFFLER_DATABASE_URL": f"sqlite:///{var / sid / 'shuffler.db'}",
-                "ESA_SHUFFLER_KEY_DIR": str(keys),
-                "ESA_SHUFFLER_CHANNELS_FILE": str(var / "channels.json"),
-                "ESA_SHUFFLER_ANALYZER_URL": f"http://127.0.0.1:{base_port}",
             }
         )
     var.mkdir(parents=True, exist_ok=True)
@@ -150,26 +229,23 @@ def prepare(
         json.dumps([c.model_dump() for c in DEFAULT_CHANNELS], indent=2)
     )
     (var / "shufflers.json").write_text(json.dumps(registry, indent=2))
-    analyzer_env = {
-        "ESA_ANALYZER_PORT": str(base_port),
-        "ESA_ANALYZER_DATABASE_URL": f"sqlite:///{var / 'analyzer' / 'analyzer.db'}",
-        "ESA_ANALYZER_KEY_DIR": str(var / "keys" / "analyzer"),
-        "ESA_ANALYZER_CHANNELS_FILE": str(var / "channels.json"),
-        "ESA_ANALYZER_SHUFFLERS_FILE": str(var / "shufflers.json"),
-    }
-    return analyzer_env, shuffler_envs
+    signing = load_or_create_ed25519(var / "keys" / "analyzer" / "signing.pem")
+    (var / "analyzer.pub").write_text(b64(public_bytes(signing.public_key())) + "\n")
+    return service_specs(
+        var, shufflers, base_port, database_template=database_template, analyzer_url=analyzer_url
+    )
 
 
-def _start(name: str, command: list[str], env: dict[str, str], url: str, log: Path) -> Service:
+def _start(spec: ServiceSpec, log: Path) -> Service:
     handle = log.open("ab")
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *command],
-        env={**os.environ, **env},
+        [sys.executable, "-m", "services.cli", *spec.command],
+        env={**os.environ, **spec.env},
         stdout=handle,
         stderr=handle,
         start_new_session=True,
     )
-    return Service(name, url, process)
+    return Service(spec.name, spec.url, process)
 
 
 def _wait_ready(services: list[Service], timeout: float) -> None:
@@ -206,7 +282,11 @@ def stop(services: list[Service]) -> None:
 
 
 def up(
-    var: Path, shufflers: int = 3, base_port: int = ANALYZER_PORT, timeout: float = 60.0
+    var: Path,
+    shufflers: int = 3,
+    base_port: int = ANALYZER_PORT,
+    timeout: float = 60.0,
+    database_template: str | None = None,
 ) -> list[Service]:
     """Start the deployment and return its services once all are ready.
 
@@ -220,28 +300,10 @@ def up(
             f"port(s) {', '.join(map(str, taken))} on 127.0.0.1 already in use: is "
             "another deployment running? Stop it or pass --base-port."
         )
-    analyzer_env, shuffler_envs = prepare(var, shufflers, base_port)
+    specs = prepare(var, shufflers, base_port, database_template=database_template)
     logs = var / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    services = [
-        _start(
-            "analyzer",
-            ["analyzer", "serve"],
-            analyzer_env,
-            f"http://127.0.0.1:{base_port}",
-            logs / "analyzer.log",
-        )
-    ]
-    services += [
-        _start(
-            env["ESA_SHUFFLER_SHUFFLER_ID"],
-            ["shuffler", "serve"],
-            env,
-            f"http://127.0.0.1:{env['ESA_SHUFFLER_PORT']}",
-            logs / f"{env['ESA_SHUFFLER_SHUFFLER_ID']}.log",
-        )
-        for env in shuffler_envs
-    ]
+    services = [_start(spec, logs / f"{spec.name}.log") for spec in specs]
     try:
         _wait_ready(services, timeout)
     except LaunchError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from services.cli.account import account
+from services.cli.demo import demo
 from services.cli.servers import analyzer, keys, shuffler, up_command
 from services.cli.simulate import simulate
 
@@ -25,6 +26,7 @@ def cli() -> None:
     esa shuffler serve    run one shuffler instance
     esa analyzer serve    run the analyzer (API and dashboard)
     esa up                the whole deployment as processes on 127.0.0.1
+    esa demo              a simulated device population through the whole pipeline
     esa keys generate     create HPKE and signing key files
     """
 
@@ -35,6 +37,7 @@ cli.add_command(shuffler)
 cli.add_command(keys)
 cli.add_command(analyzer)
 cli.add_command(up_command)
+cli.add_command(demo)
 
 
 def main() -> None:

@@ -91,16 +91,54 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
     show_default=True,
     help="Analyzer port; shuffler i listens on base-port + i.",
 )
-def up_command(var: Path, shufflers: int, base_port: int) -> None:
+@click.option(
+    "--database-url-template",
+    default=None,
+    metavar="URL",
+    help="One database per service instead of SQLite files, e.g. "
+    "'postgresql+psycopg://postgres@127.0.0.1:5432/esa_{service}' ({service} is analyzer, "
+    "shuffler_1, ...; the databases must exist).",
+)
+@click.option(
+    "--prepare-only",
+    is_flag=True,
+    help="Only write keys, channels.json, shufflers.json and analyzer.pub under --var, then "
+    "exit (how docker-compose.yml's init service sets up its volumes).",
+)
+@click.option(
+    "--shuffler-url-template",
+    default="http://127.0.0.1:{port}",
+    show_default=True,
+    help="With --prepare-only: the shuffler URL clients are given ({i}, {port}).",
+)
+def up_command(
+    var: Path,
+    shufflers: int,
+    base_port: int,
+    database_url_template: str | None,
+    prepare_only: bool,
+    shuffler_url_template: str,
+) -> None:
     """Start the analyzer and K shufflers on 127.0.0.1 and keep them running.
 
     Creates keys and the default channel set (every mechanism) on first run, waits until all
     services are ready, prints their URLs, and stops them all on Ctrl-C or SIGTERM.
     """
-    from services.launcher import LaunchError, serve_forever, up
+    from services.launcher import LaunchError, prepare, serve_forever, up
 
     try:
-        services = up(var, shufflers, base_port)
+        if prepare_only:
+            for spec in prepare(
+                var,
+                shufflers,
+                base_port,
+                database_template=database_url_template,
+                shuffler_url=shuffler_url_template,
+            ):
+                click.echo(f"{spec.name:<12} esa {' '.join(spec.command)} (port {spec.port})")
+            click.echo(f"prepared {var}: keys/, channels.json, shufflers.json, analyzer.pub")
+            return
+        services = up(var, shufflers, base_port, database_template=database_url_template)
     except LaunchError as error:
         raise click.ClickException(str(error)) from error
     for service in services:

@@ -1,0 +1,283 @@
+"""``esa demo``: bring a deployment up (or use a running one), drive a device population
+through the real SDK, close the epoch, and show what the analyzer released and certified."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import click
+
+
+@click.command("demo")
+@click.option(
+    "--devices",
+    type=click.IntRange(100, 1_000_000),
+    default=2000,
+    show_default=True,
+    help="Simulated devices; each reports once on every channel.",
+)
+@click.option(
+    "--analyzer-url",
+    default="http://127.0.0.1:8100",
+    show_default=True,
+    help="Use the deployment whose analyzer answers here; if none does, start one on this "
+    "port (shufflers on the next ports) in a fresh directory and stop it at the end.",
+)
+@click.option(
+    "--trusted-key",
+    default=None,
+    envvar="ESA_TRUSTED_KEY",
+    metavar="BASE64",
+    help="The analyzer's config-signing key to pin (default: <var>/analyzer.pub, written by "
+    "`esa up`; else the key the analyzer serves, with a warning).",
+)
+@click.option(
+    "--admin-token",
+    default="development",
+    envvar="ESA_SHUFFLER_ADMIN_TOKEN",
+    show_default=True,
+    help="Shuffler admin token used to close the epoch.",
+)
+@click.option(
+    "--var",
+    "var",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("var"),
+    show_default=True,
+    help="Where a running `esa up` keeps analyzer.pub.",
+)
+@click.option(
+    "--database-url-template",
+    default=None,
+    metavar="URL",
+    help="When the demo starts its own deployment: one database per service (see `esa up`).",
+)
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("var/demo-report.html"),
+    show_default=True,
+    help="HTML report with plots.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the results as JSON here.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the population (who holds which value). The devices' privacy noise always "
+    "comes from the operating system's CSPRNG.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 32),
+    default=2,
+    show_default=True,
+    help="Processes that run the simulated devices.",
+)
+@click.option(
+    "--keep-running",
+    is_flag=True,
+    help="If the demo started the deployment, keep it (and its dashboard) up until Ctrl-C.",
+)
+def demo(
+    devices: int,
+    analyzer_url: str,
+    trusted_key: str | None,
+    admin_token: str,
+    var: Path,
+    database_url_template: str | None,
+    report: Path,
+    json_path: Path | None,
+    seed: int,
+    workers: int,
+    keep_running: bool,
+) -> None:
+    """Run a simulated device population through the whole pipeline and check the results.
+
+    \b
+    Every device is a real SDK client (own state file, verified config, CSPRNG encoding,
+    HPKE sealing, HTTP to a shuffler). Afterwards the demo closes the epoch at every
+    shuffler, waits for the batches to reach the analyzer, and prints per channel: n,
+    the largest true values against their estimates with 95% intervals, the error, the
+    certified central ε and the local ε. It writes an HTML report with plots.
+    """
+    from rich.console import Console
+
+    from services import launcher
+    from services.demo import DemoError, analyzer_alive
+
+    console = Console(stderr=True)
+    analyzer_url = analyzer_url.rstrip("/")
+    services: list[launcher.Service] = []
+    workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
+    try:
+        if analyzer_alive(analyzer_url):
+            console.print(f"using the deployment at {analyzer_url}")
+            pub = var / "analyzer.pub"
+            if trusted_key is None and pub.exists():
+                trusted_key = pub.read_text().strip()
+            elif trusted_key is None:
+                console.print(
+                    "[yellow]warning:[/] no --trusted-key and no "
+                    f"{pub}: pinning the key the analyzer serves (an app pins it at build time)"
+                )
+        else:
+            parsed = urlparse(analyzer_url)
+            if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
+                raise DemoError(f"no analyzer answers at {analyzer_url}")
+            console.print(f"starting a fresh deployment under {workdir / 'deployment'} …")
+            services = launcher.up(
+                workdir / "deployment",
+                base_port=parsed.port,
+                database_template=database_url_template,
+            )
+            trusted_key = (workdir / "deployment" / "analyzer.pub").read_text().strip()
+        _run(
+            console,
+            analyzer_url,
+            trusted_key,
+            admin_token,
+            devices,
+            workdir,
+            seed,
+            workers,
+            report,
+            json_path,
+            own=bool(services),
+        )
+        if services and keep_running:
+            console.print(f"dashboard: {analyzer_url}/   (Ctrl-C stops the deployment)")
+            launcher.serve_forever(services)
+            services = []
+    except (DemoError, launcher.LaunchError) as error:
+        raise click.ClickException(str(error)) from error
+    finally:
+        if services:
+            launcher.stop(services)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(
+    console: object,
+    analyzer_url: str,
+    trusted_key: str | None,
+    admin_token: str,
+    devices: int,
+    workdir: Path,
+    seed: int,
+    workers: int,
+    report: Path,
+    json_path: Path | None,
+    own: bool,
+) -> None:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.table import Table
+
+    from services import demo_report
+    from services.demo import DemoError, DemoRun, check_fresh_epochs, connect, results, simulate
+
+    assert isinstance(console, Console)
+    target = connect(analyzer_url, trusted_key, admin_token)
+    check_fresh_epochs(target, target.channels, time.time())
+    started = time.monotonic()
+    columns = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        tasks = {"devices": progress.add_task("devices reporting", total=devices)}
+        for config in target.channels:
+            if config.mechanism == "longitudinal":
+                tasks[config.id] = progress.add_task(
+                    f"{config.id}: periods", total=int(config.params["d"])
+                )
+        run = DemoRun(
+            target,
+            devices,
+            workdir,
+            seed,
+            workers,
+            progress=lambda name, done: progress.advance(tasks[name], done),
+        )
+        sent = simulate(run)
+    console.print(
+        f"every contribution acknowledged; epochs closed ({time.monotonic() - started:.0f} s)"
+    )
+    found = results(run, sent)
+    out = Console()
+    summary = Table(title="What the analyzer released")
+    for name in ("channel", "mechanism", "devices", "n", "central ε (δ)", "local ε", "RMSE"):
+        summary.add_column(name, justify="right")
+    for r in found:
+        summary.add_row(
+            r.channel_id,
+            r.mechanism,
+            f"{r.devices:,}",
+            f"{r.n:,}",
+            f"{r.central_eps:.3f} ({r.release['certificate']['delta']:.0e})",
+            "—" if r.local_eps is None else f"{r.local_eps:.2f}",
+            f"{r.rmse:.1f}",
+        )
+    out.print(summary)
+    for r in found:
+        what = "every period" if r.display == "series" else "largest true values"
+        table = Table(title=f"{r.channel_id}: {what}")
+        for name in ("bin", "truth", "truth×kept", "estimate", "95% interval", "inside"):
+            table.add_column(name, justify="right")
+        for row in r.checked:
+            inside = row["lo"] <= row["expected"] <= row["hi"]
+            table.add_row(
+                str(int(row["bin"]) + (1 if r.display == "series" else 0)),
+                f"{row['truth']:.0f}",
+                f"{row['expected']:.1f}",
+                f"{row['estimate']:.1f}",
+                f"[{row['lo']:.1f}, {row['hi']:.1f}]",
+                "yes" if inside else "[red]no[/]",
+            )
+        out.print(table)
+    checked = sum(len(r.checked) for r in found)
+    inside = sum(r.inside for r in found)
+    out.print(f"{inside} of {checked} checked estimates inside their 95% intervals")
+    dashboard = f"{analyzer_url}/"
+    shapes = {c.id: c.image_shape for c in target.channels if c.image_shape is not None}
+    header = (
+        f"{devices:,} simulated devices through {len(target.shuffler_urls)} shufflers; "
+        f"analyzer {analyzer_url}"
+    )
+    path = demo_report.write(report, found, shapes, dashboard, header)  # type: ignore[arg-type]
+    out.print(f"report:    {path.resolve()}")
+    out.print(
+        f"dashboard: {dashboard}"
+        + ("" if not own else "  (this demo's deployment stops now; --keep-running keeps it)")
+    )
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(
+            json.dumps({"devices": devices, "channels": [r.as_dict() for r in found]}, indent=2)
+        )
+    # 95% intervals miss about 1 in 20; fewer than half inside means something is broken.
+    if inside < checked / 2:
+        raise DemoError(f"only {inside} of {checked} estimates inside their intervals")

@@ -1,0 +1,124 @@
+"""The HTML report of ``esa demo``: one self-contained page (inline PNG plots, no scripts)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from services.demo import Z95, ChannelResult
+
+#: Bins a histogram plot shows (the largest true values).
+PLOTTED = 20
+
+
+def _png(figure: object) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")  # type: ignore[attr-defined]
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def plot(result: ChannelResult, shape: tuple[int, int] | None = None) -> str:
+    """One channel's figure as base64 PNG: estimate with 95% intervals against the truth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    truth = np.array(result.truth, dtype=np.float64) * result.kept
+    values = np.zeros(truth.size)
+    errors = np.zeros(truth.size)
+    index = np.array(result.release["bins"], dtype=np.int64)
+    values[index] = result.release["values"]
+    errors[index] = result.release["std_errors"]
+    if result.display == "image" and shape is not None:
+        figure, axes = plt.subplots(1, 2, figsize=(7, 3.4))
+        for axis, image, name in zip(
+            axes,
+            (truth, np.clip(values, 0, None)),
+            ("truth × kept", "released estimate"),
+            strict=True,
+        ):
+            axis.imshow(image.reshape(shape), cmap="gray")
+            axis.set_title(name)
+            axis.axis("off")
+    elif result.display == "series":
+        figure, axis = plt.subplots(figsize=(7, 3.4))
+        periods = np.arange(1, truth.size + 1)
+        axis.plot(periods, truth, "k-o", label="truth × kept")
+        axis.errorbar(periods, values, yerr=Z95 * errors, fmt="s", capsize=3, label="estimate")
+        axis.set_xlabel("period")
+        axis.set_ylabel("devices in state 1")
+        axis.legend()
+    else:
+        figure, axis = plt.subplots(figsize=(7, 3.4))
+        top = np.argsort(-truth, kind="stable")[:PLOTTED]
+        x = np.arange(top.size)
+        axis.bar(x, truth[top], color="0.8", label="truth × kept")
+        axis.errorbar(x, values[top], yerr=Z95 * errors[top], fmt="o", capsize=3, label="estimate")
+        axis.set_xticks(x, [str(b) for b in top], rotation=90, fontsize=7)
+        axis.set_xlabel("value (largest true counts)")
+        axis.set_ylabel("devices")
+        axis.legend()
+    figure.suptitle(result.title, fontsize=10)
+    encoded = _png(figure)
+    plt.close(figure)
+    return encoded
+
+
+def write(
+    path: Path,
+    results: Sequence[ChannelResult],
+    shapes: dict[str, tuple[int, int]],
+    dashboard: str | None,
+    header: str,
+) -> Path:
+    """Write the report and return its path."""
+    rows = []
+    for r in results:
+        local = "—" if r.local_eps is None else f"{r.local_eps:.2f}"
+        rows.append(
+            f"<tr><td>{html.escape(r.channel_id)}</td><td>{r.mechanism}</td>"
+            f"<td>{r.devices:,}</td><td>{r.n:,}</td><td>{r.central_eps:.3f}</td>"
+            f"<td>{r.release['certificate']['delta']:.0e}</td><td>{local}</td>"
+            f"<td>{r.rmse:.1f}</td><td>{r.inside}/{len(r.checked)}</td></tr>"
+        )
+    sections = []
+    for r in results:
+        method = html.escape(str(r.release["certificate"]["method"]))
+        sections.append(
+            f"<h2>{html.escape(r.title)}</h2>"
+            f"<p>Certified central ε = {r.central_eps:.3f} (δ = "
+            f"{r.release['certificate']['delta']:.0e}, {method}, "
+            f"{html.escape(str(r.release['certificate']['neighbouring']))} neighbours) over "
+            f"{r.n:,} contributions.</p>"
+            f'<img alt="{html.escape(r.channel_id)}" '
+            f'src="data:image/png;base64,{plot(r, shapes.get(r.channel_id))}">'
+        )
+    link = (
+        f'<p>Live dashboard: <a href="{html.escape(dashboard)}">{html.escape(dashboard)}</a></p>'
+        if dashboard
+        else ""
+    )
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>ESA demo report</title>
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:right}}
+</style></head><body>
+<h1>ESA demo report</h1><p>{html.escape(header)}</p>{link}
+<p>Estimates are compared with <em>truth × kept</em>: randomized deletion (ESA-revisited,
+Algorithm 3) removes whole contributions before the analyzer sees them. Intervals are 95%,
+widened by that deletion's sampling noise.</p>
+<table><tr><th>channel</th><th>mechanism</th><th>devices</th><th>n released</th>
+<th>central ε</th><th>δ</th><th>local ε</th><th>RMSE</th><th>checked inside</th></tr>
+{"".join(rows)}</table>
+{"".join(sections)}
+</body></html>
+"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    return path

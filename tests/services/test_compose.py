@@ -1,0 +1,141 @@
+"""docker-compose.yml runs what ``esa up`` runs: same commands, ports and settings.
+
+There is no Docker engine on our machines, so this parses the compose file and checks every
+service against :func:`services.launcher.service_specs`; the e2e suite runs those same commands
+as processes against PostgreSQL (tests/e2e/test_demo.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from services.cli import cli
+from services.launcher import SHARED_SETTINGS, service_specs
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[str, Any] = COMPOSE["services"]
+DB = (
+    "postgresql+psycopg://esa:${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD}"
+    "@postgres:5432/esa_{service}"
+)
+SPECS = service_specs(
+    Path("/var/esa"), 3, 8100, database_template=DB, analyzer_url="http://analyzer:8100"
+)
+#: What compose may add to the launcher's settings, and why: containers bind all interfaces;
+#: shufflers run as production, with real secrets from the environment.
+COMPOSE_ONLY = {
+    "ESA_ANALYZER_HOST",
+    "ESA_SHUFFLER_HOST",
+    "ESA_SHUFFLER_ENVIRONMENT",
+    "ESA_SHUFFLER_TOKEN_SECRET",
+    "ESA_SHUFFLER_ADMIN_TOKEN",
+}
+
+
+def test_the_deployment_services_are_all_there() -> None:
+    assert {
+        "postgres",
+        "init",
+        "analyzer",
+        "shuffler-1",
+        "shuffler-2",
+        "shuffler-3",
+        "loadgen",
+    } <= set(SERVICES)
+    assert SERVICES["loadgen"]["profiles"] == ["loadgen"]
+    assert (ROOT / SERVICES["analyzer"]["build"]["dockerfile"]).is_file()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_each_service_runs_the_launchers_command_port_and_settings(spec: Any) -> None:
+    service = SERVICES[spec.name]
+    assert service["command"] == list(spec.command)
+    env = {k: str(v) for k, v in service["environment"].items()}
+    for name, value in spec.env.items():
+        assert env.get(name) == value, name
+    assert set(env) - set(spec.env) <= COMPOSE_ONLY
+    assert service["ports"] == [f"127.0.0.1:{spec.port}:{spec.port}"]
+    assert f"http://127.0.0.1:{spec.port}/readyz" in " ".join(service["healthcheck"]["test"])
+    for dependency in service["depends_on"].values():
+        assert dependency["condition"] in ("service_healthy", "service_completed_successfully")
+    if spec.name.startswith("shuffler"):
+        assert SHARED_SETTINGS.items() <= env.items()
+        assert env["ESA_SHUFFLER_ENVIRONMENT"] == "production"
+
+
+def test_secrets_fail_fast_and_satisfy_production_settings() -> None:
+    from shuffler.settings import ShufflerSettings
+
+    lines = (ROOT / "docker-compose.yml").read_text().splitlines()
+    text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    found = re.findall(r"\$\{([A-Z0-9_]+)([^}]*)\}", text)
+    assert all(rest.startswith(":?") for _, rest in found), "every variable must use ${VAR:?}"
+    used = {name for name, _ in found}
+    assert used == {
+        "POSTGRES_PASSWORD",
+        "ESA_ADMIN_TOKEN",
+        "ESA_SHUFFLER_1_TOKEN_SECRET",
+        "ESA_SHUFFLER_2_TOKEN_SECRET",
+        "ESA_SHUFFLER_3_TOKEN_SECRET",
+    }
+    env = {k: str(v) for k, v in SERVICES["shuffler-1"]["environment"].items()}
+    real = {k: re.sub(r"\$\{[^}]+\}", "s3cret-value-long-enough", v) for k, v in env.items()}
+    settings = ShufflerSettings(
+        **{
+            k.removeprefix("ESA_SHUFFLER_").lower(): v
+            for k, v in real.items()
+            if k != "ESA_SHUFFLER_CHANNELS_FILE"
+        }
+    )
+    assert settings.environment == "production"
+    with pytest.raises(ValueError, match="token_secret"):
+        ShufflerSettings(environment="production", token_secret="development")
+
+
+def test_postgres_init_creates_every_database_the_services_use() -> None:
+    init = (ROOT / "deploy" / "postgres-init.sql").read_text()
+    mounted = " ".join(SERVICES["postgres"]["volumes"])
+    assert "./deploy/postgres-init.sql:/docker-entrypoint-initdb.d/" in mounted
+    for spec in SPECS:
+        url = next(v for k, v in spec.env.items() if k.endswith("DATABASE_URL"))
+        assert f"CREATE DATABASE {url.rsplit('/', 1)[1]};" in init
+
+
+def test_init_command_prepares_what_the_services_mount(tmp_path: Path) -> None:
+    args = [str(a) for a in SERVICES["init"]["command"]]
+    var = args[args.index("--var") + 1]
+    assert var == "/var/esa"
+    args[args.index("--var") + 1] = str(tmp_path)
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    registry = json.loads((tmp_path / "shufflers.json").read_text())
+    for spec, entry in zip(SPECS[1:], registry, strict=True):
+        assert entry["id"] == spec.name
+        assert entry["url"] == f"http://{spec.name}:{spec.port}"  # the compose service name
+    for spec in SPECS:
+        key_dir = next(v for k, v in spec.env.items() if k.endswith("KEY_DIR"))
+        relative = Path(key_dir).relative_to("/var/esa")
+        assert (tmp_path / relative / "signing.pem").exists()
+        assert f"keys-{spec.name}:{key_dir}" in SERVICES[spec.name]["volumes"]
+        assert f"keys-{spec.name}:{key_dir}" in SERVICES["init"]["volumes"]
+    assert (tmp_path / "analyzer.pub").exists()
+
+
+def test_loadgen_runs_esa_demo_against_the_compose_analyzer() -> None:
+    from services.cli.demo import demo
+
+    args = [str(a) for a in SERVICES["loadgen"]["command"]]
+    assert args[0] == "demo"
+    context = demo.make_context("demo", args[1:])
+    assert context.params["analyzer_url"] == "http://analyzer:8100"
+    assert context.params["var"] == Path("/var/esa")
+    assert "ESA_SHUFFLER_ADMIN_TOKEN" in SERVICES["loadgen"]["environment"]
+    assert set(SERVICES["loadgen"]["depends_on"]) == {s.name for s in SPECS}
