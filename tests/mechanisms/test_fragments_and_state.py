@@ -146,8 +146,13 @@ def test_krappor_encoding_cost_does_not_grow_with_k() -> None:
         draws[params.k] = calls[0] / 2_000
     assert draws[1_778_120] == pytest.approx(draws[1_000], rel=0.1)
     assert draws[1_778_120] < expected_ones + 3
-    source = SystemSource()
-    start = time.perf_counter()
-    for _ in range(500):
-        krappor.encode(17, big, source)
-    assert (time.perf_counter() - start) / 500 < 1e-3
+    # Wall time with the real CSPRNG: ~25 µs per report here, while touching each of the k
+    # bits costs >= 10 ms. Best of five rounds, so one stall on a loaded runner cannot fail it.
+    system = SystemSource()
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(100):
+            krappor.encode(17, big, system)
+        rounds.append((time.perf_counter() - start) / 100)
+    assert min(rounds) < 1e-3, rounds
