@@ -387,9 +387,13 @@ class AnalyzerCore:
         if mechanism == "longitudinal":
             crowds: dict[str, int] = {}
             for epoch, shuffler_id, accumulator in states:
-                smallest = _smallest_level_crowd(accumulator, epoch)  # type: ignore[arg-type]
+                smallest = _smallest_level_crowd(accumulator)  # type: ignore[arg-type]
                 if smallest > 0:
                     crowds[f"{epoch}/{shuffler_id}"] = smallest
+            if not crowds:
+                raise RejectedError(
+                    404, "no_data", f"no report in any tree node of {runtime.config.id!r} yet"
+                )
             cert = runtime.certify(crowds)
             periods = len({e for e, _, _ in states})
             return Certificates(cert.certified, cert.other_notion, cert.lower, crowds, periods)
@@ -470,15 +474,16 @@ def latest_release(engine: Engine, channel_id: str) -> tuple[dict[str, Any], byt
     return None if row is None else (json.loads(row.summary), row.image)
 
 
-def _smallest_level_crowd(accumulator: TreeAccumulator, period: int) -> int:
-    """Smallest number of reports at one level in ``period`` (levels h with 2^{h-1} | t)."""
-    offsets = TreeAccumulator.offsets(accumulator.params_d)
-    counts = [
-        int(accumulator.reports[offsets[h - 1] + (period >> (h - 1)) - 1])
-        for h in range(1, accumulator.params_d.bit_length() + 1)
-        if 1 <= period <= accumulator.params_d and period % (1 << (h - 1)) == 0
-    ]
-    return min((c for c in counts if c > 0), default=0)
+def _smallest_level_crowd(accumulator: TreeAccumulator) -> int:
+    """Smallest number of reports shuffled together at one tree node in a batch.
+
+    A batch holds the reports of the periods its epoch saw; a report of period t at level h
+    lands in the node ending at t (Erlingsson et al. 2019, Algorithm 1). The period is read
+    from the reports, never from the epoch number (epochs are ``unix time // epoch_seconds``).
+    The smallest non-empty node is the crowd the amplification bound may count on.
+    """
+    filled = accumulator.reports[accumulator.reports > 0]
+    return int(filled.min()) if filled.size else 0
 
 
 def _compose(results: list[BoundResult]) -> BoundResult:

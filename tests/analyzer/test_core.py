@@ -177,3 +177,60 @@ def test_concurrent_batches_for_one_accumulator_all_count(database_url: str) -> 
         thread.join()
     assert len(results) == 6 and not any(r.duplicate for r in results)  # type: ignore[attr-defined]
     assert core.release("homepage", 7, 7).estimate.n == 600
+
+
+def test_longitudinal_release_reads_periods_from_reports_not_epoch_numbers() -> None:
+    """Epochs are unix time // epoch_seconds (huge numbers); the tree period is in the report.
+    A release over real epochs certifies at the smallest filled node (it used to crash)."""
+    from common.mechanisms import longitudinal
+
+    config = ChannelConfig(
+        id="abroad",
+        mechanism="longitudinal",
+        params={"d": 4, "k": 1, "eps": 4.0},
+        min_crowd=5,
+        max_fragments=1,
+        delta=1e-6,
+        payload_size=16,
+        display="series",
+    )
+    params = longitudinal.LongitudinalParams(d=4, k=1, eps=4.0)
+    engine = db.make_engine("sqlite://")
+    db.upgrade(engine, MIGRATIONS)
+    core = AnalyzerCore(
+        engine,
+        KeyRing.of(ANALYZER_KEY),
+        {"abroad": ChannelRuntime.build(config, sorted(SHUFFLERS))},
+        {k: v.public_key() for k, v in SHUFFLERS.items()},
+    )
+    rng = SeededSource(3)
+    first_epoch = 359_066_401
+    per_period: dict[int, list[bytes]] = {}
+    for _ in range(300):
+        tree = longitudinal.setup(params, rng)
+        for t in range(1, 5):
+            tree, report = longitudinal.update(tree, t, 1 if t == 2 else 0, params, rng)
+            if report is not None:
+                per_period.setdefault(t, []).append(report)
+    for t, reports in per_period.items():
+        batch = Batch(
+            batch_id=secrets.token_hex(16),
+            shuffler_id="shuffler-1",
+            channel_id="abroad",
+            crowd_id="",
+            epoch=first_epoch + t - 1,
+            n_contributions=len(reports),
+            fragments=[
+                b64(seal_fragment(r, "abroad", 16, ANALYZER_KEY.public_key())) for r in reports
+            ],
+        )
+        body = batch.body()
+        core.accept(body, b64(sign(body, SHUFFLERS["shuffler-1"])))
+    release = core.release("abroad", first_epoch, first_epoch + 3)
+    smallest = min(len(r) for r in per_period.values())
+    assert release.certificate.eps < 4.0  # amplified below the local ε of one report
+    assert min(release.crowds.values()) <= smallest
+    assert release.estimate.n == 300
+    truth = np.array([0, 300, 300, 300])  # everyone switches to state 1 at period 2
+    # 4.5 standard errors: a false failure has probability < 3e-5 over the four periods.
+    assert np.all(np.abs(release.estimate.values - truth) <= 4.5 * release.estimate.std_errors)
