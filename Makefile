@@ -26,8 +26,7 @@ unit: venv
 test: lint typecheck unit
 
 demo: venv
-	$(BIN)/esa account plan --target-eps 1 --delta 5e-10 --n 203950512 --mechanism krappor --bound cheu-lemma-ii6
-	$(BIN)/esa account plan --target-eps 1 --delta 5e-10 --n 203950512 --mechanism krappor
+	$(BIN)/esa demo
 
 bench: venv
 	$(BIN)/python benchmarks/accounting.py
@@ -35,6 +34,7 @@ bench: venv
 	$(BIN)/python benchmarks/shuffler.py
 	$(BIN)/python benchmarks/analyzer.py
 	$(BIN)/python benchmarks/client.py
+	$(BIN)/python benchmarks/demo.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from common.mechanisms.longitudinal import ChangeLog
+from common.mechanisms.zsum import ZSumParams
 from common.wire import ChannelConfig
 from encoder_client import populations
 
@@ -44,7 +45,7 @@ CHUNK = 50
 SHOWN = 5
 #: At most this many devices report on a longitudinal channel: each of its periods is one
 #: short epoch, and every report of a period must reach a shuffler before that epoch ends.
-LONGITUDINAL_DEVICES = 400
+LONGITUDINAL_DEVICES = 800
 #: Threads per worker process that deliver one longitudinal period's reports.
 PERIOD_THREADS = 8
 
@@ -118,13 +119,15 @@ class ChannelResult:
     @property
     def central_eps(self) -> float:
         """The certified central ε of the release."""
-        return float(self.release["certificate"]["eps"])
+        eps = self.release["certificate"]["eps"]
+        return math.inf if eps is None else float(eps)  # JSON carries "no bound" as null
 
     @property
     def local_eps(self) -> float | None:
         """The local ε (replacement notion) of one report, if the mechanism has one."""
-        local = self.release.get("local")
-        return None if local is None else float(local["replacement"])
+        local = self.release.get("local") or {}
+        value = local.get("replacement")
+        return None if value is None else float(value)
 
     @property
     def inside(self) -> int:
@@ -216,12 +219,14 @@ def check_fresh_epochs(target: Target, channels: list[ChannelConfig], now: float
 # --- the population -----------------------------------------------------------------------
 
 
-def _downsampled_camera(shape: tuple[int, int]) -> FloatArray:
-    from skimage import data, transform
-
-    image = data.camera().astype(np.float64)
-    small: FloatArray = transform.resize(image, shape, anti_aliasing=True, preserve_range=True)
-    return small
+def _ring(shape: tuple[int, int]) -> FloatArray:
+    """A bright ring on a dark field: at demo scale (a few thousand devices) k-RAPPOR's noise
+    hides a photograph, but a shape with mass on ~60 pixels shows clearly."""
+    rows, cols = np.indices(shape, dtype=np.float64)
+    centre = (np.array(shape, dtype=np.float64) - 1) / 2
+    radius = np.hypot(rows - centre[0], cols - centre[1])
+    ring: FloatArray = np.exp(-(((radius - 0.3 * min(shape)) / 0.6) ** 2))
+    return ring
 
 
 def population(config: ChannelConfig, devices: int, rng: np.random.Generator) -> Truth:
@@ -234,12 +239,15 @@ def population(config: ChannelConfig, devices: int, rng: np.random.Generator) ->
         return Truth(config, drawn.changes.true_counts(), changes=drawn.changes)
     k = int(params["d"] if config.mechanism == "zsum" else params["k"])
     if config.display == "image" and config.image_shape is not None:
-        pixels = _downsampled_camera(config.image_shape).ravel()
-        counts = populations.rescale(np.round(pixels).astype(np.int64) + 1, devices)
+        pixels = _ring(config.image_shape).ravel()
+        counts = populations.rescale(np.round(1000 * pixels).astype(np.int64), devices)
     elif k > populations.HEAVY_HITTERS:
         counts = populations.heavy_hitters(devices, k, seed=int(rng.integers(2**31))).counts
     else:
-        counts = rng.multinomial(devices, 0.6 ** np.arange(k) / np.sum(0.6 ** np.arange(k)))
+        # Balcer–Cheu's analyzer only reports bins holding more than about n·(1 − p) users
+        # (MECHANISMS.md §4), a large share at demo scale: one dominant bin shows it at work.
+        weights = 0.25 ** np.arange(k)
+        counts = rng.multinomial(devices, weights / weights.sum())
     values: IntArray = rng.permutation(np.repeat(np.arange(k), counts)).astype(np.int64)
     return Truth(config, np.asarray(counts, dtype=np.int64), values=values)
 
@@ -273,7 +281,7 @@ def run_devices(job: DeviceJob) -> dict[str, int]:
     from encoder_client import Client
 
     delivered = {c: 0 for c in job.values}
-    left = 0
+    left = dropped = 0
     count = len(next(iter(job.values.values()))) if job.values else 0
     for offset in range(count):
         path = Path(job.state_dir) / f"device-{job.first + offset}.db"
@@ -291,9 +299,11 @@ def run_devices(job: DeviceJob) -> dict[str, int]:
                 )
                 reporter.report(int(values[offset]))
                 delivered[channel_id] += 1
-            _deliver_all(client, time.monotonic() + 60)
+            queued = client.state.outbox_size()
+            acknowledged = _deliver_all(client, time.monotonic() + 60)
             left += client.state.outbox_size()
-    return {**delivered, "_left": left}
+            dropped += queued - acknowledged - client.state.outbox_size()
+    return {**delivered, "_left": left, "_dropped": dropped}
 
 
 @dataclass(frozen=True)
@@ -319,7 +329,7 @@ def run_longitudinal(job: LongitudinalJob) -> dict[str, int]:
 
     from encoder_client import Client
 
-    sent = late = 0
+    sent = late = queued = 0
     with ExitStack() as stack:
         clients = {
             device: stack.enter_context(
@@ -339,7 +349,7 @@ def run_longitudinal(job: LongitudinalJob) -> dict[str, int]:
 
             def period(
                 item: tuple[int, Any], t: int = t, start: float = start, until: float = deadline
-            ) -> int:
+            ) -> tuple[int, int]:
                 device, client = item
                 if time.time() >= start + job.epoch_seconds - 0.3:
                     raise DemoError(
@@ -350,14 +360,16 @@ def run_longitudinal(job: LongitudinalJob) -> dict[str, int]:
                 before = client.state.outbox_size()
                 client.longitudinal(job.channel_id).update(t, t in job.changes.get(device, ()))
                 if client.state.outbox_size() > before:
-                    return _deliver_all(client, until)
-                return 0
+                    return 1, _deliver_all(client, until)
+                return 0, 0
 
             # Devices are independent; threads overlap their HTTP round trips.
             with ThreadPoolExecutor(PERIOD_THREADS) as threads:
-                sent += sum(threads.map(period, clients.items()))
+                for reported, acknowledged in threads.map(period, clients.items()):
+                    queued += reported
+                    sent += acknowledged
         late = sum(client.state.outbox_size() for client in clients.values())
-    return {job.channel_id: sent, "_left": late}
+    return {job.channel_id: sent, "_left": late, "_dropped": queued - sent - late}
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -372,8 +384,24 @@ class DemoRun:
     workdir: Path
     seed: int = 0
     workers: int = 2
+    only: tuple[str, ...] = ()
     progress: Callable[[str, int], None] = lambda _, __: None
     truths: dict[str, Truth] = field(default_factory=dict)
+
+
+def selected(target: Target, only: tuple[str, ...]) -> list[ChannelConfig]:
+    """The channels to drive: all of the config's, or those named in ``only``.
+
+    Raises:
+        DemoError: a named channel is not in the collection config.
+    """
+    known = {c.id: c for c in target.channels}
+    unknown = [c for c in only if c not in known]
+    if unknown:
+        raise DemoError(
+            f"unknown channel(s) {', '.join(unknown)}; the config has {', '.join(known)}"
+        )
+    return [c for c in target.channels if not only or c.id in only]
 
 
 def _chunks(n: int, size: int) -> Iterator[range]:
@@ -419,7 +447,7 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     config_file.write_text(json.dumps(target.document))
     state_dir = run.workdir / "devices"
     state_dir.mkdir(parents=True, exist_ok=True)
-    channels = target.channels
+    channels = selected(target, run.only)
     sizes = {
         c.id: min(run.devices, LONGITUDINAL_DEVICES)
         if c.mechanism == "longitudinal"
@@ -430,7 +458,7 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     histograms = {c.id: c for c in channels if c.mechanism != "longitudinal"}
     series = [c for c in channels if c.mechanism == "longitudinal"]
     totals: dict[str, int] = dict.fromkeys(run.truths, 0)
-    left = 0
+    left = dropped = 0
     epochs: dict[str, tuple[int, int]] = {}
     started = time.time()
     # Phase 1: the histogram channels, as fast as the machine allows.
@@ -452,6 +480,7 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
         for future in as_completed(histogram_futures):
             result = future.result()
             left += result.pop("_left")
+            dropped += result.pop("_dropped")
             for cid, sent in result.items():
                 totals[cid] += sent
             run.progress("devices", len(next(iter(job.values.values()))) if job.values else 0)
@@ -496,8 +525,14 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
             for future in futures:
                 result = future.result()
                 left += result.pop("_left")
+                dropped += result.pop("_dropped")
                 for cid, sent in result.items():
                     totals[cid] += sent
+    if dropped:
+        raise DemoError(
+            f"the shufflers refused {dropped} contributions for good (400/413; see the "
+            "shufflers' logs and esa_shuffler_contributions_rejected_total)"
+        )
     if left:
         raise DemoError(f"{left} contributions could not be delivered (see the shufflers' logs)")
     for cid, config in histograms.items():
@@ -514,7 +549,7 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
 def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[ChannelResult]:
     """Each channel's release from the analyzer, compared with the truth."""
     out = []
-    for config in run.target.channels:
+    for config in selected(run.target, run.only):
         devices, delivered, first, last = sent[config.id]
         truth = run.truths[config.id]
         k = truth.counts.size
@@ -551,8 +586,12 @@ def _check(result: ChannelResult, truth: Truth) -> None:
         shown = [int(b) for b in np.argsort(-truth.counts, kind="stable")[:SHOWN]]
     kept = result.kept
     result.bins = shown
+    cutoff = -math.inf
+    if result.mechanism == "zsum":  # bins at or below the analyzer's threshold are exactly 0
+        cutoff = result.n * (1 - ZSumParams(**truth.config.params).noise_prob)
     for b in shown:
         expected = float(truth.counts[b]) * kept
+        expected = expected if expected > cutoff else 0.0
         spread = math.sqrt(errors[b] ** 2 + abs(truth.counts[b]) * kept * (1 - kept))
         result.checked.append(
             {

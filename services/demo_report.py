@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def plot(result: ChannelResult, shape: tuple[int, int] | None = None) -> str:
         periods = np.arange(1, truth.size + 1)
         axis.plot(periods, truth, "k-o", label="truth × kept")
         axis.errorbar(periods, values, yerr=Z95 * errors, fmt="s", capsize=3, label="estimate")
+        axis.set_xticks(periods)
         axis.set_xlabel("period")
         axis.set_ylabel("devices in state 1")
         axis.legend()
@@ -81,9 +83,10 @@ def write(
     rows = []
     for r in results:
         local = "—" if r.local_eps is None else f"{r.local_eps:.2f}"
+        central = f"{r.central_eps:.3f}" if math.isfinite(r.central_eps) else "∞ (no bound)"
         rows.append(
             f"<tr><td>{html.escape(r.channel_id)}</td><td>{r.mechanism}</td>"
-            f"<td>{r.devices:,}</td><td>{r.n:,}</td><td>{r.central_eps:.3f}</td>"
+            f"<td>{r.devices:,}</td><td>{r.n:,}</td><td>{central}</td>"
             f"<td>{r.release['certificate']['delta']:.0e}</td><td>{local}</td>"
             f"<td>{r.rmse:.1f}</td><td>{r.inside}/{len(r.checked)}</td></tr>"
         )
@@ -92,7 +95,7 @@ def write(
         method = html.escape(str(r.release["certificate"]["method"]))
         sections.append(
             f"<h2>{html.escape(r.title)}</h2>"
-            f"<p>Certified central ε = {r.central_eps:.3f} (δ = "
+            f"<p>Certified central ε = {r.central_eps:.3f} (δ = "  # prints "inf" for no bound
             f"{r.release['certificate']['delta']:.0e}, {method}, "
             f"{html.escape(str(r.release['certificate']['neighbouring']))} neighbours) over "
             f"{r.n:,} contributions.</p>"

@@ -58,3 +58,26 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'test.db'}"
     url: str = request.getfixturevalue("postgres_url")
     return url
+
+
+@pytest.fixture
+def postgres_template() -> Iterator[str]:
+    """A database URL template with ``{service}`` for a whole deployment (``esa up
+    --database-url-template``): fresh analyzer and shuffler_1..3 databases, dropped afterwards."""
+    try:
+        admin = _admin_connect()
+    except Exception as error:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"PostgreSQL expected at {POSTGRES} under CI=true: {error}")
+        pytest.skip(f"PostgreSQL not reachable at {POSTGRES}: {error}")
+    prefix = f"esa_test_{secrets.token_hex(4)}"
+    names = [f"{prefix}_{s}" for s in ("analyzer", "shuffler_1", "shuffler_2", "shuffler_3")]
+    for name in names:
+        admin.execute(f'CREATE DATABASE "{name}"')  # type: ignore[attr-defined]
+    user, _, hostport = POSTGRES.partition("@")
+    try:
+        yield f"postgresql+psycopg://{user}@{hostport}/{prefix}_{{service}}"
+    finally:
+        for name in names:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[attr-defined]
+        admin.close()  # type: ignore[attr-defined]

@@ -71,3 +71,29 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
     wait_until(lambda: not _processes_mentioning(str(var)), timeout=20)
     assert all(port_free(base + i) for i in range(4))
     time.sleep(0.1)
+
+
+def test_default_channels_leave_room_for_every_fragment_count() -> None:
+    """A contribution with more than max_fragments fragments is refused for good (413), so the
+    default channels' limits must sit far above what their encoders produce."""
+    import numpy as np
+
+    from common.mechanisms import MODULES, PARAMS, SeededSource, rfrag
+
+    rng = SeededSource(1)
+    for config in DEFAULT_CHANNELS:
+        params = PARAMS[config.mechanism](**config.params)
+        counts = []
+        for i in range(300):
+            if config.mechanism == "rfrag":
+                rows = rfrag.encode(i % params.k, params, rfrag.new_state(params), rng)
+                counts.append(max(len(row) for row in rows))  # one row per shuffler (tau = K)
+            elif config.mechanism in ("krappor", "krr"):
+                counts.append(len(MODULES[config.mechanism].encode(i % params.k, params, rng)))
+            elif config.mechanism == "zsum":  # at most the value plus one message per bin
+                counts.append(params.d + 1)
+            else:
+                counts.append(1)
+        mean, sd = float(np.mean(counts)), float(np.std(counts))
+        assert max(counts) <= config.max_fragments, (config.id, max(counts))
+        assert sd == 0 or mean + 8 * sd <= config.max_fragments, (config.id, mean, sd)
