@@ -11,6 +11,7 @@ import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,15 +33,20 @@ def _admin_connect() -> object:
     )
 
 
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    """A fresh PostgreSQL database URL (dropped after the test)."""
+def _admin_or_skip() -> Any:
+    """An admin connection; a missing server fails under CI=true and skips elsewhere."""
     try:
-        admin = _admin_connect()
+        return _admin_connect()
     except Exception as error:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"PostgreSQL expected at {POSTGRES} under CI=true: {error}")
         pytest.skip(f"PostgreSQL not reachable at {POSTGRES}: {error}")
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database URL (dropped after the test)."""
+    admin = _admin_or_skip()
     name = f"esa_test_{secrets.token_hex(6)}"
     admin.execute(f'CREATE DATABASE "{name}"')  # type: ignore[attr-defined]
     user, _, hostport = POSTGRES.partition("@")
@@ -64,12 +70,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def postgres_template() -> Iterator[str]:
     """A database URL template with ``{service}`` for a whole deployment (``esa up
     --database-url-template``): fresh analyzer and shuffler_1..3 databases, dropped afterwards."""
-    try:
-        admin = _admin_connect()
-    except Exception as error:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"PostgreSQL expected at {POSTGRES} under CI=true: {error}")
-        pytest.skip(f"PostgreSQL not reachable at {POSTGRES}: {error}")
+    admin = _admin_or_skip()
     prefix = f"esa_test_{secrets.token_hex(4)}"
     names = [f"{prefix}_{s}" for s in ("analyzer", "shuffler_1", "shuffler_2", "shuffler_3")]
     for name in names:
