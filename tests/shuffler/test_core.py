@@ -16,7 +16,7 @@ from common.wire import Batch, ChannelPolicy
 from services import db
 from shuffler import storage
 from shuffler.app import MIGRATIONS
-from shuffler.core import RejectedError, ShufflerCore
+from shuffler.core import Pending, RejectedError, ShufflerCore
 from shuffler.settings import ShufflerSettings
 
 EPOCH_SECONDS = 3600
@@ -98,6 +98,38 @@ def test_quota_replay_and_validation(database_url: str, tmp_path: Path) -> None:
     with pytest.raises(RejectedError) as raised:
         contribute(core, token.split(".")[0] + ".forged", epoch)
     assert raised.value.status == 401
+
+
+def test_group_commit_sorts_out_conflicts_inside_one_batch(
+    database_url: str, tmp_path: Path
+) -> None:
+    """One transaction, many rows (the HTTP writer's group commit): a fresh row lands, a row
+    reusing its nonce is a replay and a second row of the same client is over quota, even
+    when they conflict with each other rather than with rows already stored."""
+
+    def pending(token: str, nonce: bytes) -> Pending:
+        contribution = Contribution("homepage", "", epoch, nonce, (bytes(72),) * 2)
+        blob = seal_contribution(contribution, core.settings.shuffler_id, core.ring.public())
+        return core.validate(token, blob)
+
+    core, clock = make_core(database_url, tmp_path)
+    epoch = int(clock.now // EPOCH_SECONDS)
+    first, other, fresh = core.tokens.issue(), core.tokens.issue(), core.tokens.issue()
+    nonce = new_nonce()
+    batch = [
+        pending(first, nonce),
+        pending(other, nonce),
+        pending(first, new_nonce()),
+        pending(fresh, new_nonce()),
+    ]
+    stored = core.store(batch)
+    assert stored[0].receipt and stored[3].receipt and stored[0].receipt != stored[3].receipt
+    assert stored[1].rejection is not None and stored[1].rejection.error == "replayed_nonce"
+    assert stored[2].rejection is not None and stored[2].rejection.error == "quota_exceeded"
+    assert core.ledger()["pending"] == 2
+    everyone_new = core.store([pending(core.tokens.issue(), new_nonce()) for _ in range(150)])
+    receipts = [s.receipt for s in everyone_new]
+    assert all(receipts) and len(set(receipts)) == 150 and core.ledger()["pending"] == 152
 
 
 def test_revocation_is_persistent(database_url: str, tmp_path: Path) -> None:
@@ -219,3 +251,40 @@ def test_overlapping_batching_runs_release_each_group_once(
     assert sorted(results) == [0, 0, 0, 1]
     with core.engine.connect() as conn:
         assert conn.execute(select(storage.groups)).all().__len__() == 1
+
+
+def test_commit_queue_answers_503_when_the_commit_fails(tmp_path: Path) -> None:
+    """A failed group commit stores nothing and answers every request of the batch (no hang)."""
+    import asyncio
+
+    from sqlalchemy.exc import OperationalError
+
+    from shuffler.app import CommitQueue
+
+    core, clock = make_core(f"sqlite:///{tmp_path / 'test.db'}", tmp_path)
+    epoch = int(clock.now // EPOCH_SECONDS)
+
+    def pending() -> Pending:
+        contribution = Contribution("homepage", "", epoch, new_nonce(), (bytes(72),) * 2)
+        blob = seal_contribution(contribution, core.settings.shuffler_id, core.ring.public())
+        return core.validate(core.tokens.issue(), blob)
+
+    def broken(_: object) -> object:
+        raise OperationalError("INSERT", {}, Exception("database is locked"))
+
+    async def run() -> list[object]:
+        queue = CommitQueue(core, max_batch=8)
+        queue.start()
+        try:
+            good = await queue.submit(pending())
+            core.store = broken  # type: ignore[assignment,method-assign]
+            bad = await asyncio.gather(*(queue.submit(pending()) for _ in range(5)))
+            return [good, *bad]
+        finally:
+            await asyncio.to_thread(queue.stop)
+
+    good, *bad = asyncio.run(run())
+    assert good.receipt  # type: ignore[attr-defined]
+    for stored in bad:
+        assert stored.rejection.status == 503  # type: ignore[attr-defined]
+        assert stored.rejection.error == "storage_unavailable"  # type: ignore[attr-defined]
