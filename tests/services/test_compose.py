@@ -127,6 +127,12 @@ def test_init_command_prepares_what_the_services_mount(tmp_path: Path) -> None:
         assert f"keys-{spec.name}:{key_dir}" in SERVICES[spec.name]["volumes"]
         assert f"keys-{spec.name}:{key_dir}" in SERVICES["init"]["volumes"]
     assert (tmp_path / "analyzer.pub").exists()
+    # Named volumes take the image's ownership: the non-root image must own every mount point.
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "USER esa" in dockerfile
+    for spec in SPECS:
+        key_dir = next(v for k, v in spec.env.items() if k.endswith("KEY_DIR"))
+        assert key_dir in dockerfile, key_dir
 
 
 def test_loadgen_runs_esa_demo_against_the_compose_analyzer() -> None:
