@@ -124,9 +124,22 @@ class ChannelResult:
 
     @property
     def local_eps(self) -> float | None:
-        """The local ε (replacement notion) of one report, if the mechanism has one."""
+        """The local ε of one report in the certificate's notion, if the mechanism has one."""
         local = self.release.get("local") or {}
-        value = local.get("replacement")
+        notion = "replacement" if self.neighbouring == "replacement" else "removal"
+        value = local.get(notion)
+        return None if value is None or not math.isfinite(value) else float(value)
+
+    @property
+    def neighbouring(self) -> str:
+        """The neighbouring notion of the certificate (the local ε is shown in the same one)."""
+        return str(self.release["certificate"]["neighbouring"])
+
+    @property
+    def add_remove_eps(self) -> float | None:
+        """ε for whether a user took part at all (add-remove, with randomized deletion)."""
+        other = self.release.get("with_randomized_deletion") or {}
+        value = other.get("eps")
         return None if value is None else float(value)
 
     @property
@@ -143,10 +156,12 @@ class ChannelResult:
             "delivered": self.delivered,
             "n": self.n,
             "kept": self.kept,
-            "central_eps": self.central_eps,
+            "central_eps": self.central_eps if math.isfinite(self.central_eps) else None,
+            "neighbouring": self.release["certificate"]["neighbouring"],
             "central_delta": self.release["certificate"]["delta"],
             "method": self.release["certificate"]["method"],
             "local_eps": self.local_eps,
+            "add_remove_eps": self.add_remove_eps,
             "rmse": self.rmse,
             "checked": self.checked,
             "inside": self.inside,
@@ -167,9 +182,9 @@ def analyzer_alive(url: str) -> bool:
     """True if an ESA analyzer answers at ``url``."""
     try:
         response = httpx.get(url + "/v1/config", timeout=2.0)
-    except httpx.HTTPError:
+        return response.status_code == 200 and "config" in response.json()
+    except (httpx.HTTPError, ValueError):
         return False
-    return response.status_code == 200 and "config" in response.json()
 
 
 def connect(analyzer_url: str, trusted_key: str | None, admin_token: str) -> Target:
@@ -185,14 +200,24 @@ def connect(analyzer_url: str, trusted_key: str | None, admin_token: str) -> Tar
         document = httpx.get(analyzer_url + "/v1/config", timeout=10.0).raise_for_status().json()
     except (httpx.HTTPError, ValueError) as error:
         raise DemoError(f"no analyzer at {analyzer_url}: {error}") from error
-    key = trusted_key or str(document["config"]["analyzer"]["signing_key"])
     try:
         import base64
 
+        key = trusted_key or str(document["config"]["analyzer"]["signing_key"])
         verify_config(document, load_ed25519_public(base64.b64decode(key)), time.time())
-    except (ConfigError, ValueError) as error:
+    except (ConfigError, ValueError, KeyError, TypeError) as error:
         raise DemoError(f"the collection config at {analyzer_url} is refused: {error}") from error
-    return Target(analyzer_url, key, admin_token, document)
+    target = Target(analyzer_url, key, admin_token, document)
+    for url in target.shuffler_urls:
+        try:
+            httpx.get(url + "/readyz", timeout=5.0).raise_for_status()
+        except httpx.HTTPError as error:
+            raise DemoError(
+                f"shuffler {url} (from the collection config) is not reachable from here: "
+                f"{error}. Devices could not deliver to it; run the demo where the config's "
+                "shuffler URLs resolve (for compose: the loadgen service)."
+            ) from error
+    return target
 
 
 def check_fresh_epochs(target: Target, channels: list[ChannelConfig], now: float) -> None:
@@ -212,7 +237,7 @@ def check_fresh_epochs(target: Target, channels: list[ChannelConfig], now: float
                 f"channel {config.id!r}: epoch {current} was already closed and released by an "
                 f"earlier run, and a closed epoch takes no more contributions. Its next epoch "
                 f"starts in {wait / 60:.0f} min; or stop the running deployment and run "
-                "`esa demo` alone (it starts a fresh one)."
+                "`esa demo` alone (it starts a fresh one, on SQLite or on fresh databases)."
             )
 
 
@@ -275,6 +300,16 @@ def _deliver_all(client: Any, deadline: float) -> int:
     return int(delivered)
 
 
+def _more_files() -> None:
+    """Raise this process's open-file limit to the hard limit: every open Client holds its
+    SQLite files and keep-alive sockets."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run_devices(job: DeviceJob) -> dict[str, int]:
     """Each device reports once on every histogram channel; returns contributions delivered
     per channel (and ``"_left"``: still in outboxes after retrying for a minute)."""
@@ -329,6 +364,7 @@ def run_longitudinal(job: LongitudinalJob) -> dict[str, int]:
 
     from encoder_client import Client
 
+    _more_files()
     sent = late = queued = 0
     with ExitStack() as stack:
         clients = {
@@ -354,8 +390,8 @@ def run_longitudinal(job: LongitudinalJob) -> dict[str, int]:
                 if time.time() >= start + job.epoch_seconds - 0.3:
                     raise DemoError(
                         f"period {t} of {job.channel_id!r} overran its {job.epoch_seconds}-second "
-                        "epoch: this machine is too busy for this many devices (try fewer "
-                        "--devices)"
+                        "epoch: this machine is too busy (stop other work, or try --channel to "
+                        "leave the longitudinal channel out)"
                     )
                 before = client.state.outbox_size()
                 client.longitudinal(job.channel_id).update(t, t in job.changes.get(device, ()))
@@ -458,12 +494,12 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     histograms = {c.id: c for c in channels if c.mechanism != "longitudinal"}
     series = [c for c in channels if c.mechanism == "longitudinal"]
     totals: dict[str, int] = dict.fromkeys(run.truths, 0)
-    left = dropped = 0
+    left_h = dropped_h = 0
     epochs: dict[str, tuple[int, int]] = {}
     started = time.time()
     # Phase 1: the histogram channels, as fast as the machine allows.
     with ProcessPoolExecutor(run.workers) as pool:
-        histogram_futures = []
+        histogram_futures = {}
         for chunk in _chunks(run.devices, CHUNK):
             job = DeviceJob(
                 str(config_file),
@@ -476,15 +512,51 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
                 },
                 {cid: c.mechanism for cid, c in histograms.items()},
             )
-            histogram_futures.append(pool.submit(run_devices, job))
+            histogram_futures[pool.submit(run_devices, job)] = len(chunk)
         for future in as_completed(histogram_futures):
             result = future.result()
-            left += result.pop("_left")
-            dropped += result.pop("_dropped")
+            left_h += result.pop("_left")
+            dropped_h += result.pop("_dropped")
             for cid, sent in result.items():
                 totals[cid] += sent
-            run.progress("devices", len(next(iter(job.values.values()))) if job.values else 0)
+            run.progress("devices", histogram_futures[future])
     finished = time.time()
+    for cid, config in histograms.items():
+        epochs[cid] = (
+            int(started // config.epoch_seconds),
+            int(finished // config.epoch_seconds),
+        )
+    try:
+        left, dropped = _run_series(run, series, sizes, config_file, state_dir, epochs, totals)
+    finally:
+        # Close what this run used even when it failed, so a later run never merges with it.
+        for cid, (_, last) in epochs.items():
+            _close(target, cid, last)
+        _wait_forwarded(target)
+    dropped, left = dropped + dropped_h, left + left_h
+    if dropped:
+        raise DemoError(
+            f"the shufflers refused {dropped} contributions for good (late "
+            "for their epoch, or 400/413: see the shufflers' logs and "
+            "esa_shuffler_contributions_rejected_total)"
+        )
+    if left:
+        raise DemoError(f"{left} contributions could not be delivered (see the shufflers' logs)")
+    return {cid: (sizes[cid], totals[cid], *epochs[cid]) for cid in run.truths}
+
+
+def _run_series(
+    run: DemoRun,
+    series: list[ChannelConfig],
+    sizes: dict[str, int],
+    config_file: Path,
+    state_dir: Path,
+    epochs: dict[str, tuple[int, int]],
+    totals: dict[str, int],
+) -> tuple[int, int]:
+    """Phase 2 of :func:`simulate`; returns (left in outboxes, refused for good)."""
+    target = run.target
+    left = dropped = 0
     # Phase 2: longitudinal channels, one period per (short) epoch. They run on a quiet machine:
     # every report of a period has to reach a shuffler before its epoch ends.
     for config in series:
@@ -528,22 +600,7 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
                 dropped += result.pop("_dropped")
                 for cid, sent in result.items():
                     totals[cid] += sent
-    if dropped:
-        raise DemoError(
-            f"the shufflers refused {dropped} contributions for good (400/413; see the "
-            "shufflers' logs and esa_shuffler_contributions_rejected_total)"
-        )
-    if left:
-        raise DemoError(f"{left} contributions could not be delivered (see the shufflers' logs)")
-    for cid, config in histograms.items():
-        epochs[cid] = (
-            int(started // config.epoch_seconds),
-            int(finished // config.epoch_seconds),
-        )
-    for cid, (_, last) in epochs.items():
-        _close(target, cid, last)
-    _wait_forwarded(target)
-    return {cid: (sizes[cid], totals[cid], *epochs[cid]) for cid in run.truths}
+    return left, dropped
 
 
 def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[ChannelResult]:
@@ -559,7 +616,17 @@ def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[Ch
             timeout=60.0,
         )
         if release.status_code != 200:
-            raise DemoError(f"release of {config.id!r} failed: {release.text}")
+            raise DemoError(
+                f"the analyzer released nothing for {config.id!r} in epochs {first}..{last}: "
+                f"{release.text} (with too few devices every batch stays below the channel's "
+                "minimum crowd after randomized deletion: try more --devices)"
+            )
+        if release.json()["n"] > devices:
+            raise DemoError(
+                f"{config.id!r}: the release counts {release.json()['n']} contributions but this "
+                f"run sent {devices}: other clients reported in the same epoch, so it cannot be "
+                "compared with this run's truth (run the demo on its own deployment)"
+            )
         result = ChannelResult(
             config.id,
             config.title or config.id,

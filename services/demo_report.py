@@ -84,11 +84,12 @@ def write(
     for r in results:
         local = "—" if r.local_eps is None else f"{r.local_eps:.2f}"
         central = f"{r.central_eps:.3f}" if math.isfinite(r.central_eps) else "∞ (no bound)"
+        took_part = "—" if r.add_remove_eps is None else f"{r.add_remove_eps:.2f}"
         rows.append(
             f"<tr><td>{html.escape(r.channel_id)}</td><td>{r.mechanism}</td>"
             f"<td>{r.devices:,}</td><td>{r.n:,}</td><td>{central}</td>"
             f"<td>{r.release['certificate']['delta']:.0e}</td><td>{local}</td>"
-            f"<td>{r.rmse:.1f}</td><td>{r.inside}/{len(r.checked)}</td></tr>"
+            f"<td>{took_part}</td><td>{r.rmse:.1f}</td><td>{r.inside}/{len(r.checked)}</td></tr>"
         )
     sections = []
     for r in results:
@@ -115,9 +116,14 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:.2em .6em;
 <h1>ESA demo report</h1><p>{html.escape(header)}</p>{link}
 <p>Estimates are compared with <em>truth × kept</em>: randomized deletion (ESA-revisited,
 Algorithm 3) removes whole contributions before the analyzer sees them. Intervals are 95%,
-widened by that deletion's sampling noise.</p>
+widened by that deletion's sampling noise. Central and local ε are in the certificate's
+neighbouring notion (removal: one user's report replaced by the reference input); "took part
+ε" covers whether a user contributed at all (add-remove, with randomized deletion). The
+longitudinal comparison uses one kept share for all periods, although deletion removes a
+larger share of the smaller period batches: read it as approximate.</p>
 <table><tr><th>channel</th><th>mechanism</th><th>devices</th><th>n released</th>
-<th>central ε</th><th>δ</th><th>local ε</th><th>RMSE</th><th>checked inside</th></tr>
+<th>central ε</th><th>δ</th><th>local ε</th><th>took part ε</th><th>RMSE</th>
+<th>checked inside</th></tr>
 {"".join(rows)}</table>
 {"".join(sections)}
 </body></html>

@@ -129,6 +129,14 @@ class Service:
     name: str
     url: str
     process: subprocess.Popen[bytes]
+    log: Path | None = None
+
+    def log_tail(self, chars: int = 1500) -> str:
+        """The end of its log (for error messages: the log may be deleted with its folder)."""
+        try:
+            return "" if self.log is None else self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
 
 
 def port_free(port: int) -> bool:
@@ -248,7 +256,7 @@ def _start(spec: ServiceSpec, log: Path) -> Service:
         stderr=handle,
         start_new_session=True,
     )
-    return Service(spec.name, spec.url, process)
+    return Service(spec.name, spec.url, process, log)
 
 
 def _wait_ready(services: list[Service], timeout: float) -> None:
@@ -257,7 +265,10 @@ def _wait_ready(services: list[Service], timeout: float) -> None:
     while pending:
         for service in list(pending):
             if service.process.poll() is not None:
-                raise LaunchError(f"{service.name} exited with {service.process.returncode}")
+                raise LaunchError(
+                    f"{service.name} exited with {service.process.returncode}; the end of its "
+                    f"log:\n{service.log_tail()}"
+                )
             try:
                 if httpx.get(service.url + "/readyz", timeout=1.0).status_code == 200:
                     pending.remove(service)
@@ -309,7 +320,7 @@ def up(
     services = [_start(spec, logs / f"{spec.name}.log") for spec in specs]
     try:
         _wait_ready(services, timeout)
-    except LaunchError:
+    except BaseException:  # LaunchError, and Ctrl-C while waiting: leave nothing running
         stop(services)
         raise
     return services

@@ -17,10 +17,12 @@ import click
 @click.command("demo")
 @click.option(
     "--devices",
-    type=click.IntRange(100, 1_000_000),
+    type=click.IntRange(500, 1_000_000),
     default=1500,
     show_default=True,
-    help="Simulated devices; each reports once on every channel.",
+    help="Simulated devices; each reports once on every channel (at most 800 of them on "
+    "longitudinal channels). Fewer than 500 leave batches below the minimum crowd once "
+    "randomized deletion has removed its share.",
 )
 @click.option(
     "--analyzer-url",
@@ -122,8 +124,10 @@ def demo(
     the largest true values against their estimates with 95% intervals, the error, the
     certified central ε and the local ε. It writes an HTML report with plots.
     """
+    import httpx
     from rich.console import Console
 
+    from encoder_client import EsaError
     from services import launcher
     from services.demo import DemoError, analyzer_alive
 
@@ -173,6 +177,10 @@ def demo(
             services = []
     except (DemoError, launcher.LaunchError) as error:
         raise click.ClickException(str(error)) from error
+    except httpx.HTTPError as error:  # a service went away mid-run
+        raise click.ClickException(f"lost contact with the deployment: {error}") from error
+    except EsaError as error:  # a device's SDK refused (config, state)
+        raise click.ClickException(f"a simulated device failed: {error}") from error
     finally:
         if services:
             launcher.stop(services)
@@ -250,7 +258,8 @@ def _run(
     found = results(run, sent)
     out = Console()
     summary = Table(title="What the analyzer released")
-    for name in ("channel", "mechanism", "devices", "n", "central ε (δ)", "local ε", "RMSE"):
+    headers = ("channel", "mechanism", "devices", "n", "neighbours", "central ε (δ)", "local ε")
+    for name in (*headers, "took part ε", "RMSE"):
         summary.add_column(name, justify="right")
     for r in found:
         summary.add_row(
@@ -258,27 +267,34 @@ def _run(
             r.mechanism,
             f"{r.devices:,}",
             f"{r.n:,}",
+            r.neighbouring,
             f"{r.central_eps:.3f} ({r.release['certificate']['delta']:.0e})"
             if math.isfinite(r.central_eps)
             else "∞ (see note)",
             "—" if r.local_eps is None else f"{r.local_eps:.2f}",
+            "—" if r.add_remove_eps is None else f"{r.add_remove_eps:.2f}",
             f"{r.rmse:.1f}",
         )
     out.print(summary)
+    out.print(
+        "central and local ε are in the same neighbouring notion (removal: one user's report "
+        "replaced by the reference input); 'took part ε' covers whether a user contributed at "
+        "all (add-remove, with randomized deletion)."
+    )
     for r in found:
         what = "every period" if r.display == "series" else "largest true values"
         table = Table(title=f"{r.channel_id}: {what}")
         for name in ("bin", "truth", "expected", "estimate", "95% interval", "inside"):
             table.add_column(name, justify="right")
         for row in r.checked:
-            inside = row["lo"] <= row["expected"] <= row["hi"]
+            hit = row["lo"] <= row["expected"] <= row["hi"]
             table.add_row(
                 str(int(row["bin"]) + (1 if r.display == "series" else 0)),
                 f"{row['truth']:.0f}",
                 f"{row['expected']:.1f}",
                 f"{row['estimate']:.1f}",
                 f"[{row['lo']:.1f}, {row['hi']:.1f}]",
-                "yes" if inside else "[red]no[/]",
+                "yes" if hit else "[red]no[/]",
             )
         out.print(table)
     for r in found:
@@ -299,7 +315,7 @@ def _run(
         f"{devices:,} simulated devices through {len(target.shuffler_urls)} shufflers; "
         f"analyzer {analyzer_url}"
     )
-    path = demo_report.write(report, found, shapes, dashboard, header)  # type: ignore[arg-type]
+    path = demo_report.write(report, found, shapes, dashboard, header)
     out.print(f"report:    {path.resolve()}")
     out.print(
         f"dashboard: {dashboard}"

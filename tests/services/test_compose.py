@@ -33,6 +33,7 @@ SPECS = service_specs(
 #: shufflers run as production, with real secrets from the environment.
 COMPOSE_ONLY = {
     "ESA_ANALYZER_HOST",
+    "ESA_ANALYZER_PUBLIC_URL",
     "ESA_SHUFFLER_HOST",
     "ESA_SHUFFLER_ENVIRONMENT",
     "ESA_SHUFFLER_TOKEN_SECRET",
@@ -127,12 +128,35 @@ def test_init_command_prepares_what_the_services_mount(tmp_path: Path) -> None:
         assert f"keys-{spec.name}:{key_dir}" in SERVICES[spec.name]["volumes"]
         assert f"keys-{spec.name}:{key_dir}" in SERVICES["init"]["volumes"]
     assert (tmp_path / "analyzer.pub").exists()
-    # Named volumes take the image's ownership: the non-root image must own every mount point.
+
+
+def test_the_non_root_image_owns_every_named_volume_mount_point() -> None:
+    """Named volumes start with the ownership of the image path they mount on, so every such
+    path must exist in the image and be chown'ed to the user the services run as."""
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    assert "USER esa" in dockerfile
-    for spec in SPECS:
-        key_dir = next(v for k, v in spec.env.items() if k.endswith("KEY_DIR"))
-        assert key_dir in dockerfile, key_dir
+    joined = dockerfile.replace("\\\n", " ")  # backslash continuations
+    run = " ".join(line[4:] for line in joined.splitlines() if line.startswith("RUN "))
+    steps = [step.split() for step in run.split("&&")]
+    made = {word for step in steps if step[:2] == ["mkdir", "-p"] for word in step[2:]}
+    owned = {word for step in steps if step[:3] == ["chown", "-R", "esa"] for word in step[3:]}
+    assert "USER esa" in dockerfile and "'.[server,postgres,sim]'" in run
+    named = set(COMPOSE["volumes"]) - {"pgdata"}
+    for name, service in SERVICES.items():
+        if name == "postgres":
+            continue
+        for volume in service.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if source in named:
+                assert any(m == target or m.startswith(target + "/") for m in made), target
+                assert any(target == o or target.startswith(o + "/") for o in owned), target
+    assert SERVICES["analyzer"]["depends_on"]["init"]["condition"] == (
+        "service_completed_successfully"
+    )
+    report = SERVICES["loadgen"]["command"][SERVICES["loadgen"]["command"].index("--report") + 1]
+    assert any(
+        v.startswith("reports:") and report.startswith(v.split(":")[1] + "/")
+        for v in SERVICES["loadgen"]["volumes"]
+    )
 
 
 def test_loadgen_runs_esa_demo_against_the_compose_analyzer() -> None:
