@@ -256,7 +256,9 @@ def _run(
         f"every contribution acknowledged; epochs closed ({time.monotonic() - started:.0f} s)"
     )
     found = results(run, sent)
-    out = Console()
+    import sys
+
+    out = Console(width=None if sys.stdout.isatty() else 132)  # logs and CI: no squeezed tables
     summary = Table(title="What the analyzer released")
     headers = ("channel", "mechanism", "devices", "n", "neighbours", "central ε (δ)", "local ε")
     for name in (*headers, "took part ε", "RMSE"):
