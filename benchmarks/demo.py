@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -21,9 +22,14 @@ from benchmarks._report import machine, write_section
 from tests.support import free_port
 
 ROUNDS = 3
+HEADER = (
+    "| channel | mechanism | devices | n released | neighbours | central ε | local ε (same "
+    "notion) | took part ε (add-remove) | RMSE | checked inside 95% |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
-def one_run(out: Path) -> tuple[float, dict[str, object]]:
+def one_run(out: Path) -> tuple[float, dict[str, Any]]:
     port = free_port()
     while not all(_free(port + i) for i in range(4)):
         port = free_port()
@@ -41,12 +47,17 @@ def one_run(out: Path) -> tuple[float, dict[str, object]]:
     return elapsed, json.loads((out / "r.json").read_text())
 
 
-def _row(c: dict[str, object]) -> str:
+def _eps(value: object) -> str:
+    return "∞ (no bound)" if value is None else f"{value:.3f}"
+
+
+def _row(c: dict[str, Any]) -> str:
     local = "—" if c["local_eps"] is None else f"{c['local_eps']:.2f}"
+    took_part = "—" if c["add_remove_eps"] is None else f"{c['add_remove_eps']:.2f}"
     return (
         f"| {c['channel_id']} | {c['mechanism']} | {c['devices']:,} | {c['n']:,} | "
-        f"{c['central_eps']:.3f} | {local} | {c['rmse']:.1f} | "
-        f"{c['inside']}/{len(c['checked'])} |"  # type: ignore[arg-type]
+        f"{c['neighbouring']} | {_eps(c['central_eps'])} | {local} | {took_part} | "
+        f"{c['rmse']:.1f} | {c['inside']}/{len(c['checked'])} |"
     )
 
 
@@ -65,7 +76,7 @@ def main() -> None:
         print(f"run {i + 1}: {elapsed:.1f} s")
     runs.sort(key=lambda r: r[0])
     median_time, median = runs[len(runs) // 2]
-    rows = "\n".join(_row(c) for c in median["channels"])  # type: ignore[attr-defined]
+    rows = "\n".join(_row(c) for c in median["channels"])
     body = f"""
 Command: `.venv/bin/python benchmarks/demo.py` (runs `esa demo` at its default size, {ROUNDS}
 times; each run starts its own analyzer + 3 shufflers on SQLite, drives the devices through
@@ -78,8 +89,7 @@ epochs in real time.
 
 Median run, per channel:
 
-| channel | mechanism | devices | n released | central ε | local ε | RMSE | checked inside 95% |
-|---|---|---|---|---|---|---|---|
+{HEADER}
 {rows}
 
 `features` (Balcer–Cheu) certifies ∞ at this size: each shuffler's crowd is below the
