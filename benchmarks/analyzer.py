@@ -24,11 +24,10 @@ from _report import machine, write_section
 
 from common.envelope import (
     KeyRing,
-    key_id,
     load_or_create_ed25519,
     load_or_create_x25519,
     open_fragment,
-    public_bytes,
+    public_identity,
     seal_fragment,
     sign,
 )
@@ -56,15 +55,8 @@ def main() -> None:
         signer = load_or_create_ed25519(tmp / "s1" / "signing.pem")
         hpke = load_or_create_x25519(tmp / "s1" / "hpke.pem")
         analyzer_key = load_or_create_x25519(tmp / "analyzer" / "keys" / "hpke.pem")
-        registry = [
-            {
-                "id": "shuffler-1",
-                "url": "http://127.0.0.1:1",
-                "public_key": b64(public_bytes(hpke.public_key())),
-                "key_id": key_id(hpke.public_key()).hex(),
-                "signing_key": b64(public_bytes(signer.public_key())),
-            }
-        ]
+        identity = public_identity(hpke.public_key(), signer.public_key())
+        registry = [{"id": "shuffler-1", "url": "http://127.0.0.1:1", **identity}]
         params = krappor.KRapporParams(k=K, eps=12.0)
         bodies = []
         sealed_all: list[bytes] = []

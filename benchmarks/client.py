@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from common.collection import sign_config
-from common.envelope import key_id, public_bytes
+from common.envelope import key_id, public_bytes, public_identity
 from common.wire import ChannelConfig, b64
 from encoder_client import Client
 
@@ -62,9 +62,7 @@ def _config(tmp: Path) -> tuple[Path, str]:
             {
                 "id": f"shuffler-{i + 1}",
                 "url": f"http://127.0.0.1:{9000 + i}",
-                "public_key": b64(public_bytes(key.public_key())),
-                "key_id": key_id(key.public_key()).hex(),
-                "signing_key": b64(public_bytes(Ed25519PrivateKey.generate().public_key())),
+                **public_identity(key.public_key(), Ed25519PrivateKey.generate().public_key()),
             }
         )
     now = int(time.time())

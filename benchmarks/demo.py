@@ -19,6 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._report import machine, write_section
+from services.launcher import port_free
 from tests.support import free_port
 
 ROUNDS = 3
@@ -31,7 +32,7 @@ HEADER = (
 
 def one_run(out: Path) -> tuple[float, dict[str, Any]]:
     port = free_port()
-    while not all(_free(port + i) for i in range(4)):
+    while not all(port_free(port + i) for i in range(4)):
         port = free_port()
     started = time.monotonic()
     done = subprocess.run(
@@ -59,12 +60,6 @@ def _row(c: dict[str, Any]) -> str:
         f"{c['neighbouring']} | {_eps(c['central_eps'])} | {local} | {took_part} | "
         f"{c['rmse']:.1f} | {c['inside']}/{len(c['checked'])} |"
     )
-
-
-def _free(port: int) -> bool:
-    from services.launcher import port_free
-
-    return port_free(port)
 
 
 def main() -> None:

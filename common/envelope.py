@@ -21,6 +21,7 @@ u16 count | count × (u16 len + inner blob)``.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 from collections.abc import Callable
@@ -58,6 +59,16 @@ def key_id(public_key: X25519PublicKey) -> bytes:
 def public_bytes(key: X25519PublicKey | Ed25519PublicKey) -> bytes:
     """Raw 32-byte public key (published, base64, in the collection config)."""
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def public_identity(hpke: X25519PublicKey, signing: Ed25519PublicKey) -> dict[str, str]:
+    """A shuffler's public keys as its registry entry and ``GET /v1/config`` carry them
+    (PROTOCOL.md): base64 raw X25519 key, its key id in hex, base64 raw Ed25519 key."""
+    return {
+        "public_key": base64.b64encode(public_bytes(hpke)).decode(),
+        "key_id": key_id(hpke).hex(),
+        "signing_key": base64.b64encode(public_bytes(signing)).decode(),
+    }
 
 
 def load_x25519_public(raw: bytes) -> X25519PublicKey:

@@ -15,6 +15,7 @@ contributions that reached it; the interval the demo checks adds that sampling n
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -201,8 +202,6 @@ def connect(analyzer_url: str, trusted_key: str | None, admin_token: str) -> Tar
     except (httpx.HTTPError, ValueError) as error:
         raise DemoError(f"no analyzer at {analyzer_url}: {error}") from error
     try:
-        import base64
-
         key = trusted_key or str(document["config"]["analyzer"]["signing_key"])
         verify_config(document, load_ed25519_public(base64.b64decode(key)), time.time())
     except (ConfigError, ValueError, KeyError, TypeError) as error:
@@ -610,20 +609,21 @@ def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[Ch
         devices, delivered, first, last = sent[config.id]
         truth = run.truths[config.id]
         k = truth.counts.size
-        release = httpx.get(
+        response = httpx.get(
             f"{run.target.analyzer_url}/v1/channels/{config.id}/estimate",
             params={"epoch_from": first, "epoch_to": last, "top": k},
             timeout=60.0,
         )
-        if release.status_code != 200:
+        if response.status_code != 200:
             raise DemoError(
                 f"the analyzer released nothing for {config.id!r} in epochs {first}..{last}: "
-                f"{release.text} (with too few devices every batch stays below the channel's "
+                f"{response.text} (with too few devices every batch stays below the channel's "
                 "minimum crowd after randomized deletion: try more --devices)"
             )
-        if release.json()["n"] > devices:
+        release = response.json()
+        if release["n"] > devices:
             raise DemoError(
-                f"{config.id!r}: the release counts {release.json()['n']} contributions but this "
+                f"{config.id!r}: the release counts {release['n']} contributions but this "
                 f"run sent {devices}: other clients reported in the same epoch, so it cannot be "
                 "compared with this run's truth (run the demo on its own deployment)"
             )
@@ -634,7 +634,7 @@ def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[Ch
             config.display,
             devices,
             delivered,
-            release.json(),
+            release,
             [int(c) for c in truth.counts],
         )
         _check(result, truth)

@@ -21,14 +21,21 @@ from typing import Any
 
 import httpx
 
-from common.envelope import key_id, load_or_create_ed25519, load_or_create_x25519, public_bytes
+from common.envelope import (
+    load_or_create_ed25519,
+    load_or_create_x25519,
+    public_bytes,
+    public_identity,
+)
 from common.wire import ChannelConfig, b64
 
 ANALYZER_PORT = 8100
+#: Randomized deletion (ESA-revisited Algorithm 3) of every default channel.
+DELETION = {"eps_cr": 1.0, "delta_cr": 1e-6}
 
 #: The default channel set shows every mechanism (ARCHITECTURE.md, "Running it"). Local ε are
 #: chosen so that a demo-sized crowd (~500 per shuffler) already shows amplification, and
-#: ``max_fragments`` sits > 10 standard deviations above each encoder's fragment count
+#: ``max_fragments`` sits at least 8 standard deviations above each encoder's fragment count
 #: (tests/services/test_launcher.py samples the encoders to keep it so).
 DEFAULT_CHANNELS = [
     ChannelConfig(
@@ -37,8 +44,7 @@ DEFAULT_CHANNELS = [
         mechanism="krappor",
         params={"k": 256, "eps": 2.0},
         min_crowd=50,
-        eps_cr=1.0,
-        delta_cr=1e-6,
+        **DELETION,
         max_fragments=96,
         delta=1e-8,
     ),
@@ -48,8 +54,7 @@ DEFAULT_CHANNELS = [
         mechanism="rfrag",
         params={"k": 256, "eps_b": 3.0, "eps_f": 2.5, "tau": 3},
         min_crowd=50,
-        eps_cr=1.0,
-        delta_cr=1e-6,
+        **DELETION,
         max_fragments=96,
         delta=1e-8,
     ),
@@ -59,8 +64,7 @@ DEFAULT_CHANNELS = [
         mechanism="krappor",
         params={"k": 1024, "eps": 3.0},
         min_crowd=50,
-        eps_cr=1.0,
-        delta_cr=1e-6,
+        **DELETION,
         max_fragments=128,
         delta=1e-8,
         display="image",
@@ -73,8 +77,7 @@ DEFAULT_CHANNELS = [
         params={"d": 4, "k": 2, "eps": 4.0},
         epoch_seconds=10,
         min_crowd=20,
-        eps_cr=1.0,
-        delta_cr=1e-6,
+        **DELETION,
         max_fragments=1,
         delta=1e-8,
         display="series",
@@ -85,8 +88,7 @@ DEFAULT_CHANNELS = [
         mechanism="zsum",
         params={"d": 8, "eps": 1.0, "delta": 1e-6, "n": 2000},
         min_crowd=50,
-        eps_cr=1.0,
-        delta_cr=1e-6,
+        **DELETION,
         max_fragments=16,
         delta=1e-6,
     ),
@@ -222,18 +224,11 @@ def prepare(
     for i in range(1, shufflers + 1):
         sid = f"shuffler-{i}"
         keys = var / "keys" / sid
-        hpke, signer = (
-            load_or_create_x25519(keys / "hpke.pem"),
-            load_or_create_ed25519(keys / "signing.pem"),
-        )
+        hpke = load_or_create_x25519(keys / "hpke.pem")
+        signer = load_or_create_ed25519(keys / "signing.pem")
+        url = shuffler_url.format(i=i, port=base_port + i)
         registry.append(
-            {
-                "id": sid,
-                "url": shuffler_url.format(i=i, port=base_port + i),
-                "public_key": b64(public_bytes(hpke.public_key())),
-                "key_id": key_id(hpke.public_key()).hex(),
-                "signing_key": b64(public_bytes(signer.public_key())),
-            }
+            {"id": sid, "url": url, **public_identity(hpke.public_key(), signer.public_key())}
         )
     var.mkdir(parents=True, exist_ok=True)
     (var / "channels.json").write_text(

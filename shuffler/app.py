@@ -37,12 +37,11 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from common.envelope import (
     KeyRing,
-    key_id,
     load_or_create_ed25519,
     load_or_create_x25519,
-    public_bytes,
+    public_identity,
 )
-from common.wire import EnrollResponse, ErrorBody, b64
+from common.wire import EnrollResponse, ErrorBody
 from services import db, logs
 from services.http import RejectedError, add_operational_routes, error, install_error_handlers
 from shuffler.core import Pending, ShufflerCore, Stored
@@ -416,12 +415,9 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
 
     @app.get("/v1/config")
     async def config() -> dict[str, Any]:
-        public = hpke_key.public_key()
         return {
             "id": settings.shuffler_id,
-            "public_key": b64(public_bytes(public)),
-            "key_id": key_id(public).hex(),
-            "signing_key": b64(public_bytes(signing_key.public_key())),
+            **public_identity(hpke_key.public_key(), signing_key.public_key()),
             "channels": [c.model_dump() for c in settings.channels],
         }
 

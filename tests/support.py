@@ -19,6 +19,16 @@ from typing import Any
 
 import httpx
 
+#: A shuffler channel policy small enough for tests to fill and close groups quickly.
+SMALL_CHANNEL = {
+    "id": "homepage",
+    "epoch_seconds": 3600,
+    "min_crowd": 5,
+    "eps_cr": 1.0,
+    "delta_cr": 1e-3,
+    "max_fragments": 4,
+}
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -139,8 +149,7 @@ def start_deployment(
     tmp: Path, channels: list[Any], analyzer_db: str | None = None, count: int = 3
 ) -> Deployment:
     """Shufflers 1..count and an analyzer on 127.0.0.1, each shuffler forwarding to it."""
-    from common.envelope import key_id, load_or_create_ed25519, load_or_create_x25519, public_bytes
-    from common.wire import b64
+    from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_identity
 
     registry, signing, shufflers = [], {}, []
     for i in range(1, count + 1):
@@ -150,15 +159,8 @@ def start_deployment(
         signing[sid] = load_or_create_ed25519(keys / "signing.pem")
         process = shuffler_process(tmp, sid, [c.policy().model_dump() for c in channels])
         shufflers.append(process)
-        registry.append(
-            {
-                "id": sid,
-                "url": process.url,
-                "public_key": b64(public_bytes(hpke.public_key())),
-                "key_id": key_id(hpke.public_key()).hex(),
-                "signing_key": b64(public_bytes(signing[sid].public_key())),
-            }
-        )
+        identity = public_identity(hpke.public_key(), signing[sid].public_key())
+        registry.append({"id": sid, "url": process.url, **identity})
     analyzer = analyzer_process(
         tmp, [c.model_dump() for c in channels], registry, analyzer_db
     ).start()

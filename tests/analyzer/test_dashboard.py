@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from common.envelope import (
-    key_id,
     load_or_create_ed25519,
     load_or_create_x25519,
-    public_bytes,
+    public_identity,
     seal_fragment,
     sign,
 )
@@ -89,15 +88,8 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     keys = tmp_path / "shuffler-1"
     signer = load_or_create_ed25519(keys / "signing.pem")
     hpke = load_or_create_x25519(keys / "hpke.pem")
-    registry = [
-        {
-            "id": "shuffler-1",
-            "url": "http://127.0.0.1:1",
-            "public_key": b64(public_bytes(hpke.public_key())),
-            "key_id": key_id(hpke.public_key()).hex(),
-            "signing_key": b64(public_bytes(signer.public_key())),
-        }
-    ]
+    identity = public_identity(hpke.public_key(), signer.public_key())
+    registry = [{"id": "shuffler-1", "url": "http://127.0.0.1:1", **identity}]
     analyzer_keys = tmp_path / "analyzer" / "keys"
     analyzer_key = load_or_create_x25519(analyzer_keys / "hpke.pem")
     service = analyzer_process(tmp_path, [c.model_dump() for c in CHANNELS], registry).start()

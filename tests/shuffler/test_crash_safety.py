@@ -18,16 +18,16 @@ from sqlalchemy import create_engine, func, select
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution, verify
 from shuffler import storage
 
-from ..support import ServiceProcess, free_port, receiver, shuffler_process, wait_until
+from ..support import (
+    SMALL_CHANNEL,
+    ServiceProcess,
+    free_port,
+    receiver,
+    shuffler_process,
+    wait_until,
+)
 
-CHANNEL = {
-    "id": "homepage",
-    "epoch_seconds": 3600,
-    "min_crowd": 5,
-    "eps_cr": 1.0,
-    "delta_cr": 1e-3,
-    "max_fragments": 4,
-}
+CHANNEL = SMALL_CHANNEL
 ADMIN = {"Authorization": "Bearer development"}
 
 

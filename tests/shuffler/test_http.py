@@ -14,16 +14,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
 
-from ..support import ServiceProcess, shuffler_process
+from ..support import SMALL_CHANNEL, ServiceProcess, shuffler_process
 
-CHANNEL = {
-    "id": "homepage",
-    "epoch_seconds": 3600,
-    "min_crowd": 5,
-    "eps_cr": 1.0,
-    "delta_cr": 1e-3,
-    "max_fragments": 4,
-}
+CHANNEL = SMALL_CHANNEL
 ANALYZER = X25519PrivateKey.generate()
 
 
