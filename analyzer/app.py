@@ -37,8 +37,8 @@ from common.envelope import (
     public_bytes,
 )
 from common.wire import b64, unb64
-from services import db, logs
-from services.http import RejectedError, add_operational_routes, install_error_handlers
+from services.runtime import db, logs
+from services.runtime.http import RejectedError, add_operational_routes, install_error_handlers
 
 log = logging.getLogger("esa.analyzer")
 MIGRATIONS = Path(__file__).parent / "migrations"

@@ -56,7 +56,7 @@ from common.envelope import EnvelopeError, KeyRing, open_fragment, verify
 from common.mechanisms import Estimate, LocalPrivacy
 from common.mechanisms.longitudinal import TreeAccumulator
 from common.wire import Batch
-from services.http import RejectedError
+from services.runtime.http import RejectedError
 
 log = logging.getLogger("esa.analyzer")
 #: Bins kept in a histogram release's stored summary (the API returns more on request).

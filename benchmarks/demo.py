@@ -19,7 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._report import machine, write_section
-from services.launcher import port_free
+from services.cli.launcher import port_free
 from tests.support import free_port
 
 ROUNDS = 3

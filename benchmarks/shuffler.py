@@ -199,7 +199,7 @@ def _big_batch(tmp: Path) -> tuple[float, int]:
 
     from common.envelope import KeyRing
     from common.wire import ChannelPolicy
-    from services import db
+    from services.runtime import db
     from shuffler import storage
     from shuffler.app import MIGRATIONS
     from shuffler.core import ShufflerCore

@@ -42,8 +42,13 @@ from common.envelope import (
     public_identity,
 )
 from common.wire import EnrollResponse, ErrorBody
-from services import db, logs
-from services.http import RejectedError, add_operational_routes, error, install_error_handlers
+from services.runtime import db, logs
+from services.runtime.http import (
+    RejectedError,
+    add_operational_routes,
+    error,
+    install_error_handlers,
+)
 from shuffler.core import Pending, ShufflerCore, Stored
 from shuffler.settings import ShufflerSettings
 

@@ -45,7 +45,7 @@ from sqlalchemy.exc import IntegrityError
 
 from common.envelope import Contribution, EnvelopeError, KeyRing, open_contribution, sign
 from common.wire import Batch, ChannelPolicy, b64
-from services.http import RejectedError
+from services.runtime.http import RejectedError
 from shuffler import storage
 from shuffler.settings import ShufflerSettings
 

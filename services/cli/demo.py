@@ -128,8 +128,8 @@ def demo(
     from rich.console import Console
 
     from encoder_client import EsaError
-    from services import launcher
-    from services.demo import DemoError, analyzer_alive
+    from services.cli import launcher
+    from services.tools.demo import DemoError, analyzer_alive
 
     console = Console(stderr=True)
     analyzer_url = analyzer_url.rstrip("/")
@@ -212,8 +212,8 @@ def _run(
     )
     from rich.table import Table
 
-    from services import demo_report
-    from services.demo import (
+    from services.tools import demo_report
+    from services.tools.demo import (
         DemoError,
         DemoRun,
         check_fresh_epochs,

@@ -124,7 +124,7 @@ def up_command(
     Creates keys and the default channel set (every mechanism) on first run, waits until all
     services are ready, prints their URLs, and stops them all on Ctrl-C or SIGTERM.
     """
-    from services.launcher import LaunchError, prepare, serve_forever, up
+    from services.cli.launcher import LaunchError, prepare, serve_forever, up
 
     try:
         if prepare_only:

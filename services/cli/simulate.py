@@ -116,8 +116,8 @@ def histogram_command(
       esa simulate histogram --dataset horse --n 1914589 --eps-c 0.05,0.25,0.5,0.75,1 \\
           --delta 5e-8 --tau 1,4,16 --out runs/horse
     """
-    from encoder_client.populations import histogram
-    from services import simulation, simulation_plots
+    from services.tools import simulation, simulation_plots
+    from services.tools.populations import histogram
 
     population = histogram(dataset, n, seed)
     tasks = simulation.histogram_tasks(_floats(eps_c), _bounds(bound), _ints(tau))
@@ -177,8 +177,8 @@ def longitudinal_command(
     seed: int,
 ) -> None:
     """Tree-based longitudinal reports: running counts over d periods, with certified ε."""
-    from encoder_client.populations import longitudinal
-    from services import simulation, simulation_plots
+    from services.tools import simulation, simulation_plots
+    from services.tools.populations import longitudinal
 
     try:
         population = longitudinal(n, d, k, change_rate, seed)

@@ -17,7 +17,7 @@ from common.accounting import certify
 from common.envelope import KeyRing, seal_fragment, sign
 from common.mechanisms import SeededSource, krappor
 from common.wire import Batch, ChannelConfig, b64
-from services import db
+from services.runtime import db
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "analyzer" / "migrations"
 CHANNEL = ChannelConfig(

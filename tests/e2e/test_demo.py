@@ -15,7 +15,8 @@ from pathlib import Path
 
 from scipy import stats
 
-from services.launcher import DEFAULT_CHANNELS, port_free
+from services.cli.launcher import port_free
+from services.tools.catalogue import DEFAULT_CHANNELS
 
 from ..services.test_launcher import _base_port
 

@@ -7,7 +7,7 @@ from scipy import stats
 
 from common.mechanisms import SeededSource, longitudinal
 from common.mechanisms.longitudinal import ChangeLog, LongitudinalParams
-from encoder_client import populations
+from services.tools import populations
 
 PARAMS = LongitudinalParams(d=8, k=2, eps=2.0)
 RUNS = 200

@@ -1,7 +1,7 @@
 """docker-compose.yml runs what ``esa up`` runs: same commands, ports and settings.
 
 There is no Docker engine on our machines, so this parses the compose file and checks every
-service against :func:`services.launcher.service_specs`; the e2e suite runs those same commands
+service against :func:`services.cli.launcher.service_specs`; the e2e suite runs those same commands
 as processes against PostgreSQL (tests/e2e/test_demo.py).
 """
 
@@ -17,7 +17,7 @@ import yaml
 from click.testing import CliRunner
 
 from services.cli import cli
-from services.launcher import SHARED_SETTINGS, service_specs
+from services.cli.launcher import SHARED_SETTINGS, service_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

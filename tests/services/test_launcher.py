@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from services.launcher import DEFAULT_CHANNELS, port_free
+from services.cli.launcher import port_free
+from services.tools.catalogue import DEFAULT_CHANNELS
 
 from ..support import wait_until
 

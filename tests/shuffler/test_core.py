@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from common.envelope import Contribution, KeyRing, new_nonce, seal_contribution, verify
 from common.wire import Batch, ChannelPolicy
-from services import db
+from services.runtime import db
 from shuffler import storage
 from shuffler.app import MIGRATIONS
 from shuffler.core import Pending, RejectedError, ShufflerCore

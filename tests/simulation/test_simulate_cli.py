@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.accounting import plan_eps0
-from services.simulation import COLUMNS, balanced_fragment_eps
+from services.tools.simulation import COLUMNS, balanced_fragment_eps
 
 ESA = [sys.executable, "-m", "services.cli"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.demo import Z95, ChannelResult
+from services.tools.demo import Z95, ChannelResult
 
 #: Bins a histogram plot shows (the largest true values).
 PLOTTED = 20

@@ -33,7 +33,7 @@ import numpy.typing as npt
 from common.mechanisms.longitudinal import ChangeLog
 from common.mechanisms.zsum import ZSumParams
 from common.wire import ChannelConfig
-from encoder_client import populations
+from services.tools import populations
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]

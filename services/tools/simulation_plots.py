@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from encoder_client.populations import HistogramPopulation
-from services.simulation import HistogramRun, LongitudinalRun
+from services.tools.populations import HistogramPopulation
+from services.tools.simulation import HistogramRun, LongitudinalRun
 
 TOP = 20
 

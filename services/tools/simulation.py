@@ -28,7 +28,7 @@ import numpy.typing as npt
 from common.accounting import MechanismParams, Method, certify, fragment_eps, plan_eps0
 from common.mechanisms import krappor, longitudinal, rfrag
 from common.mechanisms.longitudinal import LongitudinalParams
-from encoder_client.populations import HistogramPopulation, LongitudinalPopulation
+from services.tools.populations import HistogramPopulation, LongitudinalPopulation
 
 FloatArray = npt.NDArray[np.float64]
 COLUMNS = (

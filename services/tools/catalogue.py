@@ -1,0 +1,73 @@
+"""The default channel catalogue: one channel per mechanism, sized for ``esa demo``.
+
+``esa up`` writes it to ``<var>/channels.json`` (ARCHITECTURE.md, "Running it"); a deployment
+of one's own lists its channels there instead.
+"""
+
+from __future__ import annotations
+
+from common.wire import ChannelConfig
+
+#: Randomized deletion (ESA-revisited Algorithm 3) of every default channel.
+DELETION = {"eps_cr": 1.0, "delta_cr": 1e-6}
+
+#: The default channel set shows every mechanism (ARCHITECTURE.md, "Running it"). Local ε are
+#: chosen so that a demo-sized crowd (~500 per shuffler) already shows amplification, and
+#: ``max_fragments`` sits at least 8 standard deviations above each encoder's fragment count
+#: (tests/services/test_launcher.py samples the encoders to keep it so).
+DEFAULT_CHANNELS = [
+    ChannelConfig(
+        id="homepage",
+        title="Heavy-hitter pages (k-RAPPOR attribute fragments)",
+        mechanism="krappor",
+        params={"k": 256, "eps": 2.0},
+        min_crowd=50,
+        **DELETION,
+        max_fragments=96,
+        delta=1e-8,
+    ),
+    ChannelConfig(
+        id="homepage-fragments",
+        title="Same, with report fragments and backstops",
+        mechanism="rfrag",
+        params={"k": 256, "eps_b": 3.0, "eps_f": 2.5, "tau": 3},
+        min_crowd=50,
+        **DELETION,
+        max_fragments=96,
+        delta=1e-8,
+    ),
+    ChannelConfig(
+        id="picture",
+        title="An image channel (32x32 pixels)",
+        mechanism="krappor",
+        params={"k": 1024, "eps": 3.0},
+        min_crowd=50,
+        **DELETION,
+        max_fragments=128,
+        delta=1e-8,
+        display="image",
+        image_shape=(32, 32),
+    ),
+    ChannelConfig(
+        id="abroad",
+        title="Longitudinal: state changed (a period is one 10-second epoch here)",
+        mechanism="longitudinal",
+        params={"d": 4, "k": 2, "eps": 4.0},
+        epoch_seconds=10,
+        min_crowd=20,
+        **DELETION,
+        max_fragments=1,
+        delta=1e-8,
+        display="series",
+    ),
+    ChannelConfig(
+        id="features",
+        title="Balcer-Cheu zero-sum histogram",
+        mechanism="zsum",
+        params={"d": 8, "eps": 1.0, "delta": 1e-6, "n": 2000},
+        min_crowd=50,
+        **DELETION,
+        max_fragments=16,
+        delta=1e-6,
+    ),
+]
