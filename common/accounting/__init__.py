@@ -2,6 +2,8 @@
 
 Every bound returns an immutable :class:`BoundResult`; :func:`certify` gathers the bounds
 that apply to a mechanism and picks the certificate; :func:`plan_eps0` inverts it.
+:func:`compose_epochs` / :func:`lifetime_for_mechanism` give a user's lifetime ε over all
+epochs (privacy-loss distributions), and :func:`plan_eps0_lifetime` inverts that.
 """
 
 from common.accounting.composition import (
@@ -16,6 +18,15 @@ from common.accounting.composition import (
     removal_to_replacement,
     replacement_to_removal,
     subsample,
+)
+from common.accounting.lifetime import (
+    Certificate,
+    DeltaSplit,
+    Epoch,
+    LifetimeResult,
+    compose_epochs,
+    lifetime_for_mechanism,
+    plan_eps0_lifetime,
 )
 from common.accounting.local import composed_randomizer_eps, esa_thm_iv1, fragment_eps
 from common.accounting.lower import lower_2rr
@@ -45,8 +56,12 @@ from common.accounting.shuffle_bounds import (
 
 __all__ = [
     "BoundResult",
+    "Certificate",
     "Certification",
+    "DeltaSplit",
+    "Epoch",
     "EpsDelta",
+    "LifetimeResult",
     "Mechanism",
     "MechanismParams",
     "Method",
@@ -62,6 +77,7 @@ __all__ = [
     "blanket_krr",
     "certify",
     "cheu_lemma_ii6",
+    "compose_epochs",
     "compose_with_deletion",
     "composed_randomizer_eps",
     "compute_bounds",
@@ -75,9 +91,11 @@ __all__ = [
     "fmt21_krr_cor42",
     "fmt21_thm38",
     "fragment_eps",
+    "lifetime_for_mechanism",
     "lower_2rr",
     "methods_for",
     "plan_eps0",
+    "plan_eps0_lifetime",
     "removal_to_replacement",
     "replacement_to_removal",
     "rfrag_across_batches",

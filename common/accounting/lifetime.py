@@ -1,0 +1,768 @@
+"""Lifetime privacy: tight composition of a user's epochs with privacy-loss distributions.
+
+A device reports once per channel and epoch; what a user loses over its lifetime is the
+adaptive composition of every epoch's view. Basic composition adds the per-epoch ε and is
+about 20x too loose over a year; here epochs compose through their privacy-loss distributions
+(PLD), the numerically tight method of Koskela, Jälkö, Honkela (AISTATS 2020) and
+Meiser–Mohammadi (CCS 2018), as implemented by Google's ``dp_accounting.pld``
+(``Privacy_Loss_Distributions.pdf`` of its docs). Every PLD uses dp_accounting's *pessimistic*
+estimate, so the lifetime ε is a certified upper bound.
+
+**Dominating pairs.** Each shuffled epoch enters through a dominating pair: two distributions
+(P, Q) of which the epoch's views on neighbouring datasets are a post-processing. Then
+``D_{e^ε}(view || view') <= D_{e^ε}(P || Q)`` for every ε (also ε < 0), and the adaptive
+composition of the epochs is dominated by the product of the pairs (Zhu, Dong, Wang, AISTATS
+2022, Theorem 10), whose PLD is the convolution of the epochs' PLDs. The pair is the FMT21
+clone pair of Remark 3.5, eq. (20), as :class:`~common.accounting.hockey_stick.ClonePair`:
+
+    C ~ Bin(n - 1, r),  A | C ~ Bin(C, 1/2),  P = (A + Bern(1 - q), C),  Q = (A + Bern(q), C),
+
+``q = e^ε0 / (e^ε0 + 1)``, with ``r = e^-ε0`` for a generic ε0-DP randomizer (FMT21 Theorem 3.2),
+``r = 2/(e^ε0 + 1)`` for binary randomized response (privacy blanket, Balle et al. 2019) and the
+k-RR pair with weight ``w`` (FMT21 §4.1): the target's report is informative with probability w
+and identically distributed otherwise; revealing which case happened is a post-processing in
+reverse, so the pair ``(w·P + (1 - w)·R, w·Q + (1 - w)·R)`` with the case revealed dominates,
+and its PLD is that of (P, Q) mixed with an atom of zero loss of mass ``1 - w``. The pairs
+come from ``mechanisms.SPECS`` (:func:`lifetime_for_mechanism`). The pair is symmetric
+(``x -> c + 1 - x`` swaps P and Q), so one PLD serves both directions.
+
+**Loss PMF of one pair.** Given ``C = c`` and ``X = x`` (the first coordinate), with
+``u = c + 1 - x``:
+
+    L(x, c) = log((q u + (1 - q) x) / ((1 - q) u + q x)),
+    P_c(x) = Bin(c + 1, 1/2)(x) · 2 (q u + (1 - q) x) / (c + 1),
+
+evaluated vectorized with scipy's binomial pmf. Three steps keep the result an upper bound:
+
+* Clone counts are grouped into blocks about ``sqrt(c)/PLD_SQRT_DIVISIONS`` wide, each charged
+  the pair at its LEFT end. FMT21 Appendix E, Lemma E.2 proves ``δ(ε)`` non-increasing in c; the
+  stronger statement used here is that the pair at c' > c is a post-processing of the pair at
+  c (c is revealed anyway, and the extra ``c' - c`` clones add ``Bin(c' - c, 1/2)`` to x), so
+  the blocked pair dominates the exact one in every hockey-stick divergence.
+* Clone counts outside the window holding all but ``tail`` of C's mass on each side (the
+  window of :mod:`.hockey_stick`) are charged infinite loss, and so is P's mass left of each
+  block's x window (the high-loss side; Hoeffding's bound ``exp(-2 s²/c)``); the mass right of
+  the window (lower losses) is moved onto its last point, which only raises its loss.
+* Losses are rounded up to the grid ``h·Z`` (dp_accounting's pessimistic rounding) after an
+  allowance ``LOSS_SLACK`` for floating-point error, and every mass is inflated by
+  ``MASS_SLACK``. Raising losses or adding mass can only raise ``E[(1 - e^{ε - ΣL})_+]``, the
+  δ of the composition, so rounding errors fall on the safe side.
+
+**Certificates.** A mechanism without a dominating pair (Balcer–Cheu ``zsum``, report fragments
+across batches) enters as its (ε, δ) certificate through ``from_privacy_parameters``, the PLD of
+the pair that dominates every (ε, δ)-DP mechanism (Kairouz, Oh, Viswanath 2015; dp_accounting
+docs §3.5).
+
+**Reference compositions.** :class:`LifetimeResult` also carries basic composition and the best
+advanced composition (:func:`~common.accounting.composition.best_composition`) with explicit δ
+splits; the reported ε is the smallest of the three, each a certified bound at total δ.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import numpy.typing as npt
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import pld_pmf
+from dp_accounting.pld import privacy_loss_distribution as pld
+from scipy import stats
+
+from common.accounting import hockey_stick
+from common.accounting._checks import (
+    check_count,
+    check_non_negative,
+    check_positive,
+    check_probability,
+)
+from common.accounting.composition import EpsDelta, basic_composition, best_composition
+from common.accounting.hockey_stick import ClonePair, eps_for_delta
+from common.accounting.mechanisms import (
+    SPECS,
+    MechanismParams,
+    PairFunction,
+    _mechanism,
+    _validate,
+    applicable_methods,
+    certify,
+)
+from common.accounting.planner import EPS0_MAX
+from common.accounting.results import Mechanism, Neighbouring
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+#: Clone-count blocks for the PLD are about sqrt(c)/PLD_SQRT_DIVISIONS wide (a fixed fraction
+#: of the spread of C near c; each block is charged at its left end, FMT21 Lemma E.2).
+PLD_SQRT_DIVISIONS = 16
+#: Grid step h = sd(lifetime loss) / (RESOLUTION · parts): rounding every part's loss up by at
+#: most h moves the lifetime loss up by at most sd/RESOLUTION (about 0.5% of ε at worst).
+RESOLUTION = 50.0
+#: Bounds on the grid step h (the upper one keeps single-epoch rounding below 1e-3 in ε).
+MIN_DISCRETIZATION = 1e-8
+MAX_DISCRETIZATION = 1e-3
+#: Largest loss grid of one part; h is coarsened if a part's losses would need more points.
+MAX_PMF_POINTS = 1 << 22
+#: Fraction of the target δ that all truncations together (C window, x tails, dp_accounting's
+#: tail truncation) may cost; charged as infinite loss, so it is part of the certified δ.
+TRUNCATION_FRACTION = 1e-6
+#: Relative inflation of every probability mass (covers scipy's pmf/cdf error, about 1e-12).
+MASS_SLACK = 1e-9
+#: Allowance added to every loss before rounding up (covers float error in L and L/h).
+LOSS_SLACK = 1e-12
+#: Candidate fractions of δ kept as the δ' of advanced composition.
+ADVANCED_SLACK_FRACTIONS = (0.05, 0.25, 0.5, 0.75, 0.95)
+#: lifetime_for_mechanism: share of δ given to per-epoch certificates of pair-less mechanisms.
+CERTIFICATE_SHARE = 0.5
+#: Resolution of the lifetime planner's bisection on ε0.
+PLAN_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True, slots=True)
+class Certificate:
+    """An (ε, δ) statement used as a black box in the composition.
+
+    Attributes:
+        eps: The ε (>= 0; ``math.inf`` when nothing is certified).
+        delta: The δ in [0, 1).
+        source: Which theorem produced it (a method id, or ``esa-thm-v1`` for deletion).
+    """
+
+    eps: float
+    delta: float
+    source: str = "certificate"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.eps, float | int) and self.eps == math.inf):
+            check_non_negative("eps", self.eps)
+        check_non_negative("delta", self.delta)
+        if self.delta >= 1.0:
+            raise ValueError(f"delta must be in [0, 1), got delta={self.delta!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Epoch:
+    """What one epoch reveals about a user: independent parts, each a pair or a certificate.
+
+    Usually one part: the dominating pair of the shuffled batch at the epoch's crowd
+    (:meth:`from_pair`) or the mechanism's (ε, δ) certificate (:meth:`from_certificate`).
+
+    Attributes:
+        pairs: Dominating clone pairs (FMT21 eq. (20)) of independent parts of the view.
+        certificates: (ε, δ) certificates of the other independent parts.
+        neighbouring: The notion every part holds in (``removal``, ``replacement`` or,
+            after :meth:`with_deletion`, ``add-remove``).
+    """
+
+    pairs: tuple[ClonePair, ...] = ()
+    certificates: tuple[Certificate, ...] = ()
+    neighbouring: Neighbouring = "removal"
+
+    def __post_init__(self) -> None:
+        if not self.pairs and not self.certificates:
+            raise ValueError(
+                "an epoch needs a pair or a certificate, got pairs=(), certificates=()"
+            )
+        for part in self.pairs:
+            if not isinstance(part, ClonePair):
+                raise ValueError(f"pairs must hold ClonePair values, got {part!r}")
+        for cert in self.certificates:
+            if not isinstance(cert, Certificate):
+                raise ValueError(f"certificates must hold Certificate values, got {cert!r}")
+        if self.neighbouring not in ("removal", "replacement", "add-remove"):
+            raise ValueError(f"unknown neighbouring notion, got neighbouring={self.neighbouring!r}")
+
+    @classmethod
+    def from_pair(cls, pair: ClonePair, neighbouring: Neighbouring = "removal") -> Epoch:
+        """One shuffled batch, dominated by ``pair`` (crowd ``pair.n_others + 1``)."""
+        return cls(pairs=(pair,), neighbouring=neighbouring)
+
+    @classmethod
+    def from_certificate(
+        cls,
+        eps: float,
+        delta: float,
+        neighbouring: Neighbouring = "removal",
+        source: str = "certificate",
+    ) -> Epoch:
+        """One batch of a mechanism without a dominating pair, as its (ε, δ) certificate."""
+        return cls(certificates=(Certificate(eps, delta, source),), neighbouring=neighbouring)
+
+    def as_replacement(self) -> Epoch:
+        """The replacement statement of a removal epoch whose two steps are independent.
+
+        Replacing x by x' is two removal steps (x -> reference -> x'). For mechanisms where
+        the two steps touch independent parts of the output (k-RAPPOR: two attributes;
+        the same argument as ``removal_to_replacement(independent_parts=True)`` in
+        :mod:`.composition`), the view is dominated by two independent copies of each part.
+
+        Raises:
+            ValueError: if the epoch is not a removal statement.
+        """
+        if self.neighbouring != "removal":
+            raise ValueError(f"epoch must be a removal statement, got {self.neighbouring!r}")
+        return Epoch(self.pairs * 2, self.certificates * 2, "replacement")
+
+    def with_deletion(self, eps_cr: float, delta_cr: float) -> Epoch:
+        """Add the randomized-report-deletion part (ESA-revisited Algorithm 3).
+
+        ESA-revisited Theorem V.1 proves only that the released crowd counts n̂ are
+        (ε_cr, δ_cr)-DP for adding or removing a record. Given n̂ the shuffler keeps a uniform
+        n̂-subset, which either misses the user (distributed as without the user) or holds the
+        user in place of a random other record: a replacement pair (the argument of
+        :func:`~common.accounting.composition.compose_with_deletion`). So an epoch whose parts
+        are *replacement* statements at the crowd that survived, plus the (ε_cr, δ_cr)
+        certificate of the counts, bounds the add/remove view; the composition treats the
+        count as one more certificate part.
+
+        Raises:
+            ValueError: if the epoch is not a replacement statement, or on bad ε_cr, δ_cr.
+        """
+        check_positive("eps_cr", eps_cr)
+        check_probability("delta_cr", delta_cr)
+        if self.neighbouring != "replacement":
+            raise ValueError(
+                f"randomized deletion composes with a replacement statement (a refilled slot "
+                f"is a replacement pair), got neighbouring={self.neighbouring!r}"
+            )
+        count = Certificate(eps_cr, delta_cr, "esa-thm-v1")
+        return Epoch(self.pairs, (*self.certificates, count), "add-remove")
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaSplit:
+    """How the total δ is divided, per composition method.
+
+    Attributes:
+        certificates: Σ δ of the certificate parts (incl. deletion); spent in every method.
+        pld_pairs: δ left to the pairs in the PLD composition (``delta - certificates``).
+        pld_truncation: Of ``pld_pairs``, an upper bound on the mass charged as infinite loss
+            for truncated tails (C window, x tails, dp_accounting's tail truncation).
+        basic_per_part: δ of each pair part under basic composition.
+        advanced_per_step: δ of every step under advanced composition.
+        advanced_slack: δ' of advanced composition.
+    """
+
+    certificates: float
+    pld_pairs: float
+    pld_truncation: float
+    basic_per_part: float
+    advanced_per_step: float
+    advanced_slack: float
+
+    def as_dict(self) -> dict[str, float]:
+        """JSON-ready form."""
+        return {
+            "certificates": self.certificates,
+            "pld_pairs": self.pld_pairs,
+            "pld_truncation": self.pld_truncation,
+            "basic_per_part": self.basic_per_part,
+            "advanced_per_step": self.advanced_per_step,
+            "advanced_slack": self.advanced_slack,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LifetimeResult:
+    """A user's lifetime (ε, δ) over all epochs.
+
+    Attributes:
+        eps: The certified lifetime ε: the smallest of ``eps_pld``, ``eps_basic``,
+            ``eps_advanced`` (``math.inf`` when some part certifies nothing).
+        delta: The total δ every method holds at.
+        method: ``"pld"``, ``"basic"`` or the advanced rule that gave ``eps``.
+        neighbouring: The notion of the statement (shared by all epochs).
+        eps_pld: PLD composition (dp_accounting, pessimistic).
+        eps_basic: Basic composition (Σ ε at Σ δ).
+        eps_advanced: The best advanced composition (rule in ``advanced_rule``).
+        advanced_rule: ``advanced-drv``, ``advanced-bun-steinke`` or ``basic``.
+        delta_split: How δ is divided in each method.
+        epochs: Number of epochs.
+        parts: Number of composed parts (epochs times parts per epoch).
+        discretization: The loss grid step h of the PLD.
+        note: How the value was obtained.
+    """
+
+    eps: float
+    delta: float
+    method: str
+    neighbouring: Neighbouring
+    eps_pld: float
+    eps_basic: float
+    eps_advanced: float
+    advanced_rule: str
+    delta_split: DeltaSplit
+    epochs: int
+    parts: int
+    discretization: float
+    note: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready form (``esa account compose --json``); ∞ is written as null."""
+        return {
+            "eps": _finite_or_none(self.eps),
+            "delta": self.delta,
+            "method": self.method,
+            "neighbouring": self.neighbouring,
+            "eps_pld": _finite_or_none(self.eps_pld),
+            "eps_basic": _finite_or_none(self.eps_basic),
+            "eps_advanced": _finite_or_none(self.eps_advanced),
+            "advanced_rule": self.advanced_rule,
+            "delta_split": self.delta_split.as_dict(),
+            "epochs": self.epochs,
+            "parts": self.parts,
+            "discretization": self.discretization,
+            "note": self.note,
+        }
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Losses:
+    """Un-rounded loss atoms of one pair under P, with the mass charged as infinite loss."""
+
+    losses: FloatArray
+    masses: FloatArray
+    infinity_mass: float
+    variance: float
+
+
+def _coarse_blocks(m: int, r: float, tail: float) -> tuple[IntArray, FloatArray, float]:
+    """Blocks of clone counts (left ends, masses) and the mass of C outside the window.
+
+    Starts from the exact window and blocks of :mod:`.hockey_stick` and merges neighbours so
+    that a block is about ``sqrt(c)/PLD_SQRT_DIVISIONS`` wide; each is charged at its left end.
+    """
+    blocks = hockey_stick._blocks(m, r, tail)
+    key = np.floor(np.sqrt(blocks.starts) * (2.0 * PLD_SQRT_DIVISIONS)).astype(np.int64)
+    first = np.flatnonzero(np.diff(key, prepend=-1))
+    masses = np.asarray(np.add.reduceat(blocks.masses, first), dtype=np.float64)
+    return blocks.starts[first], masses, blocks.tail_mass
+
+
+def _x_window(c: IntArray, tail: float) -> tuple[IntArray, IntArray, FloatArray, FloatArray]:
+    """Per clone count: the window [lo, hi] of x and Hoeffding bounds on P's mass outside it.
+
+    ``P_c(X < lo) <= Pr[A <= lo - 1] <= exp(-2 s²/c)`` with ``s = c/2 - lo + 1``, and
+    ``P_c(X > hi) <= Pr[A >= hi] <= exp(-2 s²/c)`` with ``s = hi - c/2`` (A ~ Bin(c, 1/2)).
+    The window always contains both points next to c/2, so both s are >= 1/2.
+    """
+    half = c / 2.0
+    spread = np.sqrt(c * math.log(1.0 / tail) / 2.0)
+    lo = np.clip(np.ceil(half + 1.0 - spread), 0, np.floor(half)).astype(np.int64)
+    hi = np.clip(np.floor(half + spread), np.floor(half) + 1, c + 1).astype(np.int64)
+    scale = np.maximum(c, 1).astype(np.float64)
+    left = np.where(lo > 0, np.exp(-2.0 * (half - lo + 1.0) ** 2 / scale), 0.0)
+    right = np.where(hi < c + 1, np.exp(-2.0 * (hi - half) ** 2 / scale), 0.0)
+    return lo, hi, left, right
+
+
+def _loss_and_mass(x: IntArray, c: IntArray, eps0: float) -> tuple[FloatArray, FloatArray]:
+    """``L(x, c)`` and ``P_c(x)`` of FMT21 eq. (20) (formulas in the module docstring)."""
+    q = 1.0 / (1.0 + math.exp(-eps0))
+    p = 1.0 / (1.0 + math.exp(eps0))
+    u = (c + 1 - x).astype(np.float64)
+    v = x.astype(np.float64)
+    upper = q * u + p * v
+    lower = p * u + q * v
+    losses = np.log(upper) - np.log(lower)
+    masses = stats.binom.pmf(x, c + 1, 0.5) * 2.0 * upper / (c + 1)
+    return np.asarray(losses, np.float64), np.asarray(masses, np.float64)
+
+
+@lru_cache(maxsize=32)
+def _pair_losses(pair: ClonePair, tail: float) -> _Losses:
+    """Loss atoms of the blocked, truncated pair (a dominating pair of ``pair``)."""
+    starts, block_mass, c_tail = _coarse_blocks(pair.n_others, pair.clone_prob, tail)
+    lo, hi, left, right = _x_window(starts, tail)
+    lengths = hi - lo + 1
+    ends = np.cumsum(lengths)
+    block = np.repeat(np.arange(starts.size), lengths)
+    x = lo[block] + (np.arange(int(ends[-1])) - (ends - lengths)[block])
+    losses, within = _loss_and_mass(x, starts[block], pair.eps0)
+    masses = block_mass[block] * within
+    masses[ends - 1] += block_mass * right
+    infinity = c_tail + float(np.dot(block_mass, left))
+    return _weighted(losses, masses, infinity, pair.weight)
+
+
+def _weighted(losses: FloatArray, masses: FloatArray, infinity: float, weight: float) -> _Losses:
+    """Mix in the uninformative component (an atom of zero loss, mass 1 - w) and inflate."""
+    if weight < 1.0:
+        losses = np.append(losses, 0.0)
+        masses = np.append(masses * weight, 1.0 - weight)
+        infinity *= weight
+    masses = masses * (1.0 + MASS_SLACK)
+    total = float(masses.sum())
+    mean = float(np.dot(masses, losses)) / total
+    variance = float(np.dot(masses, (losses - mean) ** 2)) / total
+    return _Losses(losses, masses, min(infinity * (1.0 + MASS_SLACK), 1.0), variance)
+
+
+@lru_cache(maxsize=64)
+def _pair_pld(pair: ClonePair, tail: float, step: float) -> pld.PrivacyLossDistribution:
+    """The pessimistic PLD of ``pair`` on the grid ``step·Z`` (symmetric: one direction)."""
+    raw = _pair_losses(pair, tail)
+    index = np.ceil((raw.losses + LOSS_SLACK) / step).astype(np.int64)
+    lowest = int(index.min())
+    probs = np.bincount(index - lowest, weights=raw.masses)
+    pmf = pld_pmf.DensePLDPmf(step, lowest, probs, raw.infinity_mass, True)
+    return pld.PrivacyLossDistribution(pmf)
+
+
+def _certificate_pld(cert: Certificate, step: float) -> pld.PrivacyLossDistribution:
+    params = pld_common.DifferentialPrivacyParameters(cert.eps, cert.delta)
+    return pld.from_privacy_parameters(params, value_discretization_interval=step)
+
+
+def _certificate_variance(cert: Certificate) -> float:
+    """Variance of the ±ε loss of the canonical (ε, δ) pair."""
+    return cert.eps**2 * (1.0 - math.tanh(cert.eps / 2.0) ** 2)
+
+
+def _grid_step(raws: dict[ClonePair, tuple[_Losses, int]], certs: Counter[Certificate]) -> float:
+    """The loss grid step h (see ``RESOLUTION``), clipped to the allowed range."""
+    parts = sum(k for _, k in raws.values()) + sum(certs.values())
+    variance = sum(raw.variance * k for raw, k in raws.values())
+    variance += sum(_certificate_variance(c) * k for c, k in certs.items())
+    step = math.sqrt(variance) / (RESOLUTION * parts)
+    width = max((float(np.ptp(raw.losses)) for raw, _ in raws.values()), default=0.0)
+    step = max(step, width / MAX_PMF_POINTS, MIN_DISCRETIZATION)
+    return min(step, MAX_DISCRETIZATION)
+
+
+def _compose_all(
+    groups: list[tuple[pld.PrivacyLossDistribution, int]], truncation: float
+) -> pld.PrivacyLossDistribution:
+    """Self-compose each group, then compose the results pairwise (a balanced tree)."""
+    plds = [p if k == 1 else p.self_compose(k, truncation) for p, k in groups]
+    while len(plds) > 1:
+        merged = [a.compose(b, truncation) for a, b in zip(plds[::2], plds[1::2], strict=False)]
+        plds = merged + ([plds[-1]] if len(plds) % 2 else [])
+    return plds[0]
+
+
+def _pld_part(
+    pairs: Counter[ClonePair], certs: Counter[Certificate], delta: float
+) -> tuple[float, float, float]:
+    """Lifetime ε by PLD composition, the grid step, and the δ charged for truncations."""
+    parts = sum(pairs.values()) + sum(certs.values())
+    budget = TRUNCATION_FRACTION * delta
+    # Per pair part: C's two tails and P's left x tails, each <= tail; half the budget.
+    tail = budget / (6.0 * parts)
+    raws = {pair: (_pair_losses(pair, tail), k) for pair, k in pairs.items()}
+    step = _grid_step(raws, certs)
+    calls = 2 * (len(pairs) + len(certs))
+    truncation = budget / (2.0 * calls)
+    groups = [(_pair_pld(pair, tail, step), k) for pair, k in pairs.items()]
+    groups += [(_certificate_pld(cert, step), k) for cert, k in certs.items()]
+    eps = float(_compose_all(groups, truncation).get_epsilon_for_delta(delta))
+    charged = sum(raw.infinity_mass * k for raw, k in raws.values()) + calls * truncation
+    return eps, step, charged
+
+
+def _basic_part(
+    pairs: Counter[ClonePair], certs: Counter[Certificate], delta_free: float
+) -> tuple[EpsDelta, float]:
+    """Basic composition; each pair part gets ``delta_free / (pair parts)``."""
+    pair_parts = sum(pairs.values())
+    share = delta_free / pair_parts if pair_parts else 0.0
+    steps = [(eps_for_delta(pair, share), share) for pair, k in pairs.items() for _ in range(k)]
+    steps += [(c.eps, c.delta) for c, k in certs.items() for _ in range(k)]
+    return basic_composition(steps), share
+
+
+def _dominant_pairs(pairs: Counter[ClonePair]) -> list[ClonePair]:
+    """Per (r, ε0, w), the pair with the fewest others: it has the largest ε at every δ.
+
+    A pair with m' > m others is a post-processing of the pair with m others (the extra
+    Bin(m' - m, r) clones add Bin(·, 1/2) to x), so its ε is no larger.
+    """
+    smallest: dict[tuple[float, float, float], ClonePair] = {}
+    for pair in pairs:
+        key = (pair.clone_prob, pair.eps0, pair.weight)
+        if key not in smallest or pair.n_others < smallest[key].n_others:
+            smallest[key] = pair
+    return list(smallest.values())
+
+
+def _advanced_part(
+    pairs: Counter[ClonePair], certs: Counter[Certificate], delta: float
+) -> tuple[EpsDelta, float, float]:
+    """Best advanced composition over δ splits: every step is (ε_max, δ_step)-DP.
+
+    With heterogeneous parts the largest per-part ε is used (the theorems are stated for
+    k identical (ε, δ) steps); certificates need ``δ_step >= δ_i``. Returns the composition,
+    the per-step δ and δ'.
+    """
+    steps = sum(pairs.values()) + sum(certs.values())
+    cert_delta = max((c.delta for c in certs), default=0.0)
+    cert_eps = max((c.eps for c in certs), default=0.0)
+    candidates = [(f * delta, (1.0 - f) * delta / steps) for f in ADVANCED_SLACK_FRACTIONS]
+    if cert_delta > 0.0:
+        candidates.append((delta - steps * cert_delta, cert_delta))
+    best: tuple[EpsDelta, float, float] | None = None
+    dominant = _dominant_pairs(pairs)
+    for slack, step in candidates:
+        if slack <= 0.0 or step < cert_delta or step <= 0.0:
+            continue
+        eps_max = max([eps_for_delta(p, step) for p in dominant] + [cert_eps])
+        result = best_composition(eps_max, step, steps, slack)
+        if best is None or result.eps < best[0].eps:
+            best = (result, step, slack)
+    if best is None:
+        return EpsDelta(math.inf, delta, "advanced", "no δ split leaves room"), 0.0, 0.0
+    return best
+
+
+def _check_epochs(epochs: Sequence[Epoch]) -> tuple[tuple[Epoch, ...], Neighbouring]:
+    """The epochs as a tuple and their common neighbouring notion."""
+    if isinstance(epochs, Epoch) or not isinstance(epochs, Sequence) or not epochs:
+        raise ValueError(f"epochs must be a non-empty sequence of Epoch, got epochs={epochs!r}")
+    for epoch in epochs:
+        if not isinstance(epoch, Epoch):
+            raise ValueError(f"epochs must hold Epoch values, got {epoch!r}")
+    notions = {epoch.neighbouring for epoch in epochs}
+    if len(notions) != 1:
+        raise ValueError(
+            f"all epochs must hold in one neighbouring notion, got {sorted(notions)!r}"
+        )
+    return tuple(epochs), notions.pop()
+
+
+def _no_bound(delta: float, notion: Neighbouring, epochs: int, parts: int) -> LifetimeResult:
+    split = DeltaSplit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    note = "a part certifies no finite ε (e.g. zsum below its declared crowd)"
+    inf = math.inf
+    return LifetimeResult(
+        inf, delta, "none", notion, inf, inf, inf, "none", split, epochs, parts, 0.0, note
+    )
+
+
+def compose_epochs(epochs: Sequence[Epoch], delta: float) -> LifetimeResult:
+    """A user's lifetime (ε, δ): PLD composition of every epoch, beside basic and advanced.
+
+    The PLD of each pair part is built as described in the module docstring and composed
+    with dp_accounting (pessimistic estimates, dominating pairs compose: Zhu–Dong–Wang 2022
+    Theorem 10; Koskela et al. 2020 for the FFT composition); certificates enter through
+    ``from_privacy_parameters``. Basic composition gives every pair part
+    ``(delta - Σ δ_certificates) / (pair parts)``; advanced composition (EFMRTT19 Theorem 2,
+    ESA-revisited Theorem II.7) uses the largest per-part ε and the best of a few δ' splits.
+    The reported ε is the smallest of the three; each holds at total δ <= ``delta``.
+
+    Args:
+        epochs: One :class:`Epoch` per epoch, all in the same neighbouring notion.
+        delta: The lifetime δ in (0, 1); must exceed the certificates' total δ.
+
+    Returns:
+        The :class:`LifetimeResult`.
+
+    Raises:
+        ValueError: on an empty or mixed list of epochs, δ outside (0, 1), or certificates
+            whose δ add up to ``delta`` or more.
+    """
+    delta = check_probability("delta", delta)
+    epochs, notion = _check_epochs(epochs)
+    pairs = Counter(pair for epoch in epochs for pair in epoch.pairs)
+    certs = Counter(cert for epoch in epochs for cert in epoch.certificates)
+    parts = sum(pairs.values()) + sum(certs.values())
+    cert_delta = sum(c.delta * k for c, k in certs.items())
+    if cert_delta >= delta:
+        raise ValueError(
+            f"delta must exceed the certificates' total δ = {cert_delta:g}, got delta={delta}"
+        )
+    if any(math.isinf(c.eps) for c in certs):
+        return _no_bound(delta, notion, len(epochs), parts)
+    eps_pld, step, charged = _pld_part(pairs, certs, delta)
+    basic, share = _basic_part(pairs, certs, delta - cert_delta)
+    advanced, adv_step, adv_slack = _advanced_part(pairs, certs, delta)
+    split = DeltaSplit(cert_delta, delta - cert_delta, charged, share, adv_step, adv_slack)
+    options = [(eps_pld, "pld"), (basic.eps, "basic"), (advanced.eps, advanced.rule)]
+    eps, method = min(options, key=lambda option: option[0])
+    note = (
+        f"PLD composition of {parts} parts (dp_accounting, pessimistic, h = {step:.3g}); "
+        f"basic and advanced composition for reference"
+    )
+    return LifetimeResult(
+        eps,
+        delta,
+        method,
+        notion,
+        eps_pld,
+        basic.eps,
+        advanced.eps,
+        advanced.rule,
+        split,
+        len(epochs),
+        parts,
+        step,
+        note,
+    )
+
+
+def _check_crowds(crowds: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(crowds, str | bytes) or not isinstance(crowds, Sequence) or not crowds:
+        raise ValueError(f"crowds must be a non-empty sequence of counts, got crowds={crowds!r}")
+    return tuple(check_count("crowd", crowd) for crowd in crowds)
+
+
+def _pair_function(
+    mech: Mechanism, eps0: float, crowd: int, delta: float, params: MechanismParams
+) -> PairFunction | None:
+    """Among the mechanism's dominating pairs, the one with the smallest ε at one epoch."""
+    wanted = applicable_methods(mech, params, None)
+    candidates = [
+        spec.pair for spec in SPECS[mech].methods if spec.pair is not None and spec.method in wanted
+    ]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda pair_of: eps_for_delta(pair_of(eps0, crowd, params), delta))
+
+
+def _certificate_epoch(
+    mech: Mechanism, eps0: float, crowd: int, delta: float, params: MechanismParams
+) -> Epoch:
+    certified = certify(mech, eps0, crowd, delta, params).certified
+    notion = SPECS[mech].natural
+    return Epoch.from_certificate(certified.eps, certified.delta, notion, str(certified.method))
+
+
+def _mechanism_epochs(
+    mech: Mechanism,
+    eps0: float,
+    crowds: tuple[int, ...],
+    delta: float,
+    params: MechanismParams,
+) -> list[Epoch]:
+    """One epoch per crowd: the best dominating pair, else the certificate at a δ share."""
+    natural = SPECS[mech].natural
+    pair_of = _pair_function(mech, eps0, min(crowds), delta / len(crowds), params)
+    if pair_of is not None:
+        return [Epoch.from_pair(pair_of(eps0, n, params), natural) for n in crowds]
+    share = CERTIFICATE_SHARE * delta / len(crowds)
+    return [_certificate_epoch(mech, eps0, n, share, params) for n in crowds]
+
+
+def _with_deletion(epoch: Epoch, deletion: tuple[float, float]) -> Epoch:
+    content = epoch if epoch.neighbouring == "replacement" else epoch.as_replacement()
+    return content.with_deletion(*deletion)
+
+
+def lifetime_for_mechanism(
+    mechanism: Mechanism | str,
+    eps0: float,
+    crowds: Sequence[int],
+    delta: float,
+    params: MechanismParams | None = None,
+    *,
+    deletion: tuple[float, float] | None = None,
+) -> LifetimeResult:
+    """Lifetime (ε, δ) of one channel of ``mechanism`` reported once per epoch.
+
+    Each epoch is the mechanism's dominating pair at that epoch's crowd (the one of
+    ``mechanisms.SPECS`` with the smallest one-epoch ε: the blanket pair for binary RR, the
+    k-RR pair with its weight, the generic clones pair), or, for mechanisms without one
+    (``zsum``; ``generic`` with δ0 > 0), its certificate at ``CERTIFICATE_SHARE · δ / T``.
+    The statement holds in the mechanism's natural neighbouring notion, or add/remove with
+    ``deletion``: then each epoch is the replacement statement (removal mechanisms: two
+    independent copies, :meth:`Epoch.as_replacement`) plus the (ε_cr, δ_cr) certificate of
+    the deletion counts (:meth:`Epoch.with_deletion`, ESA-revisited Theorem V.1).
+
+    Args:
+        mechanism: A :class:`~common.accounting.results.Mechanism` name.
+        eps0: The mechanism's local ε (as in :func:`~common.accounting.mechanisms.certify`).
+        crowds: The crowd of each epoch (one per epoch; they may differ).
+        delta: Lifetime δ in (0, 1).
+        params: Mechanism-specific parameters.
+        deletion: Optional per-epoch (ε_cr, δ_cr) of randomized report deletion.
+
+    Returns:
+        The :class:`LifetimeResult` of :func:`compose_epochs`.
+
+    Raises:
+        ValueError: on bad arguments, naming the value.
+    """
+    mech = _mechanism(mechanism)
+    params = params or MechanismParams()
+    crowds = _check_crowds(crowds)
+    eps0 = check_positive("eps0", eps0)
+    delta = check_probability("delta", delta)
+    _validate(eps0, min(crowds), delta, params)
+    free = delta
+    if deletion is not None:
+        check_positive("eps_cr", deletion[0])
+        check_probability("delta_cr", deletion[1])
+        free = delta - len(crowds) * deletion[1]
+        if free <= 0.0:
+            raise ValueError(
+                f"delta_cr times the number of epochs must stay below delta={delta}, "
+                f"got delta_cr={deletion[1]}"
+            )
+    epochs = _mechanism_epochs(mech, eps0, crowds, free, params)
+    if deletion is not None:
+        epochs = [_with_deletion(epoch, deletion) for epoch in epochs]
+    return compose_epochs(epochs, delta)
+
+
+def plan_eps0_lifetime(
+    target_eps: float,
+    delta: float,
+    n: int,
+    epochs: int,
+    mechanism: Mechanism | str,
+    params: MechanismParams | None = None,
+) -> float:
+    """Largest ε0 whose lifetime ε over ``epochs`` epochs of crowd ``n`` is <= ``target_eps``.
+
+    Bisection on ε0 over :func:`lifetime_for_mechanism` (monotone in ε0: binary RR at a smaller
+    ε0 is a post-processing of RR at a larger one), to within ``PLAN_TOLERANCE``; it returns
+    the left (certified) end of its final bracket, capped at the planner's ``EPS0_MAX``.
+
+    Args:
+        target_eps: Target lifetime ε (> 0).
+        delta: Lifetime δ in (0, 1).
+        n: Crowd of every epoch.
+        epochs: Number of epochs (>= 1).
+        mechanism: A mechanism name.
+        params: Mechanism-specific parameters.
+
+    Returns:
+        The planned ε0; ``lifetime_for_mechanism(..., eps0, [n] * epochs, delta).eps <=
+        target_eps`` holds for it.
+
+    Raises:
+        ValueError: on bad arguments, or when no ε0 > 0 certifies the target.
+    """
+    target_eps = check_positive("target_eps", target_eps)
+    delta = check_probability("delta", delta)
+    n = check_count("n", n)
+    epochs = check_count("epochs", epochs)
+    mech = _mechanism(mechanism)
+    crowds = (n,) * epochs
+
+    def certifies(eps0: float) -> bool:
+        return lifetime_for_mechanism(mech, eps0, crowds, delta, params).eps <= target_eps
+
+    if certifies(EPS0_MAX):
+        return EPS0_MAX
+    good = target_eps / epochs
+    while not certifies(good):
+        good /= 2.0
+        if good < 1e-9:
+            raise ValueError(
+                f"no eps0 > 0 certifies target_eps={target_eps} over epochs={epochs} "
+                f"at delta={delta}, n={n} for {mech}"
+            )
+    bad = EPS0_MAX
+    while bad - good > PLAN_TOLERANCE:
+        mid = 0.5 * (good + bad)
+        good, bad = (mid, bad) if certifies(mid) else (good, mid)
+    return good
