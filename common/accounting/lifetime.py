@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -116,7 +116,7 @@ MASS_SLACK = 1e-9
 #: Allowance added to every loss before rounding up (covers float error in L and L/h).
 LOSS_SLACK = 1e-12
 #: Candidate fractions of δ kept as the δ' of advanced composition.
-ADVANCED_SLACK_FRACTIONS = (0.05, 0.25, 0.5, 0.75, 0.95)
+ADVANCED_SLACK_FRACTIONS = (0.1, 0.5, 0.9)
 #: lifetime_for_mechanism: share of δ given to per-epoch certificates of pair-less mechanisms.
 CERTIFICATE_SHARE = 0.5
 #: Resolution of the lifetime planner's bisection on ε0.
@@ -712,6 +712,26 @@ def lifetime_for_mechanism(
     return compose_epochs(epochs, delta)
 
 
+def _bracket(certifies: Callable[[float], bool], start: float) -> tuple[float | None, float | None]:
+    """(good, bad): ``certifies(good)`` and not ``certifies(bad)``, by halving or doubling.
+
+    ``bad`` is None when even ``EPS0_MAX`` certifies; ``good`` is None when nothing above
+    1e-9 does.
+    """
+    if certifies(start):
+        good = start
+        while 2.0 * good < EPS0_MAX and certifies(2.0 * good):
+            good *= 2.0
+        bad = min(2.0 * good, EPS0_MAX)
+        return (good, bad) if bad > good and not certifies(bad) else (good, None)
+    bad = start
+    while bad > 1e-9:
+        if certifies(bad / 2.0):
+            return bad / 2.0, bad
+        bad /= 2.0
+    return None, bad
+
+
 def plan_eps0_lifetime(
     target_eps: float,
     delta: float,
@@ -751,17 +771,14 @@ def plan_eps0_lifetime(
     def certifies(eps0: float) -> bool:
         return lifetime_for_mechanism(mech, eps0, crowds, delta, params).eps <= target_eps
 
-    if certifies(EPS0_MAX):
+    good, bad = _bracket(certifies, min(target_eps / epochs, EPS0_MAX))
+    if bad is None:
         return EPS0_MAX
-    good = target_eps / epochs
-    while not certifies(good):
-        good /= 2.0
-        if good < 1e-9:
-            raise ValueError(
-                f"no eps0 > 0 certifies target_eps={target_eps} over epochs={epochs} "
-                f"at delta={delta}, n={n} for {mech}"
-            )
-    bad = EPS0_MAX
+    if good is None:
+        raise ValueError(
+            f"no eps0 > 0 certifies target_eps={target_eps} over epochs={epochs} "
+            f"at delta={delta}, n={n} for {mech}"
+        )
     while bad - good > PLAN_TOLERANCE:
         mid = 0.5 * (good + bad)
         good, bad = (mid, bad) if certifies(mid) else (good, mid)
