@@ -284,6 +284,7 @@ class LifetimeResult:
         delta_split: How δ is divided in each method.
         epochs: Number of epochs.
         parts: Number of composed parts (epochs times parts per epoch).
+        pair_parts: How many of the parts are dominating pairs (the rest are certificates).
         discretization: The loss grid step h of the PLD.
         note: How the value was obtained.
     """
@@ -299,6 +300,7 @@ class LifetimeResult:
     delta_split: DeltaSplit
     epochs: int
     parts: int
+    pair_parts: int
     discretization: float
     note: str = ""
 
@@ -316,6 +318,7 @@ class LifetimeResult:
             "delta_split": self.delta_split.as_dict(),
             "epochs": self.epochs,
             "parts": self.parts,
+            "pair_parts": self.pair_parts,
             "discretization": self.discretization,
             "note": self.note,
         }
@@ -538,12 +541,27 @@ def _check_epochs(epochs: Sequence[Epoch]) -> tuple[tuple[Epoch, ...], Neighbour
     return tuple(epochs), notions.pop()
 
 
-def _no_bound(delta: float, notion: Neighbouring, epochs: int, parts: int) -> LifetimeResult:
+def _no_bound(
+    delta: float, notion: Neighbouring, epochs: int, parts: int, pair_parts: int
+) -> LifetimeResult:
     split = DeltaSplit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     note = "a part certifies no finite ε (e.g. zsum below its declared crowd)"
     inf = math.inf
     return LifetimeResult(
-        inf, delta, "none", notion, inf, inf, inf, "none", split, epochs, parts, 0.0, note
+        inf,
+        delta,
+        "none",
+        notion,
+        inf,
+        inf,
+        inf,
+        "none",
+        split,
+        epochs,
+        parts,
+        pair_parts,
+        0.0,
+        note,
     )
 
 
@@ -574,13 +592,13 @@ def compose_epochs(epochs: Sequence[Epoch], delta: float) -> LifetimeResult:
     pairs = Counter(pair for epoch in epochs for pair in epoch.pairs)
     certs = Counter(cert for epoch in epochs for cert in epoch.certificates)
     parts = sum(pairs.values()) + sum(certs.values())
-    cert_delta = sum(c.delta * k for c, k in certs.items())
+    cert_delta = float(sum(c.delta * k for c, k in certs.items()))
     if cert_delta >= delta:
         raise ValueError(
             f"delta must exceed the certificates' total δ = {cert_delta:g}, got delta={delta}"
         )
     if any(math.isinf(c.eps) for c in certs):
-        return _no_bound(delta, notion, len(epochs), parts)
+        return _no_bound(delta, notion, len(epochs), parts, sum(pairs.values()))
     eps_pld, step, charged = _pld_part(pairs, certs, delta)
     basic, share = _basic_part(pairs, certs, delta - cert_delta)
     advanced, adv_step, adv_slack = _advanced_part(pairs, certs, delta)
@@ -603,6 +621,7 @@ def compose_epochs(epochs: Sequence[Epoch], delta: float) -> LifetimeResult:
         split,
         len(epochs),
         parts,
+        sum(pairs.values()),
         step,
         note,
     )

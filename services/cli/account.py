@@ -1,4 +1,4 @@
-"""``esa account``: certify central (ε, δ) and plan ε0 (ACCOUNTING.md, CLI section)."""
+"""``esa account``: certify central (ε, δ), compose lifetime ε, plan ε0 (ACCOUNTING.md, CLI)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ from rich.table import Table
 from common.accounting import (
     BoundResult,
     Certification,
+    LifetimeResult,
     Mechanism,
     MechanismParams,
     Method,
     Plan,
     certify,
+    lifetime_for_mechanism,
     plan_eps0,
+    plan_eps0_lifetime,
 )
 
 _MECHANISMS = [m.value for m in Mechanism]
@@ -28,33 +31,27 @@ _METHODS = [
 ]
 
 
-def _common_options(function: Callable[..., Any]) -> Callable[..., Any]:
-    options = [
-        click.option(
-            "--mechanism",
-            "-m",
-            type=click.Choice(_MECHANISMS),
-            default="generic",
-            show_default=True,
-            help="Which LDP mechanism the reports come from.",
-        ),
-        click.option(
-            "--n",
-            "n",
-            type=int,
-            required=True,
-            help="Crowd size: contributions in the smallest batch.",
-        ),
-        click.option("--delta", type=float, required=True, help="δ of the central guarantee."),
-        click.option(
-            "--bound",
-            type=click.Choice(_METHODS),
-            default=None,
-            help="Use only this method (e.g. cheu-lemma-ii6 reproduces the paper's tables).",
-        ),
-        click.option(
-            "--json", "as_json", is_flag=True, help="Print one JSON object instead of a table."
-        ),
+def _apply(function: Callable[..., Any], options: list[Callable[..., Any]]) -> Callable[..., Any]:
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+_MECHANISM_OPTION = click.option(
+    "--mechanism",
+    "-m",
+    type=click.Choice(_MECHANISMS),
+    default="generic",
+    show_default=True,
+    help="Which LDP mechanism the reports come from.",
+)
+_JSON_OPTION = click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object instead of a table."
+)
+
+
+def _param_options() -> list[Callable[..., Any]]:
+    return [
         click.option("--k", type=int, default=None, help="krr: alphabet size."),
         click.option("--tau", type=int, default=None, help="rfrag: fragments per report."),
         click.option("--eps-f", type=float, default=None, help="rfrag: fragment ε_f."),
@@ -79,9 +76,33 @@ def _common_options(function: Callable[..., Any]) -> Callable[..., Any]:
             help="zsum: the declared crowd size that fixed the noise (default: --n).",
         ),
     ]
-    for option in reversed(options):
-        function = option(function)
-    return function
+
+
+def _apply_params(function: Callable[..., Any]) -> Callable[..., Any]:
+    return _apply(function, _param_options())
+
+
+def _common_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        _MECHANISM_OPTION,
+        click.option(
+            "--n",
+            "n",
+            type=int,
+            required=True,
+            help="Crowd size: contributions in the smallest batch.",
+        ),
+        click.option("--delta", type=float, required=True, help="δ of the central guarantee."),
+        click.option(
+            "--bound",
+            type=click.Choice(_METHODS),
+            default=None,
+            help="Use only this method (e.g. cheu-lemma-ii6 reproduces the paper's tables).",
+        ),
+        _JSON_OPTION,
+        *_param_options(),
+    ]
+    return _apply(function, options)
 
 
 def _params(
@@ -185,10 +206,23 @@ def certify_command(
 
 
 @account.command("plan")
-@click.option("--target-eps", type=float, required=True, help="Target central ε.")
+@click.option(
+    "--target-eps",
+    type=float,
+    required=True,
+    help="Target central ε (with --epochs: the target LIFETIME ε).",
+)
+@click.option(
+    "--epochs",
+    type=int,
+    default=None,
+    help="Plan for a lifetime target: ε0 whose lifetime ε over this many epochs (crowd --n "
+    "each, PLD composition) is at most --target-eps.",
+)
 @_common_options
 def plan_command(
     target_eps: float,
+    epochs: int | None,
     mechanism: str,
     n: int,
     delta: float,
@@ -203,14 +237,22 @@ def plan_command(
 ) -> None:
     """Print the largest ε0 whose certified central ε is at most --target-eps.
 
-    For rfrag the planned value is the backstop ε_b (give --eps-f and --tau).
+    For rfrag the planned value is the backstop ε_b (give --eps-f and --tau). With
+    --epochs the target is the lifetime ε over that many epochs (see `esa account compose`).
 
     \b
     Example (ESA-revisited Table I, ε_c = 1):
       esa account plan --target-eps 1 --delta 5e-10 --n 203950512 \\
           --mechanism krappor --bound cheu-lemma-ii6
+    Example (lifetime ε <= 2 over a year of daily epochs):
+      esa account plan --target-eps 2 --epochs 365 --delta 1e-5 --n 5000 -m krappor
     """
     params = _params(k, tau, eps_f, d, delta0, n_declared)
+    if epochs is not None:
+        if bound is not None:
+            raise click.UsageError("--bound applies to one epoch; it cannot be used with --epochs")
+        _plan_lifetime(target_eps, epochs, mechanism, n, delta, params, as_json)
+        return
     plan: Plan = _run(lambda: plan_eps0(target_eps, delta, n, mechanism, params, bound))
     if as_json:
         click.echo(json.dumps(plan.as_dict()))
@@ -228,3 +270,155 @@ def plan_command(
         per.add_row(str(method), "—" if value is None else f"{value:.4f}")
     console.print(per)
     _print_certification(console, plan.certification, f"certification at ε0 = {plan.eps0:.6f}")
+
+
+def _lifetime_table(result: LifetimeResult, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in ("", "composition", "lifetime ε", "how δ is divided"):
+        table.add_column(column, overflow="fold")
+    split = result.delta_split
+    certs = f" + {split.certificates:.3g} certificates" if split.certificates else ""
+    rows = [
+        (
+            "pld",
+            "PLD (dp_accounting, pessimistic)",
+            result.eps_pld,
+            f"{split.pld_pairs:.3g} pairs (≤ {split.pld_truncation:.2g} for cut tails){certs}",
+        ),
+        (
+            "basic",
+            "basic",
+            result.eps_basic,
+            f"{result.pair_parts} × {split.basic_per_part:.3g}{certs}",
+        ),
+        (
+            result.advanced_rule,
+            f"advanced ({result.advanced_rule})",
+            result.eps_advanced,
+            f"δ' {split.advanced_slack:.3g} + {result.parts} × {split.advanced_per_step:.3g}",
+        ),
+    ]
+    marked = False
+    for method, label, eps, how in rows:
+        mark = "★" if method == result.method and not marked else ""
+        marked = marked or bool(mark)
+        table.add_row(mark, label, _fmt(eps), how)
+    return table
+
+
+def _print_lifetime(console: Console, result: LifetimeResult, title: str) -> None:
+    console.print(_lifetime_table(result, title))
+    ratio = (
+        f"; {result.eps_basic / result.eps:.1f}x below basic composition"
+        if math.isfinite(result.eps) and result.eps > 0
+        else ""
+    )
+    console.print(
+        f"[bold]lifetime ε = {_fmt(result.eps)}[/bold] at δ = {result.delta:.3g} "
+        f"({result.neighbouring}, {result.epochs} epochs) via {result.method}{ratio}   "
+        f"(★ = reported: the smallest of the three)"
+    )
+
+
+def _parse_crowds(crowds: str | None, n: int | None, epochs: int | None) -> list[int]:
+    if crowds is None:
+        if n is None:
+            raise click.UsageError("give --n (with --epochs) or --crowds")
+        return [n] * (1 if epochs is None else epochs)
+    try:
+        values = [int(part) for part in crowds.split(",") if part.strip()]
+    except ValueError:
+        raise click.UsageError(
+            f"--crowds must be integers separated by commas, got {crowds!r}"
+        ) from None
+    if epochs is not None and epochs != len(values):
+        raise click.UsageError(f"--epochs {epochs} does not match the {len(values)} --crowds")
+    return values
+
+
+@account.command("compose")
+@click.option("--eps0", type=float, default=None, help="Local ε of each report (as in certify).")
+@click.option("--eps-b", type=float, default=None, help="rfrag: backstop ε_b (same as --eps0).")
+@_MECHANISM_OPTION
+@click.option("--n", "n", type=int, default=None, help="Crowd of every epoch.")
+@click.option("--epochs", type=int, default=None, help="Number of epochs (with --n).")
+@click.option(
+    "--crowds", default=None, help="Crowd of each epoch, comma-separated (instead of --n)."
+)
+@click.option("--delta", type=float, required=True, help="δ of the lifetime guarantee.")
+@click.option("--eps-cr", type=float, default=None, help="Randomized deletion: ε_cr per epoch.")
+@click.option("--delta-cr", type=float, default=None, help="Randomized deletion: δ_cr per epoch.")
+@_JSON_OPTION
+@_apply_params
+def compose_command(
+    eps0: float | None,
+    eps_b: float | None,
+    mechanism: str,
+    n: int | None,
+    epochs: int | None,
+    crowds: str | None,
+    delta: float,
+    eps_cr: float | None,
+    delta_cr: float | None,
+    as_json: bool,
+    **param_values: Any,
+) -> None:
+    """Print one user's lifetime ε over all epochs: PLD beside basic and advanced composition.
+
+    Each epoch is the mechanism's dominating pair at that epoch's crowd (FMT21 clone pair;
+    the blanket pair for binary RR), composed with dp_accounting's privacy-loss distributions.
+
+    \b
+    Example (one k-RAPPOR channel, a year of daily epochs):
+      esa account compose --mechanism krappor --eps0 2 --n 5000 --epochs 365 --delta 1e-5
+    """
+    local = eps0 if eps0 is not None else eps_b
+    if local is None:
+        raise click.UsageError("give --eps0 (or --eps-b for rfrag)")
+    if (eps_cr is None) != (delta_cr is None):
+        raise click.UsageError("give both --eps-cr and --delta-cr, or neither")
+    sizes = _parse_crowds(crowds, n, epochs)
+    params = _params(**param_values)
+    deletion = None if eps_cr is None or delta_cr is None else (eps_cr, delta_cr)
+    result: LifetimeResult = _run(
+        lambda: lifetime_for_mechanism(mechanism, local, sizes, delta, params, deletion=deletion)
+    )
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+        return
+    crowd_text = (
+        f"n = {sizes[0]:,}" if len(set(sizes)) == 1 else f"n = {min(sizes):,}…{max(sizes):,}"
+    )
+    title = f"{mechanism}: ε0 = {local:g}, {crowd_text}, {len(sizes)} epochs, δ = {delta:g}"
+    _print_lifetime(Console(), result, title)
+
+
+def _plan_lifetime(
+    target_eps: float,
+    epochs: int,
+    mechanism: str,
+    n: int,
+    delta: float,
+    params: MechanismParams,
+    as_json: bool,
+) -> None:
+    eps0: float = _run(lambda: plan_eps0_lifetime(target_eps, delta, n, epochs, mechanism, params))
+    result = lifetime_for_mechanism(mechanism, eps0, [n] * epochs, delta, params)
+    if as_json:
+        certified = {
+            "method": result.method,
+            "eps": result.eps,
+            "delta": result.delta,
+            "neighbouring": result.neighbouring,
+        }
+        out: dict[str, object] = {"eps0": eps0, "target_eps": target_eps, "epochs": epochs}
+        out |= {"n": n, "delta": delta, "mechanism": mechanism}
+        out |= {"certified": certified, "lifetime": result.as_dict()}
+        click.echo(json.dumps(out))
+        return
+    console = Console()
+    console.print(
+        f"[bold]ε0 = {eps0:.2f}[/bold]  ({eps0:.6f}) is the largest local ε whose lifetime ε "
+        f"over {epochs} epochs is <= {target_eps:g} at δ = {delta:g}, n = {n:,} ({mechanism})"
+    )
+    _print_lifetime(console, result, f"lifetime at ε0 = {eps0:.6f}")
