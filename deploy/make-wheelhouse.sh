@@ -9,17 +9,19 @@
 #
 # The Python must be CPython 3.11 on Linux x86_64 (the images' Python; wheels are cp311
 # manylinux). The project's own wheel is not kept: the image builds it from the sources.
-# Refill after changing dependencies in pyproject.toml; `--clean` empties the directory
-# (the image build then installs from PyPI).
+# Refill after changing dependencies in pyproject.toml: `--if-stale` does so only when they
+# (or the Python) changed since the last fill (deploy/wheelhouse/.stamp). `--clean` empties the
+# directory (the image build then installs from PyPI).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+script=$(readlink -f "$0")
+cd "$(dirname "$script")/.."
 out=deploy/wheelhouse
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$script" | sed 's/^# \{0,1\}//'
     exit 0
 fi
-rm -f "$out"/*.whl
 if [ "${1:-}" = --clean ]; then
+    rm -f "$out"/*.whl "$out/.stamp"
     echo "emptied $out"
     exit 0
 fi
@@ -29,11 +31,27 @@ if [ -z "$python" ]; then
         if command -v "$candidate" >/dev/null 2>&1; then python=$candidate; break; fi
     done
 fi
-"$python" - <<'PY'
-import platform, sys
+# What the wheelhouse must serve: the image's requirements and build backend, for this Python.
+stamp=$("$python" - <<'PY'
+import hashlib, platform, sys, tomllib
 if sys.version_info[:2] != (3, 11) or platform.machine() != "x86_64":
     sys.exit(f"need CPython 3.11 on x86_64 for the images' wheels, not {sys.version} on {platform.machine()}")
+with open("pyproject.toml", "rb") as f:
+    data = tomllib.load(f)
+extras = data["project"]["optional-dependencies"]
+wanted = [*data["project"]["dependencies"], *extras["server"], *extras["postgres"], *extras["sim"],
+          *data["build-system"]["requires"], sys.implementation.cache_tag]
+print(hashlib.sha256("\n".join(wanted).encode()).hexdigest())
 PY
-"$python" -m pip wheel --quiet --wheel-dir "$out" '.[server,postgres,sim]' 'setuptools>=77' wheel
+)
+if [ "${1:-}" = --if-stale ] && [ "$(cat "$out/.stamp" 2>/dev/null)" = "$stamp" ] \
+        && ls "$out"/*.whl >/dev/null 2>&1; then
+    echo "$out is up to date ($(ls "$out"/*.whl | wc -l) wheels)"
+    exit 0
+fi
+rm -f "$out"/*.whl "$out/.stamp"
+"$python" -m pip wheel --quiet --wheel-dir "$out" '.[server,postgres,sim]' 'setuptools>=77' wheel \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 rm -f "$out"/esa_pipeline-*.whl
+echo "$stamp" >"$out/.stamp"
 echo "$(ls "$out"/*.whl | wc -l) wheels, $(du -sh "$out" | cut -f1) in $out"
