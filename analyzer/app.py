@@ -36,7 +36,14 @@ from common.envelope import (
     load_or_create_x25519,
     public_bytes,
 )
-from common.wire import b64, unb64
+from common.wire import (
+    AnalyzerInfo,
+    AnalyzerKey,
+    CollectionConfig,
+    SignedConfig,
+    b64,
+    unb64,
+)
 from services.runtime import db, logs
 from services.runtime.http import RejectedError, add_operational_routes, install_error_handlers
 
@@ -89,26 +96,24 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
     registry = {s.id: load_ed25519_public(unb64(s.signing_key)) for s in settings.shufflers}
     core = AnalyzerCore(engine, KeyRing.of(*live), channels, registry)
 
-    def collection_config() -> dict[str, Any]:
+    def collection_config() -> CollectionConfig:
         now = int(time.time())
-        return {
-            "version": 1,
-            "issued_at": now,
-            "expires_at": now + settings.config_ttl_seconds,
-            "analyzer": {
-                "url": settings.url,
-                "keys": [
-                    {
-                        "key_id": key_id(k.public_key()).hex(),
-                        "public_key": b64(public_bytes(k.public_key())),
-                    }
-                    for k in live
-                ],
-                "signing_key": b64(public_bytes(signing_key.public_key())),
-            },
-            "shufflers": [s.model_dump() for s in settings.shufflers],
-            "channels": [c.model_dump() for c in settings.channels],
-        }
+        keys = [
+            AnalyzerKey(
+                key_id=key_id(k.public_key()).hex(), public_key=b64(public_bytes(k.public_key()))
+            )
+            for k in live
+        ]
+        analyzer = AnalyzerInfo(
+            url=settings.url, keys=keys, signing_key=b64(public_bytes(signing_key.public_key()))
+        )
+        return CollectionConfig(
+            issued_at=now,
+            expires_at=now + settings.config_ttl_seconds,
+            analyzer=analyzer,
+            shufflers=list(settings.shufflers),
+            channels=list(settings.channels),
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -149,7 +154,7 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
         )
 
     @app.get("/v1/config")
-    async def config() -> dict[str, Any]:
+    async def config() -> SignedConfig:
         return sign_config(collection_config(), signing_key)
 
     @app.get("/v1/channels")

@@ -44,17 +44,11 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
 from analyzer import storage
-from analyzer.channels import Accumulator, ChannelRuntime
+from analyzer.channels import ChannelRuntime
 from analyzer.dashboard import png_gray
-from common.accounting import (
-    BoundResult,
-    basic_composition,
-    compose_with_deletion,
-    removal_to_replacement,
-)
+from common.accounting import BoundResult
 from common.envelope import EnvelopeError, KeyRing, open_fragment, verify
-from common.mechanisms import Estimate, LocalPrivacy
-from common.mechanisms.longitudinal import TreeAccumulator
+from common.mechanisms import Estimate, LocalPrivacy, NoDataError, Received
 from common.wire import Batch
 from services.runtime.http import RejectedError
 
@@ -336,9 +330,19 @@ class AnalyzerCore:
         states = [(int(e), s, runtime.load(state)) for e, s, state in rows]
         merged = states[0][2]
         for _, _, accumulator in states[1:]:
-            merged = merged.merge(accumulator)  # type: ignore[arg-type]
+            merged = merged.merge(accumulator)
         estimate = runtime.estimate(merged)
-        certs = self._certify(runtime, states, batches)
+        sizes: dict[tuple[int, str], list[int]] = {}
+        for epoch, shuffler_id, n in batches:
+            sizes.setdefault((int(epoch), shuffler_id), []).append(int(n))
+        received = [
+            Received(e, s, tuple(sizes.get((e, s), ())), acc, runtime.source(s))
+            for e, s, acc in states
+        ]
+        try:
+            certs = runtime.certify(received)
+        except NoDataError as error:
+            raise RejectedError(404, "no_data", f"{channel_id!r}: {error}") from error
         config = runtime.config
         release = Release(
             channel_id,
@@ -350,7 +354,7 @@ class AnalyzerCore:
             certs.crowds,
             certs.with_deletion(config.eps_cr, config.delta_cr),
             certs.lower,
-            runtime.module.local_privacy(runtime.params),
+            runtime.local_privacy(),
         )
         certificate, other = certs.certified, certs.other
         image = None
@@ -376,58 +380,6 @@ class AnalyzerCore:
             )
         self._count("releases")
         return release
-
-    def _certify(
-        self,
-        runtime: ChannelRuntime,
-        states: list[tuple[int, str, Accumulator]],
-        batches: list[Any],
-    ) -> Certificates:
-        mechanism = runtime.config.mechanism
-        if mechanism == "longitudinal":
-            crowds: dict[str, int] = {}
-            for epoch, shuffler_id, accumulator in states:
-                smallest = _smallest_level_crowd(accumulator)  # type: ignore[arg-type]
-                if smallest > 0:
-                    crowds[f"{epoch}/{shuffler_id}"] = smallest
-            if not crowds:
-                raise RejectedError(
-                    404, "no_data", f"no report in any tree node of {runtime.config.id!r} yet"
-                )
-            cert = runtime.certify(crowds)
-            periods = len({e for e, _, _ in states})
-            return Certificates(cert.certified, cert.other_notion, cert.lower, crowds, periods)
-        per_epoch: dict[int, dict[str, int]] = {}
-        for epoch, shuffler_id, n in batches:
-            slot = per_epoch.setdefault(int(epoch), {})
-            slot[f"{shuffler_id}#{len(slot)}"] = int(n)
-        lower: BoundResult | None = None
-        if mechanism == "rfrag":
-            results = [runtime.rfrag_deletion_bound(c) for c in per_epoch.values()]
-            others = [removal_to_replacement(r, independent_parts=False) for r in results]
-        else:
-            certs = [runtime.certify(c) for c in per_epoch.values()]
-            results = [c.certified for c in certs]
-            others = [c.other_notion for c in certs]
-            lower = certs[0].lower if len(certs) == 1 else None
-        crowds = {f"{e}/{k}": v for e, c in per_epoch.items() for k, v in c.items()}
-        return Certificates(_compose(results), _compose(others), lower, crowds, len(per_epoch))
-
-
-@dataclass(frozen=True)
-class Certificates:
-    """A release's privacy statements: natural notion, the other notion, a lower bound."""
-
-    certified: BoundResult
-    other: BoundResult
-    lower: BoundResult | None
-    crowds: dict[str, int]
-    epochs: int
-
-    def with_deletion(self, eps_cr: float, delta_cr: float) -> BoundResult:
-        """Add/remove guarantee including randomized deletion's crowd counts (Theorem V.1)."""
-        replacement = self.certified if self.certified.neighbouring == "replacement" else self.other
-        return compose_with_deletion(replacement, eps_cr * self.epochs, delta_cr * self.epochs)
 
 
 def ledger_rows(engine: Engine, channel_id: str) -> list[dict[str, Any]]:
@@ -472,33 +424,3 @@ def latest_release(engine: Engine, channel_id: str) -> tuple[dict[str, Any], byt
             .limit(1)
         ).first()
     return None if row is None else (json.loads(row.summary), row.image)
-
-
-def _smallest_level_crowd(accumulator: TreeAccumulator) -> int:
-    """Smallest number of reports shuffled together at one tree node in a batch.
-
-    A batch holds the reports of the periods its epoch saw; a report of period t at level h
-    lands in the node ending at t (Erlingsson et al. 2019, Algorithm 1). The period is read
-    from the reports, never from the epoch number (epochs are ``unix time // epoch_seconds``).
-    The smallest non-empty node is the crowd the amplification bound may count on.
-    """
-    filled = accumulator.reports[accumulator.reports > 0]
-    return int(filled.min()) if filled.size else 0
-
-
-def _compose(results: list[BoundResult]) -> BoundResult:
-    """Basic composition over epochs (one contribution per user per epoch)."""
-    if len(results) == 1:
-        return results[0]
-    total = basic_composition([(r.eps, r.delta) for r in results])
-    first = results[0]
-    note = f"basic composition over {len(results)} epochs"
-    return BoundResult(
-        total.eps,
-        total.delta,
-        first.method,
-        first.neighbouring,
-        first.inputs,
-        all(r.valid_regime for r in results),
-        note,
-    )

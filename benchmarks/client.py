@@ -7,7 +7,6 @@ delivered. Writes the "Client SDK" section of docs/benchmarks.md.
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from common.collection import sign_config
 from common.envelope import key_id, public_bytes, public_identity
-from common.wire import ChannelConfig, b64
+from common.wire import ChannelConfig, CollectionConfig, b64
 from encoder_client import Client
 
 SECTION = "## Client SDK"
@@ -84,7 +83,7 @@ def _config(tmp: Path) -> tuple[Path, str]:
         "channels": [c.model_dump() for c in CHANNELS],
     }
     path = tmp / "config.json"
-    path.write_text(json.dumps(sign_config(config, signer)))
+    path.write_text(sign_config(CollectionConfig.model_validate(config), signer).model_dump_json())
     return path, b64(public_bytes(signer.public_key()))
 
 

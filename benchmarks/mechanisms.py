@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, pin_one_core, write_section
 
 from common.mechanisms import krappor, krr, longitudinal, rfrag, zsum
-from common.mechanisms._random import SystemSource
+from common.randomness import SystemSource
 
 SECTION = "## Mechanisms and simulation"
 TABLE_I = [

@@ -92,13 +92,15 @@ class ChannelConfig(ChannelPolicy):
     """A channel as the analyzer configures it and clients fetch it.
 
     Attributes:
-        mechanism: One of ``krappor, rfrag, longitudinal, zsum, krr``.
-        params: The mechanism's parameters (validated by the mechanism module).
+        mechanism: A registered mechanism name (:mod:`common.mechanisms.registry`; built in:
+            ``krappor, rfrag, longitudinal, zsum, krr``).
+        params: The mechanism's parameters (validated by the mechanism's ``parse_params``
+            where the channel is used: the analyzer at start, the SDK at first report).
         delta: δ for certifying releases.
         payload_size: Padded inner plaintext size (all fragments of the channel).
     """
 
-    mechanism: Literal["krappor", "rfrag", "longitudinal", "zsum", "krr"]
+    mechanism: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")
     params: dict[str, Any]
     delta: float = Field(1e-9, gt=0, lt=1)
     payload_size: int = Field(16, ge=8, le=1024)
@@ -144,3 +146,190 @@ class Batch(BaseModel):
     def body(self) -> bytes:
         """The exact bytes that are signed and sent."""
         return self.model_dump_json().encode()
+
+
+# --- the signed collection config (analyzer ``GET /v1/config``) ----------------------------
+
+
+class AnalyzerKey(BaseModel):
+    """One live analyzer HPKE key: base64 raw X25519 public key and its key id in hex."""
+
+    model_config = ConfigDict(frozen=True)
+
+    key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    public_key: str
+
+
+class AnalyzerInfo(BaseModel):
+    """Where the analyzer is and the keys fragments are sealed to (newest first)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str
+    keys: list[AnalyzerKey] = Field(min_length=1)
+    signing_key: str
+
+
+class CollectionConfig(BaseModel):
+    """What a device needs to report (PROTOCOL.md, "Collection config"): signed by the analyzer
+    and valid until ``expires_at`` (unix seconds)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: Literal[1] = 1
+    issued_at: int
+    expires_at: int
+    analyzer: AnalyzerInfo
+    shufflers: list[ShufflerInfo]
+    channels: list[ChannelConfig]
+
+    def channel(self, channel_id: str) -> ChannelConfig | None:
+        """The channel named ``channel_id``, if configured."""
+        return next((c for c in self.channels if c.id == channel_id), None)
+
+
+class SignedConfig(BaseModel):
+    """``GET /v1/config`` of the analyzer: the config as JSON and an Ed25519 signature over its
+    canonical bytes (:func:`common.collection.canonical`)."""
+
+    config: dict[str, Any]
+    signature: str
+
+
+# --- shuffler answers -------------------------------------------------------------------------
+
+
+class ShufflerConfig(BaseModel):
+    """A shuffler's ``GET /v1/config``: its public identity and the channel policies it
+    enforces."""
+
+    id: str
+    public_key: str
+    key_id: str
+    signing_key: str
+    channels: list[ChannelConfig]
+
+
+class CloseRequest(BaseModel):
+    """``POST /v1/admin/close``: evaluate this channel's groups of ``epoch`` now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    channel_id: str
+    epoch: int = Field(ge=0)
+
+
+class CloseResult(BaseModel):
+    """What closing an epoch did: groups evaluated, and batches forwarded, left for a retry, or
+    refused for good by the analyzer."""
+
+    groups_evaluated: int
+    forwarded: int
+    retried: int
+    failed: int
+
+
+class RevokeRequest(BaseModel):
+    """``POST /v1/admin/revoke``: refuse this client's token from now on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    client_id: str = Field(min_length=1, max_length=128)
+
+
+class RevokeResult(BaseModel):
+    """The client id that is now revoked."""
+
+    revoked: str
+
+
+# --- analyzer answers -------------------------------------------------------------------------
+
+
+class BatchAck(BaseModel):
+    """The analyzer's answer to ``POST /v1/batches``: 201 first time, 200 for a known
+    ``batch_id`` (counted once; ``fragments`` and ``invalid`` are then absent)."""
+
+    batch_id: str
+    duplicate: bool
+    fragments: int | None = None
+    invalid: int | None = None
+
+
+class Bound(BaseModel):
+    """A certified (ε, δ) or a lower bound, as :meth:`common.accounting.BoundResult.as_dict`
+    writes it."""
+
+    method: str
+    eps: float
+    delta: float
+    neighbouring: str
+    valid_regime: bool
+    kind: str
+    note: str
+    inputs: dict[str, Any]
+
+
+class LocalBound(BaseModel):
+    """Local ε of one report (MECHANISMS.md) under each notion."""
+
+    removal: float
+    replacement: float
+    eps_l_inf: float | None = None
+    eps_l1: float | None = None
+    note: str = ""
+
+
+class ReleaseBody(BaseModel):
+    """``GET /v1/channels/{id}/estimate``: estimates over ``epochs`` (inclusive) with standard
+    errors, 95% intervals and the certified central (ε, δ) of the crowds received."""
+
+    channel_id: str
+    epochs: tuple[int, int]
+    n: int
+    bins: list[int]
+    values: list[float]
+    std_errors: list[float]
+    ci95: list[tuple[float, float]]
+    note: str
+    certificate: Bound
+    other_notion: Bound | None
+    with_randomized_deletion: Bound | None
+    lower_bound: Bound | None
+    local: LocalBound | None
+    crowds: dict[str, int]
+
+
+class LedgerRow(BaseModel):
+    """One release in a channel's privacy ledger, with cumulative (basic composition) totals."""
+
+    id: int
+    epochs: tuple[int, int]
+    n: int
+    eps: float
+    delta: float
+    method: str
+    neighbouring: str
+    cumulative_eps: float
+    cumulative_delta: float
+    released_at: float
+
+
+class Ledger(BaseModel):
+    """``GET /v1/channels/{id}/privacy``."""
+
+    channel_id: str
+    releases: list[LedgerRow]
+    note: str
+
+
+class ChannelSummary(ChannelConfig):
+    """A configured channel and the epochs received so far (``[first, last]`` or null)."""
+
+    epochs: tuple[int, int] | None
+
+
+class ChannelList(BaseModel):
+    """``GET /v1/channels``."""
+
+    channels: list[ChannelSummary]

@@ -17,8 +17,7 @@ from typing import Any
 
 import httpx
 
-from common.collection import ConfigError as _ConfigError
-from common.collection import verify_config
+from common.collection import CollectionConfigError, verify_config
 from common.envelope import (
     Contribution,
     load_ed25519_public,
@@ -27,8 +26,18 @@ from common.envelope import (
     seal_contribution,
     seal_fragment,
 )
-from common.mechanisms import MODULES, PARAMS, longitudinal, rfrag
-from common.wire import ChannelConfig, EnrollResponse, ShufflerInfo
+from common.mechanisms import (
+    Mechanism,
+    MechanismError,
+    StaleUpdateError,
+    StateConflictError,
+    StateUpdate,
+    UnknownMechanismError,
+    ValueKind,
+)
+from common.mechanisms import get as get_mechanism
+from common.randomness import SystemSource
+from common.wire import ChannelConfig, CollectionConfig, EnrollResponse, ShufflerInfo
 from encoder_client._errors import (
     AlreadyReportedError,
     ChannelError,
@@ -39,6 +48,8 @@ from encoder_client._errors import (
 from encoder_client._state import DeviceState, OutboxItem
 
 log = logging.getLogger("esa.client")
+#: Every report's privacy noise: the OS CSPRNG.
+_RNG = SystemSource()
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,10 +97,10 @@ class Client:
         self._clock = clock
         self._http = httpx.Client(timeout=timeout, verify=_tls_context())
         self._config = self._load_config(config_url, config_file, trusted_key)
-        self._channels = {c["id"]: ChannelConfig(**c) for c in self._config["channels"]}
-        self._shufflers = [ShufflerInfo(**s) for s in self._config["shufflers"]]
+        self._channels = {c.id: c for c in self._config.channels}
+        self._shufflers = list(self._config.shufflers)
         self._analyzer_key = load_x25519_public(
-            base64.b64decode(self._config["analyzer"]["keys"][0]["public_key"])
+            base64.b64decode(self._config.analyzer.keys[0].public_key)
         )
         self._weights = weights
         self.state = DeviceState(Path(state_path))
@@ -104,7 +115,7 @@ class Client:
 
     def _load_config(
         self, url: str | None, path: Path | str | None, key: bytes | str
-    ) -> dict[str, Any]:
+    ) -> CollectionConfig:
         raw_key = base64.b64decode(key) if isinstance(key, str) else key
         try:
             if path is not None:
@@ -114,7 +125,7 @@ class Client:
             else:
                 raise ConfigError("give config_url or config_file")
             return verify_config(document, load_ed25519_public(raw_key), self._clock())
-        except (_ConfigError, httpx.HTTPError, OSError, ValueError) as error:
+        except (CollectionConfigError, httpx.HTTPError, OSError, ValueError) as error:
             raise ConfigError(f"collection config refused: {error}") from error
 
     @property
@@ -136,29 +147,43 @@ class Client:
     # --- reporters ------------------------------------------------------------------------
 
     def histogram(self, channel_id: str) -> HistogramReporter:
-        """Reporter for k-RAPPOR, report-fragment and k-RR channels."""
-        return HistogramReporter(self, self._kind(channel_id, {"krappor", "rfrag", "krr"}))
+        """Reporter for a channel whose reports are a value in a domain (k-RAPPOR, report
+        fragments, k-RR, Balcer–Cheu...)."""
+        config, mechanism = self._kind(channel_id, ValueKind.CATEGORY)
+        return HistogramReporter(self, config, mechanism)
 
     def counts(self, channel_id: str) -> HistogramReporter:
-        """Reporter for Balcer–Cheu zero-sum histogram channels."""
-        return HistogramReporter(self, self._kind(channel_id, {"zsum"}))
+        """Reporter for Balcer–Cheu zero-sum histogram channels (same as :meth:`histogram`)."""
+        return self.histogram(channel_id)
 
     def longitudinal(self, channel_id: str) -> LongitudinalReporter:
-        """Reporter for tree-based longitudinal channels."""
-        return LongitudinalReporter(self, self._kind(channel_id, {"longitudinal"}))
+        """Reporter for channels that follow a 0/1 state over periods."""
+        config, mechanism = self._kind(channel_id, ValueKind.STATE)
+        return LongitudinalReporter(self, config, mechanism)
 
-    def _kind(self, channel_id: str, kinds: set[str]) -> ChannelConfig:
+    def _kind(
+        self, channel_id: str, kind: ValueKind
+    ) -> tuple[ChannelConfig, Mechanism[Any, Any]]:
         config = self.channel(channel_id)
-        if config.mechanism not in kinds:
+        try:
+            mechanism = get_mechanism(config.mechanism)
+        except UnknownMechanismError as error:
+            raise ChannelError(f"channel {channel_id!r}: {error}") from error
+        if mechanism.value_kind is not kind:
             raise ChannelError(
-                f"channel {channel_id!r} is {config.mechanism}; use the matching reporter"
+                f"channel {channel_id!r} is {config.mechanism} ({mechanism.value_kind} values); "
+                "use the matching reporter"
             )
-        return config
+        return config, mechanism
 
     # --- sealing and queueing -------------------------------------------------------------
 
     def _epoch(self, config: ChannelConfig) -> int:
         return int(self._clock() // config.epoch_seconds)
+
+    def _route(self, slot: int | None) -> ShufflerInfo:
+        """Shuffler ``slot mod K``, or one picked by weight when the mechanism lets us."""
+        return self._pick() if slot is None else self._shufflers[slot % len(self._shufflers)]
 
     def _pick(self) -> ShufflerInfo:
         if not self._weights:
@@ -285,13 +310,47 @@ class Client:
         self.close()
 
 
-class HistogramReporter:
-    """Reports one value per epoch on a histogram-type channel."""
+class Reporter:
+    """Reports on one channel through its mechanism (one contribution per epoch)."""
 
-    def __init__(self, client: Client, config: ChannelConfig) -> None:
+    def __init__(self, client: Client, config: ChannelConfig, mechanism: Mechanism[Any, Any]):
         self._client = client
         self._config = config
-        self._params = PARAMS[config.mechanism](**config.params)
+        self._mechanism = mechanism
+        try:
+            self._params = mechanism.parse_params(config.params)
+        except (TypeError, ValueError) as error:
+            raise ChannelError(f"channel {config.id!r} does not validate: {error}") from error
+
+    def _submit(self, value: Any) -> None:
+        """Encode ``value`` with the channel's mechanism, seal and queue it with the state."""
+        client, config, mechanism = self._client, self._config, self._mechanism
+        saved = client.state.channel_state(config.id, mechanism.name)
+        try:
+            state = saved if saved is not None else mechanism.new_state(self._params, _RNG)
+            encoded = mechanism.encode(
+                self._params, value, state, _RNG, len(client._shufflers)
+            )
+        except StaleUpdateError as error:
+            raise AlreadyReportedError(str(error)) from error
+        except StateConflictError as error:
+            raise StateError(str(error)) from error
+        except MechanismError as error:
+            raise ValueOutOfDomainError(str(error)) from error
+        if not encoded.routes:
+            if encoded.state is not None:
+                client.state.save_state(config.id, mechanism.name, encoded.state)
+            return
+        epoch = client._epoch(config)
+        outbox = [
+            client._seal(config, epoch, client._route(slot), list(fragments))
+            for slot, fragments in encoded.routes
+        ]
+        client._queue(config, epoch, mechanism.name, encoded.state, outbox)
+
+
+class HistogramReporter(Reporter):
+    """Reports one value per epoch on a histogram-type channel."""
 
     def report(self, value: int) -> None:
         """Encode, seal and queue this epoch's report of ``value``.
@@ -299,54 +358,13 @@ class HistogramReporter:
         Raises:
             ValueOutOfDomainError: the channel cannot encode ``value``.
             AlreadyReportedError: this channel already has a report this epoch.
-            StateError: the saved backstops were drawn for other parameters.
+            StateError: the saved device state was drawn for other parameters.
         """
-        client, config = self._client, self._config
-        epoch = client._epoch(config)
-        try:
-            if config.mechanism == "rfrag":
-                self._report_fragments(value, epoch)
-                return
-            fragments = MODULES[config.mechanism].encode(value, self._params)
-        except rfrag.BackstopStateError as error:
-            raise StateError(str(error)) from error
-        except ValueError as error:
-            raise ValueOutOfDomainError(str(error)) from error
-        client._queue(
-            config,
-            epoch,
-            config.mechanism,
-            None,
-            [client._seal(config, epoch, client._pick(), fragments)],
-        )
-
-    def _report_fragments(self, value: int, epoch: int) -> None:
-        """Report fragments: row r goes to shuffler ``r mod K``; the backstop persists."""
-        client, config = self._client, self._config
-        saved = client.state.channel_state(config.id, "rfrag")
-        state = (
-            rfrag.BackstopState.from_json(saved["backstops"])
-            if saved
-            else rfrag.new_state(self._params)
-        )
-        rows = rfrag.encode(value, self._params, state)
-        routed: dict[int, list[bytes]] = {}
-        for r, row in enumerate(rows):
-            routed.setdefault(r % len(client._shufflers), []).extend(row)
-        outbox = [
-            client._seal(config, epoch, client._shufflers[i], frags)
-            for i, frags in sorted(routed.items())
-        ]
-        client._queue(config, epoch, "rfrag", {"backstops": state.to_json()}, outbox)
+        self._submit(value)
 
 
-class LongitudinalReporter:
+class LongitudinalReporter(Reporter):
     """Reports a 0/1 state over periods (Erlingsson et al. 2019, Algorithm 1)."""
-
-    def __init__(self, client: Client, config: ChannelConfig) -> None:
-        self._client = client
-        self._config = config
-        self._params = longitudinal.LongitudinalParams(**config.params)
 
     def update(self, period: int, changed: bool) -> None:
         """Tell the SDK whether the state changed at ``period`` (1..d, increasing).
@@ -356,38 +374,7 @@ class LongitudinalReporter:
             AlreadyReportedError: a period at or before the last one given, or a second report
                 in the same epoch.
         """
-        client, config = self._client, self._config
-        saved = client.state.channel_state(config.id, "longitudinal")
-        if saved is None:
-            tree = longitudinal.setup(self._params)
-            saved = {"tree": [tree.kappa_star, tree.h_star, tree.kappa, tree.c], "st": 0, "last": 0}
-        if period <= saved["last"]:
-            raise AlreadyReportedError(
-                f"period {period} is not after the last period {saved['last']}"
-            )
-        step = 0 if not changed else (1 if saved["st"] == 0 else -1)
-        try:
-            tree, report = longitudinal.update(
-                longitudinal.TreeState(*saved["tree"]), period, step, self._params
-            )
-        except ValueError as error:
-            raise ValueOutOfDomainError(str(error)) from error
-        data = {
-            "tree": [tree.kappa_star, tree.h_star, tree.kappa, tree.c],
-            "st": saved["st"] ^ int(changed),
-            "last": period,
-        }
-        if report is None:
-            client.state.save_state(config.id, "longitudinal", data)
-            return
-        epoch = client._epoch(config)
-        client._queue(
-            config,
-            epoch,
-            "longitudinal",
-            data,
-            [client._seal(config, epoch, client._pick(), [report])],
-        )
+        self._submit(StateUpdate(period, changed))
 
 
 def retry_after_seconds(value: str | None) -> float:

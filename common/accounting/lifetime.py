@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -119,6 +119,11 @@ LOSS_SLACK = 1e-12
 ADVANCED_SLACK_FRACTIONS = (0.1, 0.5, 0.9)
 #: lifetime_for_mechanism: share of δ given to per-epoch certificates of pair-less mechanisms.
 CERTIFICATE_SHARE = 0.5
+#: lifetime_for_mechanism: with more distinct crowds than this, each crowd is rounded DOWN to
+#: a multiple of 2^(bits(n) - 1 - CROWD_GRID_BITS) (at most 2^-CROWD_GRID_BITS below n, so the
+#: ε of an epoch grows by about half that), which lets epochs share one PLD.
+MAX_EXACT_CROWDS = 8
+CROWD_GRID_BITS = 7
 #: Resolution of the lifetime planner's bisection on ε0.
 PLAN_TOLERANCE = 1e-4
 
@@ -633,6 +638,17 @@ def _check_crowds(crowds: Sequence[int]) -> tuple[int, ...]:
     return tuple(check_count("crowd", crowd) for crowd in crowds)
 
 
+def _snapped(crowds: tuple[int, ...]) -> tuple[int, ...]:
+    """The crowds, rounded down to a relative grid when there are many distinct ones.
+
+    Fewer others dominate more (the pair with m' > m others is a post-processing of the pair
+    with m), so charging an epoch at a smaller crowd keeps the bound certified.
+    """
+    if len(set(crowds)) <= MAX_EXACT_CROWDS:
+        return crowds
+    return tuple(n - n % (1 << max(0, n.bit_length() - 1 - CROWD_GRID_BITS)) for n in crowds)
+
+
 def _pair_function(
     mech: Mechanism, eps0: float, crowd: int, delta: float, params: MechanismParams
 ) -> PairFunction | None:
@@ -690,6 +706,9 @@ def lifetime_for_mechanism(
     ``mechanisms.SPECS`` with the smallest one-epoch ε: the blanket pair for binary RR, the
     k-RR pair with its weight, the generic clones pair), or, for mechanisms without one
     (``zsum``; ``generic`` with δ0 > 0), its certificate at ``CERTIFICATE_SHARE · δ / T``.
+    With more than ``MAX_EXACT_CROWDS`` distinct crowds each is charged at a crowd rounded
+    down to a relative grid (``CROWD_GRID_BITS``), so that epochs share PLDs; a smaller crowd
+    dominates a larger one, so this only loosens the bound slightly.
     The statement holds in the mechanism's natural neighbouring notion, or add/remove with
     ``deletion``: then each epoch is the replacement statement (removal mechanisms: two
     independent copies, :meth:`Epoch.as_replacement`) plus the (ε_cr, δ_cr) certificate of
@@ -725,10 +744,15 @@ def lifetime_for_mechanism(
                 f"delta_cr times the number of epochs must stay below delta={delta}, "
                 f"got delta_cr={deletion[1]}"
             )
-    epochs = _mechanism_epochs(mech, eps0, crowds, free, params)
+    charged = _snapped(crowds)
+    epochs = _mechanism_epochs(mech, eps0, charged, free, params)
     if deletion is not None:
         epochs = [_with_deletion(epoch, deletion) for epoch in epochs]
-    return compose_epochs(epochs, delta)
+    result = compose_epochs(epochs, delta)
+    if charged == crowds:
+        return result
+    note = f"{len(set(crowds))} distinct crowds charged at {len(set(charged))} (rounded down)"
+    return replace(result, note=f"{result.note}; {note}")
 
 
 def _bracket(certifies: Callable[[float], bool], start: float) -> tuple[float | None, float | None]:

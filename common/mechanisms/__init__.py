@@ -1,42 +1,70 @@
-"""LDP mechanisms: one module per mechanism (MECHANISMS.md).
+"""LDP mechanisms: one module per mechanism behind one interface (MECHANISMS.md).
 
 Each module owns its parameters (frozen, validated), ``encode`` (fixed-size fragments with the
 documented byte layout, OS CSPRNG by default), device state where the mechanism has one, the
 accumulator, ``estimate``, ``local_privacy``, ``central`` (through :mod:`common.accounting`) and
-``simulate_aggregate`` (vectorized sampling of the accumulator for paper-scale experiments).
+``simulate_aggregate`` (vectorized sampling of the accumulator for paper-scale experiments),
+and one class implementing :class:`common.mechanisms.base.Mechanism`, registered below.
 """
 
 from common.mechanisms import krappor, krr, longitudinal, rfrag, zsum
-from common.mechanisms._base import LocalPrivacy
 from common.mechanisms._estimates import CountAccumulator, Estimate
-from common.mechanisms._random import RandomSource, SeededSource, SystemSource, default_source
 from common.mechanisms._wire import WIRE_VERSION, FragmentError
+from common.mechanisms.base import (
+    BatchContext,
+    Encoded,
+    LocalPrivacy,
+    Mechanism,
+    MechanismError,
+    NoDataError,
+    Received,
+    ReleaseCertificate,
+    StaleUpdateError,
+    StateConflictError,
+    StateUpdate,
+    ValueKind,
+)
+from common.mechanisms.registry import UnknownMechanismError, get, names, register
+from common.randomness import RandomSource, SeededSource, SystemSource, default_source
 
-MODULES = {m.NAME: m for m in (krappor, rfrag, longitudinal, zsum, krr)}
-#: Each mechanism's frozen parameter class, by mechanism name.
-PARAMS = {
-    "krappor": krappor.KRapporParams,
-    "rfrag": rfrag.RFragParams,
-    "longitudinal": longitudinal.LongitudinalParams,
-    "zsum": zsum.ZSumParams,
-    "krr": krr.KRRParams,
-}
+# The built-in mechanisms: a new one is its module plus one entry here.
+for _builtin in (
+    krappor.KRappor(),
+    rfrag.RFrag(),
+    longitudinal.Longitudinal(),
+    zsum.ZSum(),
+    krr.KRR(),
+):
+    register(_builtin)
 
 __all__ = [
-    "MODULES",
-    "PARAMS",
     "WIRE_VERSION",
+    "BatchContext",
     "CountAccumulator",
+    "Encoded",
     "Estimate",
     "FragmentError",
     "LocalPrivacy",
+    "Mechanism",
+    "MechanismError",
+    "NoDataError",
     "RandomSource",
+    "Received",
+    "ReleaseCertificate",
     "SeededSource",
+    "StaleUpdateError",
+    "StateConflictError",
+    "StateUpdate",
     "SystemSource",
+    "UnknownMechanismError",
+    "ValueKind",
     "default_source",
+    "get",
     "krappor",
     "krr",
     "longitudinal",
+    "names",
+    "register",
     "rfrag",
     "zsum",
 ]

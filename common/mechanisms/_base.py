@@ -1,36 +1,31 @@
-"""Small pieces shared by the mechanism modules: local privacy and uint32 fragment parsing."""
+"""Small pieces shared by the mechanism modules: argument checks and uint32 fragment parsing."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from abc import abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
+from common.accounting import Certification
 from common.mechanisms._estimates import CountAccumulator, IntArray
 from common.mechanisms._wire import FragmentError, frame, unframe
+from common.mechanisms.base import (
+    BatchContext,
+    DeviceState,
+    Encoded,
+    Mechanism,
+    MechanismError,
+    P,
+    Received,
+    ReleaseCertificate,
+    certify_smallest_batch,
+)
+from common.randomness import RandomSource
 
 UINT32_LIMIT = 1 << 32
-
-
-@dataclass(frozen=True, slots=True)
-class LocalPrivacy:
-    """Local ε of one device's report, in both neighbouring notions.
-
-    Attributes:
-        removal: ε against the reference "no data" report (ESA-revisited Definition II.4).
-        replacement: ε against any other value.
-        eps_l_inf: Removal ε when an adversary sees every fragment (ESA-revisited §VII).
-        eps_l1: Removal ε when an adversary sees a single fragment.
-        note: What the numbers mean for this mechanism.
-    """
-
-    removal: float
-    replacement: float
-    eps_l_inf: float
-    eps_l1: float
-    note: str = ""
 
 
 def check_bins(name: str, value: int, limit: int = UINT32_LIMIT) -> int:
@@ -89,3 +84,50 @@ def parse_indices(code: int, k: int, fragments: Iterable[bytes]) -> tuple[IntArr
             continue
         valid.append(index)
     return np.asarray(valid, dtype=np.int64), invalid
+
+
+class IndexHistogram(Mechanism[P, CountAccumulator]):
+    """A histogram mechanism whose fragments are uint32 bin indices, one contribution each
+    (k-RAPPOR, k-RR, Balcer–Cheu): encoding, accumulation and certification shared."""
+
+    payload_size: ClassVar[int] = 4
+
+    @abstractmethod
+    def encode_value(self, params: P, value: int, rng: RandomSource) -> list[bytes]:
+        """The fragments of one report of ``value`` (already checked against the domain)."""
+
+    @abstractmethod
+    def certify_crowd(self, params: P, n: int, delta: float) -> Certification:
+        """The certificate of one batch of n contributions."""
+
+    def encode(
+        self, params: P, value: Any, state: DeviceState | None, rng: RandomSource, shufflers: int
+    ) -> Encoded:
+        try:
+            checked = check_value(value, self.domain_size(params))
+        except ValueError as error:
+            raise MechanismError(str(error)) from error
+        return Encoded(((None, tuple(self.encode_value(params, checked, rng))),))
+
+    def new_accumulator(self, params: P) -> CountAccumulator:
+        return CountAccumulator.empty(self.domain_size(params))
+
+    def load_accumulator(self, params: P, data: bytes) -> CountAccumulator:
+        return CountAccumulator.from_bytes(data)
+
+    def accumulate(
+        self,
+        params: P,
+        accumulator: CountAccumulator,
+        fragments: Sequence[bytes],
+        n_contributions: int,
+        batch: BatchContext,
+    ) -> int:
+        return add_index_fragments(
+            accumulator, self.code, self.domain_size(params), fragments, n_contributions
+        )
+
+    def certify(
+        self, params: P, delta: float, received: Sequence[Received[CountAccumulator]]
+    ) -> ReleaseCertificate:
+        return certify_smallest_batch(received, lambda n: self.certify_crowd(params, n, delta))

@@ -1,66 +1,11 @@
-"""Randomness for encoders: the OS CSPRNG by default, an injectable seeded source for tests.
-
-Everything an encoder draws goes through :class:`RandomSource`, so the randomness that protects
-users always comes from ``os.urandom`` (via :class:`secrets.SystemRandom`) unless a test passes
-a :class:`SeededSource` explicitly. Simulations of whole populations (``simulate_aggregate``)
-use numpy generators instead: they protect nobody.
-"""
+"""Sparse binary randomized response for encoders (draws from :mod:`common.randomness`)."""
 
 from __future__ import annotations
 
 import math
-import random
-import secrets
 from collections.abc import Iterator
-from typing import Protocol
 
-
-class RandomSource(Protocol):
-    """The draws an encoder needs."""
-
-    def random(self) -> float:
-        """Uniform float in [0, 1)."""
-        ...
-
-    def randbelow(self, upper: int) -> int:
-        """Uniform integer in [0, upper)."""
-        ...
-
-
-class SystemSource:
-    """OS CSPRNG (``secrets.SystemRandom``, backed by ``os.urandom``). The default."""
-
-    def __init__(self) -> None:
-        self._system = secrets.SystemRandom()
-
-    def random(self) -> float:
-        return self._system.random()
-
-    def randbelow(self, upper: int) -> int:
-        return secrets.randbelow(upper)
-
-
-class SeededSource:
-    """Deterministic source for tests and reproducible simulations. Never for real devices."""
-
-    def __init__(self, seed: int) -> None:
-        self._random = random.Random(seed)
-
-    def random(self) -> float:
-        return self._random.random()
-
-    def randbelow(self, upper: int) -> int:
-        return self._random.randrange(upper)
-
-
-def default_source() -> RandomSource:
-    """A fresh OS-CSPRNG source."""
-    return SystemSource()
-
-
-def bernoulli(rng: RandomSource, p: float) -> bool:
-    """True with probability p."""
-    return rng.random() < p
+from common.randomness import RandomSource, bernoulli
 
 
 def randomized_onehot(rng: RandomSource, value: int, k: int, flip: float) -> list[int]:

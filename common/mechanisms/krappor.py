@@ -18,14 +18,15 @@ Central privacy (removal, per attribute): :func:`common.accounting.certify` with
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from common.accounting import Certification, MechanismParams, certify
 from common.mechanisms._base import (
-    LocalPrivacy,
+    IndexHistogram,
     add_index_fragments,
     check_bins,
     check_eps,
@@ -38,7 +39,9 @@ from common.mechanisms._estimates import (
     IntArray,
     clip_estimate,
 )
-from common.mechanisms._random import RandomSource, default_source, randomized_onehot
+from common.mechanisms._random import randomized_onehot
+from common.mechanisms.base import LocalPrivacy
+from common.randomness import RandomSource, default_source
 
 NAME = "krappor"
 MECHANISM_CODE = 1
@@ -124,3 +127,32 @@ def local_privacy(params: KRapporParams) -> LocalPrivacy:
 def central(params: KRapporParams, n: int, delta: float) -> Certification:
     """Certified central (ε, δ) for a crowd of n (removal, per attribute)."""
     return certify("krappor", params.eps, n, delta, MechanismParams())
+
+
+class KRappor(IndexHistogram[KRapporParams]):
+    """k-RAPPOR with attribute fragments through the mechanism interface."""
+
+    name = NAME
+    code = MECHANISM_CODE
+    payload_size = PAYLOAD_SIZE
+
+    def parse_params(self, raw: Mapping[str, Any]) -> KRapporParams:
+        return KRapporParams(**raw)
+
+    def domain_size(self, params: KRapporParams) -> int:
+        return params.k
+
+    def fragment_limit(self, params: KRapporParams) -> int:
+        return params.k
+
+    def encode_value(self, params: KRapporParams, value: int, rng: RandomSource) -> list[bytes]:
+        return encode(value, params, rng)
+
+    def estimate(self, params: KRapporParams, accumulator: CountAccumulator) -> Estimate:
+        return estimate(accumulator, params)
+
+    def local_privacy(self, params: KRapporParams) -> LocalPrivacy:
+        return local_privacy(params)
+
+    def certify_crowd(self, params: KRapporParams, n: int, delta: float) -> Certification:
+        return central(params, n, delta)

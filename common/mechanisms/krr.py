@@ -15,14 +15,15 @@ Central privacy (replacement): FMT21 Corollary 4.2 and its numerical counterpart
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from common.accounting import Certification, MechanismParams, certify
 from common.mechanisms._base import (
-    LocalPrivacy,
+    IndexHistogram,
     add_index_fragments,
     check_bins,
     check_eps,
@@ -36,7 +37,8 @@ from common.mechanisms._estimates import (
     IntArray,
     clip_estimate,
 )
-from common.mechanisms._random import RandomSource, bernoulli, default_source
+from common.mechanisms.base import LocalPrivacy
+from common.randomness import RandomSource, bernoulli, default_source
 
 NAME = "krr"
 MECHANISM_CODE = 5
@@ -126,3 +128,29 @@ def local_privacy(params: KRRParams) -> LocalPrivacy:
 def central(params: KRRParams, n: int, delta: float) -> Certification:
     """Certified central (ε, δ) for a crowd of n (replacement)."""
     return certify("krr", params.eps, n, delta, MechanismParams(k=params.k))
+
+
+class KRR(IndexHistogram[KRRParams]):
+    """k-ary randomized response through the mechanism interface."""
+
+    name = NAME
+    code = MECHANISM_CODE
+    payload_size = PAYLOAD_SIZE
+
+    def parse_params(self, raw: Mapping[str, Any]) -> KRRParams:
+        return KRRParams(**raw)
+
+    def domain_size(self, params: KRRParams) -> int:
+        return params.k
+
+    def encode_value(self, params: KRRParams, value: int, rng: RandomSource) -> list[bytes]:
+        return encode(value, params, rng)
+
+    def estimate(self, params: KRRParams, accumulator: CountAccumulator) -> Estimate:
+        return estimate(accumulator, params)
+
+    def local_privacy(self, params: KRRParams) -> LocalPrivacy:
+        return local_privacy(params)
+
+    def certify_crowd(self, params: KRRParams, n: int, delta: float) -> Certification:
+        return central(params, n, delta)

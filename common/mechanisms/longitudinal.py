@@ -29,16 +29,31 @@ from __future__ import annotations
 import io
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from common.accounting import Certification, MechanismParams, certify
-from common.mechanisms._base import LocalPrivacy, check_eps
+from common.mechanisms._base import check_eps
 from common.mechanisms._estimates import Estimate, FloatArray, IntArray
-from common.mechanisms._random import RandomSource, bernoulli, default_source
 from common.mechanisms._wire import FragmentError, frame, unframe
+from common.mechanisms.base import (
+    BatchContext,
+    DeviceState,
+    Encoded,
+    LocalPrivacy,
+    Mechanism,
+    MechanismError,
+    NoDataError,
+    Received,
+    ReleaseCertificate,
+    StaleUpdateError,
+    StateUpdate,
+    ValueKind,
+)
+from common.randomness import RandomSource, bernoulli, default_source
 
 NAME = "longitudinal"
 MECHANISM_CODE = 3
@@ -323,3 +338,109 @@ def central(params: LongitudinalParams, crowd: int, delta: float) -> Certificati
     return certify(
         "longitudinal", params.eps, crowd, delta, MechanismParams(d=params.d, k=params.k)
     )
+
+
+def smallest_level_crowd(accumulator: TreeAccumulator) -> int:
+    """Smallest number of reports shuffled together at one tree node in a batch.
+
+    A batch holds the reports of the periods its epoch saw; a report of period t at level h
+    lands in the node ending at t (Algorithm 1). The period is read from the reports, never
+    from the epoch number (epochs are ``unix time // epoch_seconds``). The smallest non-empty
+    node is the crowd the amplification bound may count on.
+    """
+    filled = accumulator.reports[accumulator.reports > 0]
+    return int(filled.min()) if filled.size else 0
+
+
+class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
+    """Tree-based longitudinal reports through the mechanism interface.
+
+    The device state is Algorithm 1's four integers plus the current 0/1 state and the last
+    period given; a period that is not a reporting time of the device's level sends nothing.
+    """
+
+    name = NAME
+    code = MECHANISM_CODE
+    payload_size = PAYLOAD_SIZE
+    value_kind = ValueKind.STATE
+
+    def parse_params(self, raw: Mapping[str, Any]) -> LongitudinalParams:
+        return LongitudinalParams(**raw)
+
+    def domain_size(self, params: LongitudinalParams) -> int:
+        return params.d
+
+    def new_state(self, params: LongitudinalParams, rng: RandomSource) -> DeviceState:
+        tree = setup(params, rng)
+        return {"tree": [tree.kappa_star, tree.h_star, tree.kappa, tree.c], "st": 0, "last": 0}
+
+    def encode(
+        self,
+        params: LongitudinalParams,
+        value: Any,
+        state: DeviceState | None,
+        rng: RandomSource,
+        shufflers: int,
+    ) -> Encoded:
+        if not isinstance(value, StateUpdate):
+            raise MechanismError(f"a longitudinal report takes a StateUpdate, got {value!r}")
+        saved = state or self.new_state(params, rng)
+        if value.period <= saved["last"]:
+            raise StaleUpdateError(
+                f"period {value.period} is not after the last period {saved['last']}"
+            )
+        step = 0 if not value.changed else (1 if saved["st"] == 0 else -1)
+        try:
+            tree, report = update(TreeState(*saved["tree"]), value.period, step, params, rng)
+        except ValueError as error:
+            raise MechanismError(str(error)) from error
+        new = {
+            "tree": [tree.kappa_star, tree.h_star, tree.kappa, tree.c],
+            "st": saved["st"] ^ int(value.changed),
+            "last": value.period,
+        }
+        return Encoded(() if report is None else ((None, (report,)),), new)
+
+    def new_accumulator(self, params: LongitudinalParams) -> TreeAccumulator:
+        return new_accumulator(params)
+
+    def load_accumulator(self, params: LongitudinalParams, data: bytes) -> TreeAccumulator:
+        return TreeAccumulator.from_bytes(data)
+
+    def accumulate(
+        self,
+        params: LongitudinalParams,
+        accumulator: TreeAccumulator,
+        fragments: Sequence[bytes],
+        n_contributions: int,
+        batch: BatchContext,
+    ) -> int:
+        return add_fragments(accumulator, params, fragments, n_contributions)
+
+    def estimate(self, params: LongitudinalParams, accumulator: TreeAccumulator) -> Estimate:
+        return estimate(accumulator, params)
+
+    def local_privacy(self, params: LongitudinalParams) -> LocalPrivacy:
+        return local_privacy(params)
+
+    def certify(
+        self,
+        params: LongitudinalParams,
+        delta: float,
+        received: Sequence[Received[TreeAccumulator]],
+    ) -> ReleaseCertificate:
+        """A report hides among the reports of its level in its period and batch; only one
+        report per user carries data, so a range is certified at the smallest such crowd in
+        it, with no composition over periods (MECHANISMS.md §3)."""
+        crowds = {
+            f"{item.epoch}/{item.shuffler_id}": smallest_level_crowd(item.accumulator)
+            for item in received
+        }
+        crowds = {key: n for key, n in crowds.items() if n > 0}
+        if not crowds:
+            raise NoDataError("no report in any tree node yet")
+        cert = central(params, min(crowds.values()), delta)
+        periods = len({item.epoch for item in received})
+        return ReleaseCertificate(
+            cert.certified, cert.other_notion, cert.lower, crowds, periods
+        )

@@ -28,13 +28,21 @@ import hashlib
 import json
 import math
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from common.accounting import Certification, MechanismParams, certify, fragment_eps
-from common.mechanisms._base import LocalPrivacy, check_bins, check_eps, check_value
+from common.accounting import (
+    Certification,
+    MechanismParams,
+    certify,
+    fragment_eps,
+    removal_to_replacement,
+    rfrag_across_batches,
+)
+from common.mechanisms._base import check_bins, check_eps, check_value
 from common.mechanisms._estimates import (
     CountAccumulator,
     Estimate,
@@ -42,14 +50,23 @@ from common.mechanisms._estimates import (
     IntArray,
     clip_estimate,
 )
-from common.mechanisms._random import (
-    RandomSource,
-    bernoulli,
-    default_source,
-    geometric_positions,
-    randomized_onehot,
-)
+from common.mechanisms._random import geometric_positions, randomized_onehot
 from common.mechanisms._wire import FragmentError, frame, unframe
+from common.mechanisms.base import (
+    BatchContext,
+    DeviceState,
+    Encoded,
+    LocalPrivacy,
+    Mechanism,
+    MechanismError,
+    NoDataError,
+    Received,
+    ReleaseCertificate,
+    StateConflictError,
+    compose_epochs,
+    epoch_batches,
+)
+from common.randomness import RandomSource, bernoulli, default_source
 
 NAME = "rfrag"
 MECHANISM_CODE = 2
@@ -57,7 +74,7 @@ PAYLOAD_SIZE = 6
 MAX_TAU = 1 << 16
 
 
-class BackstopStateError(ValueError):
+class BackstopStateError(StateConflictError):
     """The backstop state is corrupted or was drawn for other parameters."""
 
 
@@ -270,3 +287,109 @@ def central(params: RFragParams, n: int, delta: float) -> Certification:
     """
     mech = MechanismParams(eps_f=params.eps_f, tau=params.tau)
     return certify("rfrag", params.eps_b, n, delta, mech)
+
+
+def rows_of(params: RFragParams, batch: BatchContext) -> list[int]:
+    """Rows routed to a shuffler: r with ``r mod K`` its index (ESA-revisited §IV)."""
+    return [r for r in range(params.tau) if r % batch.shuffler_count == batch.shuffler_index]
+
+
+class RFrag(Mechanism[RFragParams, CountAccumulator]):
+    """Report fragments with a persistent backstop through the mechanism interface.
+
+    The device state is the :class:`BackstopState` (it must survive restarts: regenerating it
+    would void the ε_ℓ∞ cap); row r of a report goes to shuffler ``r mod K``.
+    """
+
+    name = NAME
+    code = MECHANISM_CODE
+    payload_size = PAYLOAD_SIZE
+
+    def parse_params(self, raw: Mapping[str, Any]) -> RFragParams:
+        return RFragParams(**raw)
+
+    def domain_size(self, params: RFragParams) -> int:
+        return params.k
+
+    def fragment_limit(self, params: RFragParams) -> int:
+        return params.k * params.tau
+
+    def new_state(self, params: RFragParams, rng: RandomSource) -> DeviceState:
+        return {"backstops": new_state(params).to_json()}
+
+    def encode(
+        self,
+        params: RFragParams,
+        value: Any,
+        state: DeviceState | None,
+        rng: RandomSource,
+        shufflers: int,
+    ) -> Encoded:
+        backstops = (
+            BackstopState.from_json(state["backstops"]) if state else new_state(params)
+        )
+        try:
+            rows = encode(value, params, backstops, rng)
+        except MechanismError:
+            raise
+        except ValueError as error:
+            raise MechanismError(str(error)) from error
+        routed: dict[int, list[bytes]] = {}
+        for r, row in enumerate(rows):
+            routed.setdefault(r % shufflers, []).extend(row)
+        routes = tuple((slot, tuple(fragments)) for slot, fragments in sorted(routed.items()))
+        return Encoded(routes, {"backstops": backstops.to_json()})
+
+    def new_accumulator(self, params: RFragParams) -> CountAccumulator:
+        return new_accumulator(params)
+
+    def load_accumulator(self, params: RFragParams, data: bytes) -> CountAccumulator:
+        return CountAccumulator.from_bytes(data)
+
+    def accumulate(
+        self,
+        params: RFragParams,
+        accumulator: CountAccumulator,
+        fragments: Sequence[bytes],
+        n_contributions: int,
+        batch: BatchContext,
+    ) -> int:
+        return add_fragments(
+            accumulator, params, fragments, n_contributions, rows_of(params, batch)
+        )
+
+    def estimate(self, params: RFragParams, accumulator: CountAccumulator) -> Estimate:
+        return estimate(accumulator, params)
+
+    def local_privacy(self, params: RFragParams) -> LocalPrivacy:
+        return local_privacy(params)
+
+    def certify(
+        self, params: RFragParams, delta: float, received: Sequence[Received[CountAccumulator]]
+    ) -> ReleaseCertificate:
+        """Shufflers run randomized deletion independently, so their batches hold different
+        users: each epoch is certified by :func:`common.accounting.rfrag_across_batches` over
+        its batches, and epochs compose."""
+        rows: dict[str, int] = {
+            item.shuffler_id: max(1, len(rows_of(params, item.source))) for item in received
+        }
+        per_epoch = epoch_batches(received)
+        if not per_epoch:
+            raise NoDataError("no batch received")
+        results = []
+        for crowds in per_epoch.values():
+            keys = sorted(crowds)
+            results.append(
+                rfrag_across_batches(
+                    params.eps_b,
+                    params.eps_f,
+                    [crowds[key] for key in keys],
+                    [rows[key.split("#")[0]] for key in keys],
+                    delta,
+                )
+            )
+        others = [removal_to_replacement(r, independent_parts=False) for r in results]
+        crowds_flat = {f"{e}/{k}": v for e, c in per_epoch.items() for k, v in c.items()}
+        return ReleaseCertificate(
+            compose_epochs(results), compose_epochs(others), None, crowds_flat, len(per_epoch)
+        )

@@ -17,21 +17,23 @@ truncation biases small counts toward 0; counts well above ``sqrt(m p (1-p))`` a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from common.accounting import Certification, MechanismParams, certify
 from common.mechanisms._base import (
-    LocalPrivacy,
+    IndexHistogram,
     add_index_fragments,
     check_bins,
     check_value,
     index_fragment,
 )
 from common.mechanisms._estimates import CountAccumulator, Estimate, FloatArray, IntArray
-from common.mechanisms._random import RandomSource, bernoulli, default_source
+from common.mechanisms.base import LocalPrivacy
+from common.randomness import RandomSource, bernoulli, default_source
 
 NAME = "zsum"
 MECHANISM_CODE = 4
@@ -144,3 +146,38 @@ def central(params: ZSumParams, m: int, delta: float | None = None) -> Certifica
         )
     mech = MechanismParams(d=params.d, n_declared=params.n)
     return certify("zsum", params.eps, m, params.delta, mech)
+
+
+class ZSum(IndexHistogram[ZSumParams]):
+    """The Balcer–Cheu zero-sum histogram through the mechanism interface."""
+
+    name = NAME
+    code = MECHANISM_CODE
+    payload_size = PAYLOAD_SIZE
+
+    def parse_params(self, raw: Mapping[str, Any]) -> ZSumParams:
+        return ZSumParams(**raw)
+
+    def domain_size(self, params: ZSumParams) -> int:
+        return params.d
+
+    def fragment_limit(self, params: ZSumParams) -> int:
+        return params.d + 1
+
+    def encode_value(self, params: ZSumParams, value: int, rng: RandomSource) -> list[bytes]:
+        return encode(value, params, rng)
+
+    def estimate(self, params: ZSumParams, accumulator: CountAccumulator) -> Estimate:
+        return estimate(accumulator, params)
+
+    def expected_estimate(self, params: ZSumParams, truth: FloatArray, n: int) -> FloatArray:
+        """Bins holding at most about ``n (1 - p)`` users are reported as exactly 0."""
+        result: FloatArray = np.where(truth > n * (1.0 - params.noise_prob), truth, 0.0)
+        return result
+
+    def local_privacy(self, params: ZSumParams) -> LocalPrivacy:
+        return local_privacy(params)
+
+    def certify_crowd(self, params: ZSumParams, n: int, delta: float) -> Certification:
+        """δ is fixed by the channel's parameters (Theorem 12), not by the release."""
+        return central(params, n)

@@ -218,6 +218,7 @@ def _run(
         DemoRun,
         check_fresh_epochs,
         connect,
+        periods,
         results,
         selected,
         simulate,
@@ -238,10 +239,9 @@ def _run(
     with Progress(*columns, console=console) as progress:
         tasks = {"devices": progress.add_task("devices reporting", total=devices)}
         for config in channels:
-            if config.mechanism == "longitudinal":
-                tasks[config.id] = progress.add_task(
-                    f"{config.id}: periods", total=int(config.params["d"])
-                )
+            count = periods(config)
+            if count is not None:
+                tasks[config.id] = progress.add_task(f"{config.id}: periods", total=count)
         run = DemoRun(
             target,
             devices,

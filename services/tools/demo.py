@@ -16,7 +16,6 @@ contributions that reached it; the interval the demo checks adds that sampling n
 from __future__ import annotations
 
 import base64
-import json
 import math
 import re
 import time
@@ -30,9 +29,10 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
+from common.mechanisms import ValueKind
+from common.mechanisms import get as get_mechanism
 from common.mechanisms.longitudinal import ChangeLog
-from common.mechanisms.zsum import ZSumParams
-from common.wire import ChannelConfig
+from common.wire import ChannelConfig, ChannelList, CollectionConfig, SignedConfig
 from services.tools import populations
 
 IntArray = npt.NDArray[np.int64]
@@ -62,17 +62,18 @@ class Target:
     analyzer_url: str
     trusted_key: str
     admin_token: str
-    document: dict[str, Any]
+    document: SignedConfig
+    config: CollectionConfig
 
     @property
     def channels(self) -> list[ChannelConfig]:
         """The signed collection config's channels."""
-        return [ChannelConfig(**c) for c in self.document["config"]["channels"]]
+        return list(self.config.channels)
 
     @property
     def shuffler_urls(self) -> list[str]:
         """Every shuffler's URL, as devices are told."""
-        return [str(s["url"]) for s in self.document["config"]["shufflers"]]
+        return [s.url for s in self.config.shufflers]
 
 
 @dataclass
@@ -194,19 +195,20 @@ def connect(analyzer_url: str, trusted_key: str | None, admin_token: str) -> Tar
     Raises:
         DemoError: unreachable analyzer, or a config the pinned key does not verify.
     """
-    from common.collection import ConfigError, verify_config
+    from common.collection import CollectionConfigError, verify_config
     from common.envelope import load_ed25519_public
 
     try:
-        document = httpx.get(analyzer_url + "/v1/config", timeout=10.0).raise_for_status().json()
+        response = httpx.get(analyzer_url + "/v1/config", timeout=10.0).raise_for_status()
+        document = SignedConfig.model_validate_json(response.content)
     except (httpx.HTTPError, ValueError) as error:
         raise DemoError(f"no analyzer at {analyzer_url}: {error}") from error
     try:
-        key = trusted_key or str(document["config"]["analyzer"]["signing_key"])
-        verify_config(document, load_ed25519_public(base64.b64decode(key)), time.time())
-    except (ConfigError, ValueError, KeyError, TypeError) as error:
+        key = trusted_key or str(document.config["analyzer"]["signing_key"])
+        config = verify_config(document, load_ed25519_public(base64.b64decode(key)), time.time())
+    except (CollectionConfigError, ValueError, KeyError, TypeError) as error:
         raise DemoError(f"the collection config at {analyzer_url} is refused: {error}") from error
-    target = Target(analyzer_url, key, admin_token, document)
+    target = Target(analyzer_url, key, admin_token, document, config)
     for url in target.shuffler_urls:
         try:
             httpx.get(url + "/readyz", timeout=5.0).raise_for_status()
@@ -225,8 +227,8 @@ def check_fresh_epochs(target: Target, channels: list[ChannelConfig], now: float
     Raises:
         DemoError: naming the channel and when its next epoch starts.
     """
-    seen = httpx.get(target.analyzer_url + "/v1/channels", timeout=10.0).json()["channels"]
-    spans = {c["id"]: c["epochs"] for c in seen}
+    response = httpx.get(target.analyzer_url + "/v1/channels", timeout=10.0)
+    spans = {c.id: c.epochs for c in ChannelList.model_validate_json(response.content).channels}
     for config in channels:
         current = int(now // config.epoch_seconds)
         span = spans.get(config.id)
@@ -254,14 +256,16 @@ def _ring(shape: tuple[int, int]) -> FloatArray:
 
 
 def population(config: ChannelConfig, devices: int, rng: np.random.Generator) -> Truth:
-    """A population that suits the channel: heavy hitters, an image, counts or state changes."""
-    params = config.params
-    if config.mechanism == "longitudinal":
-        drawn = populations.longitudinal(
-            devices, int(params["d"]), int(params["k"]), seed=int(rng.integers(2**31))
-        )
+    """A population that suits the channel: heavy hitters, an image, counts or state changes.
+
+    A state channel's users change state at most once over its periods, which every
+    longitudinal mechanism accepts (k >= 1 changes).
+    """
+    mechanism = get_mechanism(config.mechanism)
+    k = mechanism.domain_size(mechanism.parse_params(config.params))
+    if mechanism.value_kind is ValueKind.STATE:
+        drawn = populations.longitudinal(devices, k, 1, seed=int(rng.integers(2**31)))
         return Truth(config, drawn.changes.true_counts(), changes=drawn.changes)
-    k = int(params["d"] if config.mechanism == "zsum" else params["k"])
     if config.display == "image" and config.image_shape is not None:
         pixels = _ring(config.image_shape).ravel()
         counts = populations.rescale(np.round(1000 * pixels).astype(np.int64), devices)
@@ -288,7 +292,6 @@ class DeviceJob:
     state_dir: str
     first: int
     values: dict[str, list[int]]
-    kinds: dict[str, str]
 
 
 def _deliver_all(client: Any, deadline: float) -> int:
@@ -326,12 +329,7 @@ def run_devices(job: DeviceJob) -> dict[str, int]:
             background=False,
         ) as client:
             for channel_id, values in job.values.items():
-                reporter = (
-                    client.counts(channel_id)
-                    if job.kinds[channel_id] == "zsum"
-                    else client.histogram(channel_id)
-                )
-                reporter.report(int(values[offset]))
+                client.histogram(channel_id).report(int(values[offset]))
                 delivered[channel_id] += 1
             queued = client.state.outbox_size()
             acknowledged = _deliver_all(client, time.monotonic() + 60)
@@ -424,6 +422,18 @@ class DemoRun:
     truths: dict[str, Truth] = field(default_factory=dict)
 
 
+def _kind(config: ChannelConfig) -> ValueKind:
+    return get_mechanism(config.mechanism).value_kind
+
+
+def periods(config: ChannelConfig) -> int | None:
+    """How many periods a state channel runs through (None for value channels)."""
+    mechanism = get_mechanism(config.mechanism)
+    if mechanism.value_kind is not ValueKind.STATE:
+        return None
+    return mechanism.domain_size(mechanism.parse_params(config.params))
+
+
 def selected(target: Target, only: tuple[str, ...]) -> list[ChannelConfig]:
     """The channels to drive: all of the config's, or those named in ``only``.
 
@@ -479,19 +489,18 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     """
     target, rng = run.target, np.random.default_rng(run.seed)
     config_file = run.workdir / "config.json"
-    config_file.write_text(json.dumps(target.document))
+    config_file.write_text(target.document.model_dump_json())
     state_dir = run.workdir / "devices"
     state_dir.mkdir(parents=True, exist_ok=True)
     channels = selected(target, run.only)
+    stateful = {c.id for c in channels if _kind(c) is ValueKind.STATE}
     sizes = {
-        c.id: min(run.devices, LONGITUDINAL_DEVICES)
-        if c.mechanism == "longitudinal"
-        else run.devices
+        c.id: min(run.devices, LONGITUDINAL_DEVICES) if c.id in stateful else run.devices
         for c in channels
     }
     run.truths = {c.id: population(c, sizes[c.id], rng) for c in channels}
-    histograms = {c.id: c for c in channels if c.mechanism != "longitudinal"}
-    series = [c for c in channels if c.mechanism == "longitudinal"]
+    histograms = {c.id: c for c in channels if c.id not in stateful}
+    series = [c for c in channels if c.id in stateful]
     totals: dict[str, int] = dict.fromkeys(run.truths, 0)
     left_h = dropped_h = 0
     epochs: dict[str, tuple[int, int]] = {}
@@ -509,7 +518,6 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
                     cid: [int(v) for v in run.truths[cid].values[chunk]]  # type: ignore[index]
                     for cid in histograms
                 },
-                {cid: c.mechanism for cid, c in histograms.items()},
             )
             histogram_futures[pool.submit(run_devices, job)] = len(chunk)
         for future in as_completed(histogram_futures):
@@ -561,7 +569,7 @@ def _run_series(
     for config in series:
         truth = run.truths[config.id]
         assert truth.changes is not None
-        d = int(config.params["d"])
+        d = periods(config) or 1
         changes: dict[int, list[int]] = {}
         for user, period in zip(truth.changes.user, truth.changes.period, strict=True):
             changes.setdefault(int(user), []).append(int(period))
@@ -653,12 +661,11 @@ def _check(result: ChannelResult, truth: Truth) -> None:
         shown = [int(b) for b in np.argsort(-truth.counts, kind="stable")[:SHOWN]]
     kept = result.kept
     result.bins = shown
-    cutoff = -math.inf
-    if result.mechanism == "zsum":  # bins at or below the analyzer's threshold are exactly 0
-        cutoff = result.n * (1 - ZSumParams(**truth.config.params).noise_prob)
+    mechanism = get_mechanism(truth.config.mechanism)
+    params = mechanism.parse_params(truth.config.params)
+    targets = mechanism.expected_estimate(params, truth.counts * kept, result.n)
     for b in shown:
-        expected = float(truth.counts[b]) * kept
-        expected = expected if expected > cutoff else 0.0
+        expected = float(targets[b])
         spread = math.sqrt(errors[b] ** 2 + abs(truth.counts[b]) * kept * (1 - kept))
         result.checked.append(
             {

@@ -75,12 +75,12 @@ def _report(deployment: Deployment, values: np.ndarray) -> int:
     document = httpx.get(deployment.analyzer.url + "/v1/config").json()
     pinned = load_ed25519_public(base64.b64decode(document["config"]["analyzer"]["signing_key"]))
     config = verify_config(document, pinned, time.time())
-    analyzer_key = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
-    shufflers = config["shufflers"]
+    analyzer_key = load_x25519_public(base64.b64decode(config.analyzer.keys[0].public_key))
+    shufflers = config.shufflers
     params = krappor.KRapporParams(k=K, eps=EPS)
     epoch = int(time.time() // CHANNEL.epoch_seconds)
     accepted = 0
-    tokens = {s["id"]: [] for s in shufflers}
+    tokens: dict[str, list[str]] = {s.id: [] for s in shufflers}
     for value in values:
         target = shufflers[secrets.randbelow(len(shufflers))]
         fragments = tuple(
@@ -88,13 +88,13 @@ def _report(deployment: Deployment, values: np.ndarray) -> int:
             for f in krappor.encode(int(value), params)
         )
         contribution = Contribution(CHANNEL.id, "", epoch, new_nonce(), fragments)
-        token = httpx.post(target["url"] + "/v1/enroll", timeout=30).json()["client_token"]
-        tokens[target["id"]].append(token)
+        token = httpx.post(target.url + "/v1/enroll", timeout=30).json()["client_token"]
+        tokens[target.id].append(token)
         blob = seal_contribution(
-            contribution, target["id"], load_x25519_public(base64.b64decode(target["public_key"]))
+            contribution, target.id, load_x25519_public(base64.b64decode(target.public_key))
         )
         response = httpx.post(
-            target["url"] + "/v1/contributions",
+            target.url + "/v1/contributions",
             content=blob,
             headers={
                 "Authorization": f"Bearer {token}",

@@ -79,22 +79,21 @@ def test_default_channels_leave_room_for_every_fragment_count() -> None:
     default channels' limits must sit far above what their encoders produce."""
     import numpy as np
 
-    from common.mechanisms import MODULES, PARAMS, SeededSource, rfrag
+    from common.mechanisms import SeededSource, StateUpdate, ValueKind, get
 
     rng = SeededSource(1)
     for config in DEFAULT_CHANNELS:
-        params = PARAMS[config.mechanism](**config.params)
+        mechanism = get(config.mechanism)
+        params = mechanism.parse_params(config.params)
         counts = []
         for i in range(300):
-            if config.mechanism == "rfrag":
-                rows = rfrag.encode(i % params.k, params, rfrag.new_state(params), rng)
-                counts.append(max(len(row) for row in rows))  # one row per shuffler (tau = K)
-            elif config.mechanism in ("krappor", "krr"):
-                counts.append(len(MODULES[config.mechanism].encode(i % params.k, params, rng)))
-            elif config.mechanism == "zsum":  # at most the value plus one message per bin
-                counts.append(params.d + 1)
-            else:
-                counts.append(1)
+            value: object = i % mechanism.domain_size(params)
+            if mechanism.value_kind is ValueKind.STATE:
+                value = StateUpdate(1, True)
+            state = mechanism.new_state(params, rng)
+            encoded = mechanism.encode(params, value, state, rng, 3)  # one contribution a route
+            counts.append(max((len(fragments) for _, fragments in encoded.routes), default=0))
         mean, sd = float(np.mean(counts)), float(np.std(counts))
         assert max(counts) <= config.max_fragments, (config.id, max(counts))
-        assert sd == 0 or mean + 8 * sd <= config.max_fragments, (config.id, mean, sd)
+        bounded = mechanism.fragment_limit(params) <= config.max_fragments
+        assert bounded or mean + 8 * sd <= config.max_fragments, (config.id, mean, sd)

@@ -1,0 +1,329 @@
+"""The one interface every LDP mechanism implements, and what crosses it.
+
+Modelled on libprio-rs's ``Vdaf`` trait (which Janus is generic over): a mechanism says how a
+device encodes a value into fragments (``encode``), how the analyzer folds opened fragments
+into sufficient statistics (``new_accumulator`` / ``accumulate`` / ``load_accumulator``, with
+``merge`` and ``to_bytes`` on the accumulator), how it turns them into an estimate with
+standard errors (``estimate``), what one report reveals locally (``local_privacy``) and how a
+release over the crowds actually received is certified (``certify``). The SDK, the analyzer
+and the tools are generic over this class and never branch on a mechanism's name; a new
+mechanism is one module plus one :func:`common.mechanisms.registry.register` call.
+
+Every ε a mechanism returns names its neighbouring notion (MECHANISMS.md): removal (a user's
+report against the reference "no data" report, ESA-revisited Definition II.4) or replacement.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
+
+from common.accounting import (
+    BoundResult,
+    Certification,
+    basic_composition,
+    compose_with_deletion,
+)
+from common.mechanisms._estimates import Estimate, FloatArray
+from common.randomness import RandomSource
+
+#: Device state a mechanism keeps between reports (persisted by the SDK as JSON).
+DeviceState = dict[str, Any]
+
+
+class Accumulator(Protocol):
+    """Sufficient statistics of a channel that merge across batches and persist."""
+
+    @property
+    def n(self) -> int:
+        """Contributions (or users) the statistics are based on."""
+        ...
+
+    def merge(self, other: Self) -> Self:
+        """Sum of two accumulators of the same channel."""
+        ...
+
+    def to_bytes(self) -> bytes:
+        """Pickle-free serialization."""
+        ...
+
+
+P = TypeVar("P")
+A = TypeVar("A", bound=Accumulator)
+
+
+class ValueKind(StrEnum):
+    """What an app hands the SDK for one report.
+
+    ``category``: an integer in ``[0, domain_size)`` (histograms); ``state``: whether a 0/1
+    state changed at a period (longitudinal channels, :class:`StateUpdate`).
+    """
+
+    CATEGORY = "category"
+    STATE = "state"
+
+
+@dataclass(frozen=True, slots=True)
+class StateUpdate:
+    """One period of a 0/1 state: ``changed`` says whether it flipped at ``period``."""
+
+    period: int
+    changed: bool
+
+
+class MechanismError(ValueError):
+    """A value or device state the mechanism cannot encode (the message names it)."""
+
+
+class StateConflictError(MechanismError):
+    """The saved device state cannot be used (drawn for other parameters, or corrupted).
+
+    Redrawing it would void the mechanism's privacy argument: treat the device as new.
+    """
+
+
+class StaleUpdateError(MechanismError):
+    """A state update for a period at or before the last one reported."""
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One report, ready to seal.
+
+    Attributes:
+        routes: ``(shuffler slot, fragments)`` pairs; slot ``None`` lets the SDK pick a
+            shuffler, an integer ``i`` sends to shuffler ``i mod K`` (report fragments).
+            Empty when this period has nothing to send.
+        state: The device state to persist after this report (``None``: the mechanism keeps
+            none).
+    """
+
+    routes: tuple[tuple[int | None, tuple[bytes, ...]], ...]
+    state: DeviceState | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchContext:
+    """Where a batch came from: the shuffler's position among the K registered ones."""
+
+    shuffler_index: int
+    shuffler_count: int
+
+
+@dataclass(frozen=True)
+class Received(Generic[A]):
+    """What the analyzer holds for one (epoch, shuffler): batch sizes and their statistics.
+
+    Attributes:
+        epoch: The epoch.
+        shuffler_id: The shuffler whose batches these are.
+        batches: ``n_contributions`` of each batch received (each shuffled separately).
+        accumulator: The merged statistics of those batches.
+        source: The shuffler's position among the registered ones.
+    """
+
+    epoch: int
+    shuffler_id: str
+    batches: tuple[int, ...]
+    accumulator: A
+    source: BatchContext
+
+
+@dataclass(frozen=True)
+class ReleaseCertificate:
+    """A release's privacy statements over the crowds it was computed from.
+
+    Attributes:
+        certified: The certificate in the mechanism's natural notion.
+        other: The same release in the other neighbouring notion.
+        lower: A lower bound where one is known (never certified).
+        crowds: The crowds the certificate relies on, by ``"<epoch>/<batch>"``.
+        epochs: Epochs composed.
+    """
+
+    certified: BoundResult
+    other: BoundResult
+    lower: BoundResult | None
+    crowds: dict[str, int]
+    epochs: int
+
+    def with_deletion(self, eps_cr: float, delta_cr: float) -> BoundResult:
+        """Add/remove guarantee including randomized deletion (ESA-revisited Theorem V.1).
+
+        Each composed epoch's batch carries a crowd count made (ε_cr, δ_cr)-DP by
+        Algorithm 3, composed by basic composition over the epochs.
+        """
+        replacement = self.certified if self.certified.neighbouring == "replacement" else self.other
+        return compose_with_deletion(replacement, eps_cr * self.epochs, delta_cr * self.epochs)
+
+
+class NoDataError(LookupError):
+    """Nothing received that a release could be computed from (the message says what)."""
+
+
+class Mechanism(ABC, Generic[P, A]):
+    """An LDP mechanism: device encoding, analyzer accumulation, estimate and privacy.
+
+    Class attributes:
+        name: Registry name, used in channel configs (``mechanism``).
+        code: Wire mechanism code (byte 2 of every inner plaintext, PROTOCOL.md).
+        payload_size: Bytes of the mechanism payload after the 2-byte frame.
+        value_kind: What an app reports (:class:`ValueKind`).
+    """
+
+    name: ClassVar[str]
+    code: ClassVar[int]
+    payload_size: ClassVar[int]
+    value_kind: ClassVar[ValueKind] = ValueKind.CATEGORY
+
+    # --- configuration ------------------------------------------------------------------
+
+    @abstractmethod
+    def parse_params(self, raw: Mapping[str, Any]) -> P:
+        """Validated, immutable parameters from a channel config's ``params``.
+
+        Raises:
+            ValueError: naming the bad parameter.
+        """
+
+    @abstractmethod
+    def domain_size(self, params: P) -> int:
+        """Bins of an estimate (values for histograms, periods for longitudinal channels)."""
+
+    def fragment_limit(self, params: P) -> int:
+        """The most fragments one contribution can carry (default 1), for sizing a channel's
+        ``max_fragments``: a contribution above that is refused for good."""
+        return 1
+
+    # --- the device ---------------------------------------------------------------------
+
+    def new_state(self, params: P, rng: RandomSource) -> DeviceState | None:
+        """A new device's state for this channel; ``None`` if the mechanism keeps none."""
+        return None
+
+    @abstractmethod
+    def encode(
+        self,
+        params: P,
+        value: Any,
+        state: DeviceState | None,
+        rng: RandomSource,
+        shufflers: int,
+    ) -> Encoded:
+        """One report of ``value`` (validated here), with the OS CSPRNG unless a test seeds.
+
+        Raises:
+            MechanismError: a value outside the domain, or unusable state.
+        """
+
+    # --- the analyzer -------------------------------------------------------------------
+
+    @abstractmethod
+    def new_accumulator(self, params: P) -> A:
+        """Empty sufficient statistics."""
+
+    @abstractmethod
+    def load_accumulator(self, params: P, data: bytes) -> A:
+        """Inverse of the accumulator's ``to_bytes``."""
+
+    @abstractmethod
+    def accumulate(
+        self,
+        params: P,
+        accumulator: A,
+        fragments: Sequence[bytes],
+        n_contributions: int,
+        batch: BatchContext,
+    ) -> int:
+        """Fold one batch's opened fragments in; returns how many were invalid (chaff)."""
+
+    @abstractmethod
+    def estimate(self, params: P, accumulator: A) -> Estimate:
+        """Debiased estimates with standard errors."""
+
+    def expected_estimate(self, params: P, truth: FloatArray, n: int) -> FloatArray:
+        """What the estimator targets for true counts ``truth`` of a crowd of ``n``
+        (the truth itself when the estimator is unbiased)."""
+        return truth
+
+    @abstractmethod
+    def local_privacy(self, params: P) -> LocalPrivacy:
+        """What one device's report reveals with no shuffling at all."""
+
+    @abstractmethod
+    def certify(
+        self, params: P, delta: float, received: Sequence[Received[A]]
+    ) -> ReleaseCertificate:
+        """Certified central (ε, δ) of a release computed from ``received``.
+
+        Raises:
+            NoDataError: nothing in ``received`` a certificate can rest on.
+        """
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPrivacy:
+    """Local ε of one device's report, in both neighbouring notions.
+
+    Attributes:
+        removal: ε against the reference "no data" report (ESA-revisited Definition II.4).
+        replacement: ε against any other value.
+        eps_l_inf: Removal ε when an adversary sees every fragment (ESA-revisited §VII).
+        eps_l1: Removal ε when an adversary sees a single fragment.
+        note: What the numbers mean for this mechanism.
+    """
+
+    removal: float
+    replacement: float
+    eps_l_inf: float
+    eps_l1: float
+    note: str = ""
+
+
+def epoch_batches(received: Sequence[Received[Any]]) -> dict[int, dict[str, int]]:
+    """Batch crowds per epoch, keyed ``"<shuffler>#<i>"`` (each batch shuffled alone)."""
+    per_epoch: dict[int, dict[str, int]] = {}
+    for item in received:
+        slot = per_epoch.setdefault(item.epoch, {})
+        for i, n in enumerate(item.batches):
+            slot[f"{item.shuffler_id}#{i}"] = n
+    return per_epoch
+
+
+def compose_epochs(results: Sequence[BoundResult]) -> BoundResult:
+    """Basic composition over epochs (one contribution per user per epoch)."""
+    if len(results) == 1:
+        return results[0]
+    total = basic_composition([(r.eps, r.delta) for r in results])
+    first = results[0]
+    return BoundResult(
+        total.eps,
+        total.delta,
+        first.method,
+        first.neighbouring,
+        first.inputs,
+        all(r.valid_regime for r in results),
+        f"basic composition over {len(results)} epochs",
+    )
+
+
+def certify_smallest_batch(
+    received: Sequence[Received[Any]], certify_at: Callable[[int], Certification]
+) -> ReleaseCertificate:
+    """Histogram releases: each batch is shuffled alone, so a user's report hides in its own
+    batch — certify each epoch at its smallest batch, and compose the epochs."""
+    per_epoch = epoch_batches(received)
+    if not per_epoch:
+        raise NoDataError("no batch received")
+    certs = [certify_at(min(c.values())) for c in per_epoch.values()]
+    crowds = {f"{e}/{k}": v for e, c in per_epoch.items() for k, v in c.items()}
+    return ReleaseCertificate(
+        compose_epochs([c.certified for c in certs]),
+        compose_epochs([c.other_notion for c in certs]),
+        certs[0].lower if len(certs) == 1 else None,
+        crowds,
+        len(per_epoch),
+    )
