@@ -6,7 +6,6 @@ import base64
 import functools
 import json
 import logging
-import math
 import secrets
 import ssl
 import threading
@@ -37,6 +36,7 @@ from common.mechanisms import (
 )
 from common.mechanisms import get as get_mechanism
 from common.randomness import SystemSource
+from common.retry import Backoff, retry_after_seconds
 from common.wire import ChannelConfig, CollectionConfig, EnrollResponse, ShufflerInfo
 from encoder_client._errors import (
     AlreadyReportedError,
@@ -50,6 +50,8 @@ from encoder_client._state import DeviceState, OutboxItem
 log = logging.getLogger("esa.client")
 #: Every report's privacy noise: the OS CSPRNG.
 _RNG = SystemSource()
+#: Outbox retries: 0.5 s doubling to 5 min, jittered so devices that failed together spread out.
+OUTBOX_BACKOFF = Backoff(base=0.5, cap=300.0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -161,9 +163,7 @@ class Client:
         config, mechanism = self._kind(channel_id, ValueKind.STATE)
         return LongitudinalReporter(self, config, mechanism)
 
-    def _kind(
-        self, channel_id: str, kind: ValueKind
-    ) -> tuple[ChannelConfig, Mechanism[Any, Any]]:
+    def _kind(self, channel_id: str, kind: ValueKind) -> tuple[ChannelConfig, Mechanism[Any, Any]]:
         config = self.channel(channel_id)
         try:
             mechanism = get_mechanism(config.mechanism)
@@ -255,8 +255,8 @@ class Client:
             self.state.set_token(shuffler.id, "")
             self._backoff(item)
         elif response.status_code == 429:
-            wait = retry_after_seconds(response.headers.get("Retry-After"))
-            self.state.retry_later(item.id, self._clock() + wait)
+            wait = retry_after_seconds(response.headers)
+            self.state.retry_later(item.id, self._clock() + max(1.0, wait or 1.0))
         elif response.status_code in (400, 413):
             log.error(
                 "contribution refused for good; dropped",
@@ -278,9 +278,7 @@ class Client:
         return token
 
     def _backoff(self, item: OutboxItem) -> None:
-        delay = min(300.0, 0.5 * 2 ** min(item.attempts, 10)) * (
-            0.5 + secrets.randbelow(1000) / 1000
-        )
+        delay = OUTBOX_BACKOFF.delay(item.attempts, _RNG)
         self.state.retry_later(item.id, self._clock() + delay)
 
     def _run(self, interval: float) -> None:
@@ -328,9 +326,7 @@ class Reporter:
         saved = client.state.channel_state(config.id, mechanism.name)
         try:
             state = saved if saved is not None else mechanism.new_state(self._params, _RNG)
-            encoded = mechanism.encode(
-                self._params, value, state, _RNG, len(client._shufflers)
-            )
+            encoded = mechanism.encode(self._params, value, state, _RNG, len(client._shufflers))
         except StaleUpdateError as error:
             raise AlreadyReportedError(str(error)) from error
         except StateConflictError as error:
@@ -375,11 +371,3 @@ class LongitudinalReporter(Reporter):
                 in the same epoch.
         """
         self._submit(StateUpdate(period, changed))
-
-
-def retry_after_seconds(value: str | None) -> float:
-    """Seconds from a ``Retry-After`` header (delta-seconds form), at least 1."""
-    try:
-        return max(1.0, math.ceil(float(value or 1)))
-    except ValueError:
-        return 1.0

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from services.cli import launcher
+
+#: Shuffler settings of test deployments: batch and forward within a fraction of a second.
+TEST_SHUFFLER_SETTINGS = {
+    "ESA_SHUFFLER_BATCH_INTERVAL_SECONDS": "0.2",
+    "ESA_SHUFFLER_FORWARD_INTERVAL_SECONDS": "0.2",
+    "ESA_SHUFFLER_BACKOFF_BASE_SECONDS": "0.2",
+    "ESA_SHUFFLER_BACKOFF_CAP_SECONDS": "1.0",
+}
 
 #: A shuffler channel policy small enough for tests to fill and close groups quickly.
 SMALL_CHANNEL = {
@@ -31,58 +37,52 @@ SMALL_CHANNEL = {
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free TCP port on 127.0.0.1 (for one service, or an address nobody listens on)."""
+    return launcher.free_base_port(1)
 
 
 @dataclass
 class ServiceProcess:
-    """A service started as ``python -m services.cli ...`` with its own environment."""
+    """A service started by the launcher (:mod:`services.cli.launcher`: the same command,
+    base environment and readiness check as ``esa up``), with test settings as overrides."""
 
-    args: list[str]
-    env: dict[str, str]
-    port: int
+    spec: launcher.ServiceSpec
     log_path: Path
-    process: subprocess.Popen[bytes] | None = None
+    service: launcher.Service | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.spec.url
 
-    def start(self, timeout: float = 30.0) -> ServiceProcess:
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *self.args],
-            env={**os.environ, **self.env},
-            stdout=log,
-            stderr=log,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"service exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"service not ready: {self.log_path.read_text()[-2000:]}")
+    @property
+    def env(self) -> dict[str, str]:
+        """Its environment; changes apply at the next :meth:`start`."""
+        return self.spec.env
+
+    def start(self, timeout: float = 60.0) -> ServiceProcess:
+        self.service = launcher.start(self.spec, self.log_path)
+        try:
+            launcher.wait_ready([self.service], timeout)
+        except launcher.LaunchError as error:
+            tail = self.service.log_tail(2000)
+            raise RuntimeError(f"service did not start: {error}\n{tail}") from error
+        return self
 
     def kill(self) -> None:
         """SIGKILL: no shutdown hooks, like a crash."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
+        if self.service is not None:
+            self.service.kill()
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.service is not None:
+            launcher.stop([self.service])
+
+
+def _spec(spec: launcher.ServiceSpec, env: dict[str, str]) -> launcher.ServiceSpec:
+    """``spec`` with ``env`` applied; an empty value removes the variable (lists given inline
+    replace the launcher's channel and registry files)."""
+    merged = launcher.with_overrides(spec, env)
+    return replace(merged, env={k: v for k, v in merged.env.items() if v != ""})
 
 
 def shuffler_process(
@@ -92,20 +92,19 @@ def shuffler_process(
     database_url: str | None = None,
     **env: str,
 ) -> ServiceProcess:
-    port = free_port()
-    base = {
-        "ESA_SHUFFLER_SHUFFLER_ID": shuffler_id,
-        "ESA_SHUFFLER_PORT": str(port),
-        "ESA_SHUFFLER_DATABASE_URL": database_url or f"sqlite:///{tmp / shuffler_id / 'db.sqlite'}",
+    """Shuffler ``shuffler_id`` with its keys and SQLite file under ``tmp/<shuffler_id>/``."""
+    index = int(shuffler_id.rsplit("-", 1)[1])
+    database = database_url or f"sqlite:///{tmp / shuffler_id / 'db.sqlite'}"
+    analyzer_url = env.pop("analyzer_url", "")
+    spec = launcher.shuffler_spec(tmp, index, free_port(), analyzer_url, database)
+    overrides = {
         "ESA_SHUFFLER_KEY_DIR": str(tmp / shuffler_id / "keys"),
         "ESA_SHUFFLER_CHANNELS": json.dumps(channels),
-        "ESA_SHUFFLER_BATCH_INTERVAL_SECONDS": "0.2",
-        "ESA_SHUFFLER_FORWARD_INTERVAL_SECONDS": "0.2",
-        "ESA_SHUFFLER_BACKOFF_BASE_SECONDS": "0.2",
-        "ESA_SHUFFLER_BACKOFF_CAP_SECONDS": "1.0",
+        "ESA_SHUFFLER_CHANNELS_FILE": "",
+        **TEST_SHUFFLER_SETTINGS,
+        **{f"ESA_SHUFFLER_{k.upper()}": v for k, v in env.items()},
     }
-    base.update({f"ESA_SHUFFLER_{k.upper()}": v for k, v in env.items()})
-    return ServiceProcess(["shuffler", "serve"], base, port, tmp / f"{shuffler_id}.log")
+    return ServiceProcess(_spec(spec, overrides), tmp / f"{shuffler_id}.log")
 
 
 def analyzer_process(
@@ -115,30 +114,42 @@ def analyzer_process(
     database_url: str | None = None,
     **env: str,
 ) -> ServiceProcess:
-    port = free_port()
-    base = {
-        "ESA_ANALYZER_PORT": str(port),
-        "ESA_ANALYZER_DATABASE_URL": database_url or f"sqlite:///{tmp / 'analyzer' / 'db.sqlite'}",
+    """The analyzer with its keys and SQLite file under ``tmp/analyzer/``."""
+    database = database_url or f"sqlite:///{tmp / 'analyzer' / 'db.sqlite'}"
+    spec = launcher.analyzer_spec(tmp, free_port(), database)
+    overrides = {
         "ESA_ANALYZER_KEY_DIR": str(tmp / "analyzer" / "keys"),
         "ESA_ANALYZER_CHANNELS": json.dumps(channels),
         "ESA_ANALYZER_SHUFFLERS": json.dumps(shufflers),
+        "ESA_ANALYZER_CHANNELS_FILE": "",
+        "ESA_ANALYZER_SHUFFLERS_FILE": "",
+        **{f"ESA_ANALYZER_{k.upper()}": v for k, v in env.items()},
     }
-    base.update({f"ESA_ANALYZER_{k.upper()}": v for k, v in env.items()})
-    return ServiceProcess(["analyzer", "serve"], base, port, tmp / "analyzer.log")
+    return ServiceProcess(_spec(spec, overrides), tmp / "analyzer.log")
 
 
 @dataclass
 class Deployment:
-    """An analyzer and shuffler processes wired together (shuffler keys made by the test)."""
+    """An analyzer and K shufflers started by the launcher from one ``var`` folder."""
 
+    var: Path
     analyzer: ServiceProcess
     shufflers: list[ServiceProcess]
-    signing_keys: dict[str, Any]
+
+    @property
+    def signing_keys(self) -> dict[str, Ed25519PrivateKey]:
+        """Each shuffler's batch-signing key (tests forge and replay batches with them)."""
+        from common.envelope import load_or_create_ed25519
+
+        keys = self.var / "keys"
+        return {
+            s.spec.name: load_or_create_ed25519(keys / s.spec.name / "signing.pem")
+            for s in self.shufflers
+        }
 
     def trusted_key(self) -> str:
-        """The analyzer's config-signing key, as an app would pin it."""
-        document = httpx.get(self.analyzer.url + "/v1/config").json()
-        return str(document["config"]["analyzer"]["signing_key"])
+        """The analyzer's config-signing key, as an app pins it (``var/analyzer.pub``)."""
+        return (self.var / "analyzer.pub").read_text().strip()
 
     def stop(self) -> None:
         for process in [*self.shufflers, self.analyzer]:
@@ -148,26 +159,18 @@ class Deployment:
 def start_deployment(
     tmp: Path, channels: list[Any], analyzer_db: str | None = None, count: int = 3
 ) -> Deployment:
-    """Shufflers 1..count and an analyzer on 127.0.0.1, each shuffler forwarding to it."""
-    from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_identity
-
-    registry, signing, shufflers = [], {}, []
-    for i in range(1, count + 1):
-        sid = f"shuffler-{i}"
-        keys = tmp / sid / "keys"
-        hpke = load_or_create_x25519(keys / "hpke.pem")
-        signing[sid] = load_or_create_ed25519(keys / "signing.pem")
-        process = shuffler_process(tmp, sid, [c.policy().model_dump() for c in channels])
-        shufflers.append(process)
-        identity = public_identity(hpke.public_key(), signing[sid].public_key())
-        registry.append({"id": sid, "url": process.url, **identity})
-    analyzer = analyzer_process(
-        tmp, [c.model_dump() for c in channels], registry, analyzer_db
-    ).start()
-    for process in shufflers:
-        process.env["ESA_SHUFFLER_ANALYZER_URL"] = analyzer.url
+    """``esa up`` for tests: :func:`launcher.prepare` with these channels on free ports, each
+    shuffler batching and forwarding fast; ``analyzer_db`` replaces the analyzer's SQLite."""
+    overrides = dict(TEST_SHUFFLER_SETTINGS)
+    if analyzer_db is not None:
+        overrides["ESA_ANALYZER_DATABASE_URL"] = analyzer_db
+    base = launcher.free_base_port(count + 1)
+    specs = launcher.prepare(tmp, count, base, channels=channels, overrides=overrides)
+    processes = [ServiceProcess(spec, tmp / "logs" / f"{spec.name}.log") for spec in specs]
+    processes[0].start()
+    for process in processes[1:]:
         process.start()
-    return Deployment(analyzer, shufflers, signing)
+    return Deployment(tmp, processes[0], processes[1:])
 
 
 def close_epoch(deployment: Deployment, channel_id: str, epoch: int) -> None:

@@ -734,16 +734,7 @@ def lifetime_for_mechanism(
     eps0 = check_positive("eps0", eps0)
     delta = check_probability("delta", delta)
     _validate(eps0, min(crowds), delta, params)
-    free = delta
-    if deletion is not None:
-        check_positive("eps_cr", deletion[0])
-        check_probability("delta_cr", deletion[1])
-        free = delta - len(crowds) * deletion[1]
-        if free <= 0.0:
-            raise ValueError(
-                f"delta_cr times the number of epochs must stay below delta={delta}, "
-                f"got delta_cr={deletion[1]}"
-            )
+    free = _delta_left(delta, len(crowds), deletion)
     charged = _snapped(crowds)
     epochs = _mechanism_epochs(mech, eps0, charged, free, params)
     if deletion is not None:
@@ -753,6 +744,21 @@ def lifetime_for_mechanism(
         return result
     note = f"{len(set(crowds))} distinct crowds charged at {len(set(charged))} (rounded down)"
     return replace(result, note=f"{result.note}; {note}")
+
+
+def _delta_left(delta: float, epochs: int, deletion: tuple[float, float] | None) -> float:
+    """δ left for the epochs' own statements once deletion's δ_cr per epoch is set aside."""
+    if deletion is None:
+        return delta
+    check_positive("eps_cr", deletion[0])
+    check_probability("delta_cr", deletion[1])
+    free = delta - epochs * deletion[1]
+    if free <= 0.0:
+        raise ValueError(
+            f"delta_cr times the number of epochs must stay below delta={delta}, "
+            f"got delta_cr={deletion[1]}"
+        )
+    return free
 
 
 def _bracket(certifies: Callable[[float], bool], start: float) -> tuple[float | None, float | None]:

@@ -324,17 +324,7 @@ def rfrag_across_batches(
             f"crowds and rows_per_batch must be non-empty and of equal length, got "
             f"crowds={list(crowds)!r}, rows_per_batch={list(rows_per_batch)!r}"
         )
-    share = delta / len(crowds)
-    eps_m = 0.0
-    for crowd, rows in zip(crowds, rows_per_batch, strict=True):
-        check_count("crowd", crowd)
-        check_count("rows", rows)
-        per_batch = (
-            sb.blanket_binary_rr(eps_f, crowd, share)
-            if rows == 1
-            else sb.fmt21_clones(rows * eps_f, crowd, share)
-        )
-        eps_m += per_batch.eps
+    eps_m = _composed_batches(eps_f, crowds, rows_per_batch, delta / len(crowds))
     value = math.log1p(math.tanh(eps_b / 2.0) * math.expm1(min(eps_m, 700.0)))
     local = fragment_eps(eps_b, eps_f, sum(rows_per_batch))
     inputs = (
@@ -347,6 +337,23 @@ def rfrag_across_batches(
     note = f"per-batch composition (ε_M = {eps_m:.4g}) mixed by the backstop"
     result = BoundResult(value, delta, Method.RFRAG_PER_BATCH, "removal", inputs, True, note)
     return _clamp(result, local)
+
+
+def _composed_batches(
+    eps_f: float, crowds: Sequence[int], rows_per_batch: Sequence[int], share: float
+) -> float:
+    """Steps 1-2 of :func:`rfrag_across_batches`: Σ_s ε_s, each batch at δ ``share``."""
+    eps_m = 0.0
+    for crowd, rows in zip(crowds, rows_per_batch, strict=True):
+        check_count("crowd", crowd)
+        check_count("rows", rows)
+        per_batch = (
+            sb.blanket_binary_rr(eps_f, crowd, share)
+            if rows == 1
+            else sb.fmt21_clones(rows * eps_f, crowd, share)
+        )
+        eps_m += per_batch.eps
+    return eps_m
 
 
 def methods_for(mechanism: Mechanism | str) -> tuple[Method, ...]:

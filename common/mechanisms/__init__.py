@@ -7,6 +7,8 @@ accumulator, ``estimate``, ``local_privacy``, ``central`` (through :mod:`common.
 and one class implementing :class:`common.mechanisms.base.Mechanism`, registered below.
 """
 
+from typing import Any
+
 from common.mechanisms import krappor, krr, longitudinal, rfrag, zsum
 from common.mechanisms._estimates import CountAccumulator, Estimate
 from common.mechanisms._wire import WIRE_VERSION, FragmentError
@@ -27,14 +29,15 @@ from common.mechanisms.base import (
 from common.mechanisms.registry import UnknownMechanismError, get, names, register
 from common.randomness import RandomSource, SeededSource, SystemSource, default_source
 
-# The built-in mechanisms: a new one is its module plus one entry here.
-for _builtin in (
+#: The built-in mechanisms: a new one is its module plus one entry here.
+BUILT_IN: tuple[Mechanism[Any, Any], ...] = (
     krappor.KRappor(),
     rfrag.RFrag(),
     longitudinal.Longitudinal(),
     zsum.ZSum(),
     krr.KRR(),
-):
+)
+for _builtin in BUILT_IN:
     register(_builtin)
 
 __all__ = [

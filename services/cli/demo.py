@@ -6,12 +6,22 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import click
+from rich.console import Console
+
+from services.cli import launcher
+
+if TYPE_CHECKING:
+    from common.wire import ChannelConfig
+    from services.tools.demo import ChannelResult, DemoRun, Target
 
 
 @click.command("demo")
@@ -125,54 +135,29 @@ def demo(
     certified central ε and the local ε. It writes an HTML report with plots.
     """
     import httpx
-    from rich.console import Console
 
     from encoder_client import EsaError
     from services.cli import launcher
-    from services.tools.demo import DemoError, analyzer_alive
+    from services.tools.demo import DemoError
 
-    console = Console(stderr=True)
-    analyzer_url = analyzer_url.rstrip("/")
+    options = _Options(
+        analyzer_url.rstrip("/"),
+        trusted_key,
+        admin_token,
+        devices,
+        seed,
+        workers,
+        report,
+        json_path,
+        channels,
+    )
     services: list[launcher.Service] = []
     workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
     try:
-        if analyzer_alive(analyzer_url):
-            console.print(f"using the deployment at {analyzer_url}")
-            pub = var / "analyzer.pub"
-            if trusted_key is None and pub.exists():
-                trusted_key = pub.read_text().strip()
-            elif trusted_key is None:
-                console.print(
-                    "[yellow]warning:[/] no --trusted-key and no "
-                    f"{pub}: pinning the key the analyzer serves (an app pins it at build time)"
-                )
-        else:
-            parsed = urlparse(analyzer_url)
-            if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
-                raise DemoError(f"no analyzer answers at {analyzer_url}")
-            console.print(f"starting a fresh deployment under {workdir / 'deployment'} …")
-            services = launcher.up(
-                workdir / "deployment",
-                base_port=parsed.port,
-                database_template=database_url_template,
-            )
-            trusted_key = (workdir / "deployment" / "analyzer.pub").read_text().strip()
-        _run(
-            console,
-            analyzer_url,
-            trusted_key,
-            admin_token,
-            devices,
-            workdir,
-            seed,
-            workers,
-            report,
-            json_path,
-            own=bool(services),
-            only=channels,
-        )
+        services, options.trusted_key = _deployment(options, var, workdir, database_url_template)
+        _run(options, workdir, own=bool(services))
         if services and keep_running:
-            console.print(f"dashboard: {analyzer_url}/   (Ctrl-C stops the deployment)")
+            _console().print(f"dashboard: {options.analyzer_url}/   (Ctrl-C stops the deployment)")
             launcher.serve_forever(services)
             services = []
     except (DemoError, launcher.LaunchError) as error:
@@ -187,21 +172,95 @@ def demo(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run(
-    console: object,
-    analyzer_url: str,
-    trusted_key: str | None,
-    admin_token: str,
-    devices: int,
-    workdir: Path,
-    seed: int,
-    workers: int,
-    report: Path,
-    json_path: Path | None,
-    own: bool,
-    only: tuple[str, ...] = (),
-) -> None:
-    from rich.console import Console
+@dataclass
+class _Options:
+    """What one demo run was asked for."""
+
+    analyzer_url: str
+    trusted_key: str | None
+    admin_token: str
+    devices: int
+    seed: int
+    workers: int
+    report: Path
+    json_path: Path | None
+    only: tuple[str, ...]
+
+
+def _console() -> Console:
+    return Console(stderr=True)
+
+
+def _deployment(
+    options: _Options, var: Path, workdir: Path, database_template: str | None
+) -> tuple[list[launcher.Service], str | None]:
+    """The running deployment at the analyzer URL, or a fresh one started on loopback.
+
+    Returns the services this demo started (empty when it found one running) and the analyzer
+    signing key to pin.
+    """
+    from services.tools.demo import DemoError, analyzer_alive
+
+    url, console = options.analyzer_url, _console()
+    if analyzer_alive(url):
+        console.print(f"using the deployment at {url}")
+        pub = var / "analyzer.pub"
+        if options.trusted_key is None and pub.exists():
+            return [], pub.read_text().strip()
+        if options.trusted_key is None:
+            console.print(
+                "[yellow]warning:[/] no --trusted-key and no "
+                f"{pub}: pinning the key the analyzer serves (an app pins it at build time)"
+            )
+        return [], options.trusted_key
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
+        raise DemoError(f"no analyzer answers at {url}")
+    console.print(f"starting a fresh deployment under {workdir / 'deployment'} …")
+    services = launcher.up(
+        workdir / "deployment", base_port=parsed.port, database_template=database_template
+    )
+    return services, (workdir / "deployment" / "analyzer.pub").read_text().strip()
+
+
+def _run(options: _Options, workdir: Path, own: bool) -> None:
+    """Simulate, print what the analyzer released, write the report (and JSON)."""
+    from services.tools import demo_report
+    from services.tools.demo import DemoError, check_fresh_epochs, connect, results, selected
+
+    target = connect(options.analyzer_url, options.trusted_key, options.admin_token)
+    channels = selected(target, options.only)
+    check_fresh_epochs(target, channels, time.time())
+    run, sent = _simulate(options, target, channels, workdir)
+    found = results(run, sent)
+    out = Console(width=None if sys.stdout.isatty() else 132)  # logs and CI: no squeezed tables
+    _print_summary(out, found)
+    inside, checked = _print_checks(out, found)
+    dashboard = f"{options.analyzer_url}/"
+    shapes = {c.id: c.image_shape for c in target.channels if c.image_shape is not None}
+    header = (
+        f"{options.devices:,} simulated devices through {len(target.shuffler_urls)} shufflers; "
+        f"analyzer {options.analyzer_url}"
+    )
+    path = demo_report.write(options.report, found, shapes, dashboard, header)
+    out.print(f"report:    {path.resolve()}")
+    out.print(
+        f"dashboard: {dashboard}"
+        + ("" if not own else "  (this demo's deployment stops now; --keep-running keeps it)")
+    )
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"devices": options.devices, "channels": [r.as_dict() for r in found]}
+        options.json_path.write_text(json.dumps(body, indent=2))
+    # 95% intervals miss about 1 in 20; fewer than half inside means something is broken.
+    if inside < checked / 2:
+        raise DemoError(f"only {inside} of {checked} estimates inside their intervals")
+
+
+def _simulate(
+    options: _Options, target: Target, channels: list[ChannelConfig], workdir: Path
+) -> tuple[DemoRun, dict[str, tuple[int, int, int, int]]]:
+    """Every device reports with a progress bar per population; epochs are closed after."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -210,24 +269,9 @@ def _run(
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
-    from rich.table import Table
 
-    from services.tools import demo_report
-    from services.tools.demo import (
-        DemoError,
-        DemoRun,
-        check_fresh_epochs,
-        connect,
-        periods,
-        results,
-        selected,
-        simulate,
-    )
+    from services.tools.demo import DemoRun, periods, simulate
 
-    assert isinstance(console, Console)
-    target = connect(analyzer_url, trusted_key, admin_token)
-    channels = selected(target, only)
-    check_fresh_epochs(target, channels, time.time())
     started = time.monotonic()
     columns = (
         TextColumn("[progress.description]{task.description}"),
@@ -236,29 +280,32 @@ def _run(
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
+    console = _console()
     with Progress(*columns, console=console) as progress:
-        tasks = {"devices": progress.add_task("devices reporting", total=devices)}
+        tasks = {"devices": progress.add_task("devices reporting", total=options.devices)}
         for config in channels:
             count = periods(config)
             if count is not None:
                 tasks[config.id] = progress.add_task(f"{config.id}: periods", total=count)
         run = DemoRun(
             target,
-            devices,
+            options.devices,
             workdir,
-            seed,
-            workers,
-            only,
+            options.seed,
+            options.workers,
+            options.only,
             progress=lambda name, done: progress.advance(tasks[name], done),
         )
         sent = simulate(run)
-    console.print(
-        f"every contribution acknowledged; epochs closed ({time.monotonic() - started:.0f} s)"
-    )
-    found = results(run, sent)
-    import sys
+    elapsed = time.monotonic() - started
+    console.print(f"every contribution acknowledged; epochs closed ({elapsed:.0f} s)")
+    return run, sent
 
-    out = Console(width=None if sys.stdout.isatty() else 132)  # logs and CI: no squeezed tables
+
+def _print_summary(out: Console, found: list[ChannelResult]) -> None:
+    """One row per channel: n, certified central ε, local ε, took-part ε, error."""
+    from rich.table import Table
+
     summary = Table(title="What the analyzer released")
     headers = ("channel", "mechanism", "devices", "n", "neighbours", "central ε (δ)", "local ε")
     for name in (*headers, "took part ε", "RMSE"):
@@ -283,6 +330,12 @@ def _run(
         "replaced by the reference input); 'took part ε' covers whether a user contributed at "
         "all (add-remove, with randomized deletion)."
     )
+
+
+def _print_checks(out: Console, found: list[ChannelResult]) -> tuple[int, int]:
+    """Truth against estimate per checked bin; returns (inside their interval, checked)."""
+    from rich.table import Table
+
     for r in found:
         what = "every period" if r.display == "series" else "largest true values"
         table = Table(title=f"{r.channel_id}: {what}")
@@ -311,23 +364,4 @@ def _run(
         f"{inside} of {checked} checked estimates inside their 95% intervals (expected = truth × "
         "the share kept by randomized deletion; 0 where Balcer–Cheu's analyzer zeroes a bin)"
     )
-    dashboard = f"{analyzer_url}/"
-    shapes = {c.id: c.image_shape for c in target.channels if c.image_shape is not None}
-    header = (
-        f"{devices:,} simulated devices through {len(target.shuffler_urls)} shufflers; "
-        f"analyzer {analyzer_url}"
-    )
-    path = demo_report.write(report, found, shapes, dashboard, header)
-    out.print(f"report:    {path.resolve()}")
-    out.print(
-        f"dashboard: {dashboard}"
-        + ("" if not own else "  (this demo's deployment stops now; --keep-running keeps it)")
-    )
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(
-            json.dumps({"devices": devices, "channels": [r.as_dict() for r in found]}, indent=2)
-        )
-    # 95% intervals miss about 1 in 20; fewer than half inside means something is broken.
-    if inside < checked / 2:
-        raise DemoError(f"only {inside} of {checked} estimates inside their intervals")
+    return inside, checked

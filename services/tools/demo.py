@@ -502,31 +502,9 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     histograms = {c.id: c for c in channels if c.id not in stateful}
     series = [c for c in channels if c.id in stateful]
     totals: dict[str, int] = dict.fromkeys(run.truths, 0)
-    left_h = dropped_h = 0
     epochs: dict[str, tuple[int, int]] = {}
     started = time.time()
-    # Phase 1: the histogram channels, as fast as the machine allows.
-    with ProcessPoolExecutor(run.workers) as pool:
-        histogram_futures = {}
-        for chunk in _chunks(run.devices, CHUNK):
-            job = DeviceJob(
-                str(config_file),
-                target.trusted_key,
-                str(state_dir),
-                chunk.start,
-                {
-                    cid: [int(v) for v in run.truths[cid].values[chunk]]  # type: ignore[index]
-                    for cid in histograms
-                },
-            )
-            histogram_futures[pool.submit(run_devices, job)] = len(chunk)
-        for future in as_completed(histogram_futures):
-            result = future.result()
-            left_h += result.pop("_left")
-            dropped_h += result.pop("_dropped")
-            for cid, sent in result.items():
-                totals[cid] += sent
-            run.progress("devices", histogram_futures[future])
+    left_h, dropped_h = _run_histograms(run, list(histograms), config_file, state_dir, totals)
     finished = time.time()
     for cid, config in histograms.items():
         epochs[cid] = (
@@ -550,6 +528,35 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     if left:
         raise DemoError(f"{left} contributions could not be delivered (see the shufflers' logs)")
     return {cid: (sizes[cid], totals[cid], *epochs[cid]) for cid in run.truths}
+
+
+def _run_histograms(
+    run: DemoRun, channel_ids: list[str], config_file: Path, state_dir: Path, totals: dict[str, int]
+) -> tuple[int, int]:
+    """Phase 1: the histogram channels, as fast as the machine allows, in worker processes.
+
+    Adds what each channel delivered to ``totals``; returns (left undelivered, refused).
+    """
+    left = dropped = 0
+    with ProcessPoolExecutor(run.workers) as pool:
+        futures = {}
+        for chunk in _chunks(run.devices, CHUNK):
+            values = {
+                cid: [int(v) for v in run.truths[cid].values[chunk]]  # type: ignore[index]
+                for cid in channel_ids
+            }
+            job = DeviceJob(
+                str(config_file), run.target.trusted_key, str(state_dir), chunk.start, values
+            )
+            futures[pool.submit(run_devices, job)] = len(chunk)
+        for future in as_completed(futures):
+            result = future.result()
+            left += result.pop("_left")
+            dropped += result.pop("_dropped")
+            for cid, sent in result.items():
+                totals[cid] += sent
+            run.progress("devices", futures[future])
+    return left, dropped
 
 
 def _run_series(
@@ -663,7 +670,9 @@ def _check(result: ChannelResult, truth: Truth) -> None:
     result.bins = shown
     mechanism = get_mechanism(truth.config.mechanism)
     params = mechanism.parse_params(truth.config.params)
-    targets = mechanism.expected_estimate(params, truth.counts * kept, result.n)
+    targets = mechanism.expected_estimate(
+        params, np.asarray(truth.counts * kept, dtype=np.float64), result.n
+    )
     for b in shown:
         expected = float(targets[b])
         spread = math.sqrt(errors[b] ** 2 + abs(truth.counts[b]) * kept * (1 - kept))

@@ -19,6 +19,7 @@ so experiments can be run at the paper's n.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -110,12 +111,14 @@ def heavy_hitters(n: int = TABLE_I_N, k: int = TABLE_I_K, seed: int = 0) -> Hist
 def _image_array(name: str) -> npt.NDArray[np.float64]:
     from skimage import color, data
 
+    images: Any = data  # scikit-image ships no type hints
     if name == "horse":
-        return np.where(data.horse(), 0.0, 255.0)
+        return np.where(images.horse(), 0.0, 255.0)
     if name == "camera":
-        return data.camera().astype(np.float64)
+        return np.asarray(images.camera(), dtype=np.float64)
     if name == "hubble":
-        return np.round(color.rgb2gray(data.hubble_deep_field()) * 255.0)
+        gray: Any = color.rgb2gray(images.hubble_deep_field())
+        return np.round(np.asarray(gray, dtype=np.float64) * 255.0)
     raise ValueError(f"unknown image {name!r}; choose horse, camera or hubble")
 
 

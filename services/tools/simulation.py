@@ -196,7 +196,8 @@ def run_longitudinal(
                 )
             first_nodes = longitudinal.TreeAccumulator.offsets(changes.d)[:-1]
             observed = int(accumulator.reports[first_nodes].min())
-            methods = None if BOUNDS[bound] is None else [BOUNDS[bound]]
+            method = BOUNDS[bound]
+            methods = None if method is None else [method]
             mech = MechanismParams(d=params.d, k=params.k)
             certified = certify("longitudinal", eps, observed, delta, mech, methods).certified.eps
             row = ResultRow(

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from common.mechanisms import SeededSource, get, krappor, krr, longitudinal, names, rfrag, zsum
+from common.mechanisms import BUILT_IN, SeededSource, get, krappor, krr, longitudinal, rfrag, zsum
 from common.mechanisms._estimates import CountAccumulator
 from common.mechanisms.rfrag import BackstopStateError
 from common.randomness import SystemSource
@@ -24,7 +24,8 @@ def test_fragment_sizes_are_fixed_per_mechanism() -> None:
     l_params = longitudinal.LongitudinalParams(d=4, k=1, eps=1.0)
     _, report = longitudinal.update(longitudinal.TreeState(1, 1), 1, 1, l_params, rng)
     assert report is not None and len(report) == 2 + longitudinal.PAYLOAD_SIZE
-    assert {get(name).code for name in names()} == {1, 2, 3, 4, 5}
+    assert {m.code for m in BUILT_IN} == {1, 2, 3, 4, 5}
+    assert all(get(m.name) is m for m in BUILT_IN)
 
 
 def test_krappor_fragment_order_reveals_nothing() -> None:
