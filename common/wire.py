@@ -88,6 +88,32 @@ class ChannelPolicy(BaseModel):
         return self
 
 
+class DeviceBudget(BaseModel):
+    """A device's local-ε budget, enforced by the SDK itself (ESA-revisited §II: the guarantee
+    that holds even when a shuffler colludes with the analyzer is the local one).
+
+    Spend is the basic composition of every report's local ε in the replacement notion
+    (:attr:`common.mechanisms.LocalPrivacy.replacement`), an upper bound whatever the
+    mechanism. A report is refused when it would take the lifetime total above
+    ``lifetime_eps`` or the total of reports whose epochs started in the last
+    ``window_seconds`` above ``window_eps``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lifetime_eps: float | None = Field(None, gt=0)
+    window_eps: float | None = Field(None, gt=0)
+    window_seconds: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_window(self) -> DeviceBudget:
+        if (self.window_eps is None) != (self.window_seconds is None):
+            raise ValueError("window_eps and window_seconds go together")
+        if self.lifetime_eps is None and self.window_eps is None:
+            raise ValueError("a budget needs lifetime_eps, or window_eps with window_seconds")
+        return self
+
+
 class ChannelConfig(ChannelPolicy):
     """A channel as the analyzer configures it and clients fetch it.
 
@@ -98,6 +124,7 @@ class ChannelConfig(ChannelPolicy):
             where the channel is used: the analyzer at start, the SDK at first report).
         delta: δ for certifying releases.
         payload_size: Padded inner plaintext size (all fragments of the channel).
+        budget: Per-device local-ε budget of this channel (enforced by the SDK), if any.
     """
 
     mechanism: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -105,6 +132,7 @@ class ChannelConfig(ChannelPolicy):
     delta: float = Field(1e-9, gt=0, lt=1)
     payload_size: int = Field(16, ge=8, le=1024)
     display: Literal["histogram", "image", "series"] = "histogram"
+    budget: DeviceBudget | None = None
     image_shape: tuple[int, int] | None = None
     title: str = ""
 
@@ -172,7 +200,8 @@ class AnalyzerInfo(BaseModel):
 
 class CollectionConfig(BaseModel):
     """What a device needs to report (PROTOCOL.md, "Collection config"): signed by the analyzer
-    and valid until ``expires_at`` (unix seconds)."""
+    and valid until ``expires_at`` (unix seconds). ``device_budget`` caps a device's local ε
+    over all channels together."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -182,6 +211,7 @@ class CollectionConfig(BaseModel):
     analyzer: AnalyzerInfo
     shufflers: list[ShufflerInfo]
     channels: list[ChannelConfig]
+    device_budget: DeviceBudget | None = None
 
     def channel(self, channel_id: str) -> ChannelConfig | None:
         """The channel named ``channel_id``, if configured."""

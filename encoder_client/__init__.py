@@ -12,6 +12,7 @@ the background. Catch :class:`EsaError` for every SDK error.
 from encoder_client._client import Client, HistogramReporter, LongitudinalReporter
 from encoder_client._errors import (
     AlreadyReportedError,
+    BudgetExceededError,
     ChannelError,
     ConfigError,
     EsaError,
@@ -21,6 +22,7 @@ from encoder_client._errors import (
 
 __all__ = [
     "AlreadyReportedError",
+    "BudgetExceededError",
     "ChannelError",
     "Client",
     "ConfigError",

@@ -37,7 +37,13 @@ from common.mechanisms import (
 from common.mechanisms import get as get_mechanism
 from common.randomness import SystemSource
 from common.retry import Backoff, retry_after_seconds
-from common.wire import ChannelConfig, CollectionConfig, EnrollResponse, ShufflerInfo
+from common.wire import (
+    ChannelConfig,
+    CollectionConfig,
+    DeviceBudget,
+    EnrollResponse,
+    ShufflerInfo,
+)
 from encoder_client._errors import (
     AlreadyReportedError,
     ChannelError,
@@ -45,7 +51,7 @@ from encoder_client._errors import (
     StateError,
     ValueOutOfDomainError,
 )
-from encoder_client._state import DeviceState, OutboxItem
+from encoder_client._state import Charge, DeviceState, Limit, OutboxItem
 
 log = logging.getLogger("esa.client")
 #: Every report's privacy noise: the OS CSPRNG.
@@ -213,12 +219,27 @@ class Client:
         kind: str,
         data: dict[str, Any] | None,
         outbox: list[tuple[str, bytes]],
+        charge: Charge | None = None,
     ) -> None:
-        if not self.state.commit_report(config.id, epoch, kind, data, outbox):
+        if not self.state.commit_report(config.id, epoch, kind, data, outbox, charge):
             raise AlreadyReportedError(
                 f"channel {config.id!r} already has a report in epoch {epoch}"
             )
         self._wake.set()
+
+    def _charge(self, config: ChannelConfig, epoch: int, eps: float) -> Charge:
+        """A report's local ε with the budgets of the signed config it must fit."""
+        start = float(epoch * config.epoch_seconds)
+        budgets = ((config.id, config.budget), (None, self._config.device_budget))
+        limits = [
+            limit for scope, b in budgets if b is not None for limit in _limits(scope, b, start)
+        ]
+        return Charge(eps, start, tuple(limits))
+
+    def budget_spent(self, channel_id: str | None = None) -> float:
+        """Local ε (replacement notion, basic composition) this device has spent on
+        ``channel_id``, or on every channel when None."""
+        return self.state.spent(channel_id)
 
     # --- delivery -------------------------------------------------------------------------
 
@@ -308,6 +329,17 @@ class Client:
         self.close()
 
 
+def _limits(scope: str | None, budget: DeviceBudget, epoch_start: float) -> list[Limit]:
+    """The caps of one budget for a report of the epoch that starts at ``epoch_start``."""
+    limits = []
+    if budget.lifetime_eps is not None:
+        limits.append(Limit(budget.lifetime_eps, scope))
+    if budget.window_eps is not None and budget.window_seconds is not None:
+        since = epoch_start - budget.window_seconds + 1
+        limits.append(Limit(budget.window_eps, scope, since))
+    return limits
+
+
 class Reporter:
     """Reports on one channel through its mechanism (one contribution per epoch)."""
 
@@ -342,7 +374,8 @@ class Reporter:
             client._seal(config, epoch, client._route(slot), list(fragments))
             for slot, fragments in encoded.routes
         ]
-        client._queue(config, epoch, mechanism.name, encoded.state, outbox)
+        charge = client._charge(config, epoch, mechanism.local_privacy(self._params).replacement)
+        client._queue(config, epoch, mechanism.name, encoded.state, outbox, charge)
 
 
 class HistogramReporter(Reporter):
@@ -355,6 +388,7 @@ class HistogramReporter(Reporter):
             ValueOutOfDomainError: the channel cannot encode ``value``.
             AlreadyReportedError: this channel already has a report this epoch.
             StateError: the saved device state was drawn for other parameters.
+            BudgetExceededError: the report would exceed a local-ε budget of the config.
         """
         self._submit(value)
 
@@ -369,5 +403,6 @@ class LongitudinalReporter(Reporter):
             ValueOutOfDomainError: period outside 1..d.
             AlreadyReportedError: a period at or before the last one given, or a second report
                 in the same epoch.
+            BudgetExceededError: the report would exceed a local-ε budget of the config.
         """
         self._submit(StateUpdate(period, changed))

@@ -5,7 +5,8 @@ EsaError
 ├── ChannelError           unknown channel, or a reporter of the wrong kind for it
 ├── ValueOutOfDomainError  a value the channel cannot encode (also a ValueError)
 ├── AlreadyReportedError   a second report on a channel in the same epoch
-└── StateError             the device state cannot be used for this channel
+├── StateError             the device state cannot be used for this channel
+└── BudgetExceededError    the report would spend more local ε than the device budget allows
 """
 
 from __future__ import annotations
@@ -33,3 +34,7 @@ class AlreadyReportedError(EsaError):
 
 class StateError(EsaError):
     """The device state cannot be used for this channel (e.g. drawn for other parameters)."""
+
+
+class BudgetExceededError(EsaError):
+    """The report would take this device past a local-ε budget of the signed config."""

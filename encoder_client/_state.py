@@ -1,7 +1,8 @@
 """Device state in one small SQLite file (stdlib ``sqlite3``; no server dependencies).
 
 Holds the enrolment tokens, report-fragment backstops, longitudinal tree states, which
-(channel, epoch) pairs were already reported, and the outbox of sealed, unsent contributions.
+(channel, epoch) pairs were already reported with the local ε each report spent (the device
+budget, never reset while the file lives), and the outbox of sealed, unsent contributions.
 A state file that fails SQLite's integrity check, or holds channel state without an identity,
 is moved aside and replaced by a fresh one: the device becomes a new device (new id, new
 backstops), never a silent mix of old and new randomness.
@@ -19,9 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from encoder_client._errors import StateError
+from encoder_client._errors import BudgetExceededError, StateError
 
 log = logging.getLogger("esa.client")
+#: Relative slack when comparing spend with a budget, so that a budget of exactly k reports'
+#: ε admits k reports despite floating-point sums.
+BUDGET_SLACK = 1e-9
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS identity (device_id TEXT PRIMARY KEY, created_at REAL NOT NULL);
@@ -30,11 +34,39 @@ CREATE TABLE IF NOT EXISTS channel_state (channel_id TEXT PRIMARY KEY, kind TEXT
                                           data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reported (channel_id TEXT NOT NULL, epoch INTEGER NOT NULL,
                                      PRIMARY KEY (channel_id, epoch));
+CREATE TABLE IF NOT EXISTS spend (channel_id TEXT NOT NULL, epoch INTEGER NOT NULL,
+                                  epoch_start REAL NOT NULL, eps REAL NOT NULL,
+                                  PRIMARY KEY (channel_id, epoch));
 CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, shuffler_id TEXT NOT NULL,
                                    body BLOB NOT NULL, created_at REAL NOT NULL,
                                    attempts INTEGER NOT NULL DEFAULT 0,
                                    next_attempt_at REAL NOT NULL DEFAULT 0);
 """
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One cap on local-ε spend: over ``channel_id`` (None: every channel) and over reports
+    whose epoch started at or after ``since`` (None: the device's lifetime)."""
+
+    eps: float
+    channel_id: str | None = None
+    since: float | None = None
+
+    def describe(self) -> str:
+        """Which budget this is, in words."""
+        scope = "all channels" if self.channel_id is None else f"channel {self.channel_id!r}"
+        span = "lifetime" if self.since is None else "rolling window"
+        return f"the {span} budget ε={self.eps:g} of {scope}"
+
+
+@dataclass(frozen=True)
+class Charge:
+    """What one report costs: its local ε, the start of its epoch, and the caps it must fit."""
+
+    eps: float
+    epoch_start: float
+    limits: tuple[Limit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,10 +161,15 @@ class DeviceState:
         kind: str,
         data: dict[str, Any] | None,
         outbox: list[tuple[str, bytes]],
+        charge: Charge | None = None,
     ) -> bool:
-        """Atomically mark (channel, epoch) reported, save channel state, queue contributions.
+        """Atomically mark (channel, epoch) reported, charge its local ε, save channel state and
+        queue contributions.
 
         Returns False, changing nothing, if (channel, epoch) was already reported.
+
+        Raises:
+            BudgetExceededError: the charge does not fit a limit (nothing is changed).
         """
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -142,6 +179,8 @@ class DeviceState:
                 self._db.execute("ROLLBACK")
                 return False
             try:
+                if charge is not None:
+                    self._charge(channel_id, epoch, charge)
                 if data is not None:
                     self._db.execute(
                         "INSERT OR REPLACE INTO channel_state VALUES (?, ?, ?)",
@@ -157,6 +196,30 @@ class DeviceState:
                 self._db.execute("ROLLBACK")
                 raise
             return True
+
+    def _charge(self, channel_id: str, epoch: int, charge: Charge) -> None:
+        for limit in charge.limits:
+            spent = self.spent(limit.channel_id, limit.since)
+            if spent + charge.eps > limit.eps * (1.0 + BUDGET_SLACK):
+                raise BudgetExceededError(
+                    f"a report on channel {channel_id!r} costs local ε={charge.eps:g}; "
+                    f"{limit.describe()} has {max(0.0, limit.eps - spent):g} left"
+                )
+        self._db.execute(
+            "INSERT INTO spend VALUES (?, ?, ?, ?)",
+            (channel_id, epoch, charge.epoch_start, charge.eps),
+        )
+
+    def spent(self, channel_id: str | None = None, since: float | None = None) -> float:
+        """Local ε spent so far on ``channel_id`` (None: all channels) by reports whose epoch
+        started at or after ``since`` (None: ever)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COALESCE(SUM(eps), 0) FROM spend WHERE (? IS NULL OR channel_id = ?) "
+                "AND (? IS NULL OR epoch_start >= ?)",
+                (channel_id, channel_id, since, since),
+            ).fetchone()
+        return float(row[0])
 
     def save_state(self, channel_id: str, kind: str, data: dict[str, Any]) -> None:
         """Persist a channel's device state outside a report (a longitudinal update)."""

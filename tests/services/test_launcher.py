@@ -7,7 +7,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -70,8 +69,7 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
         if first.poll() is None:
             first.kill()
     wait_until(lambda: not _processes_mentioning(str(var)), timeout=20)
-    assert all(port_free(base + i) for i in range(4))
-    time.sleep(0.1)
+    wait_until(lambda: all(port_free(base + i) for i in range(4)), timeout=20)
 
 
 def test_default_channels_leave_room_for_every_fragment_count() -> None:
