@@ -1,2 +1,8 @@
 """The analyzer: verify signed batches, open fragments, accumulate, release certified estimates
-(ARCHITECTURE.md). Core logic in :mod:`analyzer.core`."""
+(ARCHITECTURE.md).
+
+Layers, each importing only those below it: :mod:`analyzer.app` (HTTP routers) →
+:mod:`analyzer.service` (the facade) → :mod:`analyzer.intake`, :mod:`analyzer.releases`,
+:mod:`analyzer.ledger`, :mod:`analyzer.config` → :mod:`analyzer.store` (the database) and
+:mod:`analyzer.channels` (mechanisms); refusals are :mod:`analyzer.errors`.
+"""

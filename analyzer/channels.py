@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from analyzer.errors import InvalidChannelError
 from common.mechanisms import (
     BatchContext,
     Estimate,
@@ -21,10 +22,6 @@ from common.mechanisms import (
 )
 from common.mechanisms.base import Accumulator
 from common.wire import ChannelConfig
-
-
-class ChannelConfigError(ValueError):
-    """A channel whose mechanism is unknown or whose parameters do not validate."""
 
 
 @dataclass(frozen=True)
@@ -41,15 +38,15 @@ class ChannelRuntime:
         """Validate the channel with its mechanism's own checks.
 
         Raises:
-            ChannelConfigError: naming the channel and what is wrong.
+            InvalidChannelError: naming the channel and what is wrong.
         """
         try:
             mechanism = get(config.mechanism)
             params = mechanism.parse_params(config.params)
         except (TypeError, ValueError) as error:
-            raise ChannelConfigError(f"channel {config.id!r}: {error}") from error
+            raise InvalidChannelError(f"channel {config.id!r}: {error}") from error
         if config.payload_size < mechanism.payload_size + 4:
-            raise ChannelConfigError(
+            raise InvalidChannelError(
                 f"channel {config.id!r}: payload_size={config.payload_size} is smaller than the "
                 f"{mechanism.payload_size + 4} bytes a {config.mechanism} fragment needs padded"
             )

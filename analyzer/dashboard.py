@@ -12,14 +12,17 @@ import html
 import struct
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
+
+from common.wire import ChannelConfig, LedgerRow, ReleaseBody
 
 WIDTH, HEIGHT, PAD = 640, 220, 36
 
 
-def png_gray(values: np.ndarray, shape: tuple[int, int]) -> bytes:
+def png_gray(values: npt.ArrayLike, shape: tuple[int, int]) -> bytes:
     """An 8-bit grayscale PNG of ``values`` (clipped at 0, scaled to the maximum)."""
     image = np.clip(np.asarray(values, dtype=float).reshape(shape), 0, None)
     top = image.max() or 1.0
@@ -99,7 +102,16 @@ def series_svg(values: Sequence[float], errors: Sequence[float]) -> str:
     )
 
 
-def page(channels: list[dict[str, Any]]) -> str:
+@dataclass(frozen=True)
+class ChannelView:
+    """What the dashboard shows of one channel: its latest release summary and its ledger."""
+
+    config: ChannelConfig
+    release: ReleaseBody | None
+    ledger: Sequence[LedgerRow]
+
+
+def page(channels: Sequence[ChannelView]) -> str:
     """The whole dashboard page."""
     sections = "".join(_section(c) for c in channels) or "<p>No channels configured.</p>"
     return f"""<!doctype html>
@@ -119,45 +131,59 @@ img.channel {{ image-rendering: pixelated; width: 100%; max-width: 480px; border
 </body></html>"""
 
 
-def _section(channel: dict[str, Any]) -> str:
-    release = channel.get("release")
+def _section(channel: ChannelView) -> str:
+    name = html.escape(channel.config.id)
     head = (
-        f'<section id="{html.escape(channel["id"])}"><h2>{html.escape(channel["id"])} '
-        f'<span class="muted">({html.escape(channel["mechanism"])})</span></h2>'
+        f'<section id="{name}"><h2>{name} '
+        f'<span class="muted">({html.escape(channel.config.mechanism)})</span></h2>'
     )
+    release = channel.release
     if release is None:
         return head + "<p>No batch received yet.</p></section>"
-    cert = release["certificate"]
+    cert = release.certificate
     summary = (
-        f'<p class="certificate">n = <b class="n">{release["n"]:,}</b>; certified '
-        f'<b>ε = <span class="eps">{cert["eps"]:.4g}</span></b>, δ = {cert["delta"]:.3g} '
-        f"({html.escape(cert['neighbouring'])}, {html.escape(cert['method'])}); epochs "
-        f"{release['epochs'][0]}–{release['epochs'][1]}</p>"
+        f'<p class="certificate">n = <b class="n">{release.n:,}</b>; certified '
+        f'<b>ε = <span class="eps">{cert.eps:.4g}</span></b>, δ = {cert.delta:.3g} '
+        f"({html.escape(cert.neighbouring)}, {html.escape(cert.method)}); epochs "
+        f"{release.epochs[0]}–{release.epochs[1]}</p>"
     )
-    crowds = ", ".join(
-        f"{html.escape(k)}: {v:,}" for k, v in sorted(release["crowds"].items())[:12]
+    crowds = ", ".join(f"{html.escape(k)}: {v:,}" for k, v in sorted(release.crowds.items())[:12])
+    chart = chart_for(channel.config, release)
+    crowd_line = f'<p class="muted">crowds: {crowds}</p>'
+    return head + summary + chart + crowd_line + _ledger_table(channel.ledger) + "</section>"
+
+
+def _ledger_table(ledger: Sequence[LedgerRow]) -> str:
+    rows = "".join(
+        f"<tr><td>{row.id}</td><td>{row.epochs[0]}–{row.epochs[1]}</td><td>{row.n:,}</td>"
+        f"<td>{row.eps:.4g}</td><td>{row.delta:.3g}</td><td>{html.escape(row.method)}</td>"
+        f"<td>{row.cumulative_eps:.4g}</td></tr>"
+        for row in ledger[-10:]
     )
-    chart = channel.get("chart", "")
-    ledger = "".join(
-        f"<tr><td>{row['id']}</td><td>{row['epochs'][0]}–{row['epochs'][1]}</td><td>{row['n']:,}</td>"
-        f"<td>{row['eps']:.4g}</td><td>{row['delta']:.3g}</td><td>{html.escape(row['method'])}</td>"
-        f"<td>{row['cumulative_eps']:.4g}</td></tr>"
-        for row in channel.get("ledger", [])[-10:]
-    )
-    table = (
+    return (
         "<table><tr><th>release</th><th>epochs</th><th>n</th><th>ε</th><th>δ</th>"
-        f"<th>method</th><th>cumulative ε</th></tr>{ledger}</table>"
+        f"<th>method</th><th>cumulative ε</th></tr>{rows}</table>"
     )
-    return head + summary + chart + f'<p class="muted">crowds: {crowds}</p>' + table + "</section>"
 
 
-def chart_for(display: str, release: dict[str, Any], image_png: bytes | None) -> str:
+def image_png(config: ChannelConfig, release: ReleaseBody) -> bytes | None:
+    """The release as a grayscale PNG, for an image channel (bins not in the summary are 0)."""
+    if config.display != "image" or config.image_shape is None:
+        return None
+    rows, columns = config.image_shape
+    values = np.zeros(rows * columns)
+    values[np.asarray(release.bins, dtype=np.int64)] = release.values
+    return png_gray(values, config.image_shape)
+
+
+def chart_for(config: ChannelConfig, release: ReleaseBody) -> str:
     """The chart a person wants for this channel's kind."""
-    if display == "image" and image_png is not None:
-        data = base64.b64encode(image_png).decode()
+    image = image_png(config, release)
+    if image is not None:
+        data = base64.b64encode(image).decode()
         return f'<img class="channel" alt="reconstruction" src="data:image/png;base64,{data}">'
-    if display == "series":
-        return series_svg(release["values"], release["std_errors"])
-    labels = [str(b) for b in release["bins"][:20]]
-    errors = [1.96 * e for e in release["std_errors"][:20]]
-    return bars_svg(labels, release["values"][:20], errors)
+    if config.display == "series":
+        return series_svg(release.values, release.std_errors)
+    labels = [str(b) for b in release.bins[:20]]
+    errors = [1.96 * e for e in release.std_errors[:20]]
+    return bars_svg(labels, release.values[:20], errors)

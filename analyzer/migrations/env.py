@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from analyzer.storage import metadata
+from analyzer.store import metadata
 
 connection = context.config.attributes["connection"]
 context.configure(

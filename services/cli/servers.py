@@ -56,14 +56,14 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
     from pydantic import ValidationError
 
     from analyzer.app import create_app
-    from analyzer.channels import ChannelConfigError
+    from analyzer.errors import InvalidChannelError
     from analyzer.settings import AnalyzerSettings
 
     try:
         settings = AnalyzerSettings()
         overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
         app = create_app(settings.model_copy(update=overrides))
-    except (ValidationError, ChannelConfigError, ValueError) as error:
+    except (ValidationError, InvalidChannelError, ValueError) as error:
         raise click.UsageError(f"invalid analyzer settings: {error}") from error
     uvicorn.run(
         app,

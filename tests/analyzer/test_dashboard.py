@@ -1,4 +1,5 @@
-"""The dashboard in headless Chromium: loads, no console errors, shows the channels' numbers."""
+"""The dashboard: images drawn from stored summaries, and the page in headless Chromium (loads,
+no console errors, shows the channels' numbers)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from analyzer.dashboard import ChannelView, image_png, page, png_gray
+from analyzer.ledger import compose
 from common.envelope import (
     load_or_create_ed25519,
     load_or_create_x25519,
@@ -23,6 +27,7 @@ from common.mechanisms import SeededSource, krappor, longitudinal
 from common.wire import Batch, ChannelConfig, b64
 
 from ..support import analyzer_process
+from .helpers import ANALYZER_KEY, build, signed
 
 CHANNELS = [
     ChannelConfig(
@@ -55,6 +60,37 @@ CHANNELS = [
 ]
 
 
+def test_an_image_release_is_drawn_from_its_stored_summary() -> None:
+    """Image channels store every bin, so the PNG is the full reconstruction."""
+    picture = CHANNELS[1]
+    layers = build("sqlite://", [picture])
+    key = ANALYZER_KEY.public_key()
+    params = krappor.KRapporParams(**picture.params)
+    rng = SeededSource(4)
+    values = np.random.default_rng(5).integers(0, params.k, size=200)
+    batch = Batch(
+        batch_id=secrets.token_hex(16),
+        shuffler_id="shuffler-1",
+        channel_id=picture.id,
+        crowd_id="",
+        epoch=3,
+        n_contributions=values.size,
+        fragments=[
+            b64(seal_fragment(f, picture.id, 16, key))
+            for v in values
+            for f in krappor.encode(int(v), params, rng)
+        ],
+    )
+    layers.intake.accept(*signed(batch))
+    release = layers.releases.release(picture.id, 3, 3)
+    summary = layers.store.latest_summary(picture.id)
+    assert summary is not None and summary.bins == list(range(params.k))
+    assert image_png(picture, summary) == png_gray(release.estimate.values, (6, 8))
+    assert image_png(CHANNELS[0], summary) is None
+    view = ChannelView(picture, summary, compose(layers.store.releases(picture.id)))
+    assert "data:image/png;base64," in page([view])
+
+
 def _chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
@@ -65,7 +101,12 @@ def _chromium() -> str:
 
 
 def _post(
-    url: str, key: object, channel: ChannelConfig, epoch: int, fragments: list[bytes], n: int
+    url: str,
+    key: Ed25519PrivateKey,
+    channel: ChannelConfig,
+    epoch: int,
+    fragments: list[bytes],
+    n: int,
 ) -> None:
     batch = Batch(
         batch_id=secrets.token_hex(16),
@@ -79,7 +120,7 @@ def _post(
     body = batch.body()
     response = httpx.post(
         url + "/v1/batches", content=body, headers={"ESA-Signature": b64(sign(body, key))}
-    )  # type: ignore[arg-type]
+    )
     assert response.status_code == 201, response.text
 
 
@@ -116,14 +157,14 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
                     reports.append(seal_fragment(report, "abroad", 16, analyzer_key.public_key()))
             _post(service.url, signer, CHANNELS[2], t, reports, 200)
         releases = {}
-        for channel, query in (
+        for name, query in (
             ("homepage", "epoch=3"),
             ("picture", "epoch=3"),
             ("abroad", "epoch_from=1&epoch_to=8"),
         ):
-            response = httpx.get(f"{service.url}/v1/channels/{channel}/estimate?{query}")
+            response = httpx.get(f"{service.url}/v1/channels/{name}/estimate?{query}")
             assert response.status_code == 200, response.text
-            releases[channel] = response.json()
+            releases[name] = response.json()
         profile = tmp_path / "chromium-profile"
         screenshot = tmp_path / "dashboard.png"
         flags = [
@@ -155,12 +196,12 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         )
     finally:
         service.stop()
-    page = dom.stdout
-    for channel, release in releases.items():
-        assert f'id="{channel}"' in page
-        assert f"{release['certificate']['eps']:.4g}" in page
-        assert f"{release['n']:,}" in page
-    assert "data:image/png;base64," in page and "<polyline" in page and "<rect" in page
+    shown = dom.stdout
+    for name, release in releases.items():
+        assert f'id="{name}"' in shown
+        assert f"{release['certificate']['eps']:.4g}" in shown
+        assert f"{release['n']:,}" in shown
+    assert "data:image/png;base64," in shown and "<polyline" in shown and "<rect" in shown
     console_errors = [
         line
         for line in dom.stderr.splitlines()

@@ -1,0 +1,111 @@
+"""What the analyzer refuses: one base class, one subclass per meaning, no HTTP.
+
+Each class has a stable ``code`` (the ``error`` field clients read) and a
+:class:`~services.runtime.errors.Kind`; :data:`services.runtime.http.STATUS` turns the kind into
+a status at the edge. Callers catch :class:`AnalyzerError`::
+
+    DomainError (services.runtime.errors)
+    └── AnalyzerError
+        ├── InvalidChannelError          invalid          a configured channel its mechanism rejects
+        ├── MalformedBatchError          malformed        400: the body is not a batch
+        ├── BatchTooLargeError           too_large        413: body over max_batch_bytes
+        │                                                 (also a runtime TooLargeError)
+        ├── UnknownShufflerError         unknown_shuffler 401: batch names an unregistered shuffler
+        ├── BadSignatureError            bad_signature    401: signature missing or not verifying
+        ├── InconsistentBatchError       (422: a batch the channel's configuration cannot hold)
+        │   ├── BatchForUnknownChannelError unknown_channel
+        │   ├── BelowMinCrowdError       below_min_crowd
+        │   └── InconsistentCountsError  inconsistent_counts
+        ├── UnknownChannelError          unknown_channel  404: asked about an unconfigured channel
+        ├── NothingReceivedError         no_data          404: nothing received for the release
+        └── StorageConflictError         storage_conflict 503: concurrent writers kept colliding
+"""
+
+from __future__ import annotations
+
+from services.runtime.errors import DomainError, Kind, TooLargeError
+
+
+class AnalyzerError(DomainError):
+    """Anything the analyzer refuses."""
+
+
+class InvalidChannelError(AnalyzerError, ValueError):
+    """A configured channel whose mechanism is unknown or whose parameters do not validate."""
+
+    code = "invalid_channel"
+    kind = Kind.INVALID
+
+
+class MalformedBatchError(AnalyzerError):
+    """The body is not a batch (PROTOCOL.md, ``POST /v1/batches``)."""
+
+    code = "malformed"
+    kind = Kind.INVALID
+
+
+class BatchTooLargeError(AnalyzerError, TooLargeError):
+    """A batch body over ``max_batch_bytes``."""
+
+    code = "too_large"
+    kind = Kind.TOO_LARGE
+
+
+class UnknownShufflerError(AnalyzerError):
+    """The batch names a shuffler that is not in the registry."""
+
+    code = "unknown_shuffler"
+    kind = Kind.UNAUTHENTICATED
+
+
+class BadSignatureError(AnalyzerError):
+    """The ``ESA-Signature`` is missing, not base64, or does not verify for the shuffler."""
+
+    code = "bad_signature"
+    kind = Kind.UNAUTHENTICATED
+
+
+class InconsistentBatchError(AnalyzerError):
+    """A well-formed batch that the channel's configuration cannot hold."""
+
+    code = "inconsistent"
+    kind = Kind.UNPROCESSABLE
+
+
+class BatchForUnknownChannelError(InconsistentBatchError):
+    """A batch for a channel that is not configured."""
+
+    code = "unknown_channel"
+
+
+class BelowMinCrowdError(InconsistentBatchError):
+    """A batch of fewer contributions than the channel's ``min_crowd``."""
+
+    code = "below_min_crowd"
+
+
+class InconsistentCountsError(InconsistentBatchError):
+    """More fragments than the batch's contributions can carry."""
+
+    code = "inconsistent_counts"
+
+
+class UnknownChannelError(AnalyzerError):
+    """A request about a channel that is not configured."""
+
+    code = "unknown_channel"
+    kind = Kind.NOT_FOUND
+
+
+class NothingReceivedError(AnalyzerError):
+    """Nothing was received that the requested release could be computed from."""
+
+    code = "no_data"
+    kind = Kind.NOT_FOUND
+
+
+class StorageConflictError(AnalyzerError):
+    """Concurrent writers kept colliding on one accumulator; nothing was stored."""
+
+    code = "storage_conflict"
+    kind = Kind.UNAVAILABLE

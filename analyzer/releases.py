@@ -1,0 +1,179 @@
+"""Releases: estimates over a range of epochs with standard errors, 95% intervals and the
+certified central (ε, δ) computed from the crowds actually received.
+
+How a release over the received crowds is certified is the mechanism's own
+(:meth:`common.mechanisms.Mechanism.certify`, MECHANISMS.md): histogram mechanisms certify at
+the smallest shuffled batch and compose epochs, report fragments use the across-batches bound,
+longitudinal channels certify at the smallest level crowd. The add/remove statement including
+randomized deletion is ESA-revisited Theorem V.1 (:meth:`ReleaseCertificate.with_deletion`).
+Every release is appended to the ledger with a summary the dashboard draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from analyzer.channels import ChannelRuntime
+from analyzer.errors import NothingReceivedError, UnknownChannelError
+from analyzer.metrics import Events
+from analyzer.store import AnalyzerStore, ReceivedRange
+from common.accounting import BoundResult
+from common.mechanisms import Estimate, LocalPrivacy, NoDataError, Received
+from common.wire import Bound, LocalBound, ReleaseBody
+
+#: Bins kept in a histogram release's stored summary (the dashboard draws the top 20).
+SUMMARY_BINS = 50
+#: Bins returned by default for large histograms (``?top=N`` asks for more).
+DEFAULT_TOP = 10_000
+
+
+@dataclass(frozen=True)
+class Release:
+    """An estimate over ``[epoch_from, epoch_to]`` with its certificate."""
+
+    channel_id: str
+    epoch_from: int
+    epoch_to: int
+    estimate: Estimate
+    certificate: BoundResult
+    other_notion: BoundResult | None
+    crowds: dict[str, int]
+    add_remove: BoundResult | None = None
+    lower: BoundResult | None = None
+    local: LocalPrivacy | None = None
+
+    def to_wire(self, top: int | None = None) -> ReleaseBody:
+        """The release as clients see it (``top`` keeps the largest estimates, largest first)."""
+        lo, hi = self.estimate.interval()
+        index = self.estimate.top(top) if top else np.arange(self.estimate.values.size)
+        return ReleaseBody(
+            channel_id=self.channel_id,
+            epochs=(self.epoch_from, self.epoch_to),
+            n=self.estimate.n,
+            bins=[int(i) for i in index],
+            values=[float(self.estimate.values[i]) for i in index],
+            std_errors=[float(self.estimate.std_errors[i]) for i in index],
+            ci95=[(float(lo[i]), float(hi[i])) for i in index],
+            note=self.estimate.note,
+            certificate=_bound(self.certificate),
+            other_notion=_optional(self.other_notion),
+            with_randomized_deletion=_optional(self.add_remove),
+            lower_bound=_optional(self.lower),
+            local=None if self.local is None else _local(self.local),
+            crowds=self.crowds,
+        )
+
+
+class ReleaseService:
+    """Computes releases from the store and appends them to the ledger."""
+
+    def __init__(
+        self, store: AnalyzerStore, channels: Mapping[str, ChannelRuntime], events: Events
+    ) -> None:
+        self.store = store
+        self.channels = channels
+        self.events = events
+
+    def epochs(
+        self,
+        channel_id: str,
+        epoch: int | None = None,
+        epoch_from: int | None = None,
+        epoch_to: int | None = None,
+    ) -> tuple[int, int]:
+        """The range a request means: ``epoch`` alone, or missing ends at the last epoch
+        received.
+
+        Raises:
+            UnknownChannelError: if the channel is not configured.
+            NothingReceivedError: if an end is missing and nothing was received yet.
+        """
+        self.runtime(channel_id)
+        if epoch is not None:
+            return epoch, epoch
+        if epoch_from is not None and epoch_to is not None:
+            return epoch_from, epoch_to
+        span = self.store.epoch_spans().get(channel_id)
+        if span is None:
+            raise NothingReceivedError(f"no batch received for {channel_id!r} yet")
+        last = span[1]
+        return (last if epoch_from is None else epoch_from, last if epoch_to is None else epoch_to)
+
+    def runtime(self, channel_id: str) -> ChannelRuntime:
+        """The configured channel (UnknownChannelError otherwise)."""
+        runtime = self.channels.get(channel_id)
+        if runtime is None:
+            raise UnknownChannelError(f"channel {channel_id!r} is not configured")
+        return runtime
+
+    def release(
+        self, channel_id: str, epoch_from: int, epoch_to: int, crowd_id: str = ""
+    ) -> Release:
+        """Estimate over the epochs with its certificate, appended to the ledger.
+
+        Raises:
+            UnknownChannelError: if the channel is not configured.
+            NothingReceivedError: if no usable batch was received in the range.
+        """
+        runtime = self.runtime(channel_id)
+        received = self.store.received(channel_id, crowd_id, epoch_from, epoch_to)
+        if not received.states:
+            raise NothingReceivedError(
+                f"no batch received for {channel_id!r} in epochs [{epoch_from}, {epoch_to}]"
+            )
+        release = _computed(runtime, received, epoch_from, epoch_to)
+        summary_bins = None if runtime.config.display in ("series", "image") else SUMMARY_BINS
+        self.store.add_release(release.to_wire(summary_bins), _optional(release.other_notion))
+        self.events.count("releases")
+        return release
+
+
+def _computed(
+    runtime: ChannelRuntime, received: ReceivedRange, epoch_from: int, epoch_to: int
+) -> Release:
+    config = runtime.config
+    states = [(s.epoch, s.shuffler_id, runtime.load(s.state)) for s in received.states]
+    merged = states[0][2]
+    for _, _, accumulator in states[1:]:
+        merged = merged.merge(accumulator)
+    crowds = [
+        Received(e, s, received.batch_sizes.get((e, s), ()), acc, runtime.source(s))
+        for e, s, acc in states
+    ]
+    try:
+        certs = runtime.certify(crowds)
+    except NoDataError as error:
+        raise NothingReceivedError(f"{config.id!r}: {error}") from error
+    return Release(
+        config.id,
+        epoch_from,
+        epoch_to,
+        runtime.estimate(merged),
+        certs.certified,
+        certs.other,
+        certs.crowds,
+        certs.with_deletion(config.eps_cr, config.delta_cr),
+        certs.lower,
+        runtime.local_privacy(),
+    )
+
+
+def _bound(result: BoundResult) -> Bound:
+    return Bound.model_validate(result.as_dict())
+
+
+def _optional(result: BoundResult | None) -> Bound | None:
+    return None if result is None else _bound(result)
+
+
+def _local(local: LocalPrivacy) -> LocalBound:
+    return LocalBound(
+        removal=local.removal,
+        replacement=local.replacement,
+        eps_l_inf=local.eps_l_inf,
+        eps_l1=local.eps_l1,
+        note=local.note,
+    )

@@ -1,0 +1,308 @@
+"""The analyzer's storage: receipts, accumulators and releases behind one interface.
+
+Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
+
+* ``receipts``: one row per accepted batch (idempotency by ``batch_id``), with its crowd size
+  and how many fragments were chaff.
+* ``accumulators``: the sufficient statistics per (channel, crowd, epoch, shuffler), updated
+  in the same transaction as the receipt. Kept per shuffler because each shuffler's batch is
+  shuffled separately: its crowd is what certification may rely on.
+* ``releases``: the privacy ledger — every estimate served, with its certificate and the
+  summary the dashboard draws.
+
+Everything that depends on the database dialect stays in this module.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    ColumnElement,
+    Float,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Select,
+    String,
+    Table,
+    Text,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
+
+from analyzer.errors import StorageConflictError
+from common.wire import Bound, ReleaseBody
+
+metadata = MetaData()
+
+receipts = Table(
+    "receipts",
+    metadata,
+    Column("batch_id", String(32), primary_key=True),
+    Column("shuffler_id", String(64), nullable=False),
+    Column("channel_id", String(64), nullable=False, index=True),
+    Column("crowd_id", String(255), nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("n_contributions", Integer, nullable=False),
+    Column("n_fragments", Integer, nullable=False),
+    Column("invalid", Integer, nullable=False),
+    Column("received_at", Float, nullable=False),
+)
+
+accumulators = Table(
+    "accumulators",
+    metadata,
+    Column("channel_id", String(64), primary_key=True),
+    Column("crowd_id", String(255), primary_key=True),
+    Column("epoch", BigInteger, primary_key=True),
+    Column("shuffler_id", String(64), primary_key=True),
+    Column("state", LargeBinary, nullable=False),
+    Column("batches", Integer, nullable=False),
+)
+
+releases = Table(
+    "releases",
+    metadata,
+    Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
+    Column("channel_id", String(64), nullable=False, index=True),
+    Column("epoch_from", BigInteger, nullable=False),
+    Column("epoch_to", BigInteger, nullable=False),
+    Column("n", Integer, nullable=False),
+    Column("certificate", Text, nullable=False),
+    Column("summary", Text, nullable=False),
+    Column("released_at", Float, nullable=False),
+)
+
+#: Attempts to store one batch when concurrent writers create the same accumulator row.
+STORE_ATTEMPTS = 5
+
+#: Folds a batch into an accumulator: serialized state (None when new) → (new state, invalid).
+Fold = Callable[[bytes | None], tuple[bytes, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReceipt:
+    """What the receipt of an accepted batch records (its fragments go to the accumulator)."""
+
+    batch_id: str
+    shuffler_id: str
+    channel_id: str
+    crowd_id: str
+    epoch: int
+    n_contributions: int
+    n_fragments: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredState:
+    """One accumulator row in a release's range."""
+
+    epoch: int
+    shuffler_id: str
+    state: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedRange:
+    """What a release may read: accumulators and the crowd size of every batch behind them."""
+
+    states: list[StoredState]
+    batch_sizes: dict[tuple[int, str], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRelease:
+    """One ledger entry as stored."""
+
+    id: int
+    epoch_from: int
+    epoch_to: int
+    n: int
+    certificate: Bound
+    released_at: float
+
+
+class AnalyzerStore:
+    """Receipts, accumulators and releases over one SQLAlchemy engine."""
+
+    def __init__(self, engine: Engine, clock: Callable[[], float] = time.time) -> None:
+        self.engine = engine
+        self.clock = clock
+        self._storing = threading.Lock()
+
+    # --- intake -------------------------------------------------------------------------
+
+    def known(self, batch_id: str) -> bool:
+        """Whether a batch with this id was accepted before."""
+        query = select(receipts.c.batch_id).where(receipts.c.batch_id == batch_id)
+        with self.engine.connect() as conn:
+            return conn.execute(query).first() is not None
+
+    def accumulate(self, receipt: BatchReceipt, fold: Fold) -> int | None:
+        """Write the receipt and fold the batch into its accumulator in one transaction.
+
+        Returns the fragments ``fold`` found invalid, or None if the receipt already exists (a
+        concurrent duplicate). An integrity conflict is a duplicate only if the receipt is
+        there; otherwise another writer created the same accumulator row first, and the store
+        is retried (its transaction rolled back, so nothing was counted twice).
+
+        Raises:
+            StorageConflictError: if the conflict persists over :data:`STORE_ATTEMPTS`.
+        """
+        for _ in range(STORE_ATTEMPTS):
+            try:
+                with self._storing:
+                    return self._accumulate(receipt, fold)
+            except IntegrityError:
+                if self.known(receipt.batch_id):
+                    return None
+        raise StorageConflictError("could not store the batch; retry later")
+
+    def _accumulate(self, receipt: BatchReceipt, fold: Fold) -> int:
+        a = accumulators.c
+        key = (
+            a.channel_id == receipt.channel_id,
+            a.crowd_id == receipt.crowd_id,
+            a.epoch == receipt.epoch,
+            a.shuffler_id == receipt.shuffler_id,
+        )
+        with self.engine.begin() as conn:
+            conn.execute(
+                insert(receipts).values(**asdict(receipt), invalid=0, received_at=self.clock())
+            )
+            row = conn.execute(_locked(conn, select(a.state, a.batches).where(*key))).first()
+            state, invalid = fold(None if row is None else bytes(row.state))
+            if row is None:
+                conn.execute(
+                    insert(accumulators).values(
+                        channel_id=receipt.channel_id,
+                        crowd_id=receipt.crowd_id,
+                        epoch=receipt.epoch,
+                        shuffler_id=receipt.shuffler_id,
+                        state=state,
+                        batches=1,
+                    )
+                )
+            else:
+                conn.execute(
+                    update(accumulators).where(*key).values(state=state, batches=row.batches + 1)
+                )
+            conn.execute(
+                update(receipts)
+                .where(receipts.c.batch_id == receipt.batch_id)
+                .values(invalid=invalid)
+            )
+        return invalid
+
+    # --- releases -----------------------------------------------------------------------
+
+    def received(
+        self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
+    ) -> ReceivedRange:
+        """Accumulators and batch crowd sizes of a channel's crowd in ``[from, to]``."""
+        a, r = accumulators.c, receipts.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(a.epoch, a.shuffler_id, a.state).where(
+                    *_in_range(accumulators, channel_id, crowd_id, epoch_from, epoch_to)
+                )
+            ).all()
+            batches = conn.execute(
+                select(r.epoch, r.shuffler_id, r.n_contributions).where(
+                    *_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to)
+                )
+            ).all()
+        sizes: dict[tuple[int, str], list[int]] = {}
+        for epoch, shuffler_id, n in batches:
+            sizes.setdefault((int(epoch), shuffler_id), []).append(int(n))
+        return ReceivedRange(
+            [StoredState(int(e), s, bytes(state)) for e, s, state in rows],
+            {key: tuple(ns) for key, ns in sizes.items()},
+        )
+
+    def epoch_spans(self) -> dict[str, tuple[int, int]]:
+        """``[first, last]`` epoch received per channel."""
+        r = receipts.c
+        query = select(r.channel_id, func.min(r.epoch), func.max(r.epoch)).group_by(r.channel_id)
+        with self.engine.connect() as conn:
+            return {c: (int(lo), int(hi)) for c, lo, hi in conn.execute(query)}
+
+    def add_release(self, summary: ReleaseBody, other_notion: Bound | None) -> None:
+        """Append a release to the ledger: its certificates and the summary the dashboard
+        draws."""
+        record = {
+            "certificate": summary.certificate.model_dump(mode="json"),
+            "other_notion": None if other_notion is None else other_notion.model_dump(mode="json"),
+        }
+        with self.engine.begin() as conn:
+            conn.execute(
+                insert(releases).values(
+                    channel_id=summary.channel_id,
+                    epoch_from=summary.epochs[0],
+                    epoch_to=summary.epochs[1],
+                    n=summary.n,
+                    certificate=json.dumps(record),
+                    summary=summary.model_dump_json(),
+                    released_at=self.clock(),
+                )
+            )
+
+    def releases(self, channel_id: str) -> list[StoredRelease]:
+        """A channel's releases, oldest first."""
+        r = releases.c
+        query = (
+            select(r.id, r.epoch_from, r.epoch_to, r.n, r.certificate, r.released_at)
+            .where(r.channel_id == channel_id)
+            .order_by(r.id)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [
+            StoredRelease(
+                int(row.id),
+                int(row.epoch_from),
+                int(row.epoch_to),
+                int(row.n),
+                Bound.model_validate(json.loads(row.certificate)["certificate"]),
+                float(row.released_at),
+            )
+            for row in rows
+        ]
+
+    def latest_summary(self, channel_id: str) -> ReleaseBody | None:
+        """The summary of a channel's most recent release, if any."""
+        r = releases.c
+        query = select(r.summary).where(r.channel_id == channel_id).order_by(r.id.desc()).limit(1)
+        with self.engine.connect() as conn:
+            text = conn.execute(query).scalar_one_or_none()
+        return None if text is None else ReleaseBody.model_validate_json(text)
+
+
+def _locked(conn: Connection, query: Select[tuple[bytes, int]]) -> Select[tuple[bytes, int]]:
+    # PostgreSQL: lock the accumulator row so concurrent batches fold in one after another.
+    # SQLite has no row locks; its single writer (and the store's lock) serializes instead.
+    return query.with_for_update() if conn.dialect.name == "postgresql" else query
+
+
+def _in_range(
+    table: Table, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
+) -> tuple[ColumnElement[bool], ...]:
+    c = table.c
+    return (
+        c.channel_id == channel_id,
+        c.crowd_id == crowd_id,
+        c.epoch.between(epoch_from, epoch_to),
+    )

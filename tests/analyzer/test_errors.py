@@ -1,0 +1,42 @@
+"""The analyzer's refusals: stable codes, and the statuses clients have always seen."""
+
+from __future__ import annotations
+
+import pytest
+
+from analyzer import errors
+from services.runtime.errors import DomainError, TooLargeError
+from services.runtime.http import status_of
+
+#: Every refusal a client can see: (code, status), as PROTOCOL.md documents them.
+EXPECTED = {
+    errors.MalformedBatchError: ("malformed", 400),
+    errors.BatchTooLargeError: ("too_large", 413),
+    errors.UnknownShufflerError: ("unknown_shuffler", 401),
+    errors.BadSignatureError: ("bad_signature", 401),
+    errors.BatchForUnknownChannelError: ("unknown_channel", 422),
+    errors.BelowMinCrowdError: ("below_min_crowd", 422),
+    errors.InconsistentCountsError: ("inconsistent_counts", 422),
+    errors.UnknownChannelError: ("unknown_channel", 404),
+    errors.NothingReceivedError: ("no_data", 404),
+    errors.StorageConflictError: ("storage_conflict", 503),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED), ids=lambda k: k.__name__)
+def test_codes_and_statuses_are_stable(kind: type[errors.AnalyzerError]) -> None:
+    error = kind("a sentence")
+    assert (error.code, status_of(error)) == EXPECTED[kind]
+    assert isinstance(error, DomainError) and error.detail == "a sentence"
+
+
+def test_one_base_catches_every_analyzer_refusal() -> None:
+    refusals = {
+        value
+        for value in vars(errors).values()
+        if isinstance(value, type) and issubclass(value, errors.AnalyzerError)
+    }
+    concrete = refusals - {errors.AnalyzerError, errors.InconsistentBatchError}
+    assert concrete == set(EXPECTED) | {errors.InvalidChannelError}
+    assert issubclass(errors.BatchTooLargeError, TooLargeError)
+    assert issubclass(errors.InvalidChannelError, ValueError)
