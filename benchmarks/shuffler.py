@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _report import machine, write_section
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
-from shuffler.core import TokenAuthority, pack_fragments
+from shuffler.intake import TokenAuthority
+from shuffler.records import GroupKey, pack_fragments
 from tests.support import free_port, shuffler_process
 
 SECTION = "## Shuffler"
@@ -156,13 +157,13 @@ def _ingest(tmp: Path) -> dict[str, Any]:
             ]
             for _ in range(ROUNDS)
         ]
-        asyncio.run(_load(service.port, [TRIVIAL] * 2_000))
+        asyncio.run(_load(service.spec.port, [TRIVIAL] * 2_000))
         asyncio.run(_load(trivial_port, rounds[0][:2_000]))
         for requests in rounds:
             for name, port, pid, load in (
                 ("post", trivial_port, trivial.pid, requests),
-                ("ingest", service.port, service.process.pid, requests),  # type: ignore[union-attr]
-                ("healthz", service.port, None, [TRIVIAL] * REQUESTS),
+                ("ingest", service.spec.port, service.service.process.pid, requests),  # type: ignore[union-attr]
+                ("healthz", service.spec.port, None, [TRIVIAL] * REQUESTS),
             ):
                 server, client = _cpu_seconds(pid) if pid else 0.0, _cpu_seconds()
                 seconds, lat = asyncio.run(_load(port, load))
@@ -202,17 +203,18 @@ def _big_batch(tmp: Path) -> tuple[float, int]:
     from services.runtime import db
     from shuffler import storage
     from shuffler.app import MIGRATIONS
-    from shuffler.core import ShufflerCore
+    from shuffler.service import ShufflerService
     from shuffler.settings import ShufflerSettings
+    from shuffler.store import make_store
 
     url = f"sqlite:///{tmp / 'big.db'}"
     policy = ChannelPolicy(**CHANNEL)
     settings = ShufflerSettings(database_url=url, key_dir=tmp / "keys", channels=[policy])
     engine = db.make_engine(url)
     db.upgrade(engine, MIGRATIONS)
-    core = ShufflerCore(
+    service = ShufflerService(
         settings,
-        engine,
+        make_store(engine),
         KeyRing.of(X25519PrivateKey.generate()),
         Ed25519PrivateKey.generate(),
         clock=lambda: 0.0,
@@ -235,7 +237,7 @@ def _big_batch(tmp: Path) -> tuple[float, int]:
     with engine.begin() as conn:
         conn.execute(insert(storage.contributions), rows)
     start = time.perf_counter()
-    outcome = core.evaluate("bench", "", 0, final=True)
+    outcome = service.evaluate(GroupKey("bench", "", 0), final=True)
     seconds = time.perf_counter() - start
     assert outcome is not None and outcome.status == "released"
     return seconds, outcome.kept * per

@@ -237,7 +237,7 @@ class ShufflerConfig(BaseModel):
     public_key: str
     key_id: str
     signing_key: str
-    channels: list[ChannelConfig]
+    channels: list[ChannelPolicy]
 
 
 class CloseRequest(BaseModel):

@@ -1,3 +1,8 @@
 """The shuffler: authenticate, store durably, batch with randomized deletion, shuffle, sign,
-forward (ESA-revisited §V). Core logic in :mod:`shuffler.core`; :mod:`shuffler.app` is a thin
-FastAPI layer over it."""
+forward (ESA-revisited §V, Algorithm 3).
+
+Layers, each importing only those below it: :mod:`~shuffler.app` (ASGI: routes, the ingest fast
+path, background loops) → :mod:`~shuffler.service` (the facade) → :mod:`~shuffler.intake`,
+:mod:`~shuffler.forwarder`, :mod:`~shuffler.retention` → :mod:`~shuffler.store` (all SQL, one
+implementation per dialect) → :mod:`~shuffler.batcher` (pure Algorithm 3 and shuffle) →
+:mod:`~shuffler.records`; refusals are :mod:`~shuffler.errors`."""

@@ -30,8 +30,8 @@ SMALL_CHANNEL = {
     "id": "homepage",
     "epoch_seconds": 3600,
     "min_crowd": 5,
-    "eps_cr": 1.0,
-    "delta_cr": 1e-3,
+    "eps_cr": 4.0,
+    "delta_cr": 1e-7,
     "max_fragments": 4,
 }
 

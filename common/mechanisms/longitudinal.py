@@ -441,6 +441,4 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
             raise NoDataError("no report in any tree node yet")
         cert = central(params, min(crowds.values()), delta)
         periods = len({item.epoch for item in received})
-        return ReleaseCertificate(
-            cert.certified, cert.other_notion, cert.lower, crowds, periods
-        )
+        return ReleaseCertificate(cert.certified, cert.other_notion, cert.lower, crowds, periods)

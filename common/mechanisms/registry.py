@@ -68,9 +68,7 @@ def get(name: str) -> Mechanism[Any, Any]:
         load_plugins()
         found = _registry.get(name)
     if found is None:
-        raise UnknownMechanismError(
-            f"unknown mechanism {name!r}; registered: {', '.join(names())}"
-        )
+        raise UnknownMechanismError(f"unknown mechanism {name!r}; registered: {', '.join(names())}")
     return found
 
 

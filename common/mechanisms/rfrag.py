@@ -325,9 +325,7 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
         rng: RandomSource,
         shufflers: int,
     ) -> Encoded:
-        backstops = (
-            BackstopState.from_json(state["backstops"]) if state else new_state(params)
-        )
+        backstops = BackstopState.from_json(state["backstops"]) if state else new_state(params)
         try:
             rows = encode(value, params, backstops, rng)
         except MechanismError:

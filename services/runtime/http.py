@@ -60,23 +60,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-class RejectedError(Exception):
-    """Transitional: a refusal carrying its HTTP status (being replaced by domain errors)."""
-
-    def __init__(self, status: int, error: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.error = error
-        self.detail = detail
-
-
-def error(
-    status: int, code: str, detail: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    """Transitional alias of :func:`error_response` with explicit headers."""
-    return JSONResponse(ErrorBody(error=code, detail=detail).model_dump(), status, headers=headers)
-
-
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` for one route: the error shape under each extra status it may answer."""
     return {status: {"model": ErrorBody, "description": "Refused"} for status in statuses}
@@ -123,11 +106,6 @@ def install_error_handlers(app: FastAPI, log: logging.Logger, count: Callable[[s
     async def _domain(_: Request, exc: DomainError) -> JSONResponse:
         count(f"rejected_{exc.code}")
         return domain_response(exc)
-
-    @app.exception_handler(RejectedError)
-    async def _rejected(_: Request, exc: RejectedError) -> JSONResponse:
-        count(f"rejected_{exc.error}")
-        return error_response(exc.status, exc.error, exc.detail)
 
     @app.exception_handler(StarletteHTTPException)
     async def _framework(_: Request, exc: StarletteHTTPException) -> JSONResponse:

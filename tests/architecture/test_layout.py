@@ -20,6 +20,7 @@ PACKAGES = ("common", "encoder_client", "shuffler", "analyzer", "services")
 MAX_LINES = 60
 #: What each package may import of ours (prefix match on the dotted module name).
 ALLOWED: dict[str, tuple[str, ...]] = {
+    "services": ("services",),
     "common": ("common",),
     "encoder_client": ("common", "encoder_client"),
     "shuffler": ("common", "services.runtime", "shuffler"),

@@ -148,6 +148,26 @@ def test_health_readiness_config_and_metrics(service: ServiceProcess) -> None:
         assert name in metrics
 
 
+def test_framework_errors_have_the_same_shape(service: ServiceProcess) -> None:
+    _error(httpx.get(service.url + "/v1/nowhere"), 404, "not_found")
+    _error(httpx.get(service.url + "/v1/enroll"), 405, "method_not_allowed")
+    admin = {"Authorization": "Bearer development"}
+    invalid = httpx.post(service.url + "/v1/admin/close", json={"epoch": -1}, headers=admin)
+    _error(invalid, 400, "invalid_request")
+    assert "channel_id" in invalid.json()["detail"] and "{" not in invalid.json()["detail"]
+
+
+def test_admin_close_answers_a_close_result(service: ServiceProcess) -> None:
+    close = httpx.post(
+        service.url + "/v1/admin/close",
+        json={"channel_id": "homepage", "epoch": 0},
+        headers={"Authorization": "Bearer development"},
+        timeout=30,
+    )
+    assert close.status_code == 200
+    assert set(close.json()) == {"groups_evaluated", "forwarded", "retried", "failed"}
+
+
 def test_503_when_storage_is_unavailable(tmp_path: Path) -> None:
     """Hold SQLite's write lock from outside: the commit fails and nothing is acknowledged."""
     process = shuffler_process(tmp_path, "shuffler-1", [CHANNEL]).start()

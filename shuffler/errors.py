@@ -1,0 +1,118 @@
+"""What a shuffler refuses, as domain errors with stable codes (no HTTP here).
+
+:mod:`services.runtime.http` maps each error's :class:`~services.runtime.errors.Kind` to the
+status clients see (PROTOCOL.md, "HTTP endpoints"); the ``code`` is the ``error`` field of the
+answer and never changes. Details name the problem, never a client id, token or timestamp.
+
+::
+
+    DomainError (services.runtime.errors)
+    └── ShufflerError
+        ├── BadTokenError               bad_token            401
+        ├── RevokedTokenError           revoked              401
+        ├── AdminTokenError             bad_admin_token      401  (a BadAdminTokenError)
+        ├── MalformedContributionError  malformed            400
+        ├── BadContentTypeError         bad_content_type     400
+        ├── UnknownChannelError         unknown_channel      400
+        ├── EpochNotOpenError           epoch_not_open       400
+        ├── ReplayedNonceError          replayed_nonce       409
+        ├── QuotaExceededError          quota_exceeded       409
+        ├── BodyTooLargeError           too_large            413  (a TooLargeError)
+        ├── TooManyFragmentsError       too_many_fragments   413
+        ├── ClientRateLimitedError      rate_limited         429  (a RateLimitedError)
+        └── ShufflerStorageError        storage_unavailable  503  (a StorageUnavailableError)
+"""
+
+from __future__ import annotations
+
+from services.runtime.errors import (
+    BadAdminTokenError,
+    DomainError,
+    Kind,
+    RateLimitedError,
+    StorageUnavailableError,
+    TooLargeError,
+)
+
+
+class ShufflerError(DomainError):
+    """Base of every refusal by a shuffler; catch this one."""
+
+
+class BadTokenError(ShufflerError):
+    """The client token is missing, malformed or forged."""
+
+    code = "bad_token"
+    kind = Kind.UNAUTHENTICATED
+
+
+class RevokedTokenError(ShufflerError):
+    """The client token is genuine but revoked."""
+
+    code = "revoked"
+    kind = Kind.UNAUTHENTICATED
+
+
+class AdminTokenError(BadAdminTokenError, ShufflerError):
+    """The admin bearer token is missing or wrong."""
+
+
+class MalformedContributionError(ShufflerError):
+    """The sealed contribution does not open or does not parse (or is for another shuffler)."""
+
+    code = "malformed"
+    kind = Kind.INVALID
+
+
+class BadContentTypeError(ShufflerError):
+    """The contribution was not sent as ``application/octet-stream``."""
+
+    code = "bad_content_type"
+    kind = Kind.INVALID
+
+
+class UnknownChannelError(ShufflerError):
+    """The contribution names a channel this shuffler does not serve."""
+
+    code = "unknown_channel"
+    kind = Kind.INVALID
+
+
+class EpochNotOpenError(ShufflerError):
+    """The contribution's epoch is not open (in the past, the future, or closed by an admin)."""
+
+    code = "epoch_not_open"
+    kind = Kind.INVALID
+
+
+class ReplayedNonceError(ShufflerError):
+    """The contribution's nonce was already used."""
+
+    code = "replayed_nonce"
+    kind = Kind.CONFLICT
+
+
+class QuotaExceededError(ShufflerError):
+    """One contribution per (client, channel, crowd, epoch) was already received."""
+
+    code = "quota_exceeded"
+    kind = Kind.CONFLICT
+
+
+class BodyTooLargeError(TooLargeError, ShufflerError):
+    """The request body is over ``max_body_bytes``."""
+
+
+class TooManyFragmentsError(ShufflerError):
+    """The contribution carries more fragments than its channel's ``max_fragments``."""
+
+    code = "too_many_fragments"
+    kind = Kind.TOO_LARGE
+
+
+class ClientRateLimitedError(RateLimitedError, ShufflerError):
+    """Too many requests from one client or address; ``retry_after`` says when to come back."""
+
+
+class ShufflerStorageError(StorageUnavailableError, ShufflerError):
+    """The database did not commit; nothing was stored or acknowledged."""

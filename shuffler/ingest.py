@@ -1,0 +1,219 @@
+"""``POST /v1/contributions`` as a raw ASGI route, with group commit (PROTOCOL.md: ``202`` only
+after the contribution's transaction committed).
+
+Profiling showed FastAPI's per-request machinery (middleware, exception wrappers, dependency
+solving) costing more than the ingest work itself, so this one route skips it. It keeps the
+same error contract as every other route: refusals are :class:`~shuffler.errors.ShufflerError`
+answered through :func:`services.runtime.http.error_body` and
+:func:`~services.runtime.http.status_of`.
+
+Concurrent requests are committed together by one writer thread (:class:`CommitQueue`), so
+durability costs one sync per batch of requests rather than per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from sqlalchemy.exc import SQLAlchemyError
+
+from common.wire import Receipt
+from services.runtime.http import error_body, status_of
+from shuffler.errors import (
+    BadContentTypeError,
+    BadTokenError,
+    BodyTooLargeError,
+    ShufflerError,
+    ShufflerStorageError,
+)
+from shuffler.records import Pending
+from shuffler.service import ShufflerService, Stored
+
+log = logging.getLogger("esa.shuffler")
+ROUTE = "/v1/contributions"
+CONTENT_TYPE = b"application/octet-stream"
+JSON_HEADERS = (b"content-type", b"application/json")
+Headers = list[tuple[bytes, bytes]]
+Answer = tuple[int, bytes, Headers]
+Item = tuple[Pending, "asyncio.Future[Stored]"]
+
+
+class CommitQueue:
+    """Group commit: one dedicated writer thread stores queued contributions in shared
+    transactions.
+
+    The event loop hands each validated contribution over with a future and goes on serving
+    other requests; the writer takes everything queued (up to ``max_batch``), commits it in one
+    transaction (the database call and its sync run without the GIL), then resolves the whole
+    batch's futures with one callback on the loop. Nothing is acknowledged before its commit;
+    a failed commit stores nothing and refuses every request of the batch (503).
+    """
+
+    def __init__(self, service: ShufflerService, max_batch: int) -> None:
+        self.service = service
+        self.max_batch = max_batch
+        self._inbox: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the writer thread (from the running event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="esa-commit", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Commit what is queued, then stop the writer thread (blocking)."""
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, pending: Pending) -> asyncio.Future[Stored]:
+        """Queue one contribution; the future resolves after its transaction ended."""
+        if self._loop is None:
+            raise RuntimeError("the commit queue is not running")
+        future: asyncio.Future[Stored] = self._loop.create_future()
+        self._inbox.put((pending, future))
+        return future
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            items, stopping = self._take()
+            if not items:
+                return
+            results = self._commit([pending for pending, _ in items])
+            try:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(_resolve, items, results)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is waiting any more
+                return
+
+    def _take(self) -> tuple[list[Item], bool]:
+        """Block for one item, then take what else is queued: (items, stop after these)."""
+        first = self._inbox.get()
+        if first is None:
+            return [], True
+        items = [first]
+        while len(items) < self.max_batch:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return items, True
+            items.append(item)
+        return items, False
+
+    def _commit(self, pending: list[Pending]) -> list[Stored]:
+        try:
+            return self.service.commit(pending)
+        except Exception as failure:  # the transaction rolled back: nothing was stored
+            # Only the type: messages and tracebacks of database errors carry the parameters.
+            message = (
+                "storage unavailable" if isinstance(failure, SQLAlchemyError) else "commit failed"
+            )
+            log.error(message, extra={"error": type(failure).__name__})
+            refused = ShufflerStorageError("the database did not commit; nothing was stored")
+            return [Stored(None, refused)] * len(pending)
+
+
+def _resolve(items: list[Item], results: list[Stored]) -> None:
+    for (_, future), result in zip(items, results, strict=True):
+        if not future.done():  # a request whose client went away was cancelled
+            future.set_result(result)
+
+
+async def read_body(receive: Any, limit: int) -> bytes:
+    """The request body, refused as soon as it exceeds ``limit`` bytes.
+
+    Raises:
+        BodyTooLargeError: over ``limit``.
+    """
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if message.get("more_body", False):
+        buffer = bytearray(body)
+        while len(buffer) <= limit:
+            message = await receive()
+            buffer += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        body = bytes(buffer)
+    if len(body) > limit:
+        raise BodyTooLargeError(f"body exceeds {limit} bytes")
+    return body
+
+
+def refused(error: ShufflerError) -> Answer:
+    """A refusal as (status, JSON body, extra headers): the one error contract."""
+    extra = []
+    if error.retry_after is not None:
+        extra.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
+    return status_of(error), error_body(error.code, error.detail), extra
+
+
+class Ingest:
+    """One contribution from request headers and body to (status, JSON body, extra headers)."""
+
+    def __init__(self, service: ShufflerService, writer: CommitQueue) -> None:
+        self.service = service
+        self.writer = writer
+        self.max_body = service.settings.max_body_bytes
+
+    async def __call__(self, raw_headers: Headers, receive: Any) -> Answer:
+        try:
+            receipt = await self._accept(dict(raw_headers), receive)
+        except ShufflerError as error:
+            self.service.events.count(f"rejected_{error.code}")
+            return refused(error)
+        self.service.events.count("contributions_received")
+        return 202, Receipt(receipt=receipt).model_dump_json().encode(), []
+
+    async def _accept(self, headers: dict[bytes, bytes], receive: Any) -> str:
+        """Authenticate, rate-limit, read, validate and commit; the receipt.
+
+        Raises:
+            ShufflerError: every refusal of PROTOCOL.md's ``POST /v1/contributions``.
+        """
+        authorization = headers.get(b"authorization", b"")
+        if not authorization.startswith(b"Bearer "):
+            raise BadTokenError("Authorization: Bearer <client token> required")
+        intake = self.service.intake
+        client_id = intake.tokens.verify(authorization[7:].strip().decode("latin-1"))
+        intake.contributions.check(client_id, time.monotonic(), "slow down")
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise BodyTooLargeError(f"body of {int(declared)} bytes > {self.max_body}")
+        body = await read_body(receive, self.max_body)
+        if headers.get(b"content-type", b"").split(b";")[0] != CONTENT_TYPE:
+            raise BadContentTypeError("send the sealed contribution as application/octet-stream")
+        stored = await self.writer.submit(intake.validate(client_id, body))
+        if stored.refusal is not None:
+            raise stored.refusal
+        return str(stored.receipt)
+
+
+class IngestFastPath:
+    """ASGI front door: ``POST /v1/contributions`` to :class:`Ingest`, everything else
+    (including lifespan) to FastAPI."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != ROUTE or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        ingest: Ingest = self.app.state.ingest
+        status, data, extra = await ingest(scope["headers"], receive)
+        headers = [JSON_HEADERS, (b"content-length", str(len(data)).encode()), *extra]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})

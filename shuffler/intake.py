@@ -1,0 +1,191 @@
+"""Intake (PROTOCOL.md, ``POST /v1/contributions`` and ``/v1/enroll``): who may send, how often,
+and whether a sealed contribution is acceptable — before anything is stored.
+
+* :class:`TokenAuthority`: bearer tokens ``client_id.HMAC`` verified without a per-token lookup,
+  plus a revocation set.
+* :class:`RateLimiter`: token buckets per client (or address) whose state is bounded and expires,
+  so the shuffler never keeps a long-lived per-client record in memory.
+* :class:`Intake`: opens a contribution with the shuffler's HPKE key and checks it against the
+  channel's policy and the open epochs → a :class:`~shuffler.records.Pending` record. The quota
+  (one contribution per client, channel, crowd and epoch) and the nonce replay check are the
+  database's unique constraints; :func:`refusal` names what a conflict means.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import math
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.envelope import EnvelopeError, KeyRing, open_contribution
+from common.wire import ChannelPolicy
+from shuffler.errors import (
+    BadTokenError,
+    ClientRateLimitedError,
+    EpochNotOpenError,
+    MalformedContributionError,
+    QuotaExceededError,
+    ReplayedNonceError,
+    RevokedTokenError,
+    ShufflerError,
+    TooManyFragmentsError,
+    UnknownChannelError,
+)
+from shuffler.records import Conflict, Pending
+from shuffler.settings import ShufflerSettings
+
+#: Most keys a rate limiter remembers; the least recently seen are forgotten first (a forgotten
+#: key starts again with a full bucket, which only ever errs on the client's side).
+MAX_TRACKED_KEYS = 100_000
+
+
+class TokenAuthority:
+    """Client tokens ``client_id.mac`` with ``mac = HMAC-SHA256(secret, client_id)``."""
+
+    def __init__(self, secret: bytes, revoked: set[str] | None = None) -> None:
+        self._secret = secret
+        self.revoked = revoked if revoked is not None else set()
+
+    def _mac(self, client_id: str) -> str:
+        # hmac.new, not hmac.digest: the one-shot function releases the GIL even for a few
+        # bytes, and on the event loop thread getting it back can wait for other threads.
+        digest = hmac.new(self._secret, client_id.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+    def issue(self) -> str:
+        """A new client id (128 random bits) and its token."""
+        client_id = secrets.token_hex(16)
+        return f"{client_id}.{self._mac(client_id)}"
+
+    def verify(self, token: str) -> str:
+        """The client id of a valid, unrevoked token.
+
+        Raises:
+            BadTokenError: for a missing, malformed or forged token.
+            RevokedTokenError: for a revoked one.
+        """
+        client_id, _, mac = token.partition(".")
+        if not client_id or not mac or not hmac.compare_digest(mac, self._mac(client_id)):
+            raise BadTokenError("client token is missing, malformed or forged")
+        if client_id in self.revoked:
+            raise RevokedTokenError("client token has been revoked")
+        return client_id
+
+
+@dataclass
+class RateLimiter:
+    """Token buckets per key: ``rate`` tokens per second up to ``burst``.
+
+    A bucket that has refilled completely is indistinguishable from a fresh one, so it is
+    dropped; at most ``max_keys`` buckets are kept (least recently used dropped first).
+    """
+
+    rate: float
+    burst: float
+    max_keys: int = MAX_TRACKED_KEYS
+    _buckets: OrderedDict[str, tuple[float, float]] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0 or not self.burst >= 1:
+            raise ValueError(f"need rate > 0 and burst >= 1, got {self.rate=}, {self.burst=}")
+
+    def take(self, key: str, now: float) -> float:
+        """Take one token for ``key``: 0 when granted, else the seconds until one is free."""
+        tokens, last = self._buckets.pop(key, (self.burst, now))
+        tokens = min(self.burst, tokens + max(0.0, now - last) * self.rate)
+        wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+        self._buckets[key] = (tokens - 1.0 if wait == 0.0 else tokens, now)
+        self._expire(now)
+        return wait
+
+    def check(self, key: str, now: float, detail: str) -> None:
+        """:meth:`take`, refusing when no token is free.
+
+        Raises:
+            ClientRateLimitedError: with ``retry_after`` in whole seconds.
+        """
+        wait = self.take(key, now)
+        if wait:
+            raise ClientRateLimitedError(detail, retry_after=math.ceil(wait))
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _expire(self, now: float) -> None:
+        full_after = self.burst / self.rate
+        while self._buckets:
+            oldest, (_, last) = next(iter(self._buckets.items()))
+            if len(self._buckets) <= self.max_keys and now - last < full_after:
+                return
+            del self._buckets[oldest]
+
+
+def open_epochs(policy: ChannelPolicy, now: float, grace: float) -> set[int]:
+    """The epochs a contribution may name now: the current one, and the previous one during
+    the first ``grace`` seconds of the current (clock skew, requests in flight)."""
+    current = int(now // policy.epoch_seconds)
+    if now - current * policy.epoch_seconds < grace:
+        return {current, current - 1}
+    return {current}
+
+
+def refusal(conflict: Conflict) -> ShufflerError:
+    """The refusal a client gets when the database did not take its contribution."""
+    if conflict is Conflict.REPLAYED_NONCE:
+        return ReplayedNonceError("nonce already used")
+    return QuotaExceededError(
+        "one contribution per (client, channel, crowd, epoch) already received"
+    )
+
+
+class Intake:
+    """Validates contributions; ``closed_upto`` is shared with the batching schedule."""
+
+    def __init__(
+        self, settings: ShufflerSettings, ring: KeyRing, clock: Callable[[], float]
+    ) -> None:
+        self.settings = settings
+        self.ring = ring
+        self.clock = clock
+        self.tokens = TokenAuthority(settings.token_secret.get_secret_value().encode())
+        self.contributions = RateLimiter(settings.rate_per_second, settings.rate_burst)
+        per_second = settings.enroll_per_minute / 60.0
+        self.enrolments = RateLimiter(per_second, max(1.0, settings.enroll_per_minute / 6))
+        self.closed_upto: dict[str, int] = {}
+
+    def validate(self, client_id: str, blob: bytes) -> Pending:
+        """Open and check one contribution of an authenticated client (nothing is stored).
+
+        Raises:
+            MalformedContributionError, UnknownChannelError, TooManyFragmentsError,
+            EpochNotOpenError.
+        """
+        try:
+            contribution = open_contribution(blob, self.settings.shuffler_id, self.ring)
+        except EnvelopeError as error:
+            raise MalformedContributionError(str(error)) from error
+        policy = self.settings.channel(contribution.channel_id)
+        if policy is None:
+            raise UnknownChannelError(f"channel {contribution.channel_id!r} is not served here")
+        if len(contribution.fragments) > policy.max_fragments:
+            raise TooManyFragmentsError(
+                f"{len(contribution.fragments)} fragments > max_fragments={policy.max_fragments}"
+            )
+        now = self.clock()
+        epochs = open_epochs(policy, now, self.settings.epoch_grace_seconds)
+        if contribution.epoch not in epochs or contribution.epoch <= self.closed_upto.get(
+            policy.id, -1
+        ):
+            raise EpochNotOpenError(
+                f"epoch {contribution.epoch} is not open (current {max(epochs)})"
+            )
+        return Pending(client_id, contribution, now)
+
+    def close(self, channel_id: str, epoch: int) -> None:
+        """Refuse contributions to every epoch <= ``epoch`` of a channel from now on."""
+        self.closed_upto[channel_id] = max(epoch, self.closed_upto.get(channel_id, -1))

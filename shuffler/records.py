@@ -1,0 +1,70 @@
+"""Plain records passed between the shuffler's layers (intake → store → batcher → forwarder),
+and the stored packing of a contribution's fragments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from common.envelope import Contribution
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A validated contribution on its way to the database."""
+
+    client_id: str
+    contribution: Contribution
+    received_at: float
+
+
+class Conflict(StrEnum):
+    """Why the database did not take a contribution (its unique constraints)."""
+
+    REPLAYED_NONCE = "replayed_nonce"
+    OVER_QUOTA = "over_quota"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class GroupKey:
+    """One group of Algorithm 3 (ESA-revisited §V): a (channel, crowd, epoch)."""
+
+    channel_id: str
+    crowd_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class SealedBatch:
+    """A signed batch ready to be stored and forwarded (only counts, no identifiers)."""
+
+    batch_id: str
+    n_contributions: int
+    body: bytes
+    signature: str
+
+
+@dataclass(frozen=True, slots=True)
+class DueBatch:
+    """A stored batch whose next forwarding attempt is due."""
+
+    batch_id: str
+    body: bytes
+    signature: str
+    attempts: int
+
+
+def pack_fragments(fragments: Sequence[bytes]) -> bytes:
+    """``u16 length | bytes`` per fragment (fragments are at most 65,535 bytes)."""
+    return b"".join(len(f).to_bytes(2, "big") + f for f in fragments)
+
+
+def unpack_fragments(blob: bytes) -> list[bytes]:
+    """Inverse of :func:`pack_fragments`."""
+    out, offset = [], 0
+    while offset < len(blob):
+        length = int.from_bytes(blob[offset : offset + 2], "big")
+        out.append(blob[offset + 2 : offset + 2 + length])
+        offset += 2 + length
+    return out

@@ -1,0 +1,233 @@
+"""The shuffler as one facade (ESA, Bittau et al.; ESA-revisited §V): what the HTTP app calls.
+
+Composes the layers — :mod:`~shuffler.intake` (tokens, rate limits, validation),
+:mod:`~shuffler.store` (every SQL statement), :mod:`~shuffler.batcher` (Algorithm 3 and the
+shuffle, pure), :mod:`~shuffler.forwarder` and :mod:`~shuffler.retention` — and counts what
+happens (:mod:`~shuffler.metrics`). It raises :class:`~shuffler.errors.ShufflerError` only and
+knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy.exc import IntegrityError
+
+from common import randomness
+from common.envelope import KeyRing, load_or_create_ed25519, load_or_create_x25519, public_identity
+from common.randomness import RandomSource
+from common.retry import Backoff
+from common.wire import ShufflerConfig
+from services.runtime import db
+from shuffler.batcher import Batcher, Deletion, GroupStatus, due
+from shuffler.errors import ShufflerError
+from shuffler.forwarder import Forwarder
+from shuffler.intake import Intake, TokenAuthority, refusal
+from shuffler.metrics import Events
+from shuffler.records import Conflict, GroupKey, Pending
+from shuffler.retention import Retention
+from shuffler.settings import ShufflerSettings
+from shuffler.store import ContributionStore, make_store
+
+log = logging.getLogger("esa.shuffler")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """Result of storing one contribution: a receipt, or the refusal the client gets."""
+
+    receipt: str | None
+    refusal: ShufflerError | None = None
+
+
+class ShufflerService:
+    """Everything a shuffler does, over one contribution store."""
+
+    def __init__(
+        self,
+        settings: ShufflerSettings,
+        store: ContributionStore,
+        ring: KeyRing,
+        signing_key: Ed25519PrivateKey,
+        clock: Callable[[], float] = time.time,
+        rng: RandomSource | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.ring = ring
+        self.signing_key = signing_key
+        self.clock = clock
+        self.rng = rng or randomness.default_source()
+        self.events = Events()
+        self.intake = Intake(settings, ring, clock)
+        self.batcher = Batcher(settings.shuffler_id, signing_key, self.rng)
+        backoff = Backoff(settings.backoff_base_seconds, settings.backoff_cap_seconds)
+        self.forwarder = Forwarder(store, settings.analyzer_url, backoff, self.rng, clock)
+        self.retention = Retention(store, settings.retention_seconds, clock)
+        self._batching = threading.Lock()
+
+    @property
+    def tokens(self) -> TokenAuthority:
+        """The client token authority (issue, verify, revoked)."""
+        return self.intake.tokens
+
+    def load_state(self) -> None:
+        """Revocations and closed epochs from the database (after a restart)."""
+        self.intake.tokens.revoked |= self.store.revoked()
+        for channel_id, epoch in self.store.closed_epochs().items():
+            self.intake.close(channel_id, epoch)
+
+    # --- intake ---------------------------------------------------------------------------
+
+    def validate(self, token: str, blob: bytes, client_id: str | None = None) -> Pending:
+        """Authenticate (unless ``client_id`` is already known), open and check one
+        contribution; nothing is stored yet.
+
+        Raises:
+            ShufflerError: bad or revoked token, malformed, unknown channel, too many
+                fragments, epoch not open.
+        """
+        return self.intake.validate(client_id or self.intake.tokens.verify(token), blob)
+
+    def commit(self, pending: Sequence[Pending]) -> list[Stored]:
+        """Commit contributions in one transaction; a receipt only for rows that landed.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: if the database is unavailable (nothing stored).
+        """
+        return [
+            Stored(None, refusal(landing)) if isinstance(landing, Conflict) else Stored(landing)
+            for landing in self.store.insert(pending)
+        ]
+
+    def enroll(self, address: str) -> str:
+        """A new client token, rate-limited per network address.
+
+        Raises:
+            ClientRateLimitedError: too many enrolments from ``address``.
+        """
+        self.intake.enrolments.check(address, time.monotonic(), "too many enrolments")
+        return self.intake.tokens.issue()
+
+    def revoke(self, client_id: str) -> None:
+        """Revoke a client id (persisted, effective immediately in this process)."""
+        self.store.revoke(client_id, self.clock())
+        self.intake.tokens.revoked.add(client_id)
+
+    def config(self) -> ShufflerConfig:
+        """``GET /v1/config``: the shuffler's public identity and channel policies."""
+        hpke, signing = self.ring.public(), self.signing_key.public_key()
+        identity = public_identity(hpke, signing)
+        return ShufflerConfig(
+            id=self.settings.shuffler_id, channels=list(self.settings.channels), **identity
+        )
+
+    # --- batching (ESA-revisited Algorithm 3) ---------------------------------------------
+
+    def due_groups(self, now: float) -> list[tuple[GroupKey, bool]]:
+        """Groups to evaluate now and whether finally (epoch closed) or as a full part."""
+        found = []
+        for key, count in self.store.open_groups():
+            policy = self.settings.channel(key.channel_id)
+            if policy is None:
+                continue
+            closed = self.intake.closed_upto.get(key.channel_id, -1)
+            final = due(policy, key.epoch, count, now, self.settings.epoch_grace_seconds, closed)
+            if final is not None:
+                found.append((key, final))
+        return found
+
+    def evaluate(self, key: GroupKey, final: bool) -> Deletion | None:
+        """Apply Algorithm 3 to one group (part) and store its batch in one transaction.
+
+        Raises:
+            sqlalchemy.exc.IntegrityError: another worker evaluated this part first.
+        """
+        policy = self.settings.channel(key.channel_id)
+        if policy is None:
+            return None
+        outcome = self.store.evaluate_group(
+            key,
+            policy.max_batch,
+            final,
+            lambda blobs: self.batcher.evaluate(key, blobs, policy),
+            self.clock(),
+        )
+        if outcome is None:
+            return None
+        self._count_evaluation(key, outcome.deletion, released=outcome.batch is not None)
+        return outcome.deletion
+
+    def _count_evaluation(self, key: GroupKey, deletion: Deletion, released: bool) -> None:
+        self.events.count(f"group_{deletion.status}")
+        self.events.count("batches_released", int(released))
+        by_abort = deletion.status is GroupStatus.ABORTED
+        self.events.count(
+            "deleted_by_abort" if by_abort else "deleted_by_randomized_deletion", deletion.deleted
+        )
+        summary = {"status": str(deletion.status), "n": deletion.n, "kept": deletion.kept}
+        log.info(
+            "group evaluated", extra={"channel": key.channel_id, "epoch": key.epoch, **summary}
+        )
+
+    def run_batching(self) -> int:
+        """Evaluate every due group; returns how many (parts) were evaluated.
+
+        Serialized within the process (the periodic batcher and an admin close may overlap);
+        across replicas the groups table's primary key lets exactly one evaluation commit.
+        """
+        count = 0
+        with self._batching:
+            for key, final in self.due_groups(self.clock()):
+                while self._evaluate_once(key, final) is not None:
+                    count += 1
+                    if final:
+                        break
+        return count
+
+    def _evaluate_once(self, key: GroupKey, final: bool) -> Deletion | None:
+        try:
+            return self.evaluate(key, final)
+        except IntegrityError:
+            log.info("group already evaluated by another worker", extra={"channel": key.channel_id})
+            return None
+
+    def close(self, channel_id: str, epoch: int) -> int:
+        """Close every epoch <= ``epoch`` of a channel now (admin, demo); returns groups done."""
+        self.store.close_epoch(channel_id, epoch, self.clock())
+        self.intake.close(channel_id, epoch)
+        return self.run_batching()
+
+    # --- forwarding, retention, accounting ------------------------------------------------
+
+    def forward_due(self, client: httpx.Client) -> dict[str, int]:
+        """POST every due batch to the analyzer: how many forwarded, retried, failed."""
+        tally = self.forwarder.forward_due(client)
+        for outcome, amount in tally.items():
+            self.events.count(f"batches_{outcome}", amount)
+        return {str(outcome): amount for outcome, amount in tally.items()}
+
+    def purge(self) -> int:
+        """Delete what outlived the retention period; returns contributions deleted."""
+        total = self.retention.purge()
+        self.events.count("deleted_by_retention", total)
+        return total
+
+    def ledger(self) -> dict[str, int]:
+        """Where every acknowledged contribution went."""
+        return self.store.ledger()
+
+
+def build_service(settings: ShufflerSettings) -> ShufflerService:
+    """A service over the configured database, with the keys in ``settings.key_dir`` (created
+    on first start)."""
+    engine = db.make_engine(settings.database_url)
+    hpke_key = load_or_create_x25519(settings.key_dir / "hpke.pem")
+    signing_key = load_or_create_ed25519(settings.key_dir / "signing.pem")
+    return ShufflerService(settings, make_store(engine), KeyRing.of(hpke_key), signing_key)

@@ -1,0 +1,97 @@
+"""Intake: tokens, rate limits with bounded state, and what a contribution must satisfy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.wire import ChannelPolicy
+from shuffler.errors import (
+    BadTokenError,
+    ClientRateLimitedError,
+    EpochNotOpenError,
+    MalformedContributionError,
+    RevokedTokenError,
+    TooManyFragmentsError,
+    UnknownChannelError,
+)
+from shuffler.intake import RateLimiter, TokenAuthority, open_epochs
+
+from .factory import make_service, pending
+
+
+def test_tokens_verify_without_lookup_and_refuse_forgeries_and_revocations() -> None:
+    authority = TokenAuthority(b"secret")
+    token = authority.issue()
+    client_id = authority.verify(token)
+    assert token.startswith(client_id + ".") and len(client_id) == 32
+    for forged in ("", "no-dot", client_id + ".", token[:-2] + "xx", "x." + token.split(".")[1]):
+        with pytest.raises(BadTokenError):
+            authority.verify(forged)
+    with pytest.raises(BadTokenError):
+        TokenAuthority(b"other").verify(token)
+    authority.revoked.add(client_id)
+    with pytest.raises(RevokedTokenError):
+        authority.verify(token)
+
+
+def test_rate_limiter_grants_the_burst_then_says_when_to_retry() -> None:
+    limiter = RateLimiter(rate=0.5, burst=3)
+    assert [limiter.take("a", 0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert limiter.take("a", 0.0) == pytest.approx(2.0)
+    assert limiter.take("b", 0.0) == 0.0  # buckets are per key
+    assert limiter.take("a", 2.0) == 0.0
+    with pytest.raises(ClientRateLimitedError) as raised:
+        limiter.check("a", 2.0, "slow down")
+    assert raised.value.retry_after == 2 and raised.value.code == "rate_limited"
+
+
+def test_rate_limiter_state_is_bounded_and_expires() -> None:
+    limiter = RateLimiter(rate=1.0, burst=2, max_keys=100)
+    for i in range(1_000):
+        limiter.take(f"client-{i}", 0.0)
+    assert len(limiter) == 100  # least recently seen forgotten first
+    limiter.take("late", 1.9)
+    assert len(limiter) == 100
+    limiter.take("later", 2.0)  # every bucket seen at t=0 has refilled by now: forgotten
+    assert len(limiter) == 2
+
+
+def test_open_epochs_include_the_previous_one_during_the_grace_period() -> None:
+    policy = ChannelPolicy(id="c", epoch_seconds=100)
+    assert open_epochs(policy, 1_000.5, grace=2.0) == {10, 9}
+    assert open_epochs(policy, 1_002.0, grace=2.0) == {10}
+    assert open_epochs(policy, 1_050.0, grace=0.0) == {10}
+
+
+def test_validation_refuses_each_problem_with_its_code(database_url: str, tmp_path: Path) -> None:
+    service, clock = make_service(database_url, tmp_path)
+    token, epoch = service.tokens.issue(), clock.epoch
+    assert pending(service, token, epoch).contribution.epoch == epoch
+    cases: list[tuple[type[Exception], dict[str, object]]] = [
+        (EpochNotOpenError, {"epoch": epoch - 5}),
+        (EpochNotOpenError, {"epoch": epoch + 1}),
+        (TooManyFragmentsError, {"fragments": 9}),
+        (UnknownChannelError, {"channel": "unknown"}),
+    ]
+    for error, kwargs in cases:
+        with pytest.raises(error):
+            pending(service, token, **{"epoch": epoch, **kwargs})  # type: ignore[arg-type]
+    with pytest.raises(MalformedContributionError):
+        service.validate(token, b"not a ciphertext" * 8)
+    with pytest.raises(BadTokenError):
+        pending(service, token.split(".")[0] + ".forged", epoch)
+    service.intake.close("homepage", epoch)
+    with pytest.raises(EpochNotOpenError):
+        pending(service, token, epoch)
+
+
+def test_enrolment_is_rate_limited_per_address(database_url: str, tmp_path: Path) -> None:
+    service, _ = make_service(database_url, tmp_path, enroll_per_minute=6.0)
+    tokens = [service.enroll("10.0.0.1")]
+    with pytest.raises(ClientRateLimitedError) as raised:
+        service.enroll("10.0.0.1")
+    assert raised.value.retry_after is not None and raised.value.retry_after >= 1
+    tokens.append(service.enroll("10.0.0.2"))
+    assert all(service.tokens.verify(t) for t in tokens)
