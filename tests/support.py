@@ -187,7 +187,9 @@ def close_epoch(deployment: Deployment, channel_id: str, epoch: int) -> None:
 
 @dataclass
 class Receiver:
-    """A minimal analyzer stand-in for forwarding tests: records every POSTed batch."""
+    """An analyzer endpoint whose answers the test sets (503, down, slow: faults a real
+    analyzer cannot be made to show on cue); records every POSTed batch and acknowledges
+    with a :class:`common.wire.BatchAck`."""
 
     port: int
     status: int = 201
@@ -213,7 +215,8 @@ def receiver(port: int | None = None) -> Iterator[Receiver]:
             self.send_response(state.status)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
-            self.wfile.write(b"{}")
+            batch_id = json.loads(body).get("batch_id", "")
+            self.wfile.write(json.dumps({"batch_id": batch_id, "duplicate": False}).encode())
 
         def log_message(self, *args: object) -> None:
             pass
