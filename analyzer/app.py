@@ -2,8 +2,10 @@
 
 ``POST /v1/batches`` (signed batch from a registered shuffler: 201 accepted, 200 duplicate,
 401, 413, 422), ``GET /v1/config`` (the signed collection config), ``GET /v1/channels``,
-``GET /v1/channels/{id}/estimate`` (a release: estimates, 95% intervals, certified (ε, δ);
-appended to the ledger), ``GET /v1/channels/{id}/privacy`` (the ledger), ``GET /`` (dashboard),
+``GET /v1/channels/{id}/estimate`` (a release: estimates, 95% intervals, certified (ε, δ); a
+pure read), ``POST /v1/channels/{id}/releases`` (admin: publish and record a release),
+``GET /v1/channels/{id}/privacy`` (per-epoch charges and lifetime ε), ``GET /v1/privacy``
+(lifetime ε across channels), ``GET /`` (dashboard),
 ``/healthz``, ``/readyz``, ``/metrics``. Every non-2xx answer is JSON ``{"error", "detail"}``
 (:mod:`services.runtime.http`).
 """
@@ -16,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CollectorRegistry
 
@@ -24,7 +26,15 @@ from analyzer import dashboard
 from analyzer.metrics import EventsCollector
 from analyzer.service import AnalyzerService
 from analyzer.settings import AnalyzerSettings
-from common.wire import BatchAck, ChannelList, Ledger, ReleaseBody, SignedConfig
+from common.wire import (
+    BatchAck,
+    ChannelList,
+    Ledger,
+    PrivacyOverview,
+    ReleaseBody,
+    ReleaseRequest,
+    SignedConfig,
+)
 from services.runtime import logs
 from services.runtime.http import (
     ERROR_RESPONSES,
@@ -43,6 +53,13 @@ def get_service(request: Request) -> AnalyzerService:
 
 
 Service = Annotated[AnalyzerService, Depends(get_service)]
+
+
+def require_admin(service: Service, authorization: Annotated[str | None, Header()] = None) -> None:
+    """Admin routes need ``Authorization: Bearer <admin token>`` (401 JSON otherwise)."""
+    token = None if authorization is None else authorization.removeprefix("Bearer ").strip()
+    service.authorize(token)
+
 
 batches = APIRouter(tags=["batches"])
 channels = APIRouter(prefix="/v1/channels", tags=["channels"])
@@ -98,10 +115,31 @@ async def get_estimate(
     return await asyncio.to_thread(service.estimate, channel_id, epoch, epoch_from, epoch_to, top)
 
 
+@channels.post(
+    "/{channel_id}/releases",
+    status_code=201,
+    response_model=ReleaseBody,
+    responses=error_responses(401),
+    dependencies=[Depends(require_admin)],
+)
+async def post_release(
+    service: Service, channel_id: str, request: Annotated[ReleaseRequest | None, Body()] = None
+) -> ReleaseBody:
+    """Publish a release over the requested epochs (default: the last) and record it."""
+    wanted = request or ReleaseRequest()
+    return await asyncio.to_thread(service.publish, channel_id, wanted)
+
+
 @channels.get("/{channel_id}/privacy", response_model=Ledger)
 async def get_privacy(service: Service, channel_id: str) -> Ledger:
-    """The channel's privacy ledger."""
+    """The channel's privacy ledger: each epoch's certificate and the lifetime ε."""
     return await asyncio.to_thread(service.privacy, channel_id)
+
+
+@batches.get("/v1/privacy", response_model=PrivacyOverview)
+async def get_lifetime(service: Service) -> PrivacyOverview:
+    """The lifetime ε of a device that took part in every channel."""
+    return await asyncio.to_thread(service.lifetime)
 
 
 @pages.get("/", response_class=HTMLResponse)

@@ -6,16 +6,19 @@ mechanism-specific lives in the mechanism's module (:mod:`common.mechanisms.base
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from analyzer.errors import InvalidChannelError
+from analyzer.store import ReceivedRange
 from common.mechanisms import (
     BatchContext,
     Estimate,
     LocalPrivacy,
     Mechanism,
+    NoDataError,
     Received,
     ReleaseCertificate,
     get,
@@ -91,3 +94,31 @@ class ChannelRuntime:
             self.params, self.config.delta, received
         )
         return result
+
+    def crowds(self, received: ReceivedRange) -> list[Received[Any]]:
+        """What the mechanism certifies from: each stored (epoch, shuffler) with its batches."""
+        return [
+            Received(
+                s.epoch,
+                s.shuffler_id,
+                received.batch_sizes.get((s.epoch, s.shuffler_id), ()),
+                self.load(s.state),
+                self.source(s.shuffler_id),
+            )
+            for s in received.states
+        ]
+
+    def charge(self, received: ReceivedRange) -> str | None:
+        """The ledger row of one epoch: its certificates at the crowds received, as JSON
+        (:class:`common.wire.EpochCharge` without the key); None if nothing is certifiable."""
+        try:
+            certs = self.certify(self.crowds(received))
+        except NoDataError:
+            return None
+        return json.dumps(
+            {
+                "certificate": certs.certified.as_dict(),
+                "other_notion": certs.other.as_dict(),
+                "crowds": certs.crowds,
+            }
+        )

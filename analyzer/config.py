@@ -65,6 +65,7 @@ def collection_config(settings: AnalyzerSettings, keys: AnalyzerKeys, now: int) 
         analyzer=analyzer,
         shufflers=list(settings.shufflers),
         channels=list(settings.channels),
+        device_budget=settings.device_budget,
     )
 
 

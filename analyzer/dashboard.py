@@ -2,7 +2,8 @@
 
 Per channel: the latest release as a top-k histogram with 95% error bars, an image (2-D
 channels), or a running series with its 95% band (longitudinal); the crowd sizes behind the
-certificate; and the privacy ledger.
+certificate; and the privacy ledger: each epoch's certificate and the lifetime ε of a device in
+every epoch (dp_accounting PLD composition) beside basic composition, with the δ split.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from common.wire import ChannelConfig, LedgerRow, ReleaseBody
+from common.wire import ChannelConfig, Ledger, LedgerRow, Lifetime, ReleaseBody
 
 WIDTH, HEIGHT, PAD = 640, 220, 36
 
@@ -108,7 +109,7 @@ class ChannelView:
 
     config: ChannelConfig
     release: ReleaseBody | None
-    ledger: Sequence[LedgerRow]
+    ledger: Ledger | None
 
 
 def page(channels: Sequence[ChannelView]) -> str:
@@ -150,19 +151,43 @@ def _section(channel: ChannelView) -> str:
     crowds = ", ".join(f"{html.escape(k)}: {v:,}" for k, v in sorted(release.crowds.items())[:12])
     chart = chart_for(channel.config, release)
     crowd_line = f'<p class="muted">crowds: {crowds}</p>'
-    return head + summary + chart + crowd_line + _ledger_table(channel.ledger) + "</section>"
+    ledger = "" if channel.ledger is None else _ledger(channel.ledger)
+    return head + summary + chart + crowd_line + ledger + "</section>"
 
 
-def _ledger_table(ledger: Sequence[LedgerRow]) -> str:
-    rows = "".join(
-        f"<tr><td>{row.id}</td><td>{row.epochs[0]}–{row.epochs[1]}</td><td>{row.n:,}</td>"
-        f"<td>{row.eps:.4g}</td><td>{row.delta:.3g}</td><td>{html.escape(row.method)}</td>"
-        f"<td>{row.cumulative_eps:.4g}</td></tr>"
-        for row in ledger[-10:]
+def _eps(value: float | None) -> str:
+    return "∞" if value is None else f"{value:.4g}"
+
+
+def lifetime_line(lifetime: Lifetime | None) -> str:
+    """The lifetime ε of a device in every epoch (PLD) beside basic composition, δ split."""
+    if lifetime is None:
+        return '<p class="lifetime muted">No epoch charged yet.</p>'
+    split = lifetime.delta_split
+    return (
+        f'<p class="lifetime">lifetime over {lifetime.epochs} epochs: '
+        f'<b>ε = <span class="lifetime-eps">{_eps(lifetime.eps)}</span></b> '
+        f"({html.escape(lifetime.method)}; PLD {_eps(lifetime.eps_pld)}, basic composition "
+        f'<span class="basic-eps">{_eps(lifetime.eps_basic)}</span>, advanced '
+        f"{_eps(lifetime.eps_advanced)}) at δ = {lifetime.delta:.3g} "
+        f"(epochs' certificates {split.certificates:.3g}, composition "
+        f"{split.pld_pairs:.3g}; {html.escape(lifetime.neighbouring)})</p>"
+    )
+
+
+def _ledger(ledger: Ledger) -> str:
+    return lifetime_line(ledger.lifetime) + _epoch_table(ledger.epochs)
+
+
+def _epoch_table(rows: Sequence[LedgerRow]) -> str:
+    cells = "".join(
+        f"<tr><td>{row.epoch}</td><td>{row.n:,}</td><td>{_eps(row.certificate.eps)}</td>"
+        f"<td>{row.certificate.delta:.3g}</td><td>{html.escape(row.certificate.method)}</td></tr>"
+        for row in rows[-10:]
     )
     return (
-        "<table><tr><th>release</th><th>epochs</th><th>n</th><th>ε</th><th>δ</th>"
-        f"<th>method</th><th>cumulative ε</th></tr>{rows}</table>"
+        '<table class="epochs"><tr><th>epoch</th><th>n</th><th>ε</th><th>δ</th>'
+        f"<th>method</th></tr>{cells}</table>"
     )
 
 

@@ -12,6 +12,7 @@ a status at the edge. Callers catch :class:`AnalyzerError`::
         │                                                 (also a runtime TooLargeError)
         ├── UnknownShufflerError         unknown_shuffler 401: batch names an unregistered shuffler
         ├── BadSignatureError            bad_signature    401: signature missing or not verifying
+        ├── AdminTokenError              bad_admin_token  401: admin route without the admin token
         ├── InconsistentBatchError       (422: a batch the channel's configuration cannot hold)
         │   ├── BatchForUnknownChannelError unknown_channel
         │   ├── BelowMinCrowdError       below_min_crowd
@@ -23,7 +24,7 @@ a status at the edge. Callers catch :class:`AnalyzerError`::
 
 from __future__ import annotations
 
-from services.runtime.errors import DomainError, Kind, TooLargeError
+from services.runtime.errors import BadAdminTokenError, DomainError, Kind, TooLargeError
 
 
 class AnalyzerError(DomainError):
@@ -63,6 +64,11 @@ class BadSignatureError(AnalyzerError):
 
     code = "bad_signature"
     kind = Kind.UNAUTHENTICATED
+
+
+class AdminTokenError(BadAdminTokenError, AnalyzerError):
+    """An admin route (``POST /v1/channels/{id}/releases``) without ``Authorization: Bearer
+    <admin token>``."""
 
 
 class InconsistentBatchError(AnalyzerError):

@@ -5,7 +5,8 @@ shuffler the body names; batches below the channel's minimum crowd, for unknown 
 with more fragments than their contributions can carry are inconsistent; a known ``batch_id``
 is acknowledged again but counted once. Every fragment is opened with any live analyzer key and
 parsed by the channel's mechanism; fragments that fail either are chaff, counted and never
-fatal. The accumulator update and the receipt commit in one transaction (:mod:`analyzer.store`).
+fatal. The accumulator update, the receipt and the epoch's ledger row (its certificate at the
+crowds received, :meth:`ChannelRuntime.charge`) commit in one transaction (:mod:`analyzer.store`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ class BatchIntake:
             return self._duplicate(batch)
         opened = self._open(batch)
         undecryptable = len(batch.fragments) - len(opened)
-        unparsed = self.store.accumulate(_receipt(batch), _folder(runtime, batch, opened))
+        unparsed = self.store.accumulate(
+            _receipt(batch), _folder(runtime, batch, opened), runtime.charge
+        )
         if unparsed is None:
             return self._duplicate(batch)
         intake = Intake(batch.batch_id, False, len(opened) - unparsed, undecryptable + unparsed)

@@ -6,7 +6,9 @@ How a release over the received crowds is certified is the mechanism's own
 the smallest shuffled batch and compose epochs, report fragments use the across-batches bound,
 longitudinal channels certify at the smallest level crowd. The add/remove statement including
 randomized deletion is ESA-revisited Theorem V.1 (:meth:`ReleaseCertificate.with_deletion`).
-Every release is appended to the ledger with a summary the dashboard draws.
+A release is post-processing of epochs the ledger already charged (:mod:`analyzer.ledger`):
+computing one (``GET .../estimate``) writes nothing; publishing one (``POST .../releases``,
+:meth:`ReleaseService.publish`) records it with the summary the dashboard draws.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from analyzer.errors import NothingReceivedError, UnknownChannelError
 from analyzer.metrics import Events
 from analyzer.store import AnalyzerStore, ReceivedRange
 from common.accounting import BoundResult
-from common.mechanisms import Estimate, LocalPrivacy, NoDataError, Received
+from common.mechanisms import Estimate, LocalPrivacy, NoDataError
 from common.wire import Bound, LocalBound, ReleaseBody
 
 #: Bins kept in a histogram release's stored summary (the dashboard draws the top 20).
@@ -68,7 +70,7 @@ class Release:
 
 
 class ReleaseService:
-    """Computes releases from the store and appends them to the ledger."""
+    """Computes releases from the store (a read) and records the ones published."""
 
     def __init__(
         self, store: AnalyzerStore, channels: Mapping[str, ChannelRuntime], events: Events
@@ -112,7 +114,7 @@ class ReleaseService:
     def release(
         self, channel_id: str, epoch_from: int, epoch_to: int, crowd_id: str = ""
     ) -> Release:
-        """Estimate over the epochs with its certificate, appended to the ledger.
+        """Estimate over the epochs with its certificate (writes nothing).
 
         Raises:
             UnknownChannelError: if the channel is not configured.
@@ -124,8 +126,20 @@ class ReleaseService:
             raise NothingReceivedError(
                 f"no batch received for {channel_id!r} in epochs [{epoch_from}, {epoch_to}]"
             )
-        release = _computed(runtime, received, epoch_from, epoch_to)
-        summary_bins = None if runtime.config.display in ("series", "image") else SUMMARY_BINS
+        return _computed(runtime, received, epoch_from, epoch_to)
+
+    def publish(
+        self, channel_id: str, epoch_from: int, epoch_to: int, crowd_id: str = ""
+    ) -> Release:
+        """Compute the release and record what was published (its summary and certificates).
+
+        Raises:
+            UnknownChannelError: if the channel is not configured.
+            NothingReceivedError: if no usable batch was received in the range.
+        """
+        release = self.release(channel_id, epoch_from, epoch_to, crowd_id)
+        display = self.runtime(channel_id).config.display
+        summary_bins = None if display in ("series", "image") else SUMMARY_BINS
         self.store.add_release(release.to_wire(summary_bins), _optional(release.other_notion))
         self.events.count("releases")
         return release
@@ -135,14 +149,10 @@ def _computed(
     runtime: ChannelRuntime, received: ReceivedRange, epoch_from: int, epoch_to: int
 ) -> Release:
     config = runtime.config
-    states = [(s.epoch, s.shuffler_id, runtime.load(s.state)) for s in received.states]
-    merged = states[0][2]
-    for _, _, accumulator in states[1:]:
-        merged = merged.merge(accumulator)
-    crowds = [
-        Received(e, s, received.batch_sizes.get((e, s), ()), acc, runtime.source(s))
-        for e, s, acc in states
-    ]
+    crowds = runtime.crowds(received)
+    merged = crowds[0].accumulator
+    for item in crowds[1:]:
+        merged = merged.merge(item.accumulator)
     try:
         certs = runtime.certify(crowds)
     except NoDataError as error:

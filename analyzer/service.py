@@ -6,6 +6,7 @@ answers in :mod:`common.wire` models; every refusal is an :class:`~analyzer.erro
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -15,10 +16,11 @@ from pathlib import Path
 from analyzer.channels import ChannelRuntime
 from analyzer.config import AnalyzerKeys, signed_config
 from analyzer.dashboard import ChannelView
+from analyzer.errors import AdminTokenError, NothingReceivedError
 from analyzer.intake import BatchIntake, IntakePolicy
 from analyzer.ledger import LedgerService
 from analyzer.metrics import Events
-from analyzer.releases import DEFAULT_TOP, ReleaseService
+from analyzer.releases import DEFAULT_TOP, SUMMARY_BINS, Release, ReleaseService
 from analyzer.settings import AnalyzerSettings
 from analyzer.store import AnalyzerStore
 from common.envelope import load_ed25519_public
@@ -27,7 +29,9 @@ from common.wire import (
     ChannelList,
     ChannelSummary,
     Ledger,
+    PrivacyOverview,
     ReleaseBody,
+    ReleaseRequest,
     SignedConfig,
     unb64,
 )
@@ -76,7 +80,7 @@ class AnalyzerService:
             store,
             BatchIntake(store, policy, events),
             ReleaseService(store, channels, events),
-            LedgerService(store, channels),
+            LedgerService(store, channels, settings.lifetime_delta),
             events,
             clock,
         )
@@ -85,11 +89,13 @@ class AnalyzerService:
         """Wait for the database and upgrade its schema (the pre-start step)."""
         db.wait_for(self.store.engine)
         db.upgrade(self.store.engine, MIGRATIONS)
+        charged = self.ledger.charge_missing()
         log.info(
             "analyzer ready",
             extra={
                 "channels": [c.id for c in self.settings.channels],
                 "shufflers": [s.id for s in self.settings.shufflers],
+                "epochs_charged": charged,
             },
         )
 
@@ -131,22 +137,62 @@ class AnalyzerService:
         epoch_to: int | None = None,
         top: int | None = None,
     ) -> ReleaseBody:
-        """``GET /v1/channels/{id}/estimate``: a release over the range the request means."""
+        """``GET /v1/channels/{id}/estimate``: a release over the range the request means (a
+        read: nothing is written, nothing is charged)."""
         first, last = self.releases.epochs(channel_id, epoch, epoch_from, epoch_to)
-        release = self.releases.release(channel_id, first, last)
-        if top is None and release.estimate.values.size > DEFAULT_TOP:
-            top = DEFAULT_TOP
-        return release.to_wire(top)
+        return _wire(self.releases.release(channel_id, first, last), top)
+
+    def authorize(self, token: str | None) -> None:
+        """Admin routes need the admin token (compared in constant time).
+
+        Raises:
+            AdminTokenError: unless ``token`` is the admin token.
+        """
+        expected = self.settings.admin_token.get_secret_value()
+        if not token or not hmac.compare_digest(token.encode(), expected.encode()):
+            raise AdminTokenError("Authorization: Bearer <admin token> required")
+
+    def publish(self, channel_id: str, request: ReleaseRequest) -> ReleaseBody:
+        """``POST /v1/channels/{id}/releases``: publish a release and record it (after
+        :meth:`authorize`).
+
+        Raises:
+            UnknownChannelError, NothingReceivedError: as :meth:`estimate`.
+        """
+        first, last = self.releases.epochs(
+            channel_id, request.epoch, request.epoch_from, request.epoch_to
+        )
+        return _wire(self.releases.publish(channel_id, first, last), request.top)
 
     def privacy(self, channel_id: str) -> Ledger:
         """``GET /v1/channels/{id}/privacy``."""
         return self.ledger.ledger(channel_id)
 
+    def lifetime(self) -> PrivacyOverview:
+        """``GET /v1/privacy``: lifetime ε of a device in every channel."""
+        return self.ledger.overview()
+
     def overview(self) -> list[ChannelView]:
-        """What the dashboard shows: every channel's latest release and its ledger."""
+        """What the dashboard shows: every channel's latest published release (else a read
+        over its last epoch) and its ledger."""
         views = []
+        spans = self.store.epoch_spans()
         for config in self.settings.channels:
             summary = self.store.latest_summary(config.id)
-            ledger = [] if summary is None else self.ledger.rows(config.id)
+            if summary is None and config.id in spans:
+                summary = self._latest(config.id, spans[config.id][1])
+            ledger = None if summary is None else self.ledger.ledger(config.id)
             views.append(ChannelView(config, summary, ledger))
         return views
+
+    def _latest(self, channel_id: str, epoch: int) -> ReleaseBody | None:
+        try:
+            return self.releases.release(channel_id, epoch, epoch).to_wire(SUMMARY_BINS)
+        except NothingReceivedError:
+            return None
+
+
+def _wire(release: Release, top: int | None) -> ReleaseBody:
+    if top is None and release.estimate.values.size > DEFAULT_TOP:
+        top = DEFAULT_TOP
+    return release.to_wire(top)

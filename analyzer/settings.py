@@ -3,19 +3,30 @@
 Channels come from ``ESA_ANALYZER_CHANNELS`` (JSON list of :class:`ChannelConfig`) or
 ``ESA_ANALYZER_CHANNELS_FILE``; the shuffler registry from ``ESA_ANALYZER_SHUFFLERS`` (JSON list
 of :class:`ShufflerInfo`: id, url, HPKE public key and key id, Ed25519 signing key) or
-``ESA_ANALYZER_SHUFFLERS_FILE``.
+``ESA_ANALYZER_SHUFFLERS_FILE``. ``admin_token`` guards publishing releases; placeholder
+secrets are refused outside ``environment=development``. ``lifetime_delta`` is the total δ of
+every lifetime ε the ledger states (default :data:`LIFETIME_DELTA`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.wire import ChannelConfig, ShufflerInfo
+from common.wire import ChannelConfig, DeviceBudget, ShufflerInfo
+
+#: Secrets refused outside development (as the shuffler's settings).
+PLACEHOLDERS = {"", "changeme", "change-me", "secret", "development"}
+#: Shortest admin token accepted outside development.
+MIN_SECRET_LENGTH = 16
+#: Default lifetime δ of every lifetime ε the ledger states: δ well below 1/n for deployments up
+#: to 10^6 devices (Dwork & Roth, *The Algorithmic Foundations of DP*, §2.3: δ << 1/n); the
+#: issue-13 example states its lifetime at 1e-5.
+LIFETIME_DELTA = 1e-6
 
 
 def _listed(path: Path, key: str) -> list[Any]:
@@ -28,6 +39,7 @@ class AnalyzerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ESA_ANALYZER_", env_file=".env", extra="ignore")
 
+    environment: Literal["development", "production"] = "development"
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=1, le=65535)
     public_url: str | None = None
@@ -39,6 +51,12 @@ class AnalyzerSettings(BaseSettings):
     shufflers_file: Path | None = None
     config_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
     max_batch_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    admin_token: SecretStr = SecretStr("development")
+    lifetime_delta: float = Field(LIFETIME_DELTA, gt=0, lt=1)
+    #: Per-device local-ε cap over all channels, signed into the collection config and
+    #: enforced by the SDK (JSON, e.g. ``{"lifetime_eps": 40}``); per-channel caps are the
+    #: channels' own ``budget``.
+    device_budget: DeviceBudget | None = None
     log_level: str = "INFO"
 
     @model_validator(mode="after")
@@ -53,6 +71,14 @@ class AnalyzerSettings(BaseSettings):
         ):
             if len(ids) != len(set(ids)):
                 raise ValueError(f"duplicate {name} ids in {ids}")
+        token = self.admin_token.get_secret_value()
+        if self.environment != "development" and (
+            token.lower() in PLACEHOLDERS or len(token) < MIN_SECRET_LENGTH
+        ):
+            raise ValueError(
+                f"admin_token must be set to a real secret (>= {MIN_SECRET_LENGTH} chars) "
+                f"in {self.environment}"
+            )
         return self
 
     @property

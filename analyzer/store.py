@@ -7,8 +7,11 @@ Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
 * ``accumulators``: the sufficient statistics per (channel, crowd, epoch, shuffler), updated
   in the same transaction as the receipt. Kept per shuffler because each shuffler's batch is
   shuffled separately: its crowd is what certification may rely on.
-* ``releases``: the privacy ledger — every estimate served, with its certificate and the
-  summary the dashboard draws.
+* ``epoch_charges``: the privacy ledger — one row per (channel, crowd, epoch), the certificates
+  of that epoch's view at the crowds received, rewritten in the same transaction as every batch
+  of the epoch (so an epoch is charged once, whatever is queried or published).
+* ``releases``: what was published (``POST /v1/channels/{id}/releases``), with its certificate
+  and the summary the dashboard draws. Reads (``GET .../estimate``) write nothing.
 
 Everything that depends on the database dialect stays in this module.
 """
@@ -86,6 +89,17 @@ releases = Table(
     Column("released_at", Float, nullable=False),
 )
 
+epoch_charges = Table(
+    "epoch_charges",
+    metadata,
+    Column("channel_id", String(64), primary_key=True),
+    Column("crowd_id", String(255), primary_key=True),
+    Column("epoch", BigInteger, primary_key=True),
+    Column("certificate", Text, nullable=False),
+    Column("batches", Integer, nullable=False),
+    Column("charged_at", Float, nullable=False),
+)
+
 #: Attempts to store one batch when concurrent writers create the same accumulator row.
 STORE_ATTEMPTS = 5
 
@@ -123,6 +137,23 @@ class ReceivedRange:
     batch_sizes: dict[tuple[int, str], tuple[int, ...]]
 
 
+#: The charge of one epoch from everything received in it: certificates as JSON (None: nothing
+#: a certificate can rest on yet).
+Charge = Callable[[ReceivedRange], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCharge:
+    """One (channel, crowd, epoch) row of the privacy ledger."""
+
+    channel_id: str
+    crowd_id: str
+    epoch: int
+    certificate: str
+    batches: int
+    charged_at: float
+
+
 @dataclass(frozen=True, slots=True)
 class StoredRelease:
     """One ledger entry as stored."""
@@ -151,8 +182,9 @@ class AnalyzerStore:
         with self.engine.connect() as conn:
             return conn.execute(query).first() is not None
 
-    def accumulate(self, receipt: BatchReceipt, fold: Fold) -> int | None:
-        """Write the receipt and fold the batch into its accumulator in one transaction.
+    def accumulate(self, receipt: BatchReceipt, fold: Fold, charge: Charge) -> int | None:
+        """Write the receipt, fold the batch into its accumulator and recharge the batch's
+        epoch (``charge`` over everything received in it) in one transaction.
 
         Returns the fragments ``fold`` found invalid, or None if the receipt already exists (a
         concurrent duplicate). An integrity conflict is a duplicate only if the receipt is
@@ -165,13 +197,13 @@ class AnalyzerStore:
         for _ in range(STORE_ATTEMPTS):
             try:
                 with self._storing:
-                    return self._accumulate(receipt, fold)
+                    return self._accumulate(receipt, fold, charge)
             except IntegrityError:
                 if self.known(receipt.batch_id):
                     return None
         raise StorageConflictError("could not store the batch; retry later")
 
-    def _accumulate(self, receipt: BatchReceipt, fold: Fold) -> int:
+    def _accumulate(self, receipt: BatchReceipt, fold: Fold, charge: Charge) -> int:
         a = accumulators.c
         key = (
             a.channel_id == receipt.channel_id,
@@ -205,7 +237,45 @@ class AnalyzerStore:
                 .where(receipts.c.batch_id == receipt.batch_id)
                 .values(invalid=invalid)
             )
+            _charge(conn, receipt, charge, self.clock())
         return invalid
+
+    def uncharged(self) -> list[tuple[str, str, int]]:
+        """(channel, crowd, epoch) with accumulators but no ledger row (databases from before
+        ``epoch_charges``)."""
+        a, c = accumulators.c, epoch_charges.c
+        charged = select(c.channel_id).where(
+            c.channel_id == a.channel_id, c.crowd_id == a.crowd_id, c.epoch == a.epoch
+        )
+        query = select(a.channel_id, a.crowd_id, a.epoch).where(~charged.exists()).distinct()
+        with self.engine.connect() as conn:
+            return [(ch, cr, int(e)) for ch, cr, e in conn.execute(query)]
+
+    def recharge(self, channel_id: str, crowd_id: str, epoch: int, charge: Charge) -> None:
+        """Write the ledger row of one epoch from what is stored."""
+        key = BatchReceipt("", "", channel_id, crowd_id, epoch, 0, 0)
+        with self._storing, self.engine.begin() as conn:
+            _charge(conn, key, charge, self.clock())
+
+    def charges(self, channel_id: str | None = None) -> list[StoredCharge]:
+        """The ledger rows of one channel (or of all), by channel, epoch and crowd."""
+        c = epoch_charges.c
+        query = select(epoch_charges).order_by(c.channel_id, c.epoch, c.crowd_id)
+        if channel_id is not None:
+            query = query.where(c.channel_id == channel_id)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [
+            StoredCharge(
+                row.channel_id,
+                row.crowd_id,
+                int(row.epoch),
+                row.certificate,
+                int(row.batches),
+                float(row.charged_at),
+            )
+            for row in rows
+        ]
 
     # --- releases -----------------------------------------------------------------------
 
@@ -213,25 +283,8 @@ class AnalyzerStore:
         self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
     ) -> ReceivedRange:
         """Accumulators and batch crowd sizes of a channel's crowd in ``[from, to]``."""
-        a, r = accumulators.c, receipts.c
         with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(a.epoch, a.shuffler_id, a.state).where(
-                    *_in_range(accumulators, channel_id, crowd_id, epoch_from, epoch_to)
-                )
-            ).all()
-            batches = conn.execute(
-                select(r.epoch, r.shuffler_id, r.n_contributions).where(
-                    *_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to)
-                )
-            ).all()
-        sizes: dict[tuple[int, str], list[int]] = {}
-        for epoch, shuffler_id, n in batches:
-            sizes.setdefault((int(epoch), shuffler_id), []).append(int(n))
-        return ReceivedRange(
-            [StoredState(int(e), s, bytes(state)) for e, s, state in rows],
-            {key: tuple(ns) for key, ns in sizes.items()},
-        )
+            return _received(conn, channel_id, crowd_id, epoch_from, epoch_to)
 
     def epoch_spans(self) -> dict[str, tuple[int, int]]:
         """``[first, last]`` epoch received per channel."""
@@ -282,6 +335,14 @@ class AnalyzerStore:
             for row in rows
         ]
 
+    def counts(self) -> dict[str, int]:
+        """Rows per table (what a read must leave unchanged)."""
+        with self.engine.connect() as conn:
+            return {
+                table.name: int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+                for table in (receipts, accumulators, epoch_charges, releases)
+            }
+
     def latest_summary(self, channel_id: str) -> ReleaseBody | None:
         """The summary of a channel's most recent release, if any."""
         r = releases.c
@@ -289,6 +350,58 @@ class AnalyzerStore:
         with self.engine.connect() as conn:
             text = conn.execute(query).scalar_one_or_none()
         return None if text is None else ReleaseBody.model_validate_json(text)
+
+
+def _received(
+    conn: Connection, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
+) -> ReceivedRange:
+    a, r = accumulators.c, receipts.c
+    rows = conn.execute(
+        select(a.epoch, a.shuffler_id, a.state).where(
+            *_in_range(accumulators, channel_id, crowd_id, epoch_from, epoch_to)
+        )
+    ).all()
+    batches = conn.execute(
+        select(r.epoch, r.shuffler_id, r.n_contributions).where(
+            *_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to)
+        )
+    ).all()
+    sizes: dict[tuple[int, str], list[int]] = {}
+    for epoch, shuffler_id, n in batches:
+        sizes.setdefault((int(epoch), shuffler_id), []).append(int(n))
+    return ReceivedRange(
+        [StoredState(int(e), s, bytes(state)) for e, s, state in rows],
+        {key: tuple(ns) for key, ns in sizes.items()},
+    )
+
+
+def _charge(conn: Connection, receipt: BatchReceipt, charge: Charge, now: float) -> None:
+    """Rewrite the epoch's ledger row from everything received in it (the crowds change as
+    batches arrive; the row is one per epoch, never one per batch or query)."""
+    epoch = receipt.epoch
+    received = _received(conn, receipt.channel_id, receipt.crowd_id, epoch, epoch)
+    certificate = charge(received)
+    if certificate is None:
+        return
+    c = epoch_charges.c
+    key = (
+        c.channel_id == receipt.channel_id,
+        c.crowd_id == receipt.crowd_id,
+        c.epoch == epoch,
+    )
+    values = {
+        "certificate": certificate,
+        "batches": sum(len(ns) for ns in received.batch_sizes.values()),
+        "charged_at": now,
+    }
+    if conn.execute(select(c.epoch).where(*key)).first() is None:
+        conn.execute(
+            insert(epoch_charges).values(
+                channel_id=receipt.channel_id, crowd_id=receipt.crowd_id, epoch=epoch, **values
+            )
+        )
+    else:
+        conn.execute(update(epoch_charges).where(*key).values(**values))
 
 
 def _locked(conn: Connection, query: Select[tuple[bytes, int]]) -> Select[tuple[bytes, int]]:

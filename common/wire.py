@@ -330,26 +330,92 @@ class ReleaseBody(BaseModel):
     crowds: dict[str, int]
 
 
+class ReleaseRequest(BaseModel):
+    """``POST /v1/channels/{id}/releases``: the epochs to publish (``epoch`` alone, or
+    ``[epoch_from, epoch_to]``; a missing end is the last epoch received)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epoch: int | None = None
+    epoch_from: int | None = None
+    epoch_to: int | None = None
+    top: int | None = Field(None, ge=1)
+
+
 class LedgerRow(BaseModel):
-    """One release in a channel's privacy ledger, with cumulative (basic composition) totals."""
+    """One epoch of a channel in the privacy ledger: charged once, at the crowds received
+    (the worst crowd of the epoch when devices were split into several)."""
+
+    epoch: int
+    crowd_id: str
+    n: int
+    certificate: Bound
+    other_notion: Bound
+    crowds: dict[str, int]
+    batches: int
+    charged_at: float
+
+
+class PublishedRelease(BaseModel):
+    """A release published with ``POST /v1/channels/{id}/releases`` (costs no privacy: it is
+    post-processing of the epochs already charged)."""
 
     id: int
     epochs: tuple[int, int]
     n: int
-    eps: float
-    delta: float
-    method: str
-    neighbouring: str
-    cumulative_eps: float
-    cumulative_delta: float
+    certificate: Bound
     released_at: float
 
 
+class DeltaSplitBody(BaseModel):
+    """How the lifetime δ is divided (:class:`common.accounting.lifetime.DeltaSplit`)."""
+
+    certificates: float
+    pld_pairs: float
+    pld_truncation: float
+    basic_per_part: float
+    advanced_per_step: float
+    advanced_slack: float
+
+
+class Lifetime(BaseModel):
+    """The lifetime (ε, δ) of one device that took part in every epoch composed
+    (:class:`common.accounting.lifetime.LifetimeResult`; ε null when nothing is certified)."""
+
+    eps: float | None
+    delta: float
+    method: str
+    neighbouring: str
+    eps_pld: float | None
+    eps_basic: float | None
+    eps_advanced: float | None
+    advanced_rule: str
+    delta_split: DeltaSplitBody
+    epochs: int
+    parts: int
+    pair_parts: int
+    discretization: float
+    note: str
+
+
 class Ledger(BaseModel):
-    """``GET /v1/channels/{id}/privacy``."""
+    """``GET /v1/channels/{id}/privacy``: each epoch's certificate, the lifetime of a device in
+    every epoch so far (null before any epoch is charged) and the releases published."""
 
     channel_id: str
-    releases: list[LedgerRow]
+    epochs: list[LedgerRow]
+    lifetime: Lifetime | None
+    releases: list[PublishedRelease]
+    note: str
+
+
+class PrivacyOverview(BaseModel):
+    """``GET /v1/privacy``: the lifetime of a device that took part in every epoch of every
+    channel (null before any epoch is charged)."""
+
+    channels: list[str]
+    epochs: int
+    lifetime: Lifetime | None
     note: str
 
 

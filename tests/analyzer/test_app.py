@@ -14,9 +14,11 @@ from analyzer.app import create_app
 from analyzer.settings import AnalyzerSettings
 from common.collection import verify_config
 from common.envelope import load_ed25519_public, public_identity
-from common.wire import ReleaseBody, ShufflerInfo, unb64
+from common.wire import Ledger, Lifetime, PrivacyOverview, ReleaseBody, ShufflerInfo, unb64
 
 from .helpers import ANALYZER_KEY, CHANNEL, SHUFFLERS, VALUES, make_batch
+
+ADMIN = {"Authorization": "Bearer development"}
 
 
 @pytest.fixture
@@ -116,8 +118,17 @@ def test_batches_releases_ledger_and_config_keep_their_wire_shapes(client: TestC
     assert len(release["ci95"][0]) == 2 and release["certificate"]["eps"] > 0
     assert client.get("/v1/channels/homepage/estimate?epoch=7&top=3").json()["bins"][:1] == [0]
     ledger = client.get("/v1/channels/homepage/privacy").json()
-    assert ledger["channel_id"] == "homepage" and len(ledger["releases"]) == 2
-    assert ledger["releases"][0]["eps"] == release["certificate"]["eps"]
+    assert set(ledger) == set(Ledger.model_fields) and ledger["releases"] == []
+    assert [row["epoch"] for row in ledger["epochs"]] == [7]
+    assert ledger["epochs"][0]["certificate"]["eps"] == release["certificate"]["eps"]
+    assert set(ledger["lifetime"]) == set(Lifetime.model_fields)
+    published = client.post("/v1/channels/homepage/releases", json={"epoch": 7}, headers=ADMIN)
+    assert published.status_code == 201 and set(published.json()) == set(ReleaseBody.model_fields)
+    ledger = client.get("/v1/channels/homepage/privacy").json()
+    assert [r["epochs"] for r in ledger["releases"]] == [[7, 7]]
+    assert ledger["releases"][0]["certificate"] == release["certificate"]
+    overview = client.get("/v1/privacy").json()
+    assert set(overview) == set(PrivacyOverview.model_fields) and overview["epochs"] == 1
     document = client.get("/v1/config").json()
     signer = load_ed25519_public(unb64(document["config"]["analyzer"]["signing_key"]))
     config = verify_config(document, signer, document["config"]["issued_at"])
@@ -134,3 +145,36 @@ def test_every_route_documents_the_error_shape(client: TestClient) -> None:
     assert error.endswith("/ErrorBody")
     for path in ("/v1/channels/{channel_id}/estimate", "/v1/channels/{channel_id}/privacy"):
         assert "404" in paths[path]["get"]["responses"]
+    assert {"201", "401", "404"} <= set(
+        paths["/v1/channels/{channel_id}/releases"]["post"]["responses"]
+    )
+
+
+def test_estimates_are_reads_300_gets_change_nothing(client: TestClient) -> None:
+    assert _post(client, *make_batch(VALUES)).status_code == 201
+    store = client.app.state.service.store  # type: ignore[attr-defined]
+    before, ledger = store.counts(), client.get("/v1/channels/homepage/privacy").json()
+    answers = {client.get("/v1/channels/homepage/estimate").text for _ in range(300)}
+    assert len(answers) == 1
+    assert store.counts() == before and before["releases"] == 0
+    assert client.get("/v1/channels/homepage/privacy").json() == ledger
+
+
+def test_publishing_needs_the_admin_token_and_is_recorded(client: TestClient) -> None:
+    assert _post(client, *make_batch(VALUES)).status_code == 201
+    url = "/v1/channels/homepage/releases"
+    _refusal(client.post(url, json={"epoch": 7}), 401, "bad_admin_token")
+    _refusal(
+        client.post(url, json={"epoch": 7}, headers={"Authorization": "Bearer x"}),
+        401,
+        "bad_admin_token",
+    )
+    assert client.get("/v1/channels/homepage/privacy").json()["releases"] == []
+    _refusal(client.post("/v1/channels/elsewhere/releases", headers=ADMIN), 404, "unknown_channel")
+    _refusal(client.post(url, json={"epoch": 9}, headers=ADMIN), 404, "no_data")
+    _refusal(client.post(url, json={"epoch": "x"}, headers=ADMIN), 400, "invalid_request")
+    published = client.post(url, headers=ADMIN)
+    assert published.status_code == 201 and published.json()["epochs"] == [7, 7]
+    recorded = client.get("/v1/channels/homepage/privacy").json()["releases"]
+    assert len(recorded) == 1 and recorded[0]["n"] == VALUES.size
+    assert recorded[0]["certificate"] == published.json()["certificate"]

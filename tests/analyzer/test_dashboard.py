@@ -8,14 +8,15 @@ import secrets
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from analyzer.dashboard import ChannelView, image_png, page, png_gray
-from analyzer.ledger import compose
 from common.envelope import (
     load_or_create_ed25519,
     load_or_create_x25519,
@@ -82,13 +83,14 @@ def test_an_image_release_is_drawn_from_its_stored_summary() -> None:
         ],
     )
     layers.intake.accept(*signed(batch))
-    release = layers.releases.release(picture.id, 3, 3)
+    release = layers.releases.publish(picture.id, 3, 3)
     summary = layers.store.latest_summary(picture.id)
     assert summary is not None and summary.bins == list(range(params.k))
     assert image_png(picture, summary) == png_gray(release.estimate.values, (6, 8))
     assert image_png(CHANNELS[0], summary) is None
-    view = ChannelView(picture, summary, compose(layers.store.releases(picture.id)))
-    assert "data:image/png;base64," in page([view])
+    view = ChannelView(picture, summary, layers.ledger.ledger(picture.id))
+    shown = page([view])
+    assert "data:image/png;base64," in shown and 'class="lifetime-eps"' in shown
 
 
 def _chromium() -> str:
@@ -124,6 +126,49 @@ def _post(
     assert response.status_code == 201, response.text
 
 
+def _send(url: str, signer: Ed25519PrivateKey, analyzer: X25519PublicKey) -> None:
+    """Two k-RAPPOR channels at epoch 3 and a longitudinal channel over epochs 1–8."""
+    rng = SeededSource(1)
+    for channel in CHANNELS[:2]:
+        params = krappor.KRapporParams(**channel.params)
+        values = np.random.default_rng(2).integers(0, params.k, size=300)
+        frags = [
+            seal_fragment(f, channel.id, 16, analyzer)
+            for v in values
+            for f in krappor.encode(int(v), params, rng)
+        ]
+        _post(url, signer, channel, 3, frags, values.size)
+    l_params = longitudinal.LongitudinalParams(**CHANNELS[2].params)
+    states = [longitudinal.setup(l_params, rng) for _ in range(200)]
+    for t in range(1, 9):
+        reports = []
+        for i, state in enumerate(states):
+            states[i], report = longitudinal.update(
+                state, t, 1 if (t == 3 and i % 2) else 0, l_params, rng
+            )
+            if report is not None:
+                reports.append(seal_fragment(report, "abroad", 16, analyzer))
+        _post(url, signer, CHANNELS[2], t, reports, 200)
+
+
+def _publish(url: str) -> dict[str, Any]:
+    """Publish one release per channel (admin token of a development analyzer)."""
+    releases = {}
+    for name, query in (
+        ("homepage", {"epoch": 3}),
+        ("picture", {"epoch": 3}),
+        ("abroad", {"epoch_from": 1, "epoch_to": 8}),
+    ):
+        response = httpx.post(
+            f"{url}/v1/channels/{name}/releases",
+            json=query,
+            headers={"Authorization": "Bearer development"},
+        )
+        assert response.status_code == 201, response.text
+        releases[name] = response.json()
+    return releases
+
+
 def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     browser = _chromium()
     keys = tmp_path / "shuffler-1"
@@ -135,36 +180,8 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     analyzer_key = load_or_create_x25519(analyzer_keys / "hpke.pem")
     service = analyzer_process(tmp_path, [c.model_dump() for c in CHANNELS], registry).start()
     try:
-        rng = SeededSource(1)
-        for channel in CHANNELS[:2]:
-            params = krappor.KRapporParams(**channel.params)
-            values = np.random.default_rng(2).integers(0, params.k, size=300)
-            frags = [
-                seal_fragment(f, channel.id, 16, analyzer_key.public_key())
-                for v in values
-                for f in krappor.encode(int(v), params, rng)
-            ]
-            _post(service.url, signer, channel, 3, frags, values.size)
-        l_params = longitudinal.LongitudinalParams(**CHANNELS[2].params)
-        states = [longitudinal.setup(l_params, rng) for _ in range(200)]
-        for t in range(1, 9):
-            reports = []
-            for i, state in enumerate(states):
-                states[i], report = longitudinal.update(
-                    state, t, 1 if (t == 3 and i % 2) else 0, l_params, rng
-                )
-                if report is not None:
-                    reports.append(seal_fragment(report, "abroad", 16, analyzer_key.public_key()))
-            _post(service.url, signer, CHANNELS[2], t, reports, 200)
-        releases = {}
-        for name, query in (
-            ("homepage", "epoch=3"),
-            ("picture", "epoch=3"),
-            ("abroad", "epoch_from=1&epoch_to=8"),
-        ):
-            response = httpx.get(f"{service.url}/v1/channels/{name}/estimate?{query}")
-            assert response.status_code == 200, response.text
-            releases[name] = response.json()
+        _send(service.url, signer, analyzer_key.public_key())
+        releases = _publish(service.url)
         profile = tmp_path / "chromium-profile"
         screenshot = tmp_path / "dashboard.png"
         flags = [
@@ -202,6 +219,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         assert f"{release['certificate']['eps']:.4g}" in shown
         assert f"{release['n']:,}" in shown
     assert "data:image/png;base64," in shown and "<polyline" in shown and "<rect" in shown
+    assert shown.count('class="lifetime-eps"') == len(releases)
     console_errors = [
         line
         for line in dom.stderr.splitlines()

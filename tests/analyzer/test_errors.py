@@ -14,6 +14,7 @@ EXPECTED = {
     errors.BatchTooLargeError: ("too_large", 413),
     errors.UnknownShufflerError: ("unknown_shuffler", 401),
     errors.BadSignatureError: ("bad_signature", 401),
+    errors.AdminTokenError: ("bad_admin_token", 401),
     errors.BatchForUnknownChannelError: ("unknown_channel", 422),
     errors.BelowMinCrowdError: ("below_min_crowd", 422),
     errors.InconsistentCountsError: ("inconsistent_counts", 422),

@@ -1,47 +1,133 @@
-"""The privacy ledger: basic composition over releases, δ capped at 1, one row per release."""
+"""The privacy ledger: each (channel, epoch) charged once at the crowds received, whatever is
+queried or published; lifetime ε by dp_accounting PLD composition between the largest epoch and
+basic composition; the lifetime across channels."""
 
 from __future__ import annotations
 
+import secrets
+
+import numpy as np
 import pytest
+from sqlalchemy import delete
 
 from analyzer.errors import UnknownChannelError
-from analyzer.ledger import compose
-from analyzer.store import StoredRelease
-from common.wire import Bound
+from analyzer.ledger import DELTA_HEADROOM, lifetime
+from analyzer.store import epoch_charges
+from common.envelope import seal_fragment
+from common.mechanisms import krappor
+from common.randomness import SeededSource
+from common.wire import Batch, Bound, ChannelConfig, b64
 
-from .helpers import VALUES, build, make_batch
+from .helpers import ANALYZER_KEY, CHANNEL, VALUES, build, make_batch, signed
+
+OTHER = CHANNEL.model_copy(update={"id": "settings-page"})
 
 
-def _stored(index: int, eps: float, delta: float) -> StoredRelease:
-    bound = Bound(
+def _bound(eps: float, delta: float) -> Bound:
+    return Bound(
         method="test",
         eps=eps,
         delta=delta,
-        neighbouring="add-remove",
+        neighbouring="removal",
         valid_regime=True,
         kind="certified",
         note="",
         inputs={},
     )
-    return StoredRelease(index, index, index, 100, bound, float(index))
 
 
-def test_composition_adds_eps_and_delta_and_caps_delta_at_one() -> None:
-    rows = compose([_stored(1, 0.5, 0.4), _stored(2, 0.25, 0.4), _stored(3, 1.0, 0.4)])
-    assert [r.cumulative_eps for r in rows] == [0.5, 0.75, 1.75]
-    assert [r.cumulative_delta for r in rows] == pytest.approx([0.4, 0.8, 1.0])
-    assert compose([]) == []
+def _batch(channel: ChannelConfig, epoch: int, size: int) -> tuple[bytes, str]:
+    params, rng = krappor.KRapporParams(k=20, eps=4.0), SeededSource(epoch)
+    fragments = [
+        b64(seal_fragment(f, channel.id, 16, ANALYZER_KEY.public_key()))
+        for v in VALUES[:size]
+        for f in krappor.encode(int(v), params, rng)
+    ]
+    batch = Batch(
+        batch_id=secrets.token_hex(16),
+        shuffler_id="shuffler-1",
+        channel_id=channel.id,
+        crowd_id="",
+        epoch=epoch,
+        n_contributions=size,
+        fragments=fragments,
+    )
+    return signed(batch)
 
 
-def test_every_release_is_one_ledger_row(database_url: str) -> None:
+def test_each_epoch_is_charged_once_whatever_the_queries(database_url: str) -> None:
     layers = build(database_url)
-    layers.intake.accept(*make_batch(VALUES))
-    first = layers.releases.release("homepage", 7, 7)
-    layers.releases.release("homepage", 7, 7)
-    ledger = layers.ledger.ledger("homepage")
-    assert [row.epochs for row in ledger.releases] == [(7, 7), (7, 7)]
-    assert ledger.releases[0].eps == pytest.approx(first.certificate.eps)
-    assert ledger.releases[1].cumulative_eps == pytest.approx(2 * first.certificate.eps)
-    assert layers.events.get("releases") == 2
+    for epoch in (1, 2, 3):
+        layers.intake.accept(*make_batch(VALUES, epoch=epoch, seed=epoch))
+    layers.intake.accept(*make_batch(VALUES[:300], epoch=2, shuffler="shuffler-2", seed=9))
+    for _ in range(20):
+        layers.releases.release("homepage", 1, 3)
+        layers.releases.release("homepage", 2, 2)
+    layers.releases.publish("homepage", 1, 3)
+    layers.releases.publish("homepage", 2, 2)
+    rows = layers.ledger.rows("homepage")
+    assert [row.epoch for row in rows] == [1, 2, 3]
+    assert [row.batches for row in rows] == [1, 2, 1]
+    assert [row.n for row in rows] == [VALUES.size, 300, VALUES.size]
+    assert rows[1].certificate.eps > rows[0].certificate.eps  # the smaller crowd of epoch 2
+    assert len(layers.store.charges()) == 3 and layers.events.get("releases") == 2
+    single = layers.releases.release("homepage", 2, 2).certificate
+    assert rows[1].certificate.eps == pytest.approx(single.eps)
     with pytest.raises(UnknownChannelError):
         layers.ledger.ledger("elsewhere")
+
+
+def test_lifetime_lies_between_the_largest_epoch_and_basic_composition(database_url: str) -> None:
+    layers = build(database_url)
+    for epoch, size in ((1, 1000), (2, 400), (3, 700), (4, 1000)):
+        layers.intake.accept(*make_batch(VALUES[:size], epoch=epoch, seed=epoch))
+    ledger = layers.ledger.ledger("homepage")
+    assert ledger.lifetime is not None and ledger.lifetime.eps is not None
+    epsilons = [row.certificate.eps for row in ledger.epochs]
+    assert ledger.lifetime.epochs == 4 and ledger.lifetime.eps_pld is not None
+    assert max(epsilons) <= ledger.lifetime.eps <= sum(epsilons)
+    assert ledger.lifetime.eps_basic == pytest.approx(sum(epsilons))
+    split = ledger.lifetime.delta_split
+    assert split.certificates == pytest.approx(sum(r.certificate.delta for r in ledger.epochs))
+    assert split.certificates + split.pld_pairs == pytest.approx(ledger.lifetime.delta)
+
+
+def test_lifetime_across_channels_composes_every_epoch_of_every_channel(
+    database_url: str,
+) -> None:
+    layers = build(database_url, (CHANNEL, OTHER))
+    empty = layers.ledger.overview()
+    assert empty.lifetime is None and empty.epochs == 0
+    for epoch in (1, 2):
+        layers.intake.accept(*_batch(CHANNEL, epoch, 600))
+        layers.intake.accept(*_batch(OTHER, epoch, 900))
+    each = [layers.ledger.ledger(c.id).lifetime for c in (CHANNEL, OTHER)]
+    overview = layers.ledger.overview()
+    assert overview.channels == [CHANNEL.id, OTHER.id] and overview.epochs == 4
+    assert overview.lifetime is not None and overview.lifetime.eps is not None
+    assert all(one is not None and one.eps is not None for one in each)
+    assert max(one.eps for one in each if one and one.eps) < overview.lifetime.eps
+    assert overview.lifetime.eps <= sum(one.eps_basic for one in each if one and one.eps_basic)
+
+
+def test_epochs_stored_before_the_ledger_are_charged_at_start(database_url: str) -> None:
+    layers = build(database_url)
+    layers.intake.accept(*make_batch(VALUES, epoch=5))
+    charged = layers.ledger.rows("homepage")
+    with layers.store.engine.begin() as conn:
+        conn.execute(delete(epoch_charges))
+    assert layers.ledger.rows("homepage") == []
+    assert layers.ledger.charge_missing() == 1 and layers.ledger.charge_missing() == 0
+    again = layers.ledger.rows("homepage")
+    assert [r.certificate for r in again] == [r.certificate for r in charged]
+
+
+def test_lifetime_states_a_larger_delta_when_the_epochs_exhaust_it() -> None:
+    assert lifetime([]) is None
+    bounds = [_bound(0.5, 4e-7)] * 3
+    stated = lifetime(bounds, 1e-6)
+    assert stated is not None and stated.delta == pytest.approx(DELTA_HEADROOM * 1.2e-6)
+    assert "stated at" in stated.note
+    within = lifetime(bounds[:2], 1e-6)
+    assert within is not None and within.delta == 1e-6 and "stated at" not in within.note
+    assert np.isclose(within.eps_basic or 0.0, 1.0)

@@ -56,12 +56,13 @@ def test_restart_keeps_accumulators_and_ledger(database_url: str) -> None:
     layers = build(database_url)
     layers.intake.accept(*make_batch(VALUES))
     layers.intake.accept(*make_batch(VALUES, shuffler="shuffler-2", seed=1))
-    before = layers.releases.release("homepage", 7, 7)
+    before = layers.releases.publish("homepage", 7, 7)
     restarted = build(database_url)
     after = restarted.releases.release("homepage", 7, 7)
     assert np.array_equal(before.estimate.values, after.estimate.values)
     assert after.estimate.n == 2 * VALUES.size
-    assert len(restarted.ledger.rows("homepage")) == 2
+    assert [row.epoch for row in restarted.ledger.rows("homepage")] == [7]
+    assert [r.epochs for r in restarted.ledger.ledger("homepage").releases] == [(7, 7)]
 
 
 def test_ranges_compose_epochs_and_missing_ends_mean_the_last_epoch(database_url: str) -> None:
@@ -127,7 +128,7 @@ def test_longitudinal_release_reads_periods_from_reports_not_epoch_numbers() -> 
             ],
         )
         layers.intake.accept(*signed(batch))
-    release = layers.releases.release("abroad", first_epoch, first_epoch + 3)
+    release = layers.releases.publish("abroad", first_epoch, first_epoch + 3)
     smallest = min(len(r) for r in per_period.values())
     assert release.certificate.eps < 4.0  # amplified below the local ε of one report
     assert min(release.crowds.values()) <= smallest

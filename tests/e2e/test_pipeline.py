@@ -225,18 +225,25 @@ def test_pipeline_end_to_end(deployment: Deployment) -> None:
     assert small.status_code == 422 and small.json()["error"] == "below_min_crowd"
     assert batch_n == 60
 
-    # Restart keeps accumulators and the ledger; the dashboard shows the channel's numbers.
-    ledger = httpx.get(url + f"/v1/channels/{CHANNEL.id}/privacy").json()["releases"]
+    # Restart keeps accumulators and the ledger; estimates are reads (the ledger charges each
+    # epoch once); a published release is recorded; the dashboard shows the channel's numbers.
+    ledger = httpx.get(url + f"/v1/channels/{CHANNEL.id}/privacy").json()
+    assert ledger["releases"] == [] and ledger["lifetime"]["eps"] > 0
     deployment.analyzer.kill()
     deployment.analyzer.start()
     again = httpx.get(
         url + f"/v1/channels/{CHANNEL.id}/estimate?epoch={release['epochs'][0]}"
     ).json()
     assert again["values"] == release["values"]
-    assert (
-        len(httpx.get(url + f"/v1/channels/{CHANNEL.id}/privacy").json()["releases"])
-        == len(ledger) + 1
+    assert httpx.get(url + f"/v1/channels/{CHANNEL.id}/privacy").json() == ledger
+    published = httpx.post(
+        url + f"/v1/channels/{CHANNEL.id}/releases",
+        json={"epoch": release["epochs"][0]},
+        headers={"Authorization": "Bearer development"},
     )
+    assert published.status_code == 201 and published.json()["values"] == release["values"]
+    recorded = httpx.get(url + f"/v1/channels/{CHANNEL.id}/privacy").json()["releases"]
+    assert [r["epochs"] for r in recorded] == [published.json()["epochs"]]
     page = httpx.get(url + "/").text
     assert CHANNEL.id in page and f"{again['certificate']['eps']:.4g}" in page
     metrics = httpx.get(url + "/metrics").text

@@ -30,10 +30,12 @@ SPECS = service_specs(
     Path("/var/esa"), 3, 8100, database_template=DB, analyzer_url="http://analyzer:8100"
 )
 #: What compose may add to the launcher's settings, and why: containers bind all interfaces;
-#: shufflers run as production, with real secrets from the environment.
+#: shufflers and the analyzer run as production, with real secrets from the environment.
 COMPOSE_ONLY = {
     "ESA_ANALYZER_HOST",
     "ESA_ANALYZER_PUBLIC_URL",
+    "ESA_ANALYZER_ENVIRONMENT",
+    "ESA_ANALYZER_ADMIN_TOKEN",
     "ESA_SHUFFLER_HOST",
     "ESA_SHUFFLER_ENVIRONMENT",
     "ESA_SHUFFLER_TOKEN_SECRET",

@@ -1,0 +1,33 @@
+"""Analyzer settings: the admin token may be a placeholder only in development."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from analyzer.settings import LIFETIME_DELTA, AnalyzerSettings
+
+
+def _settings(**values: object) -> AnalyzerSettings:
+    return AnalyzerSettings(channels_file=None, shufflers_file=None, **values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("token", ["development", "changeme", "short-secret"])
+def test_production_refuses_a_placeholder_admin_token(token: str) -> None:
+    with pytest.raises(ValidationError, match="admin_token"):
+        _settings(environment="production", admin_token=SecretStr(token))
+
+
+def test_development_accepts_the_placeholder_and_production_a_real_token() -> None:
+    assert _settings().admin_token.get_secret_value() == "development"
+    real = _settings(environment="production", admin_token=SecretStr("x" * 32))
+    assert real.lifetime_delta == LIFETIME_DELTA
+
+
+def test_device_budget_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ESA_ANALYZER_DEVICE_BUDGET", '{"lifetime_eps": 40}')
+    settings = AnalyzerSettings()
+    assert settings.device_budget is not None and settings.device_budget.lifetime_eps == 40
+    monkeypatch.setenv("ESA_ANALYZER_DEVICE_BUDGET", '{"window_eps": 4}')
+    with pytest.raises(ValueError, match="go together"):
+        AnalyzerSettings()
