@@ -30,6 +30,7 @@ demo: venv
 
 bench: venv
 	$(BIN)/python benchmarks/accounting.py
+	$(BIN)/python benchmarks/lifetime.py
 	$(BIN)/python benchmarks/mechanisms.py
 	$(BIN)/python benchmarks/shuffler.py
 	$(BIN)/python benchmarks/analyzer.py
