@@ -1,7 +1,8 @@
 """The analyzer's HTTP API: thin routers over :class:`analyzer.service.AnalyzerService`.
 
-``POST /v1/batches`` (signed batch from a registered shuffler: 201 accepted, 200 duplicate,
-401, 413, 422), ``GET /v1/config`` (the signed collection config), ``GET /v1/channels``,
+``POST /v1/batches`` (one signed part of a batch from a registered shuffler: 201 stored, 200
+known part, 401, 413, 422; opened in the background), ``GET /v1/config`` (the signed
+collection config), ``GET /v1/channels``,
 ``GET /v1/channels/{id}/estimate`` (a release: estimates, 95% intervals, certified (ε, δ); a
 pure read), ``POST /v1/channels/{id}/releases`` (admin: publish and record a release),
 ``GET /v1/channels/{id}/privacy`` (per-epoch charges and lifetime ε), ``GET /v1/privacy``
@@ -72,7 +73,7 @@ pages = APIRouter(tags=["dashboard"])
     response_model=BatchAck,
     response_model_exclude_none=True,
     responses={
-        200: {"model": BatchAck, "description": "Known batch_id (counted once)"},
+        200: {"model": BatchAck, "description": "Known (batch_id, part) (counted once)"},
         **error_responses(413, 422),
     },
 )
@@ -82,7 +83,7 @@ async def post_batch(
     service: Service,
     esa_signature: Annotated[str | None, Header()] = None,
 ) -> BatchAck:
-    """Accept a signed batch from a registered shuffler."""
+    """Store one signed part of a batch from a registered shuffler (opened later)."""
     body = await request.body()
     ack = await asyncio.to_thread(service.accept, body, esa_signature)
     if ack.duplicate:
@@ -173,6 +174,6 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
     for router in (batches, channels, pages):
         app.include_router(router)
     metrics = CollectorRegistry(auto_describe=True)
-    metrics.register(EventsCollector(service.events))
+    metrics.register(EventsCollector(service.events, service.store.unopened_parts))
     add_operational_routes(app, service.store.engine, metrics)
     return app

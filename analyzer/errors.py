@@ -19,6 +19,7 @@ a status at the edge. Callers catch :class:`AnalyzerError`::
         │   └── InconsistentCountsError  inconsistent_counts
         ├── UnknownChannelError          unknown_channel  404: asked about an unconfigured channel
         ├── NothingReceivedError         no_data          404: nothing received for the release
+        │   └── IncompleteBatchesError   incomplete       404: only batches with parts missing
         └── StorageConflictError         storage_conflict 503: concurrent writers kept colliding
 """
 
@@ -108,6 +109,13 @@ class NothingReceivedError(AnalyzerError):
 
     code = "no_data"
     kind = Kind.NOT_FOUND
+
+
+class IncompleteBatchesError(NothingReceivedError):
+    """Every batch of the requested range still has parts missing or unopened (issue 11: a
+    release never uses a batch with missing parts)."""
+
+    code = "incomplete"
 
 
 class StorageConflictError(AnalyzerError):

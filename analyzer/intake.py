@@ -1,12 +1,13 @@
-"""Batch intake (PROTOCOL.md, ``POST /v1/batches``): verify, open, accumulate.
+"""Batch part intake (PROTOCOL.md, ``POST /v1/batches``; issue 11): verify and store.
 
 The Ed25519 signature over the exact body must verify against the registered key of the
-shuffler the body names; batches below the channel's minimum crowd, for unknown channels, or
-with more fragments than their contributions can carry are inconsistent; a known ``batch_id``
-is acknowledged again but counted once. Every fragment is opened with any live analyzer key and
-parsed by the channel's mechanism; fragments that fail either are chaff, counted and never
-fatal. The accumulator update, the receipt and the epoch's ledger row (its certificate at the
-crowds received, :meth:`ChannelRuntime.charge`) commit in one transaction (:mod:`analyzer.store`).
+shuffler the body names; parts below the channel's minimum crowd, for unknown channels, that
+disagree with their batch's stored parts, or whose batch carries more fragments than its
+contributions can are inconsistent; a known (``batch_id``, ``part``) is acknowledged again but
+counted once. The raw body is stored durably and acknowledged right after the commit, whatever
+the batch's size; :mod:`analyzer.opening` opens and accumulates it in the background (every
+fragment opened with any live analyzer key and parsed by the channel's mechanism; fragments
+that fail either are chaff, counted and never fatal).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from analyzer.errors import (
     UnknownShufflerError,
 )
 from analyzer.metrics import Events
-from analyzer.store import AnalyzerStore, BatchReceipt, Fold
-from common.envelope import EnvelopeError, KeyRing, open_fragment, verify
+from analyzer.store import AnalyzerStore, PartHeader
+from common.envelope import KeyRing, verify
 from common.wire import Batch
 
 log = logging.getLogger("esa.analyzer")
@@ -40,17 +41,16 @@ log = logging.getLogger("esa.analyzer")
 
 @dataclass(frozen=True, slots=True)
 class Intake:
-    """What happened to one batch: fragments opened and parsed, and chaff (``invalid``)."""
+    """What happened to one part: stored now, or known already (``duplicate``)."""
 
     batch_id: str
+    part: int
     duplicate: bool
-    opened: int = 0
-    invalid: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class IntakePolicy:
-    """Who may send batches, and how large they may be."""
+    """Who may send batches, and how large one part may be."""
 
     ring: KeyRing
     channels: Mapping[str, ChannelRuntime]
@@ -59,7 +59,7 @@ class IntakePolicy:
 
 
 class BatchIntake:
-    """Verifies signed batches and folds their fragments into the store."""
+    """Verifies signed parts and stores them for :class:`analyzer.opening.PartOpener`."""
 
     def __init__(self, store: AnalyzerStore, policy: IntakePolicy, events: Events) -> None:
         self.store = store
@@ -67,32 +67,39 @@ class BatchIntake:
         self.events = events
 
     def accept(self, body: bytes, signature: str | None) -> Intake:
-        """Verify, open and accumulate one batch (idempotent by ``batch_id``).
+        """Verify one part and store it durably (idempotent by (``batch_id``, ``part``)).
 
         Raises:
             BatchTooLargeError: body over ``max_batch_bytes``.
-            MalformedBatchError, UnknownShufflerError, BadSignatureError: not a verified batch.
-            InconsistentBatchError: a batch its channel cannot hold.
-            StorageConflictError: concurrent writers kept colliding.
+            MalformedBatchError, UnknownShufflerError, BadSignatureError: not a verified part.
+            InconsistentBatchError: a part its channel, or its batch's other parts, cannot hold.
         """
         if len(body) > self.policy.max_batch_bytes:
-            raise BatchTooLargeError(f"batch exceeds {self.policy.max_batch_bytes} bytes")
+            raise BatchTooLargeError(f"batch part exceeds {self.policy.max_batch_bytes} bytes")
         if not signature:
             raise BadSignatureError("ESA-Signature header required")
         batch = self._verified(body, signature)
         runtime = self._runtime(batch)
-        if self.store.known(batch.batch_id):
-            return self._duplicate(batch)
-        opened = self._open(batch)
-        undecryptable = len(batch.fragments) - len(opened)
-        unparsed = self.store.accumulate(
-            _receipt(batch), _folder(runtime, batch, opened), runtime.charge
+        header = _header(batch)
+        del batch
+        if not self.store.store_part(
+            header, body, lambda others: _consistent(runtime, header, others)
+        ):
+            self.events.count("batches_duplicate")
+            return Intake(header.batch_id, header.part, True)
+        self.events.count("parts_stored")
+        log.info(
+            "batch part stored",
+            extra={
+                "batch_id": header.batch_id,
+                "part": header.part,
+                "parts": header.parts,
+                "channel": header.channel_id,
+                "epoch": header.epoch,
+                "n": header.n_contributions,
+            },
         )
-        if unparsed is None:
-            return self._duplicate(batch)
-        intake = Intake(batch.batch_id, False, len(opened) - unparsed, undecryptable + unparsed)
-        self._record(batch, intake, len(opened))
-        return intake
+        return Intake(header.batch_id, header.part, False)
 
     def _verified(self, body: bytes, signature: str) -> Batch:
         try:
@@ -119,47 +126,14 @@ class BatchIntake:
             raise BelowMinCrowdError(
                 f"batch of {batch.n_contributions} contributions < min_crowd={config.min_crowd}"
             )
-        if len(batch.fragments) > batch.n_contributions * config.max_fragments:
-            raise InconsistentCountsError(
-                f"{len(batch.fragments)} fragments cannot come from {batch.n_contributions} "
-                f"contributions of at most {config.max_fragments} fragments"
-            )
         return runtime
 
-    def _open(self, batch: Batch) -> list[bytes]:
-        opened = []
-        for text in batch.fragments:
-            try:
-                opened.append(
-                    open_fragment(base64.b64decode(text), batch.channel_id, self.policy.ring)
-                )
-            except (EnvelopeError, binascii.Error, ValueError):
-                continue
-        return opened
 
-    def _duplicate(self, batch: Batch) -> Intake:
-        self.events.count("batches_duplicate")
-        return Intake(batch.batch_id, True)
-
-    def _record(self, batch: Batch, intake: Intake, opened: int) -> None:
-        self.events.count("batches_accepted")
-        self.events.count("fragments_opened", opened)
-        self.events.count("fragments_invalid", intake.invalid)
-        log.info(
-            "batch accepted",
-            extra={
-                "batch_id": batch.batch_id,
-                "channel": batch.channel_id,
-                "epoch": batch.epoch,
-                "n": batch.n_contributions,
-                "invalid": intake.invalid,
-            },
-        )
-
-
-def _receipt(batch: Batch) -> BatchReceipt:
-    return BatchReceipt(
+def _header(batch: Batch) -> PartHeader:
+    return PartHeader(
         batch_id=batch.batch_id,
+        part=batch.part,
+        parts=batch.parts,
         shuffler_id=batch.shuffler_id,
         channel_id=batch.channel_id,
         crowd_id=batch.crowd_id,
@@ -169,13 +143,32 @@ def _receipt(batch: Batch) -> BatchReceipt:
     )
 
 
-def _folder(runtime: ChannelRuntime, batch: Batch, opened: Sequence[bytes]) -> Fold:
-    def fold(state: bytes | None) -> tuple[bytes, int]:
-        accumulator = runtime.new_accumulator() if state is None else runtime.load(state)
-        invalid = runtime.add(accumulator, opened, batch.n_contributions, batch.shuffler_id)
-        return accumulator.to_bytes(), invalid
+def _batch_fields(header: PartHeader) -> tuple[object, ...]:
+    return (
+        header.parts,
+        header.shuffler_id,
+        header.channel_id,
+        header.crowd_id,
+        header.epoch,
+        header.n_contributions,
+    )
 
-    return fold
+
+def _consistent(runtime: ChannelRuntime, header: PartHeader, others: Sequence[PartHeader]) -> None:
+    """A part must say what its batch's stored parts say, and all parts together may not carry
+    more fragments than the group's contributions can (PROTOCOL.md, ``POST /v1/batches``)."""
+    if others and _batch_fields(header) != _batch_fields(others[0]):
+        raise InconsistentCountsError(
+            f"part {header.part} of batch {header.batch_id} disagrees with its stored parts "
+            "on parts, shuffler, channel, crowd, epoch or n_contributions"
+        )
+    total = header.n_fragments + sum(o.n_fragments for o in others)
+    most = header.n_contributions * runtime.config.max_fragments
+    if total > most:
+        raise InconsistentCountsError(
+            f"{total} fragments cannot come from {header.n_contributions} contributions of at "
+            f"most {runtime.config.max_fragments} fragments"
+        )
 
 
 def _problems(error: ValidationError) -> str:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 #: Counters every scrape shows (zero until the event happens), with their help text.
 COUNTERS = {
-    "batches_accepted": "batches accumulated",
-    "batches_duplicate": "batches seen before (counted once)",
+    "parts_stored": "batch parts stored (acknowledged)",
+    "parts_opened": "batch parts opened and accumulated",
+    "batches_accepted": "batches complete (every part opened and accumulated)",
+    "batches_duplicate": "batch parts seen before (counted once)",
     "fragments_opened": "fragments opened",
     "fragments_invalid": "fragments that failed to open or parse (chaff)",
     "releases": "estimates released (ledger entries)",
@@ -42,13 +44,27 @@ class Events:
 
 
 class EventsCollector:
-    """Prometheus collector over :class:`Events`."""
+    """Prometheus collector over :class:`Events`, and the intake backlog read at scrape time."""
 
-    def __init__(self, events: Events) -> None:
+    def __init__(self, events: Events, backlog: Callable[[], int]) -> None:
         self.events = events
+        self.backlog = backlog
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        """``esa_analyzer_<counter>`` and ``esa_analyzer_batches_rejected{reason}``."""
+    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The metric names, without reading the database (registration runs before the
+        migrations)."""
+        yield GaugeMetricFamily("esa_analyzer_parts_unopened", "stored batch parts not yet opened")
+        yield from self._counters()
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """``esa_analyzer_<counter>``, ``esa_analyzer_batches_rejected{reason}`` and
+        ``esa_analyzer_parts_unopened`` (stored parts the opener has not accumulated yet)."""
+        yield GaugeMetricFamily(
+            "esa_analyzer_parts_unopened", "stored batch parts not yet opened", value=self.backlog()
+        )
+        yield from self._counters()
+
+    def _counters(self) -> Iterator[CounterMetricFamily]:
         counts = self.events.snapshot()
         for name, help_text in COUNTERS.items():
             yield CounterMetricFamily(f"esa_analyzer_{name}", help_text, value=counts.get(name, 0))

@@ -14,12 +14,12 @@ computing one (``GET .../estimate``) writes nothing; publishing one (``POST .../
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from analyzer.channels import ChannelRuntime
-from analyzer.errors import NothingReceivedError, UnknownChannelError
+from analyzer.errors import IncompleteBatchesError, NothingReceivedError, UnknownChannelError
 from analyzer.metrics import Events
 from analyzer.store import AnalyzerStore, ReceivedRange
 from common.accounting import BoundResult
@@ -46,6 +46,22 @@ class Release:
     add_remove: BoundResult | None = None
     lower: BoundResult | None = None
     local: LocalPrivacy | None = None
+    #: Batches in range left out because parts are missing or unopened: id → (opened, parts).
+    incomplete: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def note(self) -> str:
+        """The estimate's note, and which batches were left out (issue 11)."""
+        if not self.incomplete:
+            return self.estimate.note
+        left_out = ", ".join(
+            f"{batch_id} ({opened}/{parts} parts)"
+            for batch_id, (opened, parts) in sorted(self.incomplete.items())
+        )
+        return (
+            f"{self.estimate.note}; left out {len(self.incomplete)} incomplete batch(es) "
+            f"whose parts are not all received and opened yet: {left_out}"
+        ).lstrip("; ")
 
     def to_wire(self, top: int | None = None) -> ReleaseBody:
         """The release as clients see it (``top`` keeps the largest estimates, largest first)."""
@@ -59,7 +75,7 @@ class Release:
             values=[float(self.estimate.values[i]) for i in index],
             std_errors=[float(self.estimate.std_errors[i]) for i in index],
             ci95=[(float(lo[i]), float(hi[i])) for i in index],
-            note=self.estimate.note,
+            note=self.note,
             certificate=_bound(self.certificate),
             other_notion=_optional(self.other_notion),
             with_randomized_deletion=_optional(self.add_remove),
@@ -116,17 +132,27 @@ class ReleaseService:
     ) -> Release:
         """Estimate over the epochs with its certificate (writes nothing).
 
+        Only complete batches count (every part received and opened, issue 11); the others in
+        range are left out and named in the release's note.
+
         Raises:
             UnknownChannelError: if the channel is not configured.
+            IncompleteBatchesError: if the range holds batches but none is complete yet.
             NothingReceivedError: if no usable batch was received in the range.
         """
         runtime = self.runtime(channel_id)
         received = self.store.received(channel_id, crowd_id, epoch_from, epoch_to)
-        if not received.states:
-            raise NothingReceivedError(
-                f"no batch received for {channel_id!r} in epochs [{epoch_from}, {epoch_to}]"
+        incomplete = self.store.incomplete(channel_id, crowd_id, epoch_from, epoch_to)
+        span = f"{channel_id!r} in epochs [{epoch_from}, {epoch_to}]"
+        if not received.states and incomplete:
+            raise IncompleteBatchesError(
+                f"no complete batch for {span} yet: {len(incomplete)} batch(es) still have "
+                "parts missing or unopened"
             )
-        return _computed(runtime, received, epoch_from, epoch_to)
+        if not received.states:
+            raise NothingReceivedError(f"no batch received for {span}")
+        release = _computed(runtime, received, epoch_from, epoch_to)
+        return replace(release, incomplete=incomplete)
 
     def publish(
         self, channel_id: str, epoch_from: int, epoch_to: int, crowd_id: str = ""

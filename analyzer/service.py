@@ -1,13 +1,15 @@
 """The analyzer as one object: what the HTTP routes call, built from settings.
 
-It wires intake, releases and the ledger over one :class:`~analyzer.store.AnalyzerStore` and
-answers in :mod:`common.wire` models; every refusal is an :class:`~analyzer.errors.AnalyzerError`.
+It wires intake, the background part opener (issue 11), releases and the ledger over one
+:class:`~analyzer.store.AnalyzerStore` and answers in :mod:`common.wire` models; every refusal
+is an :class:`~analyzer.errors.AnalyzerError`.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from analyzer.errors import AdminTokenError, NothingReceivedError
 from analyzer.intake import BatchIntake, IntakePolicy
 from analyzer.ledger import LedgerService
 from analyzer.metrics import Events
+from analyzer.opening import FragmentOpener, PartOpener
 from analyzer.releases import DEFAULT_TOP, SUMMARY_BINS, Release, ReleaseService
 from analyzer.settings import AnalyzerSettings
 from analyzer.store import AnalyzerStore
@@ -52,6 +55,7 @@ class AnalyzerService:
     releases: ReleaseService
     ledger: LedgerService
     events: Events
+    opener: PartOpener
     clock: Callable[[], float] = time.time
 
     @classmethod
@@ -82,14 +86,23 @@ class AnalyzerService:
             ReleaseService(store, channels, events),
             LedgerService(store, channels, settings.lifetime_delta),
             events,
+            PartOpener(
+                store,
+                channels,
+                FragmentOpener(policy.ring, settings.opening_processes, settings.opening_chunk),
+                events,
+                settings.fault_while_opening,
+            ),
             clock,
         )
 
     def start(self) -> None:
-        """Wait for the database and upgrade its schema (the pre-start step)."""
+        """Wait for the database and upgrade its schema (the pre-start step), then start
+        opening stored parts (first the ones stored before a crash)."""
         db.wait_for(self.store.engine)
         db.upgrade(self.store.engine, MIGRATIONS)
         charged = self.ledger.charge_missing()
+        self.opener.start(self.settings.opening_poll_seconds)
         log.info(
             "analyzer ready",
             extra={
@@ -100,20 +113,19 @@ class AnalyzerService:
         )
 
     def close(self) -> None:
-        """Release the database connections."""
+        """Stop the opener and release the database connections."""
+        self.opener.stop()
         self.store.engine.dispose()
 
     def accept(self, body: bytes, signature: str | None) -> BatchAck:
-        """``POST /v1/batches`` (see :meth:`BatchIntake.accept`)."""
+        """``POST /v1/batches``: store the part (:meth:`BatchIntake.accept`) and answer right
+        after the commit; fragment counts are unknown until the opener has opened it."""
         intake = self.intake.accept(body, signature)
-        if intake.duplicate:
-            return BatchAck(batch_id=intake.batch_id, duplicate=True)
-        return BatchAck(
-            batch_id=intake.batch_id,
-            duplicate=False,
-            fragments=intake.opened,
-            invalid=intake.invalid,
-        )
+        if self.settings.fault_after_commit == "exit" and not intake.duplicate:
+            # Test-only crash window between the commit and the answer (refused in production).
+            os._exit(3)
+        self.opener.wake()
+        return BatchAck(batch_id=intake.batch_id, part=intake.part, duplicate=intake.duplicate)
 
     def config(self) -> SignedConfig:
         """``GET /v1/config``."""

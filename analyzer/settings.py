@@ -11,6 +11,7 @@ every lifetime ε the ledger states (default :data:`LIFETIME_DELTA`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,6 +59,19 @@ class AnalyzerSettings(BaseSettings):
     #: channels' own ``budget``.
     device_budget: DeviceBudget | None = None
     log_level: str = "INFO"
+    #: Processes that open stored batch parts (issue 11: HPKE opening is the bottleneck; 1
+    #: opens in the service process itself).
+    opening_processes: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    #: Fragments one opening task handles (a pool round trip costs ~1 ms; ~2,000 HPKE opens
+    #: take ~0.1 s, so the overhead stays near 1%).
+    opening_chunk: int = Field(2000, ge=1)
+    #: How often the opener looks for stored parts when nothing wakes it.
+    opening_poll_seconds: float = Field(1.0, gt=0)
+    #: Fault hooks for the crash tests only (issue 11), refused in production:
+    #: ``exit`` ends the process between a part's commit and its answer; ``kill`` SIGKILLs it
+    #: after opening a stored part and before folding it in.
+    fault_after_commit: Literal["exit"] | None = None
+    fault_while_opening: Literal["kill"] | None = None
 
     @model_validator(mode="after")
     def _load(self) -> AnalyzerSettings:
@@ -71,6 +85,13 @@ class AnalyzerSettings(BaseSettings):
         ):
             if len(ids) != len(set(ids)):
                 raise ValueError(f"duplicate {name} ids in {ids}")
+        if self.environment == "production" and (
+            self.fault_after_commit or self.fault_while_opening
+        ):
+            raise ValueError(
+                "fault hooks (fault_after_commit, fault_while_opening) are for tests; "
+                "refused in production"
+            )
         token = self.admin_token.get_secret_value()
         if self.environment != "development" and (
             token.lower() in PLACEHOLDERS or len(token) < MIN_SECRET_LENGTH

@@ -2,11 +2,16 @@
 
 Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
 
-* ``receipts``: one row per accepted batch (idempotency by ``batch_id``), with its crowd size
-  and how many fragments were chaff.
-* ``accumulators``: the sufficient statistics per (channel, crowd, epoch, shuffler), updated
-  in the same transaction as the receipt. Kept per shuffler because each shuffler's batch is
-  shuffled separately: its crowd is what certification may rely on.
+* ``batch_parts``: one row per stored part (idempotency by (``batch_id``, ``part``)): the raw
+  signed body until it is opened, then only its counts (issue 11: acknowledged once stored,
+  opened in the background).
+* ``open_batches``: the statistics of a batch whose parts are not all opened yet, folded part
+  by part in the same transaction that marks each part opened (nothing opened twice).
+* ``receipts``: one row per complete batch (all its parts opened), with its crowd size and how
+  many fragments were chaff.
+* ``accumulators``: the sufficient statistics per (channel, crowd, epoch, shuffler) of complete
+  batches, updated in the same transaction as the receipt. Kept per shuffler because each
+  shuffler's batch is shuffled separately: its crowd is what certification may rely on.
 * ``epoch_charges``: the privacy ledger — one row per (channel, crowd, epoch), the certificates
   of that epoch's view at the crowds received, rewritten in the same transaction as every batch
   of the epoch (so an epoch is charged once, whatever is queried or published).
@@ -23,9 +28,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     ColumnElement,
     Float,
@@ -36,6 +43,8 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    cast,
+    delete,
     func,
     insert,
     select,
@@ -100,11 +109,61 @@ epoch_charges = Table(
     Column("charged_at", Float, nullable=False),
 )
 
+batch_parts = Table(
+    "batch_parts",
+    metadata,
+    Column("batch_id", String(32), primary_key=True),
+    Column("part", Integer, primary_key=True),
+    Column("parts", Integer, nullable=False),
+    Column("shuffler_id", String(64), nullable=False),
+    Column("channel_id", String(64), nullable=False),
+    Column("crowd_id", String(255), nullable=False),
+    Column("epoch", BigInteger, nullable=False),
+    Column("n_contributions", Integer, nullable=False),
+    Column("n_fragments", Integer, nullable=False),
+    Column("body", LargeBinary, nullable=True),
+    Column("opened", Boolean, nullable=False, index=True),
+    Column("invalid", Integer, nullable=False),
+    Column("received_at", Float, nullable=False),
+)
+
+open_batches = Table(
+    "open_batches",
+    metadata,
+    Column("batch_id", String(32), primary_key=True),
+    Column("state", LargeBinary, nullable=False),
+    Column("opened", Integer, nullable=False),
+    Column("n_fragments", Integer, nullable=False),
+    Column("invalid", Integer, nullable=False),
+)
+
 #: Attempts to store one batch when concurrent writers create the same accumulator row.
 STORE_ATTEMPTS = 5
 
-#: Folds a batch into an accumulator: serialized state (None when new) → (new state, invalid).
+#: Stored parts the opener reads per query (a page of headers, never their bodies).
+PENDING_PAGE = 100
+
+#: Folds an opened part into its batch's statistics: serialized state (None when new) →
+#: (new state, invalid fragments).
 Fold = Callable[[bytes | None], tuple[bytes, int]]
+#: Merges a complete batch's statistics into an accumulator (None when new) → new state.
+Merge = Callable[[bytes | None, bytes], bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class PartHeader:
+    """What a stored part says about itself (PROTOCOL.md, ``POST /v1/batches``); its
+    fragments stay in the stored body until they are opened."""
+
+    batch_id: str
+    part: int
+    parts: int
+    shuffler_id: str
+    channel_id: str
+    crowd_id: str
+    epoch: int
+    n_contributions: int
+    n_fragments: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,71 +233,117 @@ class AnalyzerStore:
         self.clock = clock
         self._storing = threading.Lock()
 
-    # --- intake -------------------------------------------------------------------------
+    # --- intake (issue 11: store a part, open it in the background) ----------------------
 
-    def known(self, batch_id: str) -> bool:
-        """Whether a batch with this id was accepted before."""
-        query = select(receipts.c.batch_id).where(receipts.c.batch_id == batch_id)
+    def stored_parts(self, batch_id: str) -> list[PartHeader]:
+        """The headers of a batch's parts stored so far (the first part fixes the batch)."""
+        p = batch_parts.c
+        query = select(*_HEADER).where(p.batch_id == batch_id).order_by(p.part)
         with self.engine.connect() as conn:
-            return conn.execute(query).first() is not None
+            return [PartHeader(*row) for row in conn.execute(query)]
 
-    def accumulate(self, receipt: BatchReceipt, fold: Fold, charge: Charge) -> int | None:
-        """Write the receipt, fold the batch into its accumulator and recharge the batch's
-        epoch (``charge`` over everything received in it) in one transaction.
+    def store_part(
+        self, header: PartHeader, body: bytes, check: Callable[[list[PartHeader]], None]
+    ) -> bool:
+        """Durably store one signed part unless (``batch_id``, ``part``) is known; ``check``
+        sees the batch's other stored parts first (and raises to refuse). Returns False for a
+        known part (a repeat, or a batch accepted whole before parts existed).
+        """
+        with self._storing:
+            if self._known(header):
+                return False
+            check(self.stored_parts(header.batch_id))
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(
+                        insert(batch_parts).values(
+                            **asdict(header),
+                            body=body,
+                            opened=False,
+                            invalid=0,
+                            received_at=self.clock(),
+                        )
+                    )
+            except IntegrityError:
+                if self._known(header):
+                    return False
+                raise
+        return True
 
-        Returns the fragments ``fold`` found invalid, or None if the receipt already exists (a
-        concurrent duplicate). An integrity conflict is a duplicate only if the receipt is
-        there; otherwise another writer created the same accumulator row first, and the store
-        is retried (its transaction rolled back, so nothing was counted twice).
+    def _known(self, header: PartHeader) -> bool:
+        p, r = batch_parts.c, receipts.c
+        part = select(p.part).where(p.batch_id == header.batch_id, p.part == header.part)
+        whole = select(r.batch_id).where(r.batch_id == header.batch_id)
+        with self.engine.connect() as conn:
+            return any(conn.execute(q).first() is not None for q in (part, whole))
+
+    def pending_parts(self, limit: int = PENDING_PAGE) -> list[PartHeader]:
+        """Stored parts not opened yet, oldest first (what the opener resumes after a crash)."""
+        p = batch_parts.c
+        query = (
+            select(*_HEADER)
+            .where(p.opened.is_(False))
+            .order_by(p.received_at, p.batch_id, p.part)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [PartHeader(*row) for row in conn.execute(query)]
+
+    def unopened_parts(self) -> int:
+        """How many stored parts wait for the opener (the intake backlog)."""
+        query = select(func.count()).select_from(batch_parts).where(batch_parts.c.opened.is_(False))
+        with self.engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def part_body(self, header: PartHeader) -> bytes | None:
+        """The signed body of a stored part, None once it is opened."""
+        p = batch_parts.c
+        query = select(p.body).where(
+            p.batch_id == header.batch_id, p.part == header.part, p.opened.is_(False)
+        )
+        with self.engine.connect() as conn:
+            body = conn.execute(query).scalar_one_or_none()
+        return None if body is None else bytes(body)
+
+    def fold_part(self, header: PartHeader, fold: Fold, merge: Merge, charge: Charge) -> bool:
+        """Fold an opened part into its batch's statistics and mark it opened, in one
+        transaction; when it is the batch's last part, the batch joins its accumulator, gets
+        its receipt and its epoch is recharged in the same transaction (so a batch counts once,
+        whole, or not at all). Returns False if the part was already opened.
 
         Raises:
-            StorageConflictError: if the conflict persists over :data:`STORE_ATTEMPTS`.
+            StorageConflictError: if concurrent writers kept colliding.
         """
         for _ in range(STORE_ATTEMPTS):
             try:
-                with self._storing:
-                    return self._accumulate(receipt, fold, charge)
+                with self._storing, self.engine.begin() as conn:
+                    return _fold_part(conn, header, fold, merge, charge, self.clock())
             except IntegrityError:
-                if self.known(receipt.batch_id):
-                    return None
-        raise StorageConflictError("could not store the batch; retry later")
+                continue
+        raise StorageConflictError("could not fold the part; retry later")
 
-    def _accumulate(self, receipt: BatchReceipt, fold: Fold, charge: Charge) -> int:
-        a = accumulators.c
-        key = (
-            a.channel_id == receipt.channel_id,
-            a.crowd_id == receipt.crowd_id,
-            a.epoch == receipt.epoch,
-            a.shuffler_id == receipt.shuffler_id,
+    def incomplete(
+        self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
+    ) -> dict[str, tuple[int, int]]:
+        """Batches in range with parts missing or not opened yet: ``batch_id`` → (parts
+        opened, parts)."""
+        p = batch_parts.c
+        query = (
+            select(p.batch_id, p.parts, func.sum(cast(p.opened, Integer)))
+            .where(*_in_range(batch_parts, channel_id, crowd_id, epoch_from, epoch_to))
+            .group_by(p.batch_id, p.parts)
         )
-        with self.engine.begin() as conn:
-            conn.execute(
-                insert(receipts).values(**asdict(receipt), invalid=0, received_at=self.clock())
-            )
-            row = conn.execute(_locked(conn, select(a.state, a.batches).where(*key))).first()
-            state, invalid = fold(None if row is None else bytes(row.state))
-            if row is None:
-                conn.execute(
-                    insert(accumulators).values(
-                        channel_id=receipt.channel_id,
-                        crowd_id=receipt.crowd_id,
-                        epoch=receipt.epoch,
-                        shuffler_id=receipt.shuffler_id,
-                        state=state,
-                        batches=1,
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+            done = {
+                b
+                for (b,) in conn.execute(
+                    select(receipts.c.batch_id).where(
+                        receipts.c.batch_id.in_([row[0] for row in rows])
                     )
                 )
-            else:
-                conn.execute(
-                    update(accumulators).where(*key).values(state=state, batches=row.batches + 1)
-                )
-            conn.execute(
-                update(receipts)
-                .where(receipts.c.batch_id == receipt.batch_id)
-                .values(invalid=invalid)
-            )
-            _charge(conn, receipt, charge, self.clock())
-        return invalid
+            }
+        return {b: (int(o or 0), int(n)) for b, n, o in rows if b not in done}
 
     def uncharged(self) -> list[tuple[str, str, int]]:
         """(channel, crowd, epoch) with accumulators but no ledger row (databases from before
@@ -352,6 +457,110 @@ class AnalyzerStore:
         return None if text is None else ReleaseBody.model_validate_json(text)
 
 
+_HEADER = tuple(
+    batch_parts.c[name]
+    for name in (
+        "batch_id",
+        "part",
+        "parts",
+        "shuffler_id",
+        "channel_id",
+        "crowd_id",
+        "epoch",
+        "n_contributions",
+        "n_fragments",
+    )
+)
+
+
+def _fold_part(
+    conn: Connection, header: PartHeader, fold: Fold, merge: Merge, charge: Charge, now: float
+) -> bool:
+    p, o = batch_parts.c, open_batches.c
+    part_key = (p.batch_id == header.batch_id, p.part == header.part, p.opened.is_(False))
+    if conn.execute(_locked(conn, select(p.part).where(*part_key))).first() is None:
+        return False
+    row = conn.execute(
+        _locked(
+            conn,
+            select(o.state, o.opened, o.n_fragments, o.invalid).where(
+                o.batch_id == header.batch_id
+            ),
+        )
+    ).first()
+    state, invalid = fold(None if row is None else bytes(row.state))
+    conn.execute(
+        update(batch_parts).where(*part_key).values(opened=True, body=None, invalid=invalid)
+    )
+    opened = 1 + (0 if row is None else int(row.opened))
+    fragments = header.n_fragments + (0 if row is None else int(row.n_fragments))
+    invalid += 0 if row is None else int(row.invalid)
+    if row is not None:
+        conn.execute(delete(open_batches).where(o.batch_id == header.batch_id))
+    if opened < header.parts:
+        conn.execute(
+            insert(open_batches).values(
+                batch_id=header.batch_id,
+                state=state,
+                opened=opened,
+                n_fragments=fragments,
+                invalid=invalid,
+            )
+        )
+        return True
+    receipt = BatchReceipt(
+        header.batch_id,
+        header.shuffler_id,
+        header.channel_id,
+        header.crowd_id,
+        header.epoch,
+        header.n_contributions,
+        fragments,
+    )
+    _complete(conn, receipt, invalid, merge(_accumulator(conn, receipt), state), now)
+    _charge(conn, receipt, charge, now)
+    return True
+
+
+def _accumulator(conn: Connection, receipt: BatchReceipt) -> bytes | None:
+    a = accumulators.c
+    query = select(a.state).where(*_accumulator_key(receipt))
+    state = conn.execute(_locked(conn, query)).scalar_one_or_none()
+    return None if state is None else bytes(state)
+
+
+def _accumulator_key(receipt: BatchReceipt) -> tuple[ColumnElement[bool], ...]:
+    a = accumulators.c
+    return (
+        a.channel_id == receipt.channel_id,
+        a.crowd_id == receipt.crowd_id,
+        a.epoch == receipt.epoch,
+        a.shuffler_id == receipt.shuffler_id,
+    )
+
+
+def _complete(
+    conn: Connection, receipt: BatchReceipt, invalid: int, state: bytes, now: float
+) -> None:
+    """A complete batch joins its accumulator and gets its receipt (one transaction)."""
+    key = _accumulator_key(receipt)
+    conn.execute(insert(receipts).values(**asdict(receipt), invalid=invalid, received_at=now))
+    batches = conn.execute(select(accumulators.c.batches).where(*key)).scalar_one_or_none()
+    if batches is None:
+        conn.execute(
+            insert(accumulators).values(
+                channel_id=receipt.channel_id,
+                crowd_id=receipt.crowd_id,
+                epoch=receipt.epoch,
+                shuffler_id=receipt.shuffler_id,
+                state=state,
+                batches=1,
+            )
+        )
+    else:
+        conn.execute(update(accumulators).where(*key).values(state=state, batches=batches + 1))
+
+
 def _received(
     conn: Connection, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
 ) -> ReceivedRange:
@@ -404,7 +613,7 @@ def _charge(conn: Connection, receipt: BatchReceipt, charge: Charge, now: float)
         conn.execute(update(epoch_charges).where(*key).values(**values))
 
 
-def _locked(conn: Connection, query: Select[tuple[bytes, int]]) -> Select[tuple[bytes, int]]:
+def _locked(conn: Connection, query: Select[Any]) -> Select[Any]:
     # PostgreSQL: lock the accumulator row so concurrent batches fold in one after another.
     # SQLite has no row locks; its single writer (and the store's lock) serializes instead.
     return query.with_for_update() if conn.dialect.name == "postgresql" else query

@@ -158,18 +158,38 @@ class ShufflerInfo(BaseModel):
         return _identifier(value, "shuffler id")
 
 
+#: Fragments in one batch part by default: ~50k sealed fragments is a few MB of JSON, which an
+#: analyzer stores in well under a second, so no part can time out however big its group.
+PART_FRAGMENTS = 50_000
+
+
 class Batch(BaseModel):
-    """A shuffled, signed batch: nothing but counts and sealed fragments."""
+    """One signed part of a shuffled batch: nothing but counts and sealed fragments.
+
+    A group is evaluated and shuffled whole (ESA-revisited Algorithm 3), then its shuffled
+    sequence is cut into ``parts`` consecutive parts; ``n_contributions`` is the whole group's
+    count in every part. Order inside the shuffled sequence carries nothing, so the parts are
+    delivered and stored independently, each idempotent per (``batch_id``, ``part``); a release
+    uses the batch only when all its parts are in.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     batch_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    part: int = Field(0, ge=0)
+    parts: int = Field(1, ge=1)
     shuffler_id: str
     channel_id: str
     crowd_id: str
     epoch: int = Field(ge=0)
     n_contributions: int = Field(ge=0)
     fragments: list[str]
+
+    @model_validator(mode="after")
+    def _check_part(self) -> Batch:
+        if self.part >= self.parts:
+            raise ValueError(f"part must be < parts, got part={self.part}, parts={self.parts}")
+        return self
 
     def body(self) -> bytes:
         """The exact bytes that are signed and sent."""
@@ -277,10 +297,12 @@ class RevokeResult(BaseModel):
 
 
 class BatchAck(BaseModel):
-    """The analyzer's answer to ``POST /v1/batches``: 201 first time, 200 for a known
-    ``batch_id`` (counted once; ``fragments`` and ``invalid`` are then absent)."""
+    """The analyzer's answer to ``POST /v1/batches``: the part is durably stored (201 the first
+    time, 200 for a known (``batch_id``, ``part``), counted once); it is opened and accumulated
+    in the background, so fragment counts are not known yet when it is acknowledged."""
 
     batch_id: str
+    part: int = 0
     duplicate: bool
     fragments: int | None = None
     invalid: int | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -26,8 +27,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from common import randomness
 from common.envelope import sign
 from common.randomness import RandomSource
-from common.wire import Batch, ChannelPolicy, b64
-from shuffler.records import GroupKey, SealedBatch, unpack_fragments
+from common.wire import PART_FRAGMENTS, Batch, ChannelPolicy, b64
+from shuffler.records import GroupKey, SealedPart, ShuffledBatch, unpack_fragments
 
 
 class GroupStatus(StrEnum):
@@ -56,10 +57,10 @@ class Deletion:
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
-    """Algorithm 3 applied to one group: the outcome and, when released, the signed batch."""
+    """Algorithm 3 applied to one group: the outcome and, when released, the shuffled batch."""
 
     deletion: Deletion
-    batch: SealedBatch | None
+    batch: ShuffledBatch | None
 
 
 def randomized_deletion(n: int, policy: ChannelPolicy, rng: RandomSource) -> Deletion:
@@ -92,37 +93,66 @@ def shuffled_fragments(survivors: list[bytes], rng: RandomSource) -> list[bytes]
     return fragments
 
 
+def part_count(fragments: int, part_fragments: int) -> int:
+    """Parts of a batch of ``fragments`` cut into parts of at most ``part_fragments`` (an empty
+    batch is still one part, so the analyzer learns its count).
+
+    Raises:
+        ValueError: if ``fragments`` < 0 or ``part_fragments`` < 1.
+    """
+    if fragments < 0 or part_fragments < 1:
+        raise ValueError(
+            f"need fragments >= 0, part_fragments >= 1, got {fragments=}, {part_fragments=}"
+        )
+    return max(1, math.ceil(fragments / part_fragments))
+
+
 @dataclass
 class Batcher:
-    """Applies Algorithm 3 to groups and seals the released ones as signed batches."""
+    """Applies Algorithm 3 to groups, shuffles the released ones once, and seals their
+    shuffled sequence as signed parts of at most ``part_fragments`` fragments."""
 
     shuffler_id: str
     signing_key: Ed25519PrivateKey
     rng: RandomSource = field(default_factory=randomness.default_source)
+    part_fragments: int = PART_FRAGMENTS
+
+    def __post_init__(self) -> None:
+        if self.part_fragments < 1:
+            raise ValueError(f"part_fragments must be >= 1, got {self.part_fragments}")
 
     def evaluate(self, key: GroupKey, blobs: list[bytes], policy: ChannelPolicy) -> Evaluation:
-        """Algorithm 3 over one group's packed contributions (one noise draw)."""
+        """Algorithm 3 over one group's packed contributions (one noise draw), then the
+        survivors' fragments flattened and shuffled once."""
         deletion = randomized_deletion(len(blobs), policy, self.rng)
         if deletion.status is not GroupStatus.RELEASED:
             return Evaluation(deletion, None)
         order = list(range(len(blobs)))
         randomness.shuffle(self.rng, order)
         survivors = [blobs[i] for i in order[: deletion.kept]]
-        return Evaluation(deletion, self.seal(key, survivors))
+        fragments = shuffled_fragments(survivors, self.rng)
+        return Evaluation(deletion, ShuffledBatch(secrets.token_hex(16), len(survivors), fragments))
 
-    def seal(self, key: GroupKey, survivors: list[bytes]) -> SealedBatch:
-        """Flatten, shuffle and sign the survivors' fragments; the batch carries only counts."""
-        batch = Batch(
-            batch_id=secrets.token_hex(16),
-            shuffler_id=self.shuffler_id,
-            channel_id=key.channel_id,
-            crowd_id=key.crowd_id,
-            epoch=key.epoch,
-            n_contributions=len(survivors),
-            fragments=[b64(f) for f in shuffled_fragments(survivors, self.rng)],
-        )
-        body = batch.body()
-        return SealedBatch(batch.batch_id, len(survivors), body, b64(sign(body, self.signing_key)))
+    def seal(self, key: GroupKey, batch: ShuffledBatch) -> Iterator[SealedPart]:
+        """The batch's signed parts, one at a time: consecutive slices of the shuffled sequence
+        (order inside it carries nothing, so cutting it reveals nothing), each body built and
+        signed from its slice alone so no whole-batch body ever exists in memory. Every part
+        carries the whole group's ``n_contributions`` (PROTOCOL.md, ``POST /v1/batches``)."""
+        parts = part_count(len(batch.fragments), self.part_fragments)
+        for part in range(parts):
+            start = part * self.part_fragments
+            body = Batch(
+                batch_id=batch.batch_id,
+                part=part,
+                parts=parts,
+                shuffler_id=self.shuffler_id,
+                channel_id=key.channel_id,
+                crowd_id=key.crowd_id,
+                epoch=key.epoch,
+                n_contributions=batch.n_contributions,
+                fragments=[b64(f) for f in batch.fragments[start : start + self.part_fragments]],
+            ).body()
+            yield SealedPart(batch.batch_id, part, body, b64(sign(body, self.signing_key)))
 
 
 def due(

@@ -1,9 +1,16 @@
-"""Forwarding (PROTOCOL.md, "Delivery guarantees"): POST every due batch to the analyzer, at
-least once, with the shared backoff policy (:mod:`common.retry`), resumed after restarts.
+"""Forwarding (PROTOCOL.md, "Delivery guarantees"): POST every due batch part to the analyzer,
+at least once, by exactly one forwarder at a time, with the shared backoff policy
+(:mod:`common.retry`), resumed after restarts.
 
-A batch leaves the shuffler as the exact bytes it was signed over, with its Ed25519 signature in
-``ESA-Signature``; the analyzer counts a ``batch_id`` once, so re-sending after a lost answer is
-safe. A permanent refusal (a 4xx that retrying cannot heal) marks the batch failed and is logged.
+A part leaves the shuffler as the exact bytes it was signed over, with its Ed25519 signature in
+``ESA-Signature``; the analyzer counts a (``batch_id``, ``part``) once, so re-sending after a
+lost answer is safe. Before sending, a forwarder claims the part's lease in the store, so the
+periodic loop and an admin close never send the same part concurrently.
+
+Only a refusal of the part's *content* is permanent (:data:`PERMANENT_REFUSALS`): the part is
+then kept, counted as undelivered, until retention. Everything else — transport errors, 5xx,
+429, an unknown shuffler (401, healed by registering it), and 413 (a batch is never dropped for
+its size) — is retried with backoff.
 """
 
 from __future__ import annotations
@@ -17,18 +24,23 @@ import httpx
 from pydantic import ValidationError
 
 from common.randomness import RandomSource
-from common.retry import Backoff, retry_after_seconds, retryable_status
+from common.retry import Backoff, retry_after_seconds
 from common.wire import BatchAck
-from shuffler.records import DueBatch
+from shuffler.records import DuePart, PartKey
 from shuffler.store import ContributionStore
 
 log = logging.getLogger("esa.shuffler")
-#: Characters of an analyzer's refusal kept as the batch's ``last_error``.
+#: Characters of an analyzer's refusal kept as the part's ``last_error``.
 ERROR_EXCERPT = 200
+#: Answers that refuse the signed bytes themselves (PROTOCOL.md, ``POST /v1/batches``: 400
+#: malformed, 422 below the minimum crowd or inconsistent counts); re-sending the same bytes
+#: cannot heal them.
+PERMANENT_REFUSALS = frozenset({400, 422})
+TOO_LARGE = 413
 
 
 class Outcome(StrEnum):
-    """What one attempt to forward a batch came to."""
+    """What one attempt to forward a part came to."""
 
     FORWARDED = "forwarded"
     RETRIED = "retried"
@@ -42,38 +54,40 @@ class Attempt:
     outcome: Outcome
     error: str | None = None
     wait: float | None = None
+    status: int | None = None
 
 
-def post_batch(client: httpx.Client, url: str, batch: DueBatch) -> Attempt:
-    """POST one batch; classify the answer with :func:`common.retry.retryable_status`."""
-    headers = {"ESA-Signature": batch.signature, "Content-Type": "application/json"}
+def post_part(client: httpx.Client, url: str, part: DuePart) -> Attempt:
+    """POST one batch part; only :data:`PERMANENT_REFUSALS` fail it, anything else retries."""
+    headers = {"ESA-Signature": part.signature, "Content-Type": "application/json"}
     try:
-        response = client.post(url, content=batch.body, headers=headers)
+        response = client.post(url, content=part.body, headers=headers)
     except httpx.HTTPError as error:
         return Attempt(Outcome.RETRIED, f"{type(error).__name__}: {error}")
     if response.is_success:
-        _check_ack(response, batch.batch_id)
+        _check_ack(response, part)
         return Attempt(Outcome.FORWARDED)
-    reason = f"HTTP {response.status_code}: {response.text[:ERROR_EXCERPT]}"
-    if retryable_status(response.status_code):
-        return Attempt(Outcome.RETRIED, reason, retry_after_seconds(response.headers))
-    return Attempt(Outcome.FAILED, reason)
+    status = response.status_code
+    reason = f"HTTP {status}: {response.text[:ERROR_EXCERPT]}"
+    if status in PERMANENT_REFUSALS:
+        return Attempt(Outcome.FAILED, reason, status=status)
+    return Attempt(Outcome.RETRIED, reason, retry_after_seconds(response.headers), status)
 
 
-def _check_ack(response: httpx.Response, batch_id: str) -> None:
+def _check_ack(response: httpx.Response, part: DuePart) -> None:
     """Read the analyzer's :class:`~common.wire.BatchAck`. A 2xx means the part is durably
     stored there whatever its body says, so an unreadable acknowledgement is only logged."""
     try:
         ack = BatchAck.model_validate_json(response.content)
     except ValidationError:
-        log.warning("unreadable batch acknowledgement", extra={"batch_id": batch_id})
+        log.warning("unreadable batch acknowledgement", extra={"batch_id": part.batch_id})
         return
-    if ack.batch_id != batch_id:
-        log.warning("acknowledgement names another batch", extra={"batch_id": batch_id})
+    if ack.batch_id != part.batch_id:
+        log.warning("acknowledgement names another batch", extra={"batch_id": part.batch_id})
 
 
 class Forwarder:
-    """Sends due batches from the store to the analyzer and records each outcome."""
+    """Claims due parts in the store, sends them to the analyzer and records each outcome."""
 
     def __init__(
         self,
@@ -82,37 +96,50 @@ class Forwarder:
         backoff: Backoff,
         rng: RandomSource,
         clock: Callable[[], float],
+        lease_seconds: float,
     ) -> None:
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
         self.store = store
         self.url = analyzer_url.rstrip("/") + "/v1/batches" if analyzer_url else None
         self.backoff = backoff
         self.rng = rng
         self.clock = clock
+        self.lease_seconds = lease_seconds
 
     def forward_due(self, client: httpx.Client) -> dict[Outcome, int]:
-        """One round: POST every due batch; how many were forwarded, retried, failed."""
+        """One round: claim and POST every due part (one body in memory at a time); how many
+        were forwarded, retried, failed. Parts another forwarder holds are skipped."""
         tally = dict.fromkeys(Outcome, 0)
         if self.url is None:
             return tally
-        for batch in self.store.due_batches(self.clock()):
-            attempt = post_batch(client, self.url, batch)
-            self._record(batch, attempt)
+        for key in self.store.due_parts(self.clock()):
+            part = self.store.claim(key, self.clock(), self.lease_seconds)
+            if part is None:
+                continue
+            attempt = post_part(client, self.url, part)
+            self._record(part, attempt)
             tally[attempt.outcome] += 1
         return tally
 
-    def _record(self, batch: DueBatch, attempt: Attempt) -> None:
-        error = attempt.error or ""
+    def _record(self, part: DuePart, attempt: Attempt) -> None:
+        key, error = PartKey(part.batch_id, part.part), attempt.error or ""
+        where = {"batch_id": part.batch_id, "part": part.part, "reason": error}
         if attempt.outcome is Outcome.FORWARDED:
-            self.store.record_forwarded(batch.batch_id, self.clock())
+            self.store.record_forwarded(key, self.clock())
         elif attempt.outcome is Outcome.FAILED:
-            log.error(
-                "batch rejected by analyzer", extra={"batch_id": batch.batch_id, "reason": error}
-            )
-            self.store.record_failed(batch.batch_id, error)
+            log.error("batch part refused by analyzer, kept until retention", extra=where)
+            self.store.record_failed(key, error)
         else:
-            delay = max(self.backoff.delay(batch.attempts, self.rng), attempt.wait or 0.0)
-            log.warning(
-                "forward failed, will retry",
-                extra={"batch_id": batch.batch_id, "attempt": batch.attempts + 1, "reason": error},
-            )
-            self.store.record_retry(batch.batch_id, batch.attempts + 1, self.clock() + delay, error)
+            delay = max(self.backoff.delay(part.attempts, self.rng), attempt.wait or 0.0)
+            if attempt.status == TOO_LARGE:
+                log.error(
+                    "analyzer refused a batch part as too large; retrying (lower "
+                    "ESA_SHUFFLER_PART_FRAGMENTS or raise the analyzer's limit)",
+                    extra=where,
+                )
+            else:
+                log.warning(
+                    "forward failed, will retry", extra={**where, "attempt": part.attempts + 1}
+                )
+            self.store.record_retry(key, part.attempts + 1, self.clock() + delay, error)

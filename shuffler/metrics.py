@@ -16,9 +16,9 @@ from sqlalchemy.exc import SQLAlchemyError
 COUNTERS = {
     "contributions_received": "contributions acknowledged (202)",
     "batches_released": "batches created by Algorithm 3",
-    "batches_forwarded": "batches acknowledged by the analyzer",
-    "batches_retried": "forwarding attempts that will be retried",
-    "batches_failed": "batches the analyzer rejected permanently",
+    "batches_forwarded": "batch parts acknowledged by the analyzer",
+    "batches_retried": "forwarding attempts of a part that will be retried",
+    "batches_failed": "batch parts whose content the analyzer refused (kept until retention)",
 }
 DELETION_CAUSES = ("randomized_deletion", "abort", "retention")
 QUEUE_STATES = ("pending", "held", "in_batches_unforwarded")

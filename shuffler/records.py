@@ -36,20 +36,40 @@ class GroupKey:
 
 
 @dataclass(frozen=True, slots=True)
-class SealedBatch:
-    """A signed batch ready to be stored and forwarded (only counts, no identifiers)."""
+class ShuffledBatch:
+    """A released group's surviving fragments, shuffled once (ESA-revisited Algorithm 3);
+    stored and delivered as signed parts cut from this sequence."""
 
     batch_id: str
     n_contributions: int
+    fragments: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class SealedPart:
+    """One signed part of a batch, ready to be stored and forwarded (only counts, no
+    identifiers): the exact body bytes and their Ed25519 signature."""
+
+    batch_id: str
+    part: int
     body: bytes
     signature: str
 
 
 @dataclass(frozen=True, slots=True)
-class DueBatch:
-    """A stored batch whose next forwarding attempt is due."""
+class PartKey:
+    """A stored batch part awaiting delivery, before a forwarder claims it."""
 
     batch_id: str
+    part: int
+
+
+@dataclass(frozen=True, slots=True)
+class DuePart:
+    """A batch part claimed by one forwarder (leased until its attempt is recorded)."""
+
+    batch_id: str
+    part: int
     body: bytes
     signature: str
     attempts: int

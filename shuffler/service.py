@@ -66,9 +66,11 @@ class ShufflerService:
         self.rng = rng or randomness.default_source()
         self.events = Events()
         self.intake = Intake(settings, ring, clock)
-        self.batcher = Batcher(settings.shuffler_id, signing_key, self.rng)
+        self.batcher = Batcher(settings.shuffler_id, signing_key, self.rng, settings.part_fragments)
         backoff = Backoff(settings.backoff_base_seconds, settings.backoff_cap_seconds)
-        self.forwarder = Forwarder(store, settings.analyzer_url, backoff, self.rng, clock)
+        self.forwarder = Forwarder(
+            store, settings.analyzer_url, backoff, self.rng, clock, settings.forward_lease_seconds
+        )
         self.retention = Retention(store, settings.retention_seconds, clock)
         self._batching = threading.Lock()
 
@@ -144,7 +146,8 @@ class ShufflerService:
         return found
 
     def evaluate(self, key: GroupKey, final: bool) -> Deletion | None:
-        """Apply Algorithm 3 to one group (part) and store its batch in one transaction.
+        """Apply Algorithm 3 to one group (part) and store its batch, as signed parts of at most
+        ``part_fragments`` fragments, in one transaction.
 
         Raises:
             sqlalchemy.exc.IntegrityError: another worker evaluated this part first.
@@ -157,6 +160,7 @@ class ShufflerService:
             policy.max_batch,
             final,
             lambda blobs: self.batcher.evaluate(key, blobs, policy),
+            lambda batch: self.batcher.seal(key, batch),
             self.clock(),
         )
         if outcome is None:
@@ -207,7 +211,7 @@ class ShufflerService:
     # --- forwarding, retention, accounting ------------------------------------------------
 
     def forward_due(self, client: httpx.Client) -> dict[str, int]:
-        """POST every due batch to the analyzer: how many forwarded, retried, failed."""
+        """POST every due batch part to the analyzer: how many forwarded, retried, failed."""
         tally = self.forwarder.forward_due(client)
         for outcome, amount in tally.items():
             self.events.count(f"batches_{outcome}", amount)

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.wire import ChannelPolicy
+from common.wire import PART_FRAGMENTS, ChannelPolicy
 
 PLACEHOLDERS = {"", "changeme", "change-me", "secret", "development"}
 
@@ -42,6 +42,11 @@ class ShufflerSettings(BaseSettings):
     epoch_grace_seconds: float = Field(2.0, ge=0)
     batch_interval_seconds: float = Field(1.0, gt=0)
     forward_interval_seconds: float = Field(0.5, gt=0)
+    #: Fragments per signed batch part (issue 11): bounds every POST to the analyzer.
+    part_fragments: int = Field(PART_FRAGMENTS, ge=1)
+    #: How long a forwarder holds a part it is sending; longer than one POST may take
+    #: (:data:`shuffler.app.ANALYZER_TIMEOUT`), so a live forwarder never loses it.
+    forward_lease_seconds: float = Field(120.0, gt=0)
     backoff_base_seconds: float = Field(0.5, gt=0)
     backoff_cap_seconds: float = Field(60.0, gt=0)
     retention_seconds: float = Field(7 * 24 * 3600.0, gt=0)

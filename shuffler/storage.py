@@ -6,7 +6,11 @@
   the minimum crowd and is held until retention expiry.
 * ``groups``: one row per evaluated (channel, crowd, epoch, part) — a group is never evaluated
   twice with fresh noise; records what randomized deletion did.
-* ``batches``: signed batches and their forwarding state.
+* ``batches``: one row per released group (its shuffled batch): counts and whether every part
+  was acknowledged (``status`` = ``forwarded``).
+* ``batch_parts``: the signed parts of each batch (ESA-revisited Algorithm 3's shuffled sequence
+  cut into bounded parts) and their forwarding state; ``lease_until`` is the lease of the one
+  forwarder that may be sending the part (PROTOCOL.md, "Delivery guarantees").
 * ``purges``: contributions deleted by retention, so every acknowledged contribution is
   accounted for (forwarded, deleted by Algorithm 3, or purged).
 * ``revoked``: revoked client ids.
@@ -71,15 +75,27 @@ batches = Table(
     Column("channel_id", String(64), nullable=False),
     Column("epoch", BigInteger, nullable=False),
     Column("n_contributions", Integer, nullable=False),
+    Column("parts", Integer, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("forwarded_at", Float, nullable=True),
+)
+
+batch_parts = Table(
+    "batch_parts",
+    metadata,
+    Column("batch_id", String(32), primary_key=True),
+    Column("part", Integer, primary_key=True),
     Column("body", LargeBinary, nullable=False),
     Column("signature", Text, nullable=False),
     Column("status", String(16), nullable=False),
     Column("created_at", Float, nullable=False),
     Column("attempts", Integer, nullable=False, default=0),
     Column("next_attempt_at", Float, nullable=False),
+    Column("lease_until", Float, nullable=True),
     Column("forwarded_at", Float, nullable=True),
     Column("last_error", Text, nullable=True),
-    Index("ix_batches_status", "status", "next_attempt_at"),
+    Index("ix_batch_parts_due", "status", "next_attempt_at"),
 )
 
 purges = Table(

@@ -7,8 +7,10 @@ supply what differs (the insert-ignore construct, the driver's placeholder, conn
 
 Durability (PROTOCOL.md, "Delivery guarantees"): :meth:`~ContributionStore.insert` returns
 receipts only after its transaction committed; :meth:`~ContributionStore.evaluate_group` stores a
-group's batch in the same transaction that removes its contributions and records the group as
-evaluated, whose primary key lets exactly one evaluation commit across workers.
+group's batch (all its signed parts) in the same transaction that removes its contributions and
+records the group as evaluated, whose primary key lets exactly one evaluation commit across
+workers. A part is sent by exactly one forwarder at a time: :meth:`~ContributionStore.claim`
+takes its lease with one conditional ``UPDATE`` (atomic in SQLite and PostgreSQL alike).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import functools
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
-from sqlalchemy import Table, delete, event, func, insert, select, update
+from sqlalchemy import Table, delete, event, exists, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
@@ -28,7 +30,16 @@ from sqlalchemy.sql.dml import Insert
 
 from shuffler import storage
 from shuffler.batcher import Evaluation, GroupStatus
-from shuffler.records import Conflict, DueBatch, GroupKey, Pending, SealedBatch, pack_fragments
+from shuffler.records import (
+    Conflict,
+    DuePart,
+    GroupKey,
+    PartKey,
+    Pending,
+    SealedPart,
+    ShuffledBatch,
+    pack_fragments,
+)
 
 _COLUMNS = (
     "channel_id",
@@ -44,10 +55,11 @@ _COLUMNS = (
 _NONCE, _RECEIPT = _COLUMNS.index("nonce"), _COLUMNS.index("receipt")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
 _IDS_PER_DELETE = 10_000
-#: Batches forwarded per round (bounds one round's time when the analyzer is slow).
+#: Batch parts forwarded per round (bounds one round's time when the analyzer is slow).
 FORWARD_ROUND = 32
 
 Row = tuple[Any, ...]
+Seal = Callable[[ShuffledBatch], Iterable[SealedPart]]
 
 
 def new_receipts(count: int) -> list[str]:
@@ -184,11 +196,14 @@ class ContributionStore(ABC):
         limit: int,
         final: bool,
         evaluate: Callable[[list[bytes]], Evaluation],
+        seal: Seal,
         now: float,
     ) -> Evaluation | None:
         """Apply ``evaluate`` (Algorithm 3) to the group's oldest ``limit`` waiting
-        contributions and store its outcome, all in one transaction; None when there is
-        nothing to evaluate (or, unless ``final``, fewer than ``limit``).
+        contributions and store its outcome, all in one transaction; a released batch is
+        stored as the parts ``seal`` yields, each inserted as soon as it is signed (one part's
+        body in memory at a time). None when there is nothing to evaluate (or, unless
+        ``final``, fewer than ``limit``).
 
         Raises:
             sqlalchemy.exc.IntegrityError: another worker evaluated this part first.
@@ -208,47 +223,87 @@ class ContributionStore(ABC):
             ).all()
             if not rows or (not final and len(rows) < limit):
                 return None
+            ids = [row[0] for row in rows]
             outcome = evaluate([row[1] for row in rows])
-            _apply(conn, key, part, [row[0] for row in rows], outcome, now)
+            del rows
+            _apply(conn, key, part, ids, outcome, now)
+            if outcome.batch is not None:
+                _insert_batch(conn, key, outcome.batch, seal, now)
         return outcome
 
     # --- forwarding -----------------------------------------------------------------------
 
-    def due_batches(self, now: float) -> list[DueBatch]:
-        """Undelivered batches whose next attempt is due, oldest first (one round)."""
-        b = storage.batches.c
+    def due_parts(self, now: float) -> list[PartKey]:
+        """Undelivered parts whose next attempt is due and that no forwarder holds, oldest
+        first (one round); a forwarder must :meth:`claim` each before sending it."""
+        p = storage.batch_parts.c
         query = (
-            select(b.batch_id, b.body, b.signature, b.attempts)
-            .where(b.status == "pending", b.next_attempt_at <= now)
-            .order_by(b.created_at)
+            select(p.batch_id, p.part)
+            .where(p.status == "pending", p.next_attempt_at <= now, _unleased(now))
+            .order_by(p.created_at, p.batch_id, p.part)
             .limit(FORWARD_ROUND)
         )
         with self.engine.connect() as conn:
-            return [DueBatch(*row) for row in conn.execute(query)]
+            return [PartKey(batch_id, int(part)) for batch_id, part in conn.execute(query)]
 
-    def record_forwarded(self, batch_id: str, now: float) -> None:
-        """The analyzer acknowledged the batch."""
-        self._update_batch(batch_id, status="forwarded", forwarded_at=now, last_error=None)
+    def claim(self, key: PartKey, now: float, lease_seconds: float) -> DuePart | None:
+        """Take the part's forwarding lease until ``now + lease_seconds``; None when another
+        forwarder holds it or it was delivered meanwhile.
 
-    def record_failed(self, batch_id: str, error: str) -> None:
-        """The analyzer refused the batch for good."""
-        self._update_batch(batch_id, status="failed", last_error=error)
-
-    def record_retry(
-        self, batch_id: str, attempts: int, next_attempt_at: float, error: str
-    ) -> None:
-        """The attempt failed; try again at ``next_attempt_at``."""
-        self._update_batch(
-            batch_id, attempts=attempts, next_attempt_at=next_attempt_at, last_error=error
-        )
-
-    def _update_batch(self, batch_id: str, **changes: Any) -> None:
+        One conditional ``UPDATE`` decides: PostgreSQL re-checks its ``WHERE`` on the row it
+        locked and SQLite serializes writers, so of two racing forwarders exactly one sees a
+        row updated (PROTOCOL.md: exactly one forwarder at a time).
+        """
+        p = storage.batch_parts.c
         with self.engine.begin() as conn:
+            taken = conn.execute(
+                update(storage.batch_parts)
+                .where(*_part_filter(key), p.status == "pending", _unleased(now))
+                .values(lease_until=now + lease_seconds)
+            ).rowcount
+            if taken != 1:
+                return None
+            row = conn.execute(
+                select(p.body, p.signature, p.attempts).where(*_part_filter(key))
+            ).one()
+        return DuePart(key.batch_id, key.part, row[0], row[1], int(row[2]))
+
+    def record_forwarded(self, key: PartKey, now: float) -> None:
+        """The analyzer acknowledged the part; the batch is forwarded once all its parts are.
+
+        The batch row is locked first (PostgreSQL), so when the last two parts are acknowledged
+        concurrently the second transaction sees the first's part and marks the batch.
+        """
+        p, b = storage.batch_parts.c, storage.batches.c
+        waiting = exists().where(p.batch_id == key.batch_id, p.status != "forwarded")
+        with self.engine.begin() as conn:
+            conn.execute(select(b.batch_id).where(b.batch_id == key.batch_id).with_for_update())
+            conn.execute(
+                update(storage.batch_parts)
+                .where(*_part_filter(key))
+                .values(status="forwarded", forwarded_at=now, lease_until=None, last_error=None)
+            )
             conn.execute(
                 update(storage.batches)
-                .where(storage.batches.c.batch_id == batch_id)
-                .values(**changes)
+                .where(b.batch_id == key.batch_id, b.status != "forwarded", ~waiting)
+                .values(status="forwarded", forwarded_at=now)
             )
+
+    def record_failed(self, key: PartKey, error: str) -> None:
+        """The analyzer refused the part's content for good; it stays stored (counted as
+        undelivered) until retention deletes it."""
+        self._update_part(key, status="failed", lease_until=None, last_error=error)
+
+    def record_retry(self, key: PartKey, attempts: int, next_attempt_at: float, error: str) -> None:
+        """The attempt failed; try again at ``next_attempt_at`` (the lease is released)."""
+        self._update_part(
+            key, attempts=attempts, next_attempt_at=next_attempt_at, lease_until=None,
+            last_error=error,
+        )  # fmt: skip
+
+    def _update_part(self, key: PartKey, **changes: Any) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(storage.batch_parts).where(*_part_filter(key)).values(**changes))
 
     # --- retention and accounting ---------------------------------------------------------
 
@@ -265,7 +320,11 @@ class ContributionStore(ABC):
             ).all()
             _delete_ids(conn, old)
             if stale:
-                conn.execute(delete(storage.batches).where(b.batch_id.in_([s[0] for s in stale])))
+                ids = [s[0] for s in stale]
+                conn.execute(
+                    delete(storage.batch_parts).where(storage.batch_parts.c.batch_id.in_(ids))
+                )
+                conn.execute(delete(storage.batches).where(b.batch_id.in_(ids)))
             total = len(old) + sum(int(s[1]) for s in stale)
             if total:
                 conn.execute(
@@ -304,14 +363,13 @@ def _landing(row: Row, landed: set[str], taken: set[bytes]) -> str | Conflict:
 def _apply(
     conn: Connection, key: GroupKey, part: int, ids: list[int], outcome: Evaluation, now: float
 ) -> None:
-    """Store Algorithm 3's outcome: hold the contributions, or delete them (with the batch)."""
+    """Store Algorithm 3's outcome: hold the contributions, or delete them (the caller stores
+    the batch)."""
     deletion = outcome.deletion
     c = storage.contributions.c
     if deletion.status is GroupStatus.HELD:
         conn.execute(update(storage.contributions).where(c.id.in_(ids)).values(held_part=part))
     else:
-        if outcome.batch is not None:
-            _insert_batch(conn, key, outcome.batch, now)
         _delete_ids(conn, ids)
     conn.execute(
         insert(storage.groups).values(
@@ -328,21 +386,45 @@ def _apply(
     )
 
 
-def _insert_batch(conn: Connection, key: GroupKey, batch: SealedBatch, now: float) -> None:
+def _insert_batch(
+    conn: Connection, key: GroupKey, batch: ShuffledBatch, seal: Seal, now: float
+) -> None:
+    parts = 0
+    for sealed in seal(batch):
+        conn.execute(
+            insert(storage.batch_parts).values(
+                batch_id=sealed.batch_id,
+                part=sealed.part,
+                body=sealed.body,
+                signature=sealed.signature,
+                status="pending",
+                created_at=now,
+                attempts=0,
+                next_attempt_at=now,
+            )
+        )
+        parts += 1
     conn.execute(
         insert(storage.batches).values(
             batch_id=batch.batch_id,
             channel_id=key.channel_id,
             epoch=key.epoch,
             n_contributions=batch.n_contributions,
-            body=batch.body,
-            signature=batch.signature,
+            parts=parts,
             status="pending",
             created_at=now,
-            attempts=0,
-            next_attempt_at=now,
         )
     )
+
+
+def _part_filter(key: PartKey) -> list[Any]:
+    p = storage.batch_parts.c
+    return [p.batch_id == key.batch_id, p.part == key.part]
+
+
+def _unleased(now: float) -> Any:
+    lease = storage.batch_parts.c.lease_until
+    return or_(lease.is_(None), lease < now)
 
 
 def _delete_ids(conn: Connection, ids: list[int]) -> None:

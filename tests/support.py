@@ -215,8 +215,9 @@ def receiver(port: int | None = None) -> Iterator[Receiver]:
             self.send_response(state.status)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
-            batch_id = json.loads(body).get("batch_id", "")
-            self.wfile.write(json.dumps({"batch_id": batch_id, "duplicate": False}).encode())
+            sent = json.loads(body)
+            ack = {"batch_id": sent.get("batch_id", ""), "part": sent.get("part", 0)}
+            self.wfile.write(json.dumps({**ack, "duplicate": False}).encode())
 
         def log_message(self, *args: object) -> None:
             pass

@@ -469,16 +469,26 @@ def _close(target: Target, channel_id: str, epoch: int) -> None:
 _UNFORWARDED = re.compile(r'esa_shuffler_queue_depth\{state="in_batches_unforwarded"\} (\S+)')
 
 
-def _wait_forwarded(target: Target, timeout: float = 120.0) -> None:
+_UNOPENED = re.compile(r"^esa_analyzer_parts_unopened (\S+)$", re.MULTILINE)
+
+
+def _wait_metric(url: str, pattern: re.Pattern[str], what: str, deadline: float) -> None:
+    """Poll ``url``'s ``/metrics`` until ``pattern``'s value is 0."""
+    while True:
+        found = pattern.search(httpx.get(url + "/metrics", timeout=10.0).text)
+        if found is not None and float(found.group(1)) == 0:
+            return
+        if time.monotonic() > deadline:
+            raise DemoError(f"{url} still holds {what}")
+        time.sleep(0.2)
+
+
+def _wait_forwarded(target: Target, timeout: float = 300.0) -> None:
+    """Until every shuffler has forwarded its batches and the analyzer has opened them all."""
     deadline = time.monotonic() + timeout
     for url in target.shuffler_urls:
-        while True:
-            found = _UNFORWARDED.search(httpx.get(url + "/metrics", timeout=10.0).text)
-            if found is not None and float(found.group(1)) == 0:
-                break
-            if time.monotonic() > deadline:
-                raise DemoError(f"{url} still holds unforwarded batches after {timeout:.0f} s")
-            time.sleep(0.2)
+        _wait_metric(url, _UNFORWARDED, "unforwarded batches", deadline)
+    _wait_metric(target.analyzer_url, _UNOPENED, "unopened batch parts", deadline)
 
 
 def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:

@@ -3,19 +3,22 @@ over a real database (SQLite or PostgreSQL)."""
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import httpx
 import numpy as np
 import numpy.typing as npt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from analyzer.channels import ChannelRuntime
-from analyzer.intake import BatchIntake, IntakePolicy
+from analyzer.intake import BatchIntake, Intake, IntakePolicy
 from analyzer.ledger import LedgerService
 from analyzer.metrics import Events
+from analyzer.opening import FragmentOpener, PartOpener
 from analyzer.releases import ReleaseService
 from analyzer.service import MIGRATIONS
 from analyzer.store import AnalyzerStore
@@ -49,6 +52,13 @@ class Layers:
     releases: ReleaseService
     ledger: LedgerService
     events: Events
+    opener: PartOpener
+
+    def deliver(self, body: bytes, signature: str) -> Intake:
+        """Store a part and open everything stored (what the background opener does)."""
+        intake = self.intake.accept(body, signature)
+        self.opener.open_pending()
+        return intake
 
 
 def build(url: str, channels: Iterable[ChannelConfig] = (CHANNEL,)) -> Layers:
@@ -69,6 +79,7 @@ def build(url: str, channels: Iterable[ChannelConfig] = (CHANNEL,)) -> Layers:
         ReleaseService(store, runtimes, events),
         LedgerService(store, runtimes),
         events,
+        PartOpener(store, runtimes, FragmentOpener(policy.ring, 1, 500), events),
     )
 
 
@@ -105,3 +116,10 @@ def make_batch(
         fragments=[b64(f) for f in fragments],
     )
     return signed(batch, shuffler)
+
+
+def counter(url: str, name: str) -> float:
+    """An ``esa_analyzer_<name>_total`` counter of a running analyzer (0 if absent)."""
+    text = httpx.get(url + "/metrics").text
+    found = re.search(rf"^esa_analyzer_{name}_total (\S+)$", text, re.MULTILINE)
+    return 0.0 if found is None else float(found.group(1))

@@ -27,8 +27,8 @@ from common.envelope import (
 from common.mechanisms import SeededSource, krappor, longitudinal
 from common.wire import Batch, ChannelConfig, b64
 
-from ..support import analyzer_process
-from .helpers import ANALYZER_KEY, build, signed
+from ..support import analyzer_process, wait_until
+from .helpers import ANALYZER_KEY, build, counter, signed
 
 CHANNELS = [
     ChannelConfig(
@@ -82,7 +82,7 @@ def test_an_image_release_is_drawn_from_its_stored_summary() -> None:
             for f in krappor.encode(int(v), params, rng)
         ],
     )
-    layers.intake.accept(*signed(batch))
+    layers.deliver(*signed(batch))
     release = layers.releases.publish(picture.id, 3, 3)
     summary = layers.store.latest_summary(picture.id)
     assert summary is not None and summary.bins == list(range(params.k))
@@ -181,6 +181,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     service = analyzer_process(tmp_path, [c.model_dump() for c in CHANNELS], registry).start()
     try:
         _send(service.url, signer, analyzer_key.public_key())
+        wait_until(lambda: counter(service.url, "parts_opened") == 10, timeout=60)
         releases = _publish(service.url)
         profile = tmp_path / "chromium-profile"
         screenshot = tmp_path / "dashboard.png"

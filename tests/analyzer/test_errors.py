@@ -20,6 +20,7 @@ EXPECTED = {
     errors.InconsistentCountsError: ("inconsistent_counts", 422),
     errors.UnknownChannelError: ("unknown_channel", 404),
     errors.NothingReceivedError: ("no_data", 404),
+    errors.IncompleteBatchesError: ("incomplete", 404),
     errors.StorageConflictError: ("storage_conflict", 503),
 }
 

@@ -1,4 +1,5 @@
-"""Batch intake over both backends: verified, idempotent, chaff-tolerant, concurrent."""
+"""Batch part intake over both backends (issue 11): verified, stored, idempotent per
+(batch_id, part), opened once in the background, counted only when complete."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from analyzer.errors import (
     BatchForUnknownChannelError,
     BatchTooLargeError,
     BelowMinCrowdError,
+    IncompleteBatchesError,
     InconsistentCountsError,
     MalformedBatchError,
     UnknownShufflerError,
@@ -26,17 +28,79 @@ from common.wire import Batch, b64
 from .helpers import SHUFFLERS, VALUES, build, make_batch, signed
 
 
-def test_a_duplicate_batch_is_acknowledged_and_counted_once(database_url: str) -> None:
+def _parts(body: bytes, parts: int) -> list[tuple[bytes, str]]:
+    """The batch cut into ``parts`` signed parts (the whole group's n in each)."""
+    batch = Batch.model_validate_json(body)
+    step = -(-len(batch.fragments) // parts)
+    return [
+        signed(
+            batch.model_copy(
+                update={
+                    "part": i,
+                    "parts": parts,
+                    "fragments": batch.fragments[i * step : (i + 1) * step],
+                }
+            )
+        )
+        for i in range(parts)
+    ]
+
+
+def test_a_part_is_stored_and_acknowledged_before_it_is_opened(database_url: str) -> None:
     layers = build(database_url)
     body, signature = make_batch(VALUES)
     first = layers.intake.accept(body, signature)
     again = layers.intake.accept(body, signature)
-    fragments = len(Batch.model_validate_json(body).fragments)
-    assert first == Intake(first.batch_id, False, opened=fragments, invalid=0)
-    assert again == Intake(first.batch_id, True)
-    assert layers.events.get("batches_accepted") == 1
-    assert layers.events.get("batches_duplicate") == 1
+    assert first == Intake(first.batch_id, 0, False)
+    assert again == Intake(first.batch_id, 0, True)
+    assert [p.batch_id for p in layers.store.pending_parts()] == [first.batch_id]
+    assert layers.opener.open_pending() == 1 and layers.opener.open_pending() == 0
+    assert layers.deliver(body, signature).duplicate
+    assert layers.events.get("parts_stored") == 1
+    assert layers.events.get("batches_duplicate") == 2
     assert layers.releases.release("homepage", 7, 7).estimate.n == VALUES.size
+
+
+def test_a_batch_counts_only_when_all_its_parts_are_opened(database_url: str) -> None:
+    layers = build(database_url)
+    whole = make_batch(VALUES, seed=4)
+    parts = _parts(whole[0], 3)
+    for part in parts[:2]:
+        layers.deliver(*part)
+    with pytest.raises(IncompleteBatchesError, match="parts missing or unopened"):
+        layers.releases.release("homepage", 7, 7)
+    assert layers.store.charges("homepage") == []
+    layers.deliver(*make_batch(VALUES, seed=5, shuffler="shuffler-2"))
+    partial = layers.releases.release("homepage", 7, 7)
+    assert partial.estimate.n == VALUES.size and "2/3 parts" in partial.to_wire().note
+    layers.deliver(*parts[2])
+    for part in parts:
+        assert layers.deliver(*part).duplicate
+    complete = layers.releases.release("homepage", 7, 7)
+    assert complete.estimate.n == 2 * VALUES.size and "incomplete" not in complete.to_wire().note
+    reference = build(database_url.replace("test.db", "ref.db"))
+    if "sqlite" in database_url:
+        reference.deliver(*whole)
+        reference.deliver(*make_batch(VALUES, seed=5, shuffler="shuffler-2"))
+        expected = reference.releases.release("homepage", 7, 7)
+        assert np.array_equal(complete.estimate.values, expected.estimate.values)
+        assert complete.certificate == expected.certificate
+    charge = layers.store.charges("homepage")
+    assert [(c.epoch, c.batches) for c in charge] == [(7, 2)]
+
+
+def test_parts_that_disagree_with_their_batch_are_refused(database_url: str) -> None:
+    layers = build(database_url)
+    body, _ = make_batch(VALUES)
+    first, second = _parts(body, 2)
+    layers.intake.accept(*first)
+    other = Batch.model_validate_json(second[0]).model_copy(update={"n_contributions": 999})
+    with pytest.raises(InconsistentCountsError, match="disagrees"):
+        layers.intake.accept(*signed(other))
+    greedy = Batch.model_validate_json(second[0])
+    greedy = greedy.model_copy(update={"fragments": greedy.fragments * 40})
+    with pytest.raises(InconsistentCountsError, match="cannot come from"):
+        layers.intake.accept(*signed(greedy))
 
 
 def _with(body: bytes, **changes: object) -> Batch:
@@ -76,17 +140,14 @@ def test_a_batch_over_the_size_limit_is_refused_before_parsing(database_url: str
 
 def test_corrupted_fragments_are_chaff_and_do_not_disturb_the_estimate(database_url: str) -> None:
     layers = build(database_url)
-    layers.intake.accept(*make_batch(VALUES, seed=3))
+    layers.deliver(*make_batch(VALUES, seed=3))
     reference = layers.releases.release("homepage", 7, 7).estimate.values
-    body, signature = make_batch(VALUES, epoch=8, seed=3, chaff=40)
-    noisy = layers.intake.accept(body, signature)
-    assert noisy.invalid == 40
-    assert noisy.opened == len(Batch.model_validate_json(body).fragments) - 40
+    layers.deliver(*make_batch(VALUES, epoch=8, seed=3, chaff=40))
     assert layers.events.get("fragments_invalid") == 40
     assert np.array_equal(layers.releases.release("homepage", 8, 8).estimate.values, reference)
 
 
-def test_concurrent_batches_for_one_accumulator_all_count(database_url: str) -> None:
+def test_concurrent_parts_for_one_accumulator_all_count(database_url: str) -> None:
     """Parallel intake of distinct batches into the same accumulator loses none of them."""
     layers = build(database_url)
     batches = [make_batch(VALUES[:100], seed=s) for s in range(6)]
@@ -100,4 +161,5 @@ def test_concurrent_batches_for_one_accumulator_all_count(database_url: str) -> 
     for thread in threads:
         thread.join()
     assert len(results) == 6 and not any(r.duplicate for r in results)
+    assert layers.opener.open_pending() == 6
     assert layers.releases.release("homepage", 7, 7).estimate.n == 600

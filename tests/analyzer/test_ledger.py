@@ -58,8 +58,8 @@ def _batch(channel: ChannelConfig, epoch: int, size: int) -> tuple[bytes, str]:
 def test_each_epoch_is_charged_once_whatever_the_queries(database_url: str) -> None:
     layers = build(database_url)
     for epoch in (1, 2, 3):
-        layers.intake.accept(*make_batch(VALUES, epoch=epoch, seed=epoch))
-    layers.intake.accept(*make_batch(VALUES[:300], epoch=2, shuffler="shuffler-2", seed=9))
+        layers.deliver(*make_batch(VALUES, epoch=epoch, seed=epoch))
+    layers.deliver(*make_batch(VALUES[:300], epoch=2, shuffler="shuffler-2", seed=9))
     for _ in range(20):
         layers.releases.release("homepage", 1, 3)
         layers.releases.release("homepage", 2, 2)
@@ -80,7 +80,7 @@ def test_each_epoch_is_charged_once_whatever_the_queries(database_url: str) -> N
 def test_lifetime_lies_between_the_largest_epoch_and_basic_composition(database_url: str) -> None:
     layers = build(database_url)
     for epoch, size in ((1, 1000), (2, 400), (3, 700), (4, 1000)):
-        layers.intake.accept(*make_batch(VALUES[:size], epoch=epoch, seed=epoch))
+        layers.deliver(*make_batch(VALUES[:size], epoch=epoch, seed=epoch))
     ledger = layers.ledger.ledger("homepage")
     assert ledger.lifetime is not None and ledger.lifetime.eps is not None
     epsilons = [row.certificate.eps for row in ledger.epochs]
@@ -99,8 +99,8 @@ def test_lifetime_across_channels_composes_every_epoch_of_every_channel(
     empty = layers.ledger.overview()
     assert empty.lifetime is None and empty.epochs == 0
     for epoch in (1, 2):
-        layers.intake.accept(*_batch(CHANNEL, epoch, 600))
-        layers.intake.accept(*_batch(OTHER, epoch, 900))
+        layers.deliver(*_batch(CHANNEL, epoch, 600))
+        layers.deliver(*_batch(OTHER, epoch, 900))
     each = [layers.ledger.ledger(c.id).lifetime for c in (CHANNEL, OTHER)]
     overview = layers.ledger.overview()
     assert overview.channels == [CHANNEL.id, OTHER.id] and overview.epochs == 4
@@ -112,7 +112,7 @@ def test_lifetime_across_channels_composes_every_epoch_of_every_channel(
 
 def test_epochs_stored_before_the_ledger_are_charged_at_start(database_url: str) -> None:
     layers = build(database_url)
-    layers.intake.accept(*make_batch(VALUES, epoch=5))
+    layers.deliver(*make_batch(VALUES, epoch=5))
     charged = layers.ledger.rows("homepage")
     with layers.store.engine.begin() as conn:
         conn.execute(delete(epoch_charges))

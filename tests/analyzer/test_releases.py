@@ -23,7 +23,7 @@ def test_estimates_cover_the_truth_and_certificates_match_the_accountant(
     database_url: str,
 ) -> None:
     layers = build(database_url)
-    layers.intake.accept(*make_batch(VALUES))
+    layers.deliver(*make_batch(VALUES))
     release = layers.releases.release("homepage", 7, 7)
     assert release.estimate.n == VALUES.size
     truth = np.bincount(VALUES, minlength=20)
@@ -45,7 +45,7 @@ def test_estimates_cover_the_truth_and_certificates_match_the_accountant(
 
 def test_top_keeps_the_largest_estimates_largest_first(database_url: str) -> None:
     layers = build(database_url)
-    layers.intake.accept(*make_batch(VALUES))
+    layers.deliver(*make_batch(VALUES))
     release = layers.releases.release("homepage", 7, 7)
     top = release.to_wire(3)
     assert top.values == sorted(release.estimate.values, reverse=True)[:3]
@@ -54,8 +54,8 @@ def test_top_keeps_the_largest_estimates_largest_first(database_url: str) -> Non
 
 def test_restart_keeps_accumulators_and_ledger(database_url: str) -> None:
     layers = build(database_url)
-    layers.intake.accept(*make_batch(VALUES))
-    layers.intake.accept(*make_batch(VALUES, shuffler="shuffler-2", seed=1))
+    layers.deliver(*make_batch(VALUES))
+    layers.deliver(*make_batch(VALUES, shuffler="shuffler-2", seed=1))
     before = layers.releases.publish("homepage", 7, 7)
     restarted = build(database_url)
     after = restarted.releases.release("homepage", 7, 7)
@@ -69,8 +69,8 @@ def test_ranges_compose_epochs_and_missing_ends_mean_the_last_epoch(database_url
     layers = build(database_url)
     with pytest.raises(NothingReceivedError, match="yet"):
         layers.releases.epochs("homepage")
-    layers.intake.accept(*make_batch(VALUES, epoch=1))
-    layers.intake.accept(*make_batch(VALUES, epoch=2, seed=5))
+    layers.deliver(*make_batch(VALUES, epoch=1))
+    layers.deliver(*make_batch(VALUES, epoch=2, seed=5))
     one = layers.releases.release("homepage", 1, 1).certificate
     both = layers.releases.release("homepage", 1, 2).certificate
     assert both.eps == pytest.approx(2 * one.eps) and "composition" in both.note
@@ -127,7 +127,7 @@ def test_longitudinal_release_reads_periods_from_reports_not_epoch_numbers() -> 
                 b64(seal_fragment(r, "abroad", 16, ANALYZER_KEY.public_key())) for r in reports
             ],
         )
-        layers.intake.accept(*signed(batch))
+        layers.deliver(*signed(batch))
     release = layers.releases.publish("abroad", first_epoch, first_epoch + 3)
     smallest = min(len(r) for r in per_period.values())
     assert release.certificate.eps < 4.0  # amplified below the local ε of one report

@@ -31,3 +31,11 @@ def test_device_budget_is_read_from_the_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("ESA_ANALYZER_DEVICE_BUDGET", '{"window_eps": 4}')
     with pytest.raises(ValueError, match="go together"):
         AnalyzerSettings()
+
+
+def test_production_refuses_the_fault_hooks() -> None:
+    real = SecretStr("x" * 32)
+    for hook in ({"fault_after_commit": "exit"}, {"fault_while_opening": "kill"}):
+        with pytest.raises(ValidationError, match="fault hooks"):
+            _settings(environment="production", admin_token=real, **hook)
+        assert _settings(**hook).environment == "development"

@@ -207,14 +207,16 @@ def test_pipeline_end_to_end(deployment: Deployment) -> None:
     # A duplicated batch counts once; forged and unknown signers get 401; small batches 422.
     sealed = [b64(bytes(72))] * 60
     first = _crafted_batch(deployment, 60, sealed)
-    assert first.status_code == 201 and first.json()["invalid"] == 60  # undecryptable chaff
+    assert first.status_code == 201 and first.json()["duplicate"] is False  # stored, opened later
     repeat = httpx.post(
         url + "/v1/batches",
         content=first.request.content,
         headers={"ESA-Signature": first.request.headers["ESA-Signature"]},
     )
     assert repeat.status_code == 200 and repeat.json()["duplicate"] is True
-    batch_n = httpx.get(url + f"/v1/channels/{CHANNEL.id}/estimate?epoch=1").json()["n"]
+    estimate = url + f"/v1/channels/{CHANNEL.id}/estimate?epoch=1"
+    wait_until(lambda: httpx.get(estimate).status_code == 200, timeout=60)
+    batch_n = httpx.get(estimate).json()["n"]
     forged = _crafted_batch(deployment, 60, sealed, key=Ed25519PrivateKey.generate())
     assert forged.status_code == 401 and forged.json()["error"] == "bad_signature"
     unknown = _crafted_batch(

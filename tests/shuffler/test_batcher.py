@@ -7,7 +7,6 @@ runs on the OS CSPRNG on purpose, since the CSPRNG is what it checks.
 from __future__ import annotations
 
 import base64
-import json
 import math
 from collections import Counter
 
@@ -17,9 +16,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scipy import stats
 
 from common.envelope import verify
-from common.randomness import SeededSource, laplace
+from common.randomness import SeededSource, default_source, laplace
 from common.wire import Batch, ChannelPolicy
-from shuffler.batcher import Batcher, GroupStatus, due, randomized_deletion
+from shuffler.batcher import (
+    Batcher,
+    GroupStatus,
+    due,
+    part_count,
+    randomized_deletion,
+    shuffled_fragments,
+)
 from shuffler.records import GroupKey, pack_fragments
 
 POLICY = ChannelPolicy(id="homepage", min_crowd=20, eps_cr=0.5, delta_cr=1e-3, max_batch=1000)
@@ -88,36 +94,54 @@ def test_negative_group_size_is_refused() -> None:
         randomized_deletion(-1, POLICY, SeededSource(0))
 
 
-def test_released_batch_is_signed_and_keeps_whole_contributions() -> None:
-    key = Ed25519PrivateKey.generate()
-    batcher = Batcher("shuffler-1", key, SeededSource(3))
-    policy = ChannelPolicy(id="homepage", min_crowd=5, eps_cr=5.0, delta_cr=0.1)
-    blobs = [pack_fragments([bytes([i, 0]) * 36, bytes([i, 1]) * 36]) for i in range(50)]
+def _parts(batcher: Batcher, blobs: list[bytes], policy: ChannelPolicy) -> list[Batch]:
     evaluation = batcher.evaluate(KEY, blobs, policy)
     assert evaluation.deletion.status is GroupStatus.RELEASED and evaluation.batch is not None
-    batch = Batch.model_validate_json(evaluation.batch.body)
-    assert verify(
-        evaluation.batch.body, base64.b64decode(evaluation.batch.signature), key.public_key()
-    )
-    assert batch.n_contributions == evaluation.deletion.kept == evaluation.batch.n_contributions
-    owners = Counter(base64.b64decode(f)[0] for f in batch.fragments)
-    assert len(owners) == evaluation.deletion.kept and set(owners.values()) == {2}
+    sealed = list(batcher.seal(KEY, evaluation.batch))
+    public = batcher.signing_key.public_key()
+    assert all(verify(p.body, base64.b64decode(p.signature), public) for p in sealed)
+    assert [p.part for p in sealed] == list(range(len(sealed)))
+    return [Batch.model_validate_json(p.body) for p in sealed]
+
+
+@pytest.mark.parametrize("part_fragments", [1, 7, 100, 50_000])
+def test_released_batch_is_signed_parts_of_whole_contributions(part_fragments: int) -> None:
+    """The shuffled sequence (Algorithm 3's survivors) cut into parts: each fragment in exactly
+    one part, every part signed and carrying the whole group's count."""
+    batcher = Batcher("shuffler-1", Ed25519PrivateKey.generate(), SeededSource(3), part_fragments)
+    policy = ChannelPolicy(id="homepage", min_crowd=5, eps_cr=5.0, delta_cr=0.1)
+    blobs = [pack_fragments([bytes([i, 0]) * 36, bytes([i, 1]) * 36]) for i in range(50)]
+    parts = _parts(batcher, blobs, policy)
+    kept = parts[0].n_contributions
+    assert len(parts) == part_count(2 * kept, part_fragments) == parts[0].parts
+    assert len({p.batch_id for p in parts}) == 1 and {p.n_contributions for p in parts} == {kept}
+    assert all(len(p.fragments) <= part_fragments for p in parts)
+    fragments = [base64.b64decode(f) for p in parts for f in p.fragments]
+    assert len(fragments) == len(set(fragments)) == 2 * kept
+    owners = Counter(f[0] for f in fragments)
+    assert len(owners) == kept and set(owners.values()) == {2}
+
+
+def test_part_count_edges() -> None:
+    assert [part_count(n, 10) for n in (0, 1, 10, 11, 100)] == [1, 1, 1, 2, 10]
+    with pytest.raises(ValueError, match="part_fragments"):
+        part_count(5, 0)
+    with pytest.raises(ValueError, match="part_fragments"):
+        Batcher("shuffler-1", Ed25519PrivateKey.generate(), part_fragments=0)
 
 
 def test_marked_fragment_lands_uniformly() -> None:
-    """Chi-square over 2,400 sealed batches: where does contribution 0's fragment end up?"""
-    batcher = Batcher("shuffler-1", Ed25519PrivateKey.generate())  # the OS CSPRNG
+    """Chi-square over 2,400 shuffles: where does contribution 0's fragment end up?"""
     size, batches = 12, 2_400
     survivors = [bytes([0, 2]) + bytes([i]) * 70 for i in range(size)]
     packed = [pack_fragments([fragment]) for fragment in survivors]
-    bodies = [batcher.seal(KEY, list(packed)).body for _ in range(batches)]
-    marked = base64.b64encode(survivors[0]).decode()
-    positions = Counter(json.loads(body)["fragments"].index(marked) for body in bodies)
+    shuffles = [shuffled_fragments(list(packed), default_source()) for _ in range(batches)]
+    positions = Counter(fragments.index(survivors[0]) for fragments in shuffles)
     observed = np.array([positions[i] for i in range(size)], dtype=float)
     # Unseeded on purpose (the shuffle must use the CSPRNG): false failure 1e-6 per run; a
     # biased or order-keeping shuffle gives p ~ 0 over 2,400 batches.
     assert stats.chisquare(observed).pvalue > 1e-6
-    first_positions = Counter(json.loads(body)["fragments"][0] for body in bodies)
+    first_positions = Counter(fragments[0] for fragments in shuffles)
     assert len(first_positions) == size  # arrival order does not survive
 
 

@@ -95,3 +95,24 @@ def test_enrolment_is_rate_limited_per_address(database_url: str, tmp_path: Path
     assert raised.value.retry_after is not None and raised.value.retry_after >= 1
     tokens.append(service.enroll("10.0.0.2"))
     assert all(service.tokens.verify(t) for t in tokens)
+
+
+def test_per_client_state_stays_bounded_over_many_distinct_clients(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Issue 11: 20,000 distinct clients (and addresses) each sending now and then; the
+    shuffler's per-client state is only the buckets that have not refilled yet."""
+    service, _ = make_service(database_url, tmp_path, rate_per_second=5.0, rate_burst=20)
+    intake = service.intake
+    window = 20 / 5.0  # a bucket is forgotten once full again: burst / rate seconds
+    step = 0.001
+    sizes = []
+    for i in range(20_000):
+        intake.contributions.check(service.tokens.issue().partition(".")[0], i * step, "slow")
+        intake.enrolments.take(f"10.0.{i // 256}.{i % 256}", i * step)
+        sizes.append(len(intake.contributions))
+    enrol_window = intake.enrolments.burst / intake.enrolments.rate
+    assert max(sizes) <= window / step + 1
+    assert len(intake.enrolments) <= enrol_window / step + 1
+    intake.contributions.check("late", 20_000 * step + window, "slow")
+    assert len(intake.contributions) == 1

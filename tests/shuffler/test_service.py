@@ -31,7 +31,7 @@ def test_epoch_close_releases_one_signed_batch_and_accounts_for_everyone(
     with service.store.engine.connect() as conn:
         group = conn.execute(select(storage.groups)).one()
         body, signature = conn.execute(
-            select(storage.batches.c.body, storage.batches.c.signature)
+            select(storage.batch_parts.c.body, storage.batch_parts.c.signature)
         ).one()
     batch = Batch.model_validate_json(body)
     assert group.status == "released" and batch.n_contributions == group.kept
@@ -90,9 +90,11 @@ def test_batch_contains_no_identifiers(database_url: str, tmp_path: Path) -> Non
     clock.now = (epoch + 1) * EPOCH_SECONDS + 10
     service.run_batching()
     with service.store.engine.connect() as conn:
-        body = conn.execute(select(storage.batches.c.body)).scalar_one()
+        body = conn.execute(select(storage.batch_parts.c.body)).scalar_one()
     assert set(json.loads(body)) == {
         "batch_id",
+        "part",
+        "parts",
         "shuffler_id",
         "channel_id",
         "crowd_id",

@@ -93,11 +93,13 @@ def test_forwarding_state_and_retention(database_url: str, tmp_path: Path) -> No
     service, clock = make_service(database_url, tmp_path, retention_seconds=7200.0)
     fill(service, clock.epoch, 60)
     service.close("homepage", clock.epoch)
-    due = service.store.due_batches(clock.now)
-    assert len(due) == 1 and due[0].attempts == 0
-    service.store.record_retry(due[0].batch_id, 1, clock.now + 10, "HTTP 503")
-    assert service.store.due_batches(clock.now) == []
-    assert service.store.due_batches(clock.now + 10)[0].attempts == 1
+    due = service.store.due_parts(clock.now)
+    claimed = service.store.claim(due[0], clock.now, 60.0)
+    assert len(due) == 1 and claimed is not None and claimed.attempts == 0
+    service.store.record_retry(due[0], 1, clock.now + 10, "HTTP 503")
+    assert service.store.due_parts(clock.now) == []
+    again = service.store.claim(service.store.due_parts(clock.now + 10)[0], clock.now + 10, 60.0)
+    assert again is not None and again.attempts == 1
     kept = service.ledger()["in_batches_unforwarded"]
     clock.now += 7201
     assert service.purge() == kept

@@ -1,0 +1,207 @@
+"""Crash tests of the analyzer's part intake with real processes (issue 11, "Fault tests"),
+on SQLite and PostgreSQL.
+
+Parts are forged as a shuffler would send them (signed with a registered shuffler key) and
+POSTed to an ``esa analyzer serve`` process that is killed: with SIGKILL while parts are
+being delivered, by its own SIGKILL after opening a stored part and before folding it in
+(``ESA_ANALYZER_FAULT_WHILE_OPENING=kill``), and between the commit of a part and its answer
+(``ESA_ANALYZER_FAULT_AFTER_COMMIT=exit``). After each restart, every part must count exactly
+once: the fragments accumulated equal the fragments sent, and the estimate's n is the sum of
+the n_contributions of the complete batches.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from analyzer.channels import ChannelRuntime
+from analyzer.store import AnalyzerStore
+from common.envelope import (
+    load_or_create_ed25519,
+    load_or_create_x25519,
+    public_identity,
+    seal_fragment,
+    sign,
+)
+from common.mechanisms import krappor
+from common.randomness import SeededSource
+from common.wire import Batch, ChannelConfig, b64
+from services.runtime import db
+
+from ..support import ServiceProcess, analyzer_process, wait_until
+
+CHANNEL = ChannelConfig(
+    id="homepage",
+    mechanism="krappor",
+    params={"k": 20, "eps": 4.0},
+    min_crowd=50,
+    max_fragments=20,
+    delta=1e-8,
+    payload_size=16,
+)
+PARAMS = krappor.KRapporParams(k=20, eps=4.0)
+EPOCH = 5
+
+
+@dataclass
+class Analyzer:
+    """A running analyzer, its database and the key its shuffler signs parts with."""
+
+    process: ServiceProcess
+    database_url: str
+    signer: Ed25519PrivateKey
+    hpke_public: object
+
+    def post(self, body: bytes) -> httpx.Response:
+        signature = b64(sign(body, self.signer))
+        return httpx.post(
+            self.process.url + "/v1/batches",
+            content=body,
+            headers={"ESA-Signature": signature},
+            timeout=30,
+        )
+
+    def restart(self, **env: str) -> None:
+        """Start again after a crash, with these fault hooks ("" removes one)."""
+        self.process.kill()
+        for name, value in env.items():
+            key = f"ESA_ANALYZER_{name.upper()}"
+            if value:
+                self.process.env[key] = value
+            else:
+                self.process.env.pop(key, None)
+        self.process.start()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def analyzer(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Analyzer]:
+    url = (
+        f"sqlite:///{tmp_path / 'analyzer' / 'db.sqlite'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres_url")
+    )
+    signer = load_or_create_ed25519(tmp_path / "s1" / "signing.pem")
+    hpke = load_or_create_x25519(tmp_path / "s1" / "hpke.pem")
+    registry = [
+        {
+            "id": "shuffler-1",
+            "url": "http://127.0.0.1:1",
+            **public_identity(hpke.public_key(), signer.public_key()),
+        }
+    ]
+    analyzer_key = load_or_create_x25519(tmp_path / "analyzer" / "keys" / "hpke.pem")
+    process = analyzer_process(
+        tmp_path,
+        [CHANNEL.model_dump()],
+        registry,
+        url,
+        opening_processes="2",
+        opening_chunk="200",
+        opening_poll_seconds="0.1",
+    )
+    running = Analyzer(process, url, signer, analyzer_key.public_key())
+    yield running
+    running.process.stop()
+
+
+def _batch(analyzer: Analyzer, n: int, parts: int, seed: int) -> list[bytes]:
+    """A shuffled group of ``n`` k-RAPPOR contributions cut into ``parts`` part bodies."""
+    rng = SeededSource(seed)
+    values = np.random.default_rng(seed).integers(0, 20, size=n)
+    sealed = [
+        b64(seal_fragment(f, CHANNEL.id, 16, analyzer.hpke_public))  # type: ignore[arg-type]
+        for v in values
+        for f in krappor.encode(int(v), PARAMS, rng)
+    ]
+    batch_id, step = secrets.token_hex(16), -(-len(sealed) // parts)
+    return [
+        Batch(
+            batch_id=batch_id,
+            part=i,
+            parts=parts,
+            shuffler_id="shuffler-1",
+            channel_id=CHANNEL.id,
+            crowd_id="",
+            epoch=EPOCH,
+            n_contributions=n,
+            fragments=sealed[i * step : (i + 1) * step],
+        ).body()
+        for i in range(parts)
+    ]
+
+
+def _deliver(analyzer: Analyzer, body: bytes) -> int:
+    """POST until acknowledged (a shuffler's retry); the status of the acknowledgement."""
+    for _ in range(3):
+        try:
+            response = analyzer.post(body)
+        except httpx.TransportError:
+            analyzer.restart()
+            continue
+        assert response.status_code in (200, 201), response.text
+        return response.status_code
+    raise AssertionError("part never acknowledged")
+
+
+def _fragments(body: bytes) -> int:
+    return len(Batch.model_validate_json(body).fragments)
+
+
+def _conserved(analyzer: Analyzer, batches: list[list[bytes]]) -> None:
+    """Every part counted once: nothing pending, fragments accumulated == fragments sent, n ==
+    sum of the groups' n."""
+    store = AnalyzerStore(db.make_engine(analyzer.database_url))
+    try:
+        wait_until(lambda: not store.pending_parts(), timeout=120)
+        runtime = ChannelRuntime.build(CHANNEL, ["shuffler-1"])
+        received = store.received(CHANNEL.id, "", EPOCH, EPOCH)
+        counts = sum(int(runtime.load(s.state).counts.sum()) for s in received.states)  # type: ignore[attr-defined]
+        assert counts == sum(_fragments(b) for parts in batches for b in parts)
+        n = sum(Batch.model_validate_json(parts[0]).n_contributions for parts in batches)
+        assert sum(received.batch_sizes[(EPOCH, "shuffler-1")]) == n
+        assert len(received.batch_sizes[(EPOCH, "shuffler-1")]) == len(batches)
+    finally:
+        store.engine.dispose()
+    estimate = httpx.get(f"{analyzer.process.url}/v1/channels/{CHANNEL.id}/estimate?epoch={EPOCH}")
+    assert estimate.status_code == 200 and estimate.json()["n"] == n
+    assert "incomplete" not in estimate.json()["note"]
+
+
+def test_kill_while_opening_and_while_delivering_counts_every_part_once(
+    analyzer: Analyzer,
+) -> None:
+    analyzer.process.env["ESA_ANALYZER_FAULT_WHILE_OPENING"] = "kill"
+    analyzer.process.start()
+    batches = [_batch(analyzer, 120, 3, seed) for seed in range(3)]
+    first = analyzer.process.service
+    assert first is not None
+    assert analyzer.post(batches[0][0]).status_code == 201
+    wait_until(lambda: first.process.poll() is not None, timeout=60)
+    analyzer.restart(fault_while_opening="")
+    assert analyzer.post(batches[0][0]).status_code == 200
+    sent = [body for parts in batches for body in parts][1:]
+    for index, body in enumerate(sent):
+        if index == len(sent) // 2:
+            analyzer.process.kill()
+        _deliver(analyzer, body)
+    _conserved(analyzer, batches)
+
+
+def test_crash_between_commit_and_answer_counts_the_part_once(analyzer: Analyzer) -> None:
+    analyzer.process.env["ESA_ANALYZER_FAULT_AFTER_COMMIT"] = "exit"
+    analyzer.process.start()
+    batches = [_batch(analyzer, 100, 2, seed) for seed in (7, 8)]
+    with pytest.raises(httpx.TransportError):
+        analyzer.post(batches[0][0])
+    analyzer.restart(fault_after_commit="")
+    assert analyzer.post(batches[0][0]).status_code == 200
+    assert [_deliver(analyzer, b) for b in [batches[0][1], *batches[1]]] == [201, 201, 201]
+    _conserved(analyzer, batches)
