@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Header, Request, Response
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CollectorRegistry
 
@@ -28,6 +28,7 @@ from analyzer.metrics import EventsCollector
 from analyzer.service import AnalyzerService
 from analyzer.settings import AnalyzerSettings
 from common.wire import (
+    MAX_INT,
     BatchAck,
     ChannelList,
     Ledger,
@@ -107,10 +108,10 @@ async def list_channels(service: Service) -> ChannelList:
 async def get_estimate(
     service: Service,
     channel_id: str,
-    epoch: int | None = None,
-    epoch_from: int | None = None,
-    epoch_to: int | None = None,
-    top: int | None = None,
+    epoch: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+    epoch_from: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+    epoch_to: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+    top: Annotated[int | None, Query(ge=1, le=MAX_INT)] = None,
 ) -> ReleaseBody:
     """A release over ``epoch`` or ``[epoch_from, epoch_to]`` (default: the last epoch)."""
     return await asyncio.to_thread(service.estimate, channel_id, epoch, epoch_from, epoch_to, top)

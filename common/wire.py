@@ -13,6 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 IDENTIFIER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+#: Largest epoch, count or bin index accepted anywhere: fits a signed 64-bit column on every
+#: database with room to spare (2^62), so a huge number is a 400, never a storage error.
+MAX_INT = 2**62
 
 
 def b64(data: bytes) -> str:
@@ -181,8 +184,8 @@ class Batch(BaseModel):
     shuffler_id: str
     channel_id: str
     crowd_id: str
-    epoch: int = Field(ge=0)
-    n_contributions: int = Field(ge=0)
+    epoch: int = Field(ge=0, le=MAX_INT)
+    n_contributions: int = Field(ge=0, le=MAX_INT)
     fragments: list[str]
 
     @model_validator(mode="after")
@@ -266,7 +269,7 @@ class CloseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     channel_id: str
-    epoch: int = Field(ge=0)
+    epoch: int = Field(ge=0, le=MAX_INT)
 
 
 class CloseResult(BaseModel):
@@ -358,10 +361,10 @@ class ReleaseRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    epoch: int | None = None
-    epoch_from: int | None = None
-    epoch_to: int | None = None
-    top: int | None = Field(None, ge=1)
+    epoch: int | None = Field(None, ge=0, le=MAX_INT)
+    epoch_from: int | None = Field(None, ge=0, le=MAX_INT)
+    epoch_to: int | None = Field(None, ge=0, le=MAX_INT)
+    top: int | None = Field(None, ge=1, le=MAX_INT)
 
 
 class LedgerRow(BaseModel):

@@ -114,7 +114,8 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
     app.include_router(routes.admin)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(ShufflerCollector(service.events, service.ledger))
-    add_operational_routes(app, service.store.engine, registry)
+    token = settings.metrics_token or settings.admin_token
+    add_operational_routes(app, service.store.engine, registry, token.get_secret_value())
     return app
 
 

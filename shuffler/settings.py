@@ -33,6 +33,9 @@ class ShufflerSettings(BaseSettings):
     analyzer_url: str | None = None
     token_secret: SecretStr = SecretStr("development")
     admin_token: SecretStr = SecretStr("development")
+    #: Bearer token for ``GET /metrics`` (exact pending/held/deleted counts are secret until
+    #: released: PROTOCOL.md); the admin token when not set.
+    metrics_token: SecretStr | None = None
     channels: list[ChannelPolicy] = Field(default_factory=list)
     channels_file: Path | None = None
     max_body_bytes: int = Field(256 * 1024, ge=1024)

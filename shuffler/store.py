@@ -302,20 +302,30 @@ class ContributionStore(ABC):
         )  # fmt: skip
 
     def _update_part(self, key: PartKey, **changes: Any) -> None:
+        # Only a part still pending: a forwarder whose lease ran out must not mark failed (or
+        # reschedule) a part another forwarder has meanwhile delivered.
+        pending = storage.batch_parts.c.status == "pending"
         with self.engine.begin() as conn:
-            conn.execute(update(storage.batch_parts).where(*_part_filter(key)).values(**changes))
+            conn.execute(
+                update(storage.batch_parts).where(*_part_filter(key), pending).values(**changes)
+            )
 
     # --- retention and accounting ---------------------------------------------------------
 
     def purge(self, cutoff: float, now: float) -> int:
         """Delete contributions and undelivered batches older than ``cutoff``; the count of
         contributions deleted is recorded (in one transaction) and returned."""
-        c, b = storage.contributions.c, storage.batches.c
+        c, b, p = storage.contributions.c, storage.batches.c, storage.batch_parts.c
+        # A batch with a part being sent (leased) or already delivered is not purged: the
+        # analyzer may count it, and a purge would then count the same contributions twice.
+        in_flight = exists().where(
+            p.batch_id == b.batch_id, or_(p.lease_until >= now, p.status == "forwarded")
+        )
         with self.engine.begin() as conn:
             old = list(conn.execute(select(c.id).where(c.received_at < cutoff)).scalars())
             stale = conn.execute(
                 select(b.batch_id, b.n_contributions).where(
-                    b.status != "forwarded", b.created_at < cutoff
+                    b.status != "forwarded", b.created_at < cutoff, ~in_flight
                 )
             ).all()
             _delete_ids(conn, old)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -174,7 +175,8 @@ def start_deployment(
 
 
 def close_epoch(deployment: Deployment, channel_id: str, epoch: int) -> None:
-    """Close an epoch at every shuffler now (batches are forwarded right away)."""
+    """Close an epoch at every shuffler now (batches are forwarded right away), then wait until
+    the analyzer has opened every part it stored."""
     for process in deployment.shufflers:
         response = httpx.post(
             process.url + "/v1/admin/close",
@@ -183,6 +185,15 @@ def close_epoch(deployment: Deployment, channel_id: str, epoch: int) -> None:
             json={"channel_id": channel_id, "epoch": epoch},
         )
         assert response.status_code == 200, response.text
+    wait_until(lambda: unopened_parts(deployment.analyzer.url) == 0, timeout=60)
+
+
+def unopened_parts(analyzer_url: str) -> float:
+    """The analyzer's intake backlog (``esa_analyzer_parts_unopened``)."""
+    text = httpx.get(analyzer_url + "/metrics", timeout=10).text
+    found = re.search(r"^esa_analyzer_parts_unopened (\S+)$", text, re.MULTILINE)
+    assert found is not None, "the analyzer exports no esa_analyzer_parts_unopened"
+    return float(found.group(1))
 
 
 @dataclass

@@ -68,3 +68,10 @@ class BadAdminTokenError(DomainError):
 
     code = "bad_admin_token"
     kind = Kind.UNAUTHENTICATED
+
+
+class MetricsTokenError(DomainError):
+    """``/metrics`` asked for without the metrics bearer token."""
+
+    code = "bad_metrics_token"
+    kind = Kind.UNAUTHENTICATED

@@ -12,6 +12,7 @@ a fixed sentence so nothing internal leaks).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.wire import ErrorBody
-from services.runtime.errors import DomainError, Kind
+from services.runtime.errors import DomainError, Kind, MetricsTokenError
 
 #: The one table from what a refusal is to the status a client sees.
 STATUS: dict[Kind, int] = {
@@ -138,8 +139,18 @@ def _framework_detail(exc: StarletteHTTPException) -> str:
     return str(exc.detail)
 
 
-def add_operational_routes(app: FastAPI, engine: Engine, registry: CollectorRegistry) -> None:
-    """``/healthz`` (process up), ``/readyz`` (database answers), ``/metrics`` (Prometheus)."""
+def bearer_matches(header: str | None, secret: str) -> bool:
+    """True when ``header`` is ``Bearer <secret>`` (constant time; any bytes are just wrong)."""
+    expected = f"Bearer {secret}".encode()
+    return hmac.compare_digest((header or "").encode("utf-8", "surrogateescape"), expected)
+
+
+def add_operational_routes(
+    app: FastAPI, engine: Engine, registry: CollectorRegistry, metrics_token: str | None = None
+) -> None:
+    """``/healthz`` (process up), ``/readyz`` (database answers), ``/metrics`` (Prometheus;
+    with ``metrics_token``, only for ``Authorization: Bearer <metrics_token>``: a shuffler's
+    exact pending, held and deleted counts would undo randomized deletion — PROTOCOL.md)."""
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> dict[str, str]:
@@ -157,8 +168,17 @@ def add_operational_routes(app: FastAPI, engine: Engine, registry: CollectorRegi
             return error_response(503, "not_ready", "database unreachable")
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
-    async def metrics() -> Response:
+    @app.get(
+        "/metrics",
+        tags=["operations"],
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {}}}, **error_responses(401)},
+    )
+    async def metrics(request: Request) -> Response:
+        if metrics_token is not None and not bearer_matches(
+            request.headers.get("authorization"), metrics_token
+        ):
+            raise MetricsTokenError("/metrics needs Authorization: Bearer <metrics token>")
         return PlainTextResponse(
             generate_latest(registry).decode(), media_type="text/plain; version=0.0.4"
         )

@@ -472,10 +472,13 @@ _UNFORWARDED = re.compile(r'esa_shuffler_queue_depth\{state="in_batches_unforwar
 _UNOPENED = re.compile(r"^esa_analyzer_parts_unopened (\S+)$", re.MULTILINE)
 
 
-def _wait_metric(url: str, pattern: re.Pattern[str], what: str, deadline: float) -> None:
-    """Poll ``url``'s ``/metrics`` until ``pattern``'s value is 0."""
+def _wait_metric(
+    url: str, pattern: re.Pattern[str], what: str, deadline: float, token: str | None = None
+) -> None:
+    """Poll ``url``'s ``/metrics`` (as ``token`` when given) until ``pattern``'s value is 0."""
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
     while True:
-        found = pattern.search(httpx.get(url + "/metrics", timeout=10.0).text)
+        found = pattern.search(httpx.get(url + "/metrics", headers=headers, timeout=10.0).text)
         if found is not None and float(found.group(1)) == 0:
             return
         if time.monotonic() > deadline:
@@ -487,7 +490,7 @@ def _wait_forwarded(target: Target, timeout: float = 300.0) -> None:
     """Until every shuffler has forwarded its batches and the analyzer has opened them all."""
     deadline = time.monotonic() + timeout
     for url in target.shuffler_urls:
-        _wait_metric(url, _UNFORWARDED, "unforwarded batches", deadline)
+        _wait_metric(url, _UNFORWARDED, "unforwarded batches", deadline, target.admin_token)
     _wait_metric(target.analyzer_url, _UNOPENED, "unopened batch parts", deadline)
 
 

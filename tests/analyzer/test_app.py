@@ -90,6 +90,8 @@ def test_unknown_route_wrong_method_and_bad_parameter_answer_the_error_shape(
         client.get("/v1/channels/homepage/estimate?epoch=abc"), 400, "invalid_request"
     )
     assert "query.epoch" in detail and "integer" in detail
+    for huge in ("epoch=99999999999999999999999", "epoch_from=9223372036854775808", "top=-1"):
+        _refusal(client.get(f"/v1/channels/homepage/estimate?{huge}"), 400, "invalid_request")
 
 
 def test_domain_refusals_keep_their_codes_and_statuses(client: TestClient) -> None:

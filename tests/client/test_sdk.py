@@ -174,10 +174,14 @@ def test_outbox_survives_app_restarts_and_delivers_exactly_once(
     assert _received(deployment) - before == 3
 
 
+ADMIN = {"Authorization": "Bearer development"}
+
+
 def _received(deployment: Deployment) -> int:
     total = 0
     for process in deployment.shufflers:
-        for line in httpx.get(process.url + "/metrics").text.splitlines():
+        metrics = httpx.get(process.url + "/metrics", headers=ADMIN).text
+        for line in metrics.splitlines():
             if line.startswith("esa_shuffler_contributions_received_total"):
                 total += int(float(line.split()[-1]))
     return total

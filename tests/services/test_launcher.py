@@ -26,16 +26,19 @@ def _base_port() -> int:
 
 
 def _processes_mentioning(marker: str) -> list[int]:
-    found = []
+    """Processes whose environment mentions ``marker``, without their children (the analyzer's
+    opening pool workers inherit its environment)."""
+    found: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             if marker.encode() in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
+                stat = (entry / "stat").read_text()
+                found[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-    return found
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_path: Path) -> None:

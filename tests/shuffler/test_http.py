@@ -137,7 +137,12 @@ def test_health_readiness_config_and_metrics(service: ServiceProcess) -> None:
     assert httpx.get(service.url + "/readyz").status_code == 200
     config = httpx.get(service.url + "/v1/config").json()
     assert config["id"] == "shuffler-1" and len(base64.b64decode(config["signing_key"])) == 32
-    metrics = httpx.get(service.url + "/metrics").text
+    refused = httpx.get(service.url + "/metrics")
+    _error(refused, 401, "bad_metrics_token")
+    wrong = httpx.get(service.url + "/metrics", headers={"Authorization": b"Bearer \xff"})
+    _error(wrong, 401, "bad_metrics_token")
+    metrics = httpx.get(service.url + "/metrics", headers={"Authorization": "Bearer development"})
+    assert metrics.headers["content-type"].startswith("text/plain")
     for name in (
         "esa_shuffler_contributions_received_total",
         "esa_shuffler_contributions_rejected_total",
@@ -145,7 +150,7 @@ def test_health_readiness_config_and_metrics(service: ServiceProcess) -> None:
         "esa_shuffler_queue_depth",
         "esa_shuffler_batches_forwarded_total",
     ):
-        assert name in metrics
+        assert name in metrics.text
 
 
 def test_framework_errors_have_the_same_shape(service: ServiceProcess) -> None:
