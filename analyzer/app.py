@@ -24,6 +24,7 @@ from fastapi.responses import HTMLResponse
 from prometheus_client import CollectorRegistry
 
 from analyzer import dashboard
+from analyzer.errors import AdminTokenError
 from analyzer.metrics import EventsCollector
 from analyzer.service import AnalyzerService
 from analyzer.settings import AnalyzerSettings
@@ -41,6 +42,7 @@ from services.runtime import logs
 from services.runtime.http import (
     ERROR_RESPONSES,
     add_operational_routes,
+    bearer_matches,
     error_responses,
     install_error_handlers,
 )
@@ -59,8 +61,8 @@ Service = Annotated[AnalyzerService, Depends(get_service)]
 
 def require_admin(service: Service, authorization: Annotated[str | None, Header()] = None) -> None:
     """Admin routes need ``Authorization: Bearer <admin token>`` (401 JSON otherwise)."""
-    token = None if authorization is None else authorization.removeprefix("Bearer ").strip()
-    service.authorize(token)
+    if not bearer_matches(authorization, service.settings.admin_token.get_secret_value()):
+        raise AdminTokenError("Authorization: Bearer <admin token> required")
 
 
 batches = APIRouter(tags=["batches"])

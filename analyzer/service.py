@@ -7,7 +7,6 @@ is an :class:`~analyzer.errors.AnalyzerError`.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 from analyzer.channels import ChannelRuntime
 from analyzer.config import AnalyzerKeys, signed_config
 from analyzer.dashboard import ChannelView
-from analyzer.errors import AdminTokenError, NothingReceivedError
+from analyzer.errors import NothingReceivedError
 from analyzer.intake import BatchIntake, IntakePolicy
 from analyzer.ledger import LedgerService
 from analyzer.metrics import Events
@@ -153,16 +152,6 @@ class AnalyzerService:
         read: nothing is written, nothing is charged)."""
         first, last = self.releases.epochs(channel_id, epoch, epoch_from, epoch_to)
         return _wire(self.releases.release(channel_id, first, last), top)
-
-    def authorize(self, token: str | None) -> None:
-        """Admin routes need the admin token (compared in constant time).
-
-        Raises:
-            AdminTokenError: unless ``token`` is the admin token.
-        """
-        expected = self.settings.admin_token.get_secret_value()
-        if not token or not hmac.compare_digest(token.encode(), expected.encode()):
-            raise AdminTokenError("Authorization: Bearer <admin token> required")
 
     def publish(self, channel_id: str, request: ReleaseRequest) -> ReleaseBody:
         """``POST /v1/channels/{id}/releases``: publish a release and record it (after

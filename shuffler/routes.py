@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Annotated, cast
 
 import httpx
@@ -21,7 +20,7 @@ from common.wire import (
     RevokeResult,
     ShufflerConfig,
 )
-from services.runtime.http import error_responses
+from services.runtime.http import bearer_matches, error_responses
 from shuffler.errors import AdminTokenError
 from shuffler.service import ShufflerService
 
@@ -46,9 +45,8 @@ def require_admin(request: Request, service: Service) -> None:
     Raises:
         AdminTokenError: missing or wrong.
     """
-    supplied = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     expected = service.settings.admin_token.get_secret_value()
-    if not supplied or not hmac.compare_digest(supplied, expected):
+    if not bearer_matches(request.headers.get("authorization"), expected):
         raise AdminTokenError("admin token missing or wrong")
 
 

@@ -142,7 +142,8 @@ def _framework_detail(exc: StarletteHTTPException) -> str:
 def bearer_matches(header: str | None, secret: str) -> bool:
     """True when ``header`` is ``Bearer <secret>`` (constant time; any bytes are just wrong)."""
     expected = f"Bearer {secret}".encode()
-    return hmac.compare_digest((header or "").encode("utf-8", "surrogateescape"), expected)
+    supplied = (header or "").encode("utf-8", "surrogateescape")
+    return bool(secret) and hmac.compare_digest(supplied, expected)
 
 
 def add_operational_routes(

@@ -141,6 +141,12 @@ def test_health_readiness_config_and_metrics(service: ServiceProcess) -> None:
     _error(refused, 401, "bad_metrics_token")
     wrong = httpx.get(service.url + "/metrics", headers={"Authorization": b"Bearer \xff"})
     _error(wrong, 401, "bad_metrics_token")
+    close = httpx.post(
+        service.url + "/v1/admin/close",
+        json={"channel_id": CHANNEL["id"], "epoch": 1},
+        headers={"Authorization": b"Bearer \xff"},
+    )
+    _error(close, 401, "bad_admin_token")  # a non-ASCII token is wrong, never a 500
     metrics = httpx.get(service.url + "/metrics", headers={"Authorization": "Bearer development"})
     assert metrics.headers["content-type"].startswith("text/plain")
     for name in (
