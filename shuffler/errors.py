@@ -15,6 +15,7 @@ answer and never changes. Details name the problem, never a client id, token or 
         ├── BadContentTypeError         bad_content_type     400
         ├── UnknownChannelError         unknown_channel      400
         ├── EpochNotOpenError           epoch_not_open       400
+        ├── FutureEpochError            epoch_not_started    422  (admin close)
         ├── ReplayedNonceError          replayed_nonce       409
         ├── QuotaExceededError          quota_exceeded       409
         ├── BodyTooLargeError           too_large            413  (a TooLargeError)
@@ -83,6 +84,14 @@ class EpochNotOpenError(ShufflerError):
 
     code = "epoch_not_open"
     kind = Kind.INVALID
+
+
+class FutureEpochError(ShufflerError):
+    """An admin close of an epoch that has not started: it would refuse every contribution of
+    the epochs up to it, for good."""
+
+    code = "epoch_not_started"
+    kind = Kind.UNPROCESSABLE
 
 
 class ReplayedNonceError(ShufflerError):

@@ -70,7 +70,9 @@ class TokenAuthority:
             RevokedTokenError: for a revoked one.
         """
         client_id, _, mac = token.partition(".")
-        if not client_id or not mac or not hmac.compare_digest(mac, self._mac(client_id)):
+        # Bytes, not str: compare_digest raises TypeError on non-ASCII text (a 500, not a 401).
+        supplied, expected = mac.encode("utf-8", "surrogateescape"), self._mac(client_id).encode()
+        if not client_id or not mac or not hmac.compare_digest(supplied, expected):
             raise BadTokenError("client token is missing, malformed or forged")
         if client_id in self.revoked:
             raise RevokedTokenError("client token has been revoked")

@@ -72,7 +72,7 @@ async def config(service: Service) -> ShufflerConfig:
     return service.config()
 
 
-@admin.post("/close", response_model=CloseResult)
+@admin.post("/close", response_model=CloseResult, responses=error_responses(422))
 async def close(body: CloseRequest, service: Service, http: Http) -> CloseResult:
     """Close every epoch <= ``epoch`` of a channel now, evaluate its groups, forward."""
     groups = await asyncio.to_thread(service.close, body.channel_id, body.epoch)

@@ -26,7 +26,7 @@ from common.retry import Backoff
 from common.wire import ShufflerConfig
 from services.runtime import db
 from shuffler.batcher import Batcher, Deletion, GroupStatus, due
-from shuffler.errors import ShufflerError
+from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
 from shuffler.forwarder import Forwarder
 from shuffler.intake import Intake, TokenAuthority, refusal
 from shuffler.metrics import Events
@@ -203,7 +203,20 @@ class ShufflerService:
             return None
 
     def close(self, channel_id: str, epoch: int) -> int:
-        """Close every epoch <= ``epoch`` of a channel now (admin, demo); returns groups done."""
+        """Close every epoch <= ``epoch`` of a channel now (admin, demo); returns groups done.
+
+        Raises:
+            UnknownChannelError: the channel is not configured here.
+            FutureEpochError: ``epoch`` has not started yet.
+        """
+        policy = self.settings.channel(channel_id)
+        if policy is None:
+            raise UnknownChannelError(f"channel {channel_id[:64]!r} is not configured here")
+        current = int(self.clock() // policy.epoch_seconds)
+        if epoch > current:
+            raise FutureEpochError(
+                f"epoch {epoch} of {channel_id!r} has not started (the current one is {current})"
+            )
         self.store.close_epoch(channel_id, epoch, self.clock())
         self.intake.close(channel_id, epoch)
         return self.run_batching()

@@ -16,6 +16,7 @@ EXPECTED = {
     errors.BadContentTypeError: ("bad_content_type", 400),
     errors.UnknownChannelError: ("unknown_channel", 400),
     errors.EpochNotOpenError: ("epoch_not_open", 400),
+    errors.FutureEpochError: ("epoch_not_started", 422),
     errors.ReplayedNonceError: ("replayed_nonce", 409),
     errors.QuotaExceededError: ("quota_exceeded", 409),
     errors.BodyTooLargeError: ("too_large", 413),

@@ -96,6 +96,10 @@ def test_401_missing_forged_and_revoked_tokens(service: ServiceProcess) -> None:
     _error(_post(service, _blob(service), None), 401, "bad_token")
     token = _token(service)
     _error(_post(service, _blob(service), token[:-2] + "xx"), 401, "bad_token")
+    for raw in (b"Bearer a.\xff", b"Bearer \xff\xfe.\xff"):  # non-ASCII: wrong, never a 500
+        headers = {"Content-Type": "application/octet-stream", "Authorization": raw}
+        sent = httpx.post(service.url + "/v1/contributions", content=b"x", headers=headers)
+        _error(sent, 401, "bad_token")
     client_id = token.split(".")[0]
     revoke = httpx.post(
         service.url + "/v1/admin/revoke",
@@ -147,6 +151,13 @@ def test_health_readiness_config_and_metrics(service: ServiceProcess) -> None:
         headers={"Authorization": b"Bearer \xff"},
     )
     _error(close, 401, "bad_admin_token")  # a non-ASCII token is wrong, never a 500
+    admin = {"Authorization": "Bearer development"}
+    for body, status, code in (
+        ({"channel_id": CHANNEL["id"], "epoch": 2**61}, 422, "epoch_not_started"),
+        ({"channel_id": "nope", "epoch": 1}, 400, "unknown_channel"),
+    ):
+        refused = httpx.post(service.url + "/v1/admin/close", json=body, headers=admin)
+        _error(refused, status, code)  # and nothing is closed: later epochs stay open
     metrics = httpx.get(service.url + "/metrics", headers={"Authorization": "Bearer development"})
     assert metrics.headers["content-type"].startswith("text/plain")
     for name in (
