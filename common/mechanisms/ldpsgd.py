@@ -1,0 +1,516 @@
+"""LDP-SGD — ESA-revisited §VI, Algorithms 4–5, with the paper's PRG communication reduction.
+
+Client (Algorithm 4): clip the gradient ``x`` to L2 norm ``L``; ``z = +L x/‖x‖`` with
+probability ``½ + ‖x‖/2L``, else ``-L x/‖x‖``; ``v`` uniform on the unit sphere of ``R^d``;
+report ``sgn(⟨z, v⟩) v``, negated with probability ``1/(1 + e^ε)``. Every draw that protects the
+device comes from the OS CSPRNG (:mod:`common.randomness`).
+
+Communication reduction (§VI, "Reducing communication cost using PRGs"): ``v`` is regenerated
+from a 128-bit seed drawn by the device, so a report is one sign and the seed. The seed-to-sphere
+sampler is fixed (:func:`sphere`): ``SHAKE-256("esa/ldp-sgd/sphere/v1" || seed)`` read as
+little-endian uint64 words ``w``, ``u = ((w >> 11) + 1) / 2^53`` in (0, 1], Box–Muller on
+consecutive pairs ``(u1, u2)`` → ``sqrt(-2 ln u1) (cos 2πu2, sin 2πu2)``, the first ``d``
+normals normalized to unit length.
+
+Wire payload (mechanism code 6, 21 bytes): ``uint32 round | uint8 sign (1: +, 0: -) |
+16-byte seed``. A device sends ``tau`` i.i.d. reports per round (the paper's "effective batch
+size", §VII-C), one fragment each.
+
+Server (Algorithm 5, line 5): ``g = scale · (1/m) Σ ẑ_i`` with
+``scale = L · d · (√π/2) · Γ((d-1)/2 + 1)/Γ(d/2 + 1) · (e^ε + 1)/(e^ε - 1)``, which makes
+``E[g] = x`` (``E|v_1| = Γ(d/2)/(√π Γ((d+1)/2))`` on the sphere of ``R^d``). The paper prints
+the constant without the factor ``d`` (a slip: its ``E[g]`` would be ``x/d``; Duchi et al.'s
+constant has it); :func:`paper_scale` is the printed one, kept for the test that shows the
+difference. Line 6: ``θ_{t+1} = Π_C(θ_t - η g)`` with ``C`` the L2 ball of radius ``radius``
+(:func:`server_step`); the learning rate is a channel parameter (the printed ``η_t`` grows with
+``√n`` and is not used).
+
+Privacy. Given its seed, the sign is binary randomized response with flip probability
+``1/(1 + e^ε)`` of the bit ``sgn⟨z, v⟩``, and the seed is uniform and independent of the data:
+whatever the data, a report is a uniform (sign, seed) with probability ``2/(e^ε + 1)`` — the
+privacy blanket of binary RR (replacement ε per report). A round is certified at its smallest
+shuffled batch with the same bounds as k-RR at k = 2 (the binary-RR blanket, FMT21 Cor. 4.2,
+clones), composed over the ``tau`` reports of a device (one shuffle of all reports is a
+post-processing of ``tau`` independent shuffles of each device's j-th report). See
+``docs/ldp-sgd.md`` for the argument when two gradients are not antipodal.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from common.accounting import BoundResult, Certification, Epoch, MechanismParams, certify
+from common.accounting.lifetime import compose_epochs as compose_lifetime
+from common.accounting.lifetime import mechanism_epoch
+from common.mechanisms._base import check_eps
+from common.mechanisms._estimates import Estimate, FloatArray
+from common.mechanisms._wire import FragmentError, frame, unframe
+from common.mechanisms.base import (
+    BatchContext,
+    DeviceState,
+    Encoded,
+    LocalPrivacy,
+    Mechanism,
+    MechanismError,
+    NoDataError,
+    Received,
+    ReleaseCertificate,
+    ValueKind,
+    compose_epochs,
+    epoch_batches,
+)
+from common.randomness import RandomSource, bernoulli, default_source, random_bytes
+
+NAME = "ldp-sgd"
+MECHANISM_CODE = 6
+SEED_BYTES = 16
+PAYLOAD_SIZE = 4 + 1 + SEED_BYTES
+SPHERE_DOMAIN = b"esa/ldp-sgd/sphere/v1"
+#: Distinct rounds one accumulator keeps; fragments naming further rounds are chaff.
+MAX_ROUNDS = 64
+#: Reports whose sphere vectors are generated and summed at once (bounds memory: chunk × d).
+CHUNK = 4096
+#: Keys of a channel's ``params`` that carry the published model, not parameters.
+MODEL_KEYS = ("round", "theta")
+
+
+@dataclass(frozen=True, slots=True)
+class LdpSgdParams:
+    """Attributes: ``dim`` model dimension d, ``eps`` per-report ε (replacement), ``clip`` the
+    L2 clipping norm L, ``radius`` of the parameter ball C, ``learning_rate`` η, ``tau``
+    reports per device per round, ``rounds`` T."""
+
+    dim: int
+    eps: float
+    clip: float = 1.0
+    radius: float = 100.0
+    learning_rate: float = 1.0
+    tau: int = 1
+    rounds: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "tau", "rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
+        if self.dim < 2:
+            raise ValueError(f"dim must be >= 2, got dim={self.dim}")
+        check_eps("eps", self.eps)
+        for name in ("clip", "radius", "learning_rate"):
+            check_eps(name, getattr(self, name))
+
+    @property
+    def flip_prob(self) -> float:
+        """``1/(1 + e^ε)``."""
+        return 1.0 / (1.0 + math.exp(self.eps))
+
+    @property
+    def scale(self) -> float:
+        """Algorithm 5 line 5's constant with the factor d (module docstring)."""
+        return self.dim * paper_scale(self.dim, self.clip, self.eps)
+
+
+def paper_scale(dim: int, clip: float, eps: float) -> float:
+    """The constant as printed in Algorithm 5 line 5:
+    ``L √π/2 · Γ((d-1)/2 + 1)/Γ(d/2 + 1) · (e^ε + 1)/(e^ε - 1)``."""
+    gamma_ratio = math.exp(math.lgamma((dim - 1) / 2 + 1) - math.lgamma(dim / 2 + 1))
+    return clip * math.sqrt(math.pi) / 2 * gamma_ratio / math.tanh(eps / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class GradientReport:
+    """What a device hands the SDK: the round of the model it used and its gradient there."""
+
+    round: int
+    gradient: FloatArray
+
+
+def sphere(seeds: Sequence[bytes], dim: int) -> FloatArray:
+    """The fixed seed-to-sphere sampler (module docstring): one unit vector per seed."""
+    pairs = (dim + 1) // 2
+    raw = b"".join(hashlib.shake_256(SPHERE_DOMAIN + s).digest(16 * pairs) for s in seeds)
+    words = np.frombuffer(raw, dtype="<u8").reshape(len(seeds), pairs, 2)
+    u = ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
+    radius = np.sqrt(-2.0 * np.log(u[:, :, 0]))
+    angle = 2.0 * math.pi * u[:, :, 1]
+    normals = np.stack([radius * np.cos(angle), radius * np.sin(angle)], axis=2)
+    normals = normals.reshape(len(seeds), 2 * pairs)[:, :dim]
+    result: FloatArray = normals / np.linalg.norm(normals, axis=1, keepdims=True)
+    return result
+
+
+def clip_gradient(gradient: FloatArray, clip: float) -> FloatArray:
+    """Algorithm 4 line 1: ``x · min(1, L/‖x‖)``."""
+    norm = float(np.linalg.norm(gradient))
+    result: FloatArray = gradient * min(1.0, clip / norm) if norm > 0 else gradient
+    return result
+
+
+def check_gradient(value: Any, params: LdpSgdParams) -> GradientReport:
+    """Validate a device's value (a :class:`GradientReport` of the channel's dimension)."""
+    if not isinstance(value, GradientReport):
+        raise MechanismError(f"value must be a GradientReport, got value={type(value).__name__}")
+    if isinstance(value.round, bool) or not isinstance(value.round, int):
+        raise MechanismError(f"round must be an integer, got round={value.round!r}")
+    if not 0 <= value.round < 1 << 32:
+        raise MechanismError(f"round must be in [0, 2**32), got round={value.round}")
+    gradient = np.asarray(value.gradient, dtype=np.float64)
+    if gradient.shape != (params.dim,) or not np.all(np.isfinite(gradient)):
+        raise MechanismError(
+            f"gradient must be {params.dim} finite numbers, got shape {gradient.shape}"
+        )
+    return GradientReport(value.round, gradient)
+
+
+def encode(
+    value: GradientReport, params: LdpSgdParams, rng: RandomSource | None = None
+) -> list[bytes]:
+    """Algorithm 4 with the PRG reduction: ``tau`` fragments ``(round, sign, seed)``."""
+    report = check_gradient(value, params)
+    rng = rng or default_source()
+    x = clip_gradient(report.gradient, params.clip)
+    norm = float(np.linalg.norm(x))
+    fragments = []
+    for _ in range(params.tau):
+        # z = ±L x/‖x‖ (a uniform direction when x = 0: E[z] = x = 0 either way).
+        direction = x / norm if norm > 0 else sphere([random_bytes(rng, SEED_BYTES)], params.dim)[0]
+        z_sign = 1.0 if bernoulli(rng, 0.5 + norm / (2.0 * params.clip)) else -1.0
+        seed = random_bytes(rng, SEED_BYTES)
+        bit = z_sign * float(direction @ sphere([seed], params.dim)[0]) >= 0.0
+        if bernoulli(rng, params.flip_prob):
+            bit = not bit
+        payload = report.round.to_bytes(4, "big") + bytes((int(bit),)) + seed
+        fragments.append(frame(MECHANISM_CODE, payload))
+    return fragments
+
+
+def parse_fragment(fragment: bytes) -> tuple[int, float, bytes]:
+    """``(round, ±1, seed)`` of one fragment.
+
+    Raises:
+        FragmentError: naming what is wrong.
+    """
+    payload = unframe(MECHANISM_CODE, PAYLOAD_SIZE, fragment)
+    if payload[4] > 1:
+        raise FragmentError(f"sign byte must be 0 or 1, got {payload[4]}")
+    return int.from_bytes(payload[:4], "big"), 1.0 if payload[4] else -1.0, payload[5:]
+
+
+@dataclass
+class LdpSgdAccumulator:
+    """Per round: the sum of reconstructed reports ``Σ ẑ_i`` and how many; ``n`` contributions
+    (devices) of the batches folded in."""
+
+    dim: int
+    sums: dict[int, FloatArray] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+    n: int = 0
+
+    def add(self, round_: int, vectors: FloatArray) -> None:
+        """Add reconstructed reports of one round."""
+        current = self.sums.get(round_)
+        total = vectors.sum(axis=0)
+        self.sums[round_] = total if current is None else current + total
+        self.counts[round_] = self.counts.get(round_, 0) + len(vectors)
+
+    def merge(self, other: LdpSgdAccumulator) -> LdpSgdAccumulator:
+        """Sum of two accumulators of the same dimension."""
+        if other.dim != self.dim:
+            raise ValueError(f"cannot merge accumulators of dim {self.dim} and {other.dim}")
+        merged = LdpSgdAccumulator(self.dim, dict(self.sums), dict(self.counts), self.n + other.n)
+        for r, total in other.sums.items():
+            merged.sums[r] = merged.sums[r] + total if r in merged.sums else total
+            merged.counts[r] = merged.counts.get(r, 0) + other.counts[r]
+        return merged
+
+    def to_bytes(self) -> bytes:
+        """Compressed, pickle-free serialization."""
+        rounds = sorted(self.sums)
+        buffer = io.BytesIO()
+        np.savez_compressed(
+            buffer,
+            meta=np.array([self.dim, self.n], dtype=np.int64),
+            rounds=np.array(rounds, dtype=np.int64),
+            counts=np.array([self.counts[r] for r in rounds], dtype=np.int64),
+            sums=np.array([self.sums[r] for r in rounds], dtype=np.float64).reshape(-1, self.dim),
+        )
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> LdpSgdAccumulator:
+        """Inverse of :meth:`to_bytes`."""
+        with np.load(io.BytesIO(data), allow_pickle=False) as a:
+            dim, n = (int(v) for v in a["meta"])
+            rounds = [int(r) for r in a["rounds"]]
+            sums = {r: a["sums"][i].astype(np.float64) for i, r in enumerate(rounds)}
+            counts = {r: int(a["counts"][i]) for i, r in enumerate(rounds)}
+        return cls(dim, sums, counts, n)
+
+
+def accumulate(
+    accumulator: LdpSgdAccumulator, fragments: Sequence[bytes], n_contributions: int
+) -> int:
+    """Regenerate each report's ``v`` from its seed and add ``sign · v`` to its round's sum;
+    returns the invalid fragments (unparsable, or naming a round past :data:`MAX_ROUNDS`)."""
+    by_round: dict[int, tuple[list[float], list[bytes]]] = {}
+    invalid = 0
+    for fragment in fragments:
+        try:
+            round_, sign, seed = parse_fragment(fragment)
+        except FragmentError:
+            invalid += 1
+            continue
+        known = round_ in accumulator.sums or round_ in by_round
+        if not known and len(accumulator.sums) + len(by_round) >= MAX_ROUNDS:
+            invalid += 1
+            continue
+        signs, seeds = by_round.setdefault(round_, ([], []))
+        signs.append(sign)
+        seeds.append(seed)
+    for round_, (signs, seeds) in by_round.items():
+        for start in range(0, len(seeds), CHUNK):
+            vectors = sphere(seeds[start : start + CHUNK], accumulator.dim)
+            accumulator.add(round_, vectors * np.asarray(signs[start : start + CHUNK])[:, None])
+    accumulator.n += n_contributions
+    return invalid
+
+
+def noisy_gradient(params: LdpSgdParams, total: FloatArray, count: int) -> FloatArray:
+    """Algorithm 5 line 5: ``scale · (1/m) Σ ẑ_i`` over the ``count`` reports of a round."""
+    if count < 1:
+        raise NoDataError("no report for this round")
+    result: FloatArray = params.scale * total / count
+    return result
+
+
+def project(theta: FloatArray, radius: float) -> FloatArray:
+    """L2 projection onto the ball of radius ``radius`` (Algorithm 5 line 6's ``Π_C``)."""
+    norm = float(np.linalg.norm(theta))
+    result: FloatArray = theta * (radius / norm) if norm > radius else theta
+    return result
+
+
+def server_step(params: LdpSgdParams, theta: FloatArray, gradient: FloatArray) -> FloatArray:
+    """Algorithm 5 line 6: ``θ_{t+1} = Π_C(θ_t - η g_t)``."""
+    return project(theta - params.learning_rate * gradient, params.radius)
+
+
+def simulate_reports(
+    params: LdpSgdParams, gradients: FloatArray, rng: np.random.Generator
+) -> tuple[FloatArray, int]:
+    """Vectorized Algorithm 4 for a population (``tau`` reports per row of ``gradients``):
+    ``(Σ ẑ_i, count)`` as the server would accumulate them. Numpy's generator, ``v`` drawn
+    directly (same distribution as :func:`sphere`): for simulations only, it protects nobody."""
+    total = np.zeros(params.dim)
+    for start in range(0, len(gradients), CHUNK):
+        g = gradients[start : start + CHUNK]
+        norms = np.linalg.norm(g, axis=1, keepdims=True)
+        x = g * np.minimum(1.0, params.clip / np.maximum(norms, 1e-300))
+        xn = np.linalg.norm(x, axis=1, keepdims=True)
+        unit = x / np.maximum(xn, 1e-300)
+        for _ in range(params.tau):
+            z_sign = np.where(rng.random((len(g), 1)) < 0.5 + xn / (2 * params.clip), 1.0, -1.0)
+            v = rng.standard_normal((len(g), params.dim))
+            v /= np.linalg.norm(v, axis=1, keepdims=True)
+            sign = np.where(np.sum(unit * v, axis=1, keepdims=True) * z_sign >= 0, 1.0, -1.0)
+            sign *= np.where(rng.random((len(g), 1)) < params.flip_prob, -1.0, 1.0)
+            total += (sign * v).sum(axis=0)
+    return total, len(gradients) * params.tau
+
+
+def local_privacy(params: LdpSgdParams) -> LocalPrivacy:
+    """Per round: ``tau`` reports of ε each (replacement, basic composition — exact for pure
+    ε); removal against a uniform sign: ``ln(2e^ε/(e^ε + 1))`` per report."""
+    removal = math.log(2.0 / (1.0 + math.exp(-params.eps)))
+    return LocalPrivacy(
+        params.tau * removal,
+        params.tau * params.eps,
+        params.tau * removal,
+        removal,
+        f"{params.tau} binary-RR report(s) per device per round",
+    )
+
+
+def central(params: LdpSgdParams, n: int, delta: float) -> Certification:
+    """One report of every device in a batch of n, certified as binary RR (k-RR at k = 2)."""
+    return certify("krr", params.eps, n, delta, MechanismParams(k=2))
+
+
+def round_certificate(
+    params: LdpSgdParams, n: int, delta: float
+) -> tuple[BoundResult, BoundResult]:
+    """A round at crowd n: ``tau`` reports per device, each at δ/τ, by basic composition
+    (replacement, the natural notion; the other notion beside it); the lifetime ledger
+    composes the pairs instead."""
+    cert = central(params, n, delta / params.tau)
+    if params.tau == 1:
+        return cert.certified, cert.other_notion
+    return (
+        compose_epochs([cert.certified] * params.tau),
+        compose_epochs([cert.other_notion] * params.tau),
+    )
+
+
+def epoch_pair(
+    params: LdpSgdParams,
+    n: int,
+    delta: float,
+    deletion: tuple[float, float] | None = None,
+    replacement: bool = False,
+) -> Epoch | None:
+    """A round at crowd n: the binary-RR pair (k-RR at k = 2), once per report of a device."""
+    one = mechanism_epoch(
+        "krr",
+        params.eps,
+        n,
+        delta,
+        MechanismParams(k=2),
+        deletion=deletion,
+        replacement=replacement,
+    )
+    if one is None or params.tau == 1:
+        return one
+    return Epoch(one.pairs * params.tau, one.certificates * params.tau, one.neighbouring)
+
+
+def training_eps(params: LdpSgdParams, n: int, delta: float) -> float:
+    """Training-long central ε of ``rounds`` rounds at crowd n (PLD composition of the pairs,
+    :func:`common.accounting.lifetime.compose_epochs`)."""
+    epoch = epoch_pair(params, n, delta / params.rounds)
+    if epoch is None:
+        raise ValueError("no dominating pair for this channel")
+    result = compose_lifetime([epoch] * params.rounds, delta)
+    if result.eps is None:
+        raise ValueError(f"nothing certified at n={n}, delta={delta}")
+    return float(result.eps)
+
+
+def theorem_vi1(params: LdpSgdParams, n: int, delta: float) -> float:
+    """Theorem VI.1's rate with the O(·) constant taken as 1 (for reference, never certified):
+    ``(e^ε - 1)/√n · √(T log²(T/δ))``."""
+    t = params.rounds
+    return math.expm1(params.eps) / math.sqrt(n) * math.sqrt(t * math.log(t / delta) ** 2)
+
+
+class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
+    """LDP-SGD through the mechanism interface (the estimate is the noisy gradient of the round
+    with the most reports)."""
+
+    name = NAME
+    code = MECHANISM_CODE
+    payload_size = PAYLOAD_SIZE
+    value_kind: ClassVar[ValueKind] = ValueKind.CATEGORY
+
+    def parse_params(self, raw: Mapping[str, Any]) -> LdpSgdParams:
+        return LdpSgdParams(**{k: v for k, v in raw.items() if k not in MODEL_KEYS})
+
+    def domain_size(self, params: LdpSgdParams) -> int:
+        return params.dim
+
+    def fragment_limit(self, params: LdpSgdParams) -> int:
+        return params.tau
+
+    def encode(
+        self,
+        params: LdpSgdParams,
+        value: Any,
+        state: DeviceState | None,
+        rng: RandomSource,
+        shufflers: int,
+    ) -> Encoded:
+        return Encoded(((None, tuple(encode(value, params, rng))),))
+
+    def new_accumulator(self, params: LdpSgdParams) -> LdpSgdAccumulator:
+        return LdpSgdAccumulator(params.dim)
+
+    def load_accumulator(self, params: LdpSgdParams, data: bytes) -> LdpSgdAccumulator:
+        return LdpSgdAccumulator.from_bytes(data)
+
+    def accumulate(
+        self,
+        params: LdpSgdParams,
+        accumulator: LdpSgdAccumulator,
+        fragments: Sequence[bytes],
+        n_contributions: int,
+        batch: BatchContext,
+    ) -> int:
+        return accumulate(accumulator, fragments, n_contributions)
+
+    def estimate(self, params: LdpSgdParams, accumulator: LdpSgdAccumulator) -> Estimate:
+        if not accumulator.counts:
+            return Estimate(
+                np.zeros(params.dim),
+                np.zeros(params.dim),
+                accumulator.n,
+                False,
+                "LDP-SGD: no report",
+            )
+        round_ = max(accumulator.counts, key=lambda r: (accumulator.counts[r], r))
+        count = accumulator.counts[round_]
+        values = noisy_gradient(params, accumulator.sums[round_], count)
+        std = np.full(params.dim, params.scale / math.sqrt(params.dim * count))
+        note = f"LDP-SGD noisy gradient of round {round_} ({count} reports), Algorithm 5 line 5"
+        return Estimate(values, std, accumulator.n, False, note)
+
+    def local_privacy(self, params: LdpSgdParams) -> LocalPrivacy:
+        return local_privacy(params)
+
+    def certify(
+        self, params: LdpSgdParams, delta: float, received: Sequence[Received[LdpSgdAccumulator]]
+    ) -> ReleaseCertificate:
+        per_epoch = epoch_batches(received)
+        if not per_epoch:
+            raise NoDataError("no batch received")
+        certs = [round_certificate(params, min(c.values()), delta) for c in per_epoch.values()]
+        crowds = {f"{e}/{k}": v for e, c in per_epoch.items() for k, v in c.items()}
+        return ReleaseCertificate(
+            compose_epochs([c[0] for c in certs]),
+            compose_epochs([c[1] for c in certs]),
+            None,
+            crowds,
+            len(per_epoch),
+        )
+
+    def epoch_pair(
+        self,
+        params: LdpSgdParams,
+        n: int,
+        delta: float,
+        *,
+        deletion: tuple[float, float] | None = None,
+        replacement: bool = False,
+    ) -> Epoch | None:
+        return epoch_pair(params, n, delta, deletion, replacement)
+
+
+def model_params(round_: int, theta: FloatArray) -> dict[str, Any]:
+    """The published model as ``params`` keys of the signed channel config: ``round`` and
+    ``theta`` (standard base64 of big-endian float64)."""
+    data = np.asarray(theta, dtype=">f8").tobytes()
+    return {"round": int(round_), "theta": base64.b64encode(data).decode()}
+
+
+def model_from_params(params: Mapping[str, Any], dim: int) -> tuple[int, FloatArray]:
+    """``(round, θ)`` from a signed channel config's ``params`` (what a device trains at).
+
+    Raises:
+        MechanismError: the config publishes no model, or one of another dimension.
+    """
+    round_, text = params.get("round"), params.get("theta")
+    if isinstance(round_, bool) or not isinstance(round_, int) or not isinstance(text, str):
+        raise MechanismError("channel params publish no model (round and theta)")
+    try:
+        theta = np.frombuffer(base64.b64decode(text, validate=True), dtype=">f8")
+    except ValueError as error:
+        raise MechanismError(f"theta is not base64 float64: {error}") from error
+    if theta.shape != (dim,):
+        raise MechanismError(f"theta must have {dim} values, got {theta.size}")
+    return round_, theta.astype(np.float64)
