@@ -1,0 +1,290 @@
+"""``esa audit`` against real processes: a real shuffler passes every check, and deliberately
+broken shufflers (:mod:`tests.tools.leaky_shuffler`, the real server with faults switched on)
+fail exactly the checks that name their leak.
+
+Every statistical check fails at p < 1e-7 (ten of them: a correct shuffler fails with
+probability below 1e-6); the broken ones score p < 1e-20.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from common.wire import Batch, BatchAck, ChannelPolicy
+from services.cli import launcher
+from services.cli.audit import audit
+from services.tools.audit.checks import kept_law
+from services.tools.audit.game import (
+    PoolError,
+    Trial,
+    clopper_pearson,
+    eps_lower,
+    outcomes,
+    pool,
+    privacy_game,
+    rr_one_probability,
+)
+from services.tools.audit.sink import SinkState, answer_batch, fetch_records
+from tests.support import ServiceProcess, free_port, shuffler_process, wait_until
+
+TOKEN = "sink-token-for-the-audit-tests"
+CHANNEL = {
+    "id": "audit",
+    "epoch_seconds": 86400,
+    "min_crowd": 5,
+    "eps_cr": 4.0,
+    "delta_cr": 1e-7,
+    "max_fragments": 4,
+    "crowds": [f"c{i:02d}" for i in range(6)] + ["small"],
+}
+FAST = {"enroll_per_minute": "1000000", "rate_per_second": "1000", "rate_burst": "1000"}
+#: One client for every poll: ``httpx.get`` builds a TLS context per call (~0.25 s of CPU).
+HTTP = httpx.Client(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def sink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``esa audit sink`` as its own process (one for the module: each audit reads only the
+    records that arrived after it started)."""
+    tmp_path = tmp_path_factory.mktemp("sink")
+    port = free_port()
+    log = (tmp_path / "sink.log").open("ab")
+    command = [sys.executable, "-m", "services.cli", "audit", "sink", "--port", str(port)]
+    process = subprocess.Popen(
+        [*command, "--token", TOKEN, "--record", str(tmp_path / "sink.jsonl")],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ready(url), timeout=30)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return HTTP.get(url + "/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _shuffler(tmp: Path, sink: str, leaks: str = "") -> ServiceProcess:
+    """A shuffler forwarding to the sink; with ``leaks``, the leaky variant's process."""
+    process = shuffler_process(tmp, "shuffler-1", [CHANNEL], analyzer_url=sink, **FAST)
+    spec = replace(process.spec, env={**process.spec.env, "ESA_AUDIT_LEAKS": leaks})
+    process.log_path.parent.mkdir(parents=True, exist_ok=True)
+    module = "tests.tools.leaky_shuffler" if leaks else "services.cli"
+    popen = subprocess.Popen(
+        [sys.executable, "-m", module, *([] if leaks else ["shuffler", "serve"])],
+        env={**os.environ, **spec.env},
+        stdout=process.log_path.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    process.service = launcher.Service(spec.name, spec.url, popen, process.log_path, spec)
+    try:
+        wait_until(lambda: popen.poll() is not None or _ready(spec.url), timeout=60)
+    except AssertionError:
+        process.stop()
+        raise
+    assert popen.poll() is None, process.service.log_tail()
+    return process
+
+
+def _audit(shuffler: ServiceProcess, sink: str, out: Path) -> tuple[int, dict[str, bool]]:
+    """``esa audit run`` against the shuffler: its exit code and each check's verdict."""
+    args = ["run", "--shuffler", shuffler.url, "--sink", sink, "--sink-token", TOKEN]
+    args += ["--channel", "audit", "--admin-token", "development", "--out", str(out)]
+    args += ["--clock-skew", "0.2"]  # sink and auditor share this machine's clock
+    result = CliRunner().invoke(audit, args, catch_exceptions=False)
+    report = json.loads((out / "audit.json").read_text())
+    assert (out / "audit.html").read_text().count("<img") >= 3
+    return result.exit_code, {f"{f['check']}.{f['name']}": f["passed"] for f in report["findings"]}
+
+
+def test_real_shuffler_passes_every_check(tmp_path: Path, sink: str) -> None:
+    shuffler = _shuffler(tmp_path, sink)
+    try:
+        code, verdicts = _audit(shuffler, sink, tmp_path / "report")
+    finally:
+        shuffler.stop()
+    assert [name for name, passed in verdicts.items() if not passed] == []
+    assert code == 0
+    assert len(verdicts) >= 25
+    report = json.loads((tmp_path / "report" / "audit.json").read_text())
+    timing = next(f for f in report["findings"] if f["name"] == "release_independent_of_arrival")
+    assert timing["statistic"] is not None  # both burst groups released, in one round
+    assert len(report["summary"]["game"]["trials"]) == len(CHANNEL["crowds"]) - 1
+    # the saved game pools (alone, not twice: the same run's trials are not independent)
+    path = str(tmp_path / "report" / "audit.json")
+    pooled = CliRunner().invoke(audit, ["pool", path])
+    assert pooled.exit_code == 0 and "pooled 1 runs: passed" in pooled.output
+    assert CliRunner().invoke(audit, ["pool", path, path]).exit_code == 2
+    # the sink answered as the analyzer: every part acknowledged, so none left to retry
+    assert all(r["path"] == "/v1/batches" for r in fetch_records(sink, TOKEN, client=HTTP))
+
+
+def test_arrival_order_and_oldest_first_deletion_fail(tmp_path: Path, sink: str) -> None:
+    shuffler = _shuffler(tmp_path, sink, "noshuffle,openmetrics,timestamp")
+    try:
+        code, verdicts = _audit(shuffler, sink, tmp_path / "report")
+    finally:
+        shuffler.stop()
+    failed = {name for name, passed in verdicts.items() if not passed}
+    assert code == 1
+    assert {
+        "order.rank_correlation",
+        "order.early_canaries_uniform",
+        "order.contributions_split",
+        "deletion.survivors_random",
+        "surface.metrics",
+        "metadata.documented_fields",
+        "metadata.canonical_body",
+    } <= failed
+    assert not any(name.startswith(("crowd.", "intake.", "timing.")) for name in failed)
+
+
+def test_early_release_without_deletion_or_threshold_fails(tmp_path: Path, sink: str) -> None:
+    """Groups released as they arrive, whole and tiny: the crowd, deletion and timing checks
+    fail (intake may too: this shuffler forgets released contributions, and with them the
+    nonces and quotas it should still refuse)."""
+    shuffler = _shuffler(tmp_path, sink, "keepall,early")
+    try:
+        code, verdicts = _audit(shuffler, sink, tmp_path / "report")
+    finally:
+        shuffler.stop()
+    failed = {name for name, passed in verdicts.items() if not passed}
+    assert code == 1
+    assert {
+        "crowd.min_crowd",
+        "crowd.small_groups_withheld",
+        "deletion.kept_count_law",
+        "timing.release_at_close",
+        "timing.release_independent_of_arrival",
+    } <= failed
+    assert not any(name.startswith(("order.", "metadata.", "surface.")) for name in failed)
+
+
+def test_kept_law_is_algorithm_3() -> None:
+    policy = ChannelPolicy(id="audit", min_crowd=5, eps_cr=4.0, delta_cr=1e-7)
+    law = kept_law(20, policy)
+    assert sum(law.values()) == pytest.approx(1.0)
+    assert law.get(20, 0.0) == 0.0  # n̂ = n exactly has probability 0: no deletion is a leak
+    assert max((k for k in law if k is not None), key=lambda k: law[k]) == 11  # 20 − ⌈c⌉
+
+
+def _game_trials(shuffled: bool, trials: int, n: int, eps0: float, seed: int) -> list[Trial]:
+    """The privacy game's trials as a shuffler would release them: RR reports of n − 1 zeros
+    and a target (sent first) reporting RR of a secret bit; shuffled, or in arrival order."""
+    rng = np.random.default_rng(seed)
+    p_one = [rr_one_probability(0, eps0), rr_one_probability(1, eps0)]
+    out = []
+    for _ in range(trials):
+        secret = int(rng.integers(2))
+        reports = (rng.random(n) < p_one[0]).astype(int)
+        reports[0] = int(rng.random() < p_one[secret])
+        if shuffled:
+            rng.shuffle(reports)
+        out.append(Trial(secret, tuple(int(r) for r in reports), n, 1))
+    return out
+
+
+def test_privacy_game_catches_arrival_order_and_passes_a_shuffle() -> None:
+    leaky = privacy_game(_game_trials(False, 1000, 200, 2.0, seed=1), 2.0, 1e-6)
+    shuffled = privacy_game(_game_trials(True, 1000, 200, 2.0, seed=2), 2.0, 1e-6)
+    assert not leaky.passed and leaky.statistic is not None and leaky.statistic > 1.2
+    assert shuffled.passed and shuffled.statistic is not None and shuffled.statistic < 0.5
+
+
+def test_pooled_game_reaches_half_the_exact_eps_and_stays_valid() -> None:
+    """Issue 15's power target: binary RR ε0 = 4 at crowd 20 (exact ε of the pair 4.0,
+    ``common.accounting.lower_2rr``): three saved runs of 80 groups pooled give ε_lower ≥ 2 at
+    95%, still below the certified ε; pooled runs of a shuffler keeping arrival order fail at a
+    crowd of 200, where the certified ε of ε0 = 2 is far below 2."""
+    runs = [
+        outcomes(_game_trials(True, 80, 20, 4.0, seed=10 + i), 4.0, 1e-6, f"r{i}") for i in range(3)
+    ]
+    finding, count = pool((f"run{i}", data) for i, data in enumerate(runs))
+    assert count == 3 and finding.passed
+    assert finding.statistic is not None and finding.statistic >= 2.0
+    leaky = [outcomes(_game_trials(False, 300, 200, 2.0, i), 2.0, 1e-6, f"l{i}") for i in range(3)]
+    assert not pool((f"l{i}", d) for i, d in enumerate(leaky))[0].passed
+    with pytest.raises(PoolError, match="already pooled"):
+        pool([("a", runs[0]), ("b", runs[0])])
+    with pytest.raises(PoolError, match="different game settings"):
+        pool([("a", runs[0]), ("b", {**runs[1], "eps0": 2.0})])
+
+
+def test_clopper_pearson_covers() -> None:
+    low, high = clopper_pearson(0, 100, 0.95)
+    assert low == 0.0 and high == pytest.approx(1 - 0.05 ** (1 / 100))
+    assert eps_lower([(1, 1)] * 50 + [(0, 0)] * 50, 0.0, 0.95) == pytest.approx(
+        math.log((0.05 ** (1 / 50)) / (1 - 0.05 ** (1 / 50)))
+    )
+
+
+def _part(part: int = 0) -> bytes:
+    return Batch(
+        batch_id=secrets.token_hex(16),
+        part=part,
+        parts=part + 1,
+        shuffler_id="shuffler-1",
+        channel_id="audit",
+        crowd_id="c00",
+        epoch=1,
+        n_contributions=7,
+        fragments=[],
+    ).body()
+
+
+def test_sink_answers_like_the_analyzer(sink: str) -> None:
+    body, headers = _part(), {"ESA-Signature": "A" * 86 + "==", "Content-Type": "application/json"}
+    first = HTTP.post(sink + "/v1/batches", content=body, headers=headers)
+    again = HTTP.post(sink + "/v1/batches", content=body, headers=headers)
+    assert (first.status_code, first.json()["duplicate"]) == (201, False)
+    assert (again.status_code, again.json()["duplicate"]) == (200, True)
+    BatchAck.model_validate_json(first.content)
+    unsigned = HTTP.post(sink + "/v1/batches", content=body, headers={"X": "1"})
+    text = HTTP.post(
+        sink + "/v1/batches", content=body, headers={**headers, "Content-Type": "text/plain"}
+    )
+    junk = HTTP.post(sink + "/v1/batches", content=b"{}", headers=headers)
+    assert [r.status_code for r in (unsigned, text, junk)] == [401, 415, 400]
+    assert junk.json()["error"] == "malformed"
+    assert HTTP.get(sink + "/v1/audit/records").status_code == 401
+    recorded = fetch_records(sink, TOKEN, client=HTTP)[-5:]
+    assert [base64.b64decode(r["body"]) for r in recorded[:2]] == [body, body]
+    assert ["ESA-Signature", headers["ESA-Signature"]] in recorded[0]["headers"]
+
+
+def test_sink_relays_other_channels_byte_for_byte(sink: str) -> None:
+    """A second sink (in this process) relays to the sink process, except its kept channel."""
+    relaying = SinkState("t" * 16, relay=sink, keep_channels=frozenset({"kept"}))
+    body = _part()
+    signature = {"esa-signature": "B" * 86 + "==", "content-type": "application/json"}
+    status, answer = answer_batch(relaying, signature, body)
+    assert status == 201 and json.loads(answer)["batch_id"] == json.loads(body)["batch_id"]
+    assert base64.b64decode(fetch_records(sink, TOKEN, client=HTTP)[-1]["body"]) == body
+    relaying.keep_channels = frozenset({"audit"})
+    before = len(fetch_records(sink, TOKEN, client=HTTP))
+    assert answer_batch(relaying, signature, _part())[0] == 201
+    assert len(fetch_records(sink, TOKEN, client=HTTP)) == before
