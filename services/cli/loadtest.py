@@ -1,0 +1,297 @@
+"""``esa loadtest``: drive a deployment with a simulated population, then verify and report."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from services.tools.loadgen import Pace
+
+
+def _populations(values: tuple[str, ...]) -> dict[str, str]:
+    """``CHANNEL=SPEC`` pairs (a bare ``SPEC`` is for every channel: key ``*``)."""
+    found = {}
+    for value in values:
+        channel, sep, spec = value.partition("=")
+        found[channel if sep else "*"] = spec if sep else channel
+    return found
+
+
+def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace | None:
+    from services.tools.loadgen import Pace
+
+    given = [x for x in (rate is not None, ramp is not None, as_fast) if x]
+    if len(given) > 1:
+        raise click.UsageError("give one of --rate, --ramp and --max")
+    if rate is not None:
+        return rate
+    if ramp is not None:
+        try:
+            start, end = (float(x) for x in ramp.split(":"))
+        except ValueError as error:
+            raise click.UsageError(f"--ramp {ramp!r}: expected START:END (requests/s)") from error
+        if start <= 0 or end <= 0:
+            raise click.UsageError(f"--ramp {ramp!r}: rates must be positive")
+        return Pace(start, end)
+    return None
+
+
+@click.command("loadtest")
+@click.option(
+    "--analyzer-url",
+    default="http://127.0.0.1:8100",
+    show_default=True,
+    help="The deployment: its analyzer serves the signed collection config, which "
+    "names the shufflers.",
+)
+@click.option(
+    "--trusted-key",
+    envvar="ESA_TRUSTED_KEY",
+    metavar="BASE64",
+    default=None,
+    help="The analyzer's config-signing key to pin (default: <var>/analyzer.pub).",
+)
+@click.option(
+    "--var",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("var"),
+    show_default=True,
+    help="Where a running `esa up` keeps analyzer.pub.",
+)
+@click.option(
+    "--admin-token",
+    envvar="ESA_SHUFFLER_ADMIN_TOKEN",
+    default=None,
+    help="Shuffler admin token: with it the run is verified (epochs closed, batches "
+    "awaited, conservation and estimates checked). `esa up` uses 'development'.",
+)
+@click.option(
+    "--up",
+    "start_local",
+    is_flag=True,
+    help="Start a fresh local deployment (as `esa up`, on free ports) for this run, "
+    "verify against it (admin token 'development') and stop it at the end.",
+)
+@click.option(
+    "--channel",
+    "channels",
+    multiple=True,
+    metavar="ID",
+    help="Only these channels (repeatable; default: every channel that takes one "
+    "category value per report).",
+)
+@click.option(
+    "--population",
+    "populations",
+    multiple=True,
+    metavar="[CHANNEL=]SPEC",
+    help="Who holds which value: zipf[:S], uniform, horse, camera, hubble, words or "
+    "csv:PATH (one value per line, or value,count). Without CHANNEL= for every "
+    "channel. Default zipf.",
+)
+@click.option(
+    "--devices",
+    type=click.IntRange(1, 10_000_000),
+    default=2000,
+    show_default=True,
+    help="Simulated devices; each sends one contribution per channel and epoch.",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    help="Contributions per second offered (default: --max).",
+)
+@click.option(
+    "--ramp",
+    metavar="START:END",
+    default=None,
+    help="Offered rate rising linearly from START to END over --duration.",
+)
+@click.option(
+    "--max", "as_fast", is_flag=True, help="As fast as the shufflers answer (the default)."
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=1),
+    default=60.0,
+    show_default=True,
+    help="Most seconds of sending (it ends early once every contribution is sent).",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 4096),
+    default=96,
+    show_default=True,
+    help="Keep-alive HTTP connections in all, split over the shufflers.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=2,
+    show_default=True,
+    help="Processes that encode and seal the population before the run.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the population (who holds which value); the devices' privacy "
+    "noise always comes from the OS CSPRNG.",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("var/loadtest"),
+    show_default=True,
+    help="Folder for loadtest.json, loadtest.html and the prepared requests.",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    show_default=True,
+    help="Most seconds to wait for every batch to reach the analyzer.",
+)
+@click.option("--no-live", is_flag=True, help="No live view (log lines only).")
+def loadtest(
+    analyzer_url: str,
+    trusted_key: str | None,
+    var: Path,
+    admin_token: str | None,
+    start_local: bool,
+    channels: tuple[str, ...],
+    populations: tuple[str, ...],
+    devices: int,
+    rate: float | None,
+    ramp: str | None,
+    as_fast: bool,
+    duration: float,
+    concurrency: int,
+    workers: int,
+    seed: int,
+    out: Path,
+    drain_timeout: float,
+    no_live: bool,
+) -> None:
+    """Load-test a deployment with a simulated population; verify and report.
+
+    \b
+    1. prepare: every device enrolls at each shuffler (its own client token), encodes its
+       value with the channel's mechanism from the OS CSPRNG and seals it to the analyzer,
+       and gets one contribution per channel and epoch (own nonce) sealed to a shuffler —
+       in worker processes, written to files before the run;
+    2. run: replay them over keep-alive connections at --rate, a --ramp or --max, with a
+       live view (offered/accepted rate, p50/p95/p99, errors by status, per shuffler);
+    3. verify (with --admin-token or --up): close the run's epochs, wait for every batch,
+       check acknowledged = received at the analyzer + removed by randomized deletion +
+       held, estimates against the population's truth, and print the certified ε per
+       channel. Exit status 1 if anything was lost, counted twice or estimated wrong.
+    Writes <out>/loadtest.json and <out>/loadtest.html (throughput, latency, errors, RSS).
+    """
+    _main(dict(locals()))
+
+
+def _main(kw: dict[str, Any]) -> None:
+    """``esa loadtest`` with its options by name: prepare, run, verify, report, exit status."""
+    from services.cli import launcher
+    from services.tools.loadgen import LoadError
+    from services.tools.loadtest import verify
+    from services.tools.loadtest.population import PopulationError
+    from services.tools.loadtest.prepare import Plan
+    from services.tools.loadtest.run import Options, execute
+
+    console = Console(stderr=True)
+    pace = _pace(kw["rate"], kw["ramp"], kw["as_fast"])
+    services: list[launcher.Service] = []
+    analyzer_url, admin_token, trusted_key = (
+        kw["analyzer_url"],
+        kw["admin_token"],
+        kw["trusted_key"],
+    )
+    try:
+        if kw["start_local"]:
+            services, trusted_key = _start_local(console)
+            analyzer_url, admin_token = services[0].url, admin_token or "development"
+        plan = Plan(
+            analyzer_url.rstrip("/"),
+            trusted_key or _pinned(kw["var"]),
+            kw["devices"],
+            kw["duration"],
+            kw["out"],
+            kw["channels"],
+            _populations(kw["populations"]),
+            kw["workers"],
+            seed=kw["seed"],
+        )
+        local = {s.name: s.process.pid for s in services}
+        options = Options(
+            plan, pace, kw["concurrency"], admin_token, kw["out"], kw["drain_timeout"],
+            not kw["no_live"], local,
+        )  # fmt: skip
+        summary = execute(options, console)
+    except (LoadError, PopulationError, verify.VerifyError, launcher.LaunchError) as error:
+        raise click.ClickException(str(error)) from error
+    finally:
+        if services:
+            launcher.stop(services)
+    _print(summary, console)
+    problems = summary.get("verification", {}).get("problems", [])
+    if problems:
+        raise click.ClickException("verification failed: " + "; ".join(problems))
+
+
+def _start_local(console: Console) -> tuple[list[Any], str]:
+    """A fresh ``esa up`` deployment on free ports; its services and pinned key."""
+    from services.cli import launcher
+
+    where = Path(tempfile.mkdtemp(prefix="esa-loadtest-"))
+    console.log(f"starting a fresh deployment under {where} …")
+    services = launcher.up(where, base_port=launcher.free_base_port(4))
+    return services, (where / "analyzer.pub").read_text().strip()
+
+
+def _pinned(var: Path) -> str:
+    """The key `esa up` wrote to ``var/analyzer.pub``."""
+    path = var / "analyzer.pub"
+    if not path.exists():
+        raise click.UsageError(f"no --trusted-key and no {path}: pin the analyzer's signing key")
+    return path.read_text().strip()
+
+
+def _print(summary: dict[str, Any], console: Console) -> None:
+    """The run's figures, and the verification per channel."""
+    run = summary["run"]
+    errors = ", ".join(f"{k}: {v:,}" for k, v in run["errors"].items()) or "none"
+    click.echo(
+        f"offered {run['offered']:,} ({run['offered_per_s']:,}/s), accepted {run['accepted']:,} "
+        f"({run['accepted_per_s']:,}/s) in {run['seconds']} s; p50 {run['p50_ms']} ms, "
+        f"p95 {run['p95_ms']} ms, p99 {run['p99_ms']} ms; errors: {errors}"
+    )
+    found = summary.get("verification")
+    if found is None:
+        click.echo("not verified (no --admin-token)")
+    else:
+        totals = found["conservation"]["totals"]
+        deleted = sum(totals["deleted"].values())
+        click.echo(
+            f"conservation: acknowledged {totals['acknowledged']:,} = received at the analyzer "
+            f"{totals['received_at_analyzer']:,} + deleted {deleted:,} + held {totals['held']:,}"
+            f" + pending {totals['pending']:,}; lost {totals['lost']:,}"
+        )
+        for cid, row in found["channels"].items():
+            eps = "∞" if row["central_eps"] is None else f"{row['central_eps']:.3g}"
+            click.echo(
+                f"{cid}: received {row['received']:,} of {row['acknowledged']:,} acknowledged "
+                f"contributions (n = {row['n']:,}); certified ε {eps} "
+                f"(δ {row['delta']}, {row['method']}); {row['inside']} of "
+                f"{len(row['checked'])} estimates inside their 95% interval"
+            )
+        click.echo("verification: " + ("PASS" if not found["problems"] else "FAIL"))
+    click.echo(f"report: {summary['report']}")

@@ -1,0 +1,914 @@
+"""A load generator for a deployment's ingest (``POST /v1/contributions``): real devices in
+protocol terms, sealed ahead of time, replayed at a target rate.
+
+Every simulated device is a device as PROTOCOL.md defines one: its own client token, enrolled
+over HTTP at each shuffler (``POST /v1/enroll``), its own report encoded with the channel's
+mechanism (:mod:`common.mechanisms`) from the OS CSPRNG and HPKE-sealed fragment by fragment to
+the analyzer key of the signed collection config, then, for every epoch it reports in, a fresh
+contribution (its own nonce, that epoch) sealed to the shuffler it routes to. Only the public
+keys are shared.
+
+Sealing is the expensive part in Python (one HPKE seal, ~0.13 ms, per fragment: ~4 ms for a
+31-fragment k-RAPPOR report), so it runs in worker processes ahead of the run
+(:class:`SealerPool`): each worker keeps its shard of devices and writes one file of ready HTTP
+requests per epoch. By default a device encodes and seals its report once and re-sends it
+(memoized, as the permanent randomized response of RAPPOR, Erlingsson et al. CCS 2014) in a
+new outer envelope each epoch; ``fresh=True`` re-encodes and re-seals every fragment for every
+epoch. One pool serves every channel of the config (``channel=``), and a device's report can
+carry a given value (``values=``: the population's truth, for ``esa loadtest``'s verification).
+A longitudinal channel's devices (:meth:`SealerPool.add_series`) run their own tree state
+(Erlingsson et al. 2019, Algorithm 1) through every period ahead of time, and
+:meth:`SealerPool.seal_series` writes one file per period, each for its own epoch (``esa demo``).
+
+:class:`Driver` replays those files (:class:`EpochSource`: only the current epoch's requests,
+switching at each boundary) over keep-alive HTTP/1.1 connections with bounded concurrency,
+paced to a rate or as fast as the servers answer; it honours ``429`` + ``Retry-After`` and
+counts every answer by status. The client is a small asyncio HTTP/1.1 client: on this 2-core
+class of machine general-purpose Python clients cost more CPU per request than the shuffler
+itself (docs/benchmarks.md, "Shuffler") and would measure themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import bisect
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import secrets
+import ssl
+import struct
+import time
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+from urllib.parse import urlsplit
+
+import httpx
+
+from common.collection import verify_config
+from common.envelope import (
+    Contribution,
+    load_ed25519_public,
+    load_x25519_public,
+    new_nonce,
+    seal_contribution,
+    seal_fragment,
+)
+from common.mechanisms import StateUpdate, ValueKind
+from common.mechanisms import get as get_mechanism
+from common.randomness import SystemSource
+from common.retry import retry_after_seconds
+from common.wire import ChannelConfig, CollectionConfig
+
+INGEST = "/v1/contributions"
+ENROLL = "/v1/enroll"
+#: One request record in an epoch file: shuffler index, token length, body length.
+RECORD = struct.Struct(">BHI")
+#: Attempts of one request after a broken connection or a 429 before it counts as given up.
+ATTEMPTS = 5
+
+
+class LoadError(RuntimeError):
+    """The load cannot be prepared (config refused, enrolment failed, worker died)."""
+
+
+# --- the deployment as a device sees it ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One channel of a deployment: its config and where its shufflers are."""
+
+    config: CollectionConfig
+    channel: ChannelConfig
+
+    @property
+    def shuffler_urls(self) -> list[str]:
+        """Every shuffler's base URL, in the config's order (a record's shuffler index)."""
+        return [s.url for s in self.config.shufflers]
+
+    def epoch(self, now: float) -> int:
+        """The channel's epoch at unix time ``now``."""
+        return int(now // self.channel.epoch_seconds)
+
+
+def fetch_target(analyzer_url: str, trusted_key: str, channel_id: str) -> Target:
+    """Fetch ``/v1/config`` and verify it against the pinned key, as the SDK does.
+
+    Raises:
+        LoadError: unreachable, mis-signed or expired config, or no such channel.
+    """
+    try:
+        document = httpx.get(analyzer_url + "/v1/config", timeout=30).raise_for_status().json()
+        config = verify_config(
+            document, load_ed25519_public(base64.b64decode(trusted_key)), time.time()
+        )
+    except (httpx.HTTPError, ValueError) as error:
+        raise LoadError(f"collection config refused: {error}") from error
+    channel = next((c for c in config.channels if c.id == channel_id), None)
+    if channel is None:
+        raise LoadError(f"channel {channel_id!r} is not in the collection config")
+    if get_mechanism(channel.mechanism).value_kind is not ValueKind.CATEGORY:
+        raise LoadError(f"channel {channel_id!r} does not take category values")
+    return Target(config, channel)
+
+
+# --- a small asyncio HTTP/1.1 client ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Response:
+    """Status, lower-cased headers and body of one answer."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+class HttpConnection:
+    """One keep-alive HTTP/1.1 connection to ``base_url`` (http or https), reopened after a
+    failure; requests on it are sequential."""
+
+    def __init__(self, base_url: str, timeout: float = 60.0) -> None:
+        parts = urlsplit(base_url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.tls = parts.scheme == "https"
+        self.port = parts.port or (443 if self.tls else 80)
+        self.timeout = timeout
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def request(
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes = b""
+    ) -> Response:
+        """Send one request and read its answer.
+
+        Raises:
+            OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError: the
+                connection broke or the answer is not HTTP/1.1 (the connection is closed).
+        """
+        try:
+            return await asyncio.wait_for(self._exchange(method, path, headers, body), self.timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _exchange(
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes
+    ) -> Response:
+        if self._streams is None:
+            context = ssl.create_default_context() if self.tls else None
+            self._streams = await asyncio.open_connection(self.host, self.port, ssl=context)
+        reader, writer = self._streams
+        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        lines.append(f"Content-Length: {len(body)}")
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(head[0].split(" ", 2)[1])
+        fields = dict(line.split(":", 1) for line in head[1:] if ":" in line)
+        answer = {name.strip().lower(): value.strip() for name, value in fields.items()}
+        if answer.get("transfer-encoding", "").lower() == "chunked":
+            data = await _read_chunked(reader)
+        else:
+            data = await reader.readexactly(int(answer.get("content-length", "0")))
+        if answer.get("connection", "").lower() == "close":
+            self.close()
+        return Response(status, answer, data)
+
+    def close(self) -> None:
+        """Drop the connection (the next request opens a new one)."""
+        if self._streams is not None:
+            self._streams[1].close()
+            self._streams = None
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    data = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        data += await reader.readexactly(size + 2)
+        if size == 0:
+            return bytes(data[:-2])
+        del data[-2:]
+
+
+# --- devices: enrolment and sealing -------------------------------------------------------
+
+
+async def enroll(urls: Sequence[str], count: int, concurrency: int = 32) -> list[list[str]]:
+    """``count`` client tokens at each shuffler (``tokens[shuffler][device]``), enrolled over
+    HTTP with ``concurrency`` connections per shuffler, waiting out every 429's Retry-After.
+
+    Raises:
+        LoadError: a shuffler refused enrolment for another reason.
+    """
+
+    async def one_shuffler(url: str) -> list[str]:
+        tokens: list[str] = []
+
+        async def worker() -> None:
+            connection = HttpConnection(url)
+            while len(tokens) < count:
+                slot = len(tokens)
+                tokens.append("")  # reserve the slot before awaiting
+                tokens[slot] = await _enroll_one(connection)
+            connection.close()
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return tokens[:count]
+
+    return list(await asyncio.gather(*(one_shuffler(url) for url in urls)))
+
+
+async def _enroll_one(connection: HttpConnection) -> str:
+    for _ in range(100):
+        response = await connection.request("POST", ENROLL, {"Accept": "application/json"})
+        if response.status == 200:
+            return str(json.loads(response.body)["client_token"])
+        if response.status != 429:
+            raise LoadError(f"enrolment refused: {response.status} {response.body[:200]!r}")
+        await asyncio.sleep(retry_after_seconds(response.headers) or 1.0)
+    raise LoadError("enrolment still rate-limited after 100 attempts")
+
+
+@dataclass(frozen=True)
+class ZipfValues:
+    """True values of a population: Zipf(``s``) over ``0..domain-1`` (a homepage-like heavy
+    tail). The values are the data being measured, not privacy noise; drawn from the OS
+    CSPRNG anyway."""
+
+    domain: int
+    s: float = 1.1
+
+    def cdf(self) -> list[float]:
+        """Cumulative probabilities of the domain's values."""
+        weights = [1.0 / (rank + 1) ** self.s for rank in range(self.domain)]
+        total, running, cdf = sum(weights), 0.0, []
+        for weight in weights:
+            running += weight / total
+            cdf.append(running)
+        return cdf
+
+
+def domain_of(channel: ChannelConfig) -> int:
+    """The number of values a histogram channel takes (its ``k``, or ``d``)."""
+    for name in ("k", "d"):
+        if isinstance(channel.params.get(name), int):
+            return int(channel.params[name])
+    raise LoadError(f"channel {channel.id!r} names no domain size (params k or d)")
+
+
+@dataclass
+class _Device:
+    """One device inside a sealing worker: its tokens and its sealed report's routes."""
+
+    tokens: tuple[str, ...]
+    routes: tuple[tuple[int | None, tuple[bytes, ...]], ...]
+    value: int | None = None
+
+
+class _Sealer:
+    """A sealing worker's state: the target's keys and its shard of devices."""
+
+    def __init__(self, config: dict[str, Any], channel_id: str, values: ZipfValues) -> None:
+        self.config = CollectionConfig.model_validate(config)
+        self.channel = next(c for c in self.config.channels if c.id == channel_id)
+        self.mechanism = get_mechanism(self.channel.mechanism)
+        self.params = self.mechanism.parse_params(self.channel.params)
+        self.analyzer = load_x25519_public(
+            base64.b64decode(self.config.analyzer.keys[0].public_key)
+        )
+        self.shufflers = [
+            (s.id, load_x25519_public(base64.b64decode(s.public_key)))
+            for s in self.config.shufflers
+        ]
+        self.rng = SystemSource()
+        self.cdf = values.cdf()
+        self.devices: list[_Device] = []
+        #: Longitudinal devices: tokens and, per period, the sealed routes of its report.
+        self.series: list[tuple[tuple[str, ...], list[tuple[Any, ...]]]] = []
+
+    def report(self, value: int | None = None) -> tuple[tuple[int | None, tuple[bytes, ...]], ...]:
+        """Encode ``value`` (default: one drawn from the population) and seal every fragment."""
+        if value is None:
+            value = bisect.bisect_left(self.cdf, secrets.randbelow(1 << 53) / (1 << 53))
+            value = min(value, len(self.cdf) - 1)
+        state = self.mechanism.new_state(self.params, self.rng)
+        encoded = self.mechanism.encode(self.params, value, state, self.rng, len(self.shufflers))
+        return self._sealed(encoded.routes)
+
+    def add(self, tokens: list[tuple[str, ...]], values: list[int] | None = None) -> None:
+        """New devices with these tokens (one per shuffler), each with its sealed report of
+        its value in ``values`` (default: drawn from the population)."""
+        chosen: list[int | None] = list(values) if values is not None else [None] * len(tokens)
+        self.devices += [_Device(t, self.report(v), v) for t, v in zip(tokens, chosen, strict=True)]
+
+    def seal_epoch(self, epoch: int, count: int, path: str, fresh: bool) -> int:
+        """Write the requests of ``count`` devices of this shard (a CSPRNG sample) for
+        ``epoch`` to ``path``; returns how many requests were written."""
+        chosen = secrets.SystemRandom().sample(range(len(self.devices)), count)
+        written = 0
+        with open(path, "wb") as out:
+            for index in chosen:
+                device = self.devices[index]
+                routes = self.report(device.value) if fresh else device.routes
+                for slot, fragments in routes:
+                    self._write(out, device, epoch, slot, fragments)
+                    written += 1
+        return written
+
+    def add_series(self, tokens: list[tuple[str, ...]], changes: list[list[int]]) -> int:
+        """New devices of a longitudinal channel (Erlingsson et al. 2019, Algorithm 1): each
+        runs its own tree state (from the OS CSPRNG) through every period, changing state at
+        the periods in its entry of ``changes``, and keeps the sealed report of each period
+        the tree asks it to report in. Returns how many reports were sealed."""
+        d = self.mechanism.domain_size(self.params)
+        sealed = 0
+        for device_tokens, changed in zip(tokens, changes, strict=True):
+            state = self.mechanism.new_state(self.params, self.rng)
+            periods = []
+            for t in range(1, d + 1):
+                update = StateUpdate(t, t in changed)
+                encoded = self.mechanism.encode(
+                    self.params, update, state, self.rng, len(self.shufflers)
+                )
+                state = encoded.state
+                periods.append(self._sealed(encoded.routes))
+                sealed += len(encoded.routes)
+            self.series.append((device_tokens, periods))
+        return sealed
+
+    def _sealed(
+        self, routes: Sequence[tuple[int | None, Sequence[bytes]]]
+    ) -> tuple[tuple[int | None, tuple[bytes, ...]], ...]:
+        channel = self.channel
+        return tuple(
+            (
+                slot,
+                tuple(
+                    seal_fragment(f, channel.id, channel.payload_size, self.analyzer)
+                    for f in fragments
+                ),
+            )
+            for slot, fragments in routes
+        )
+
+    def seal_series(self, first: int, directory: str, worker: int) -> list[int]:
+        """Write period t's reports of this shard's longitudinal devices, each in a new
+        outer envelope for epoch ``first + t - 1``, to ``epoch-{epoch}-{worker}.bin`` in
+        ``directory``; returns the requests written per period."""
+        counts = []
+        for t in range(len(self.series[0][1]) if self.series else 0):
+            written = 0
+            with open(f"{directory}/epoch-{first + t}-{worker}.bin", "wb") as out:
+                for tokens, periods in self.series:
+                    device = _Device(tokens, ())
+                    for slot, fragments in periods[t]:
+                        self._write(out, device, first + t, slot, fragments)
+                        written += 1
+            counts.append(written)
+        return counts
+
+    def _write(
+        self,
+        out: BinaryIO,
+        device: _Device,
+        epoch: int,
+        slot: int | None,
+        fragments: tuple[bytes, ...],
+    ) -> None:
+        """One contribution of ``device`` for ``epoch``: a new nonce, sealed to its shuffler."""
+        k = len(self.shufflers)
+        target = secrets.randbelow(k) if slot is None else slot % k  # the SDK's routing
+        shuffler_id, key = self.shufflers[target]
+        contribution = Contribution(
+            self.channel.id, self.channel.crowds[0], epoch, new_nonce(), fragments
+        )
+        body = seal_contribution(contribution, shuffler_id, key)
+        token = device.tokens[target].encode()
+        out.write(RECORD.pack(target, len(token), len(body)) + token + body)
+
+
+def _sealer_main(
+    connection: Connection, config: dict[str, Any], channel_id: str, values: ZipfValues
+) -> None:
+    """A sealing worker: answers (command, channel, args) messages until ``None``; it keeps
+    one :class:`_Sealer` (devices and keys) per channel of the config."""
+    sealers = {channel_id: _Sealer(config, channel_id, values)}
+    while (message := connection.recv()) is not None:
+        command, channel, args = message
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            if channel not in sealers:
+                sealers[channel] = _Sealer(config, channel, values)
+            sealer = sealers[channel]
+            if command == "ping":
+                result: Any = 0
+            elif command == "add":
+                sealer.add(*args)
+                result = len(args[0])
+            elif command == "add_series":
+                result = sealer.add_series(*args)
+            elif command == "seal_series":
+                result = sealer.seal_series(*args)
+            else:
+                result = sealer.seal_epoch(*args)
+        except Exception as error:  # reported to the parent, which raises LoadError
+            connection.send(("error", f"{type(error).__name__}: {error}"))
+            continue
+        spent = (time.perf_counter() - start, time.process_time() - cpu)
+        connection.send(("ok", (result, *spent)))
+
+
+@dataclass(frozen=True)
+class SealTiming:
+    """What one parallel sealing step did: items, wall seconds and the workers' CPU seconds."""
+
+    items: int
+    seconds: float
+    cpu_seconds: float = math.nan
+
+    @property
+    def per_core(self) -> float:
+        """Items per CPU second of the workers (what one core seals on a quiet machine)."""
+        return self.items / self.cpu_seconds if self.cpu_seconds > 0 else math.nan
+
+    @property
+    def rate(self) -> float:
+        """Items per wall second."""
+        return self.items / self.seconds if self.seconds > 0 else math.inf
+
+
+class SealerPool:
+    """Worker processes that each hold a shard of devices and seal their requests."""
+
+    def __init__(self, target: Target, workers: int = 2, values: ZipfValues | None = None):
+        context = multiprocessing.get_context("spawn")
+        values = values or ZipfValues(domain_of(target.channel))
+        config = target.config.model_dump(mode="json")
+        self.target = target
+        #: Devices per channel, per worker.
+        self.shards: dict[str, list[int]] = {target.channel.id: [0] * workers}
+        self._pipes: list[Connection] = []
+        self._processes = []
+        for _ in range(workers):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=_sealer_main, args=(child, config, target.channel.id, values), daemon=True
+            )
+            process.start()
+            self._pipes.append(parent)
+            self._processes.append(process)
+
+    @property
+    def devices(self) -> list[int]:
+        """Devices of the target's channel per worker."""
+        return self.shards[self.target.channel.id]
+
+    @property
+    def size(self) -> int:
+        """Devices in the pool (the target's channel)."""
+        return sum(self.devices)
+
+    def ready(self) -> float:
+        """Wait until every worker has started; returns the seconds waited."""
+        start = time.perf_counter()
+        self._all([("ping", self.target.channel.id, ())] * len(self._pipes))
+        return time.perf_counter() - start
+
+    def _all(self, messages: list[tuple[str, str, Any]]) -> list[Any]:
+        for pipe, message in zip(self._pipes, messages, strict=True):
+            pipe.send(message)
+        results = []
+        for pipe in self._pipes:
+            status, result = pipe.recv()
+            if status != "ok":
+                raise LoadError(f"sealing worker failed: {result}")
+            results.append(result)
+        return results
+
+    def add_devices(
+        self,
+        tokens: list[list[str]],
+        values: Sequence[int] | None = None,
+        channel: str | None = None,
+    ) -> SealTiming:
+        """Add one device per column of ``tokens`` (``tokens[shuffler][device]``), each
+        encoding and sealing its report in a worker: of its entry in ``values`` if given
+        (the population's truth), else of a value drawn from the pool's Zipf population.
+        ``channel``: another channel of the target's config (default: the target's)."""
+        channel = channel or self.target.channel.id
+        per_device = list(zip(*tokens, strict=True))
+        workers = len(self._pipes)
+        shards = [per_device[i::workers] for i in range(workers)]
+        chosen = None if values is None else [int(v) for v in values]
+        if chosen is not None and len(chosen) != len(per_device):
+            raise LoadError(f"{len(chosen)} values for {len(per_device)} devices")
+        parts = [None if chosen is None else chosen[i::workers] for i in range(workers)]
+        start = time.perf_counter()
+        results = self._all([("add", channel, (s, p)) for s, p in zip(shards, parts, strict=True)])
+        counts = self.shards.setdefault(channel, [0] * workers)
+        for i, (added, _, _) in enumerate(results):
+            counts[i] += added
+        cpu = sum(r[2] for r in results)
+        return SealTiming(len(per_device), time.perf_counter() - start, cpu)
+
+    def seal_epoch(
+        self,
+        epoch: int,
+        count: int,
+        directory: Path,
+        fresh: bool = False,
+        channel: str | None = None,
+    ) -> tuple[list[Path], SealTiming]:
+        """Files of requests from ``count`` distinct devices (at most the pool) for ``epoch``,
+        one per worker (of ``channel``, default the target's)."""
+        channel = channel or self.target.channel.id
+        devices = self.shards.get(channel, [0] * len(self._pipes))
+        if count > sum(devices):
+            raise LoadError(
+                f"{count} contributions per epoch need {count} devices; pool has {sum(devices)}"
+            )
+        shares = _split(count, devices)
+        paths = [directory / f"epoch-{epoch}-{i}.bin" for i in range(len(self._pipes))]
+        start = time.perf_counter()
+        results = self._all(
+            [
+                ("seal", channel, (epoch, n, str(p), fresh))
+                for n, p in zip(shares, paths, strict=True)
+            ]
+        )
+        written = sum(r[0] for r in results)
+        cpu = sum(r[2] for r in results)
+        return paths, SealTiming(written, time.perf_counter() - start, cpu)
+
+    def add_series(
+        self, tokens: list[list[str]], changes: Sequence[Sequence[int]], channel: str
+    ) -> SealTiming:
+        """Add one longitudinal device of ``channel`` per column of ``tokens``, changing state
+        at the periods of its entry in ``changes``; every period's report is encoded and
+        sealed to the analyzer in a worker (the outer envelopes: :meth:`seal_series`)."""
+        per_device = list(zip(*tokens, strict=True))
+        if len(changes) != len(per_device):
+            raise LoadError(f"{len(changes)} change lists for {len(per_device)} devices")
+        workers = len(self._pipes)
+        moves = [[int(p) for p in c] for c in changes]
+        start = time.perf_counter()
+        results = self._all(
+            [("add_series", channel, (per_device[i::workers], moves[i::workers]))
+             for i in range(workers)]
+        )  # fmt: skip
+        counts = self.shards.setdefault(channel, [0] * workers)
+        for i in range(workers):
+            counts[i] += len(per_device[i::workers])
+        return SealTiming(sum(r[0] for r in results), time.perf_counter() - start,
+                          sum(r[2] for r in results))  # fmt: skip
+
+    def seal_series(
+        self, first: int, directory: Path, channel: str
+    ) -> tuple[dict[int, list[Path]], SealTiming]:
+        """Files of every period's requests of ``channel``'s longitudinal devices, period t
+        for epoch ``first + t - 1``: ``{epoch: one file per worker}``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        results = self._all(
+            [("seal_series", channel, (first, str(directory), i)) for i in range(len(self._pipes))]
+        )
+        periods = max((len(r[0]) for r in results), default=0)
+        files = {
+            first + t: [
+                directory / f"epoch-{first + t}-{i}.bin"
+                for i, r in enumerate(results)
+                if len(r[0]) > t
+            ]
+            for t in range(periods)
+        }
+        written = sum(sum(r[0]) for r in results)
+        return files, SealTiming(written, time.perf_counter() - start, sum(r[2] for r in results))
+
+    def close(self) -> None:
+        """Stop the workers (again: nothing)."""
+        pipes, self._pipes = self._pipes, []
+        for pipe in pipes:
+            pipe.send(None)
+        for process in self._processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+
+    def __enter__(self) -> SealerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _split(total: int, capacities: list[int]) -> list[int]:
+    """``total`` spread over shards in proportion to their sizes (never above one)."""
+    size = sum(capacities)
+    shares = [total * c // size for c in capacities]
+    for i in range(total - sum(shares)):
+        shares[i % len(shares)] += 1
+    return [min(s, c) for s, c in zip(shares, capacities, strict=True)]
+
+
+# --- replay -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One ready ``POST /v1/contributions``: shuffler index, client token, sealed body."""
+
+    shuffler: int
+    token: str
+    body: bytes
+    #: Which stream of requests this one came from (a channel, for per-channel counts).
+    tag: int = 0
+
+
+def read_requests(path: Path) -> Iterator[Request]:
+    """The records of an epoch file, in order."""
+    with path.open("rb", buffering=1 << 20) as handle:
+        while head := handle.read(RECORD.size):
+            shuffler, token_length, body_length = RECORD.unpack(head)
+            token = handle.read(token_length).decode()
+            yield Request(shuffler, token, handle.read(body_length))
+
+
+class Source(Protocol):
+    """Where the driver takes its requests from."""
+
+    def next(self, now: float) -> Request | None:
+        """The next request to send at unix time ``now``, or None if there is none now."""
+        ...
+
+
+class EpochSource:
+    """The current epoch's requests, its files interleaved; at an epoch boundary what is left
+    of the past epoch is skipped (a contribution for a closed epoch would only be refused)."""
+
+    def __init__(self, files: Mapping[int, Sequence[Path]], epoch_seconds: int) -> None:
+        self.files = dict(files)
+        self.epoch_seconds = epoch_seconds
+        self.skipped = 0
+        self._epoch: int | None = None
+        self._readers: list[Iterator[Request]] = []
+        self._turn = 0
+
+    def next(self, now: float) -> Request | None:
+        """The next request for the epoch of unix time ``now``, or None if there is none."""
+        epoch = int(now // self.epoch_seconds)
+        if epoch != self._epoch:
+            self.skipped += sum(1 for reader in self._readers for _ in reader)
+            self._epoch = epoch
+            self._readers = [read_requests(p) for p in self.files.pop(epoch, [])]
+        while self._readers:
+            self._turn = (self._turn + 1) % len(self._readers)
+            found = next(self._readers[self._turn], None)
+            if found is not None:
+                return found
+            del self._readers[self._turn]
+        return None
+
+
+@dataclass
+class Stats:
+    """Everything the driver saw: answers by status, transport errors, latencies."""
+
+    statuses: Counter[int] = field(default_factory=Counter)
+    transport_errors: Counter[str] = field(default_factory=Counter)
+    given_up: int = 0
+    #: Answers retried in patient mode (503 while a shuffler restarts), by status.
+    retried: Counter[int] = field(default_factory=Counter)
+    #: 409s after an attempt whose answer was lost: that attempt stored the contribution
+    #: (the SDK reads a 409 the same way), counted as acknowledged.
+    recovered: int = 0
+    latencies: array[float] = field(default_factory=lambda: array("d"))
+    #: Answers by shuffler index, then status.
+    by_shuffler: dict[int, Counter[int]] = field(default_factory=dict)
+    #: Acknowledged (202) requests by :attr:`Request.tag`.
+    accepted_by_tag: Counter[int] = field(default_factory=Counter)
+    _window: list[float] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> int:
+        """Contributions acknowledged (202)."""
+        return self.statuses[202]
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Every non-202 answer by status, and every transport error by kind."""
+        found = {str(code): n for code, n in sorted(self.statuses.items()) if code != 202}
+        return {**found, **dict(self.transport_errors)}
+
+    def record(self, status: int, seconds: float, shuffler: int = 0, tag: int = 0) -> None:
+        """One answer (from the shuffler of index ``shuffler``, to a request tagged ``tag``)."""
+        self.statuses[status] += 1
+        if status == 202:
+            self.accepted_by_tag[tag] += 1
+        self.by_shuffler.setdefault(shuffler, Counter())[status] += 1
+        self.latencies.append(seconds)
+        self._window.append(seconds)
+
+    def take_window(self) -> list[float]:
+        """Latencies since the last call."""
+        window, self._window = self._window, []
+        return window
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass(frozen=True)
+class Pace:
+    """A linear ramp from ``start`` to ``end`` requests/s over the run (equal: a fixed rate)."""
+
+    start: float
+    end: float
+
+    def at(self, elapsed: float, seconds: float) -> float:
+        """The rate ``elapsed`` seconds into a run of ``seconds``."""
+        share = min(1.0, elapsed / seconds) if seconds > 0 else 1.0
+        return self.start + (self.end - self.start) * share
+
+    def planned(self, elapsed: float, seconds: float) -> float:
+        """Requests due after ``elapsed`` seconds (the integral of :meth:`at`)."""
+        t = min(elapsed, seconds)
+        slope = (self.end - self.start) / seconds if seconds > 0 else 0.0
+        return self.start * t + slope * t * t / 2 + self.end * max(0.0, elapsed - seconds)
+
+
+class Driver:
+    """Replays requests at a rate over ``concurrency`` keep-alive connections per shuffler."""
+
+    def __init__(self, urls: Sequence[str], concurrency: int = 48, patience: float = 0.0) -> None:
+        """``patience`` > 0: a request keeps retrying transport errors, 429 and 503 with
+        backoff for that many seconds, as a device's outbox does while a shuffler restarts
+        (0: a few attempts, for measuring)."""
+        self.urls = list(urls)
+        self.concurrency = concurrency
+        self.patience = patience
+        self.stats = Stats()
+        self.sent = 0
+        self.behind = 0
+
+    async def run(
+        self,
+        source: Source,
+        rate: float | Pace | None,
+        seconds: float,
+        until_empty: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> float:
+        """Send for ``seconds`` at ``rate`` requests/s (a :class:`Pace` for a ramp; None: as
+        fast as the servers answer);
+        with ``until_empty``, stop early once the source has nothing for the current epoch.
+        Returns the seconds it ran, from the first request to the last answer."""
+        queues: list[asyncio.Queue[Request | None]] = [
+            asyncio.Queue(maxsize=2 * self.concurrency) for _ in self.urls
+        ]
+        workers = [
+            asyncio.create_task(self._worker(url, queue))
+            for url, queue in zip(self.urls, queues, strict=True)
+            for _ in range(self.concurrency)
+        ]
+        start = time.monotonic()
+        try:
+            await self._feed(source, queues, rate, seconds, until_empty, clock)
+        finally:
+            for queue in queues:
+                for _ in range(self.concurrency):
+                    await queue.put(None)
+            await asyncio.gather(*workers)
+        return time.monotonic() - start
+
+    async def _feed(
+        self,
+        source: Source,
+        queues: list[asyncio.Queue[Request | None]],
+        rate: float | Pace | None,
+        seconds: float,
+        until_empty: bool,
+        clock: Callable[[], float],
+    ) -> None:
+        pace = Pace(rate, rate) if isinstance(rate, int | float) else rate
+        start, planned = time.monotonic(), 0
+        while (elapsed := time.monotonic() - start) < seconds:
+            due = 256 if pace is None else int(pace.planned(elapsed, seconds)) - planned
+            now_rate = 0 if pace is None else max(1, int(pace.at(elapsed, seconds)))
+            if pace is not None and due > now_rate:  # over a second behind: skip, not burst
+                self.behind += due - now_rate
+                planned += due - now_rate
+                due = now_rate
+            for _ in range(min(due, 256)):
+                request = source.next(clock())
+                if request is None:
+                    if until_empty:
+                        return
+                    await asyncio.sleep(0.05)
+                    break
+                await queues[request.shuffler].put(request)
+                planned += 1
+                self.sent += 1
+            await asyncio.sleep(0 if pace is None else 0.002)
+
+    async def _worker(self, url: str, queue: asyncio.Queue[Request | None]) -> None:
+        connection = HttpConnection(url)
+        while (request := await queue.get()) is not None:
+            await self._send(connection, request)
+        connection.close()
+
+    async def _send(self, connection: HttpConnection, request: Request) -> None:
+        headers = {
+            "Authorization": f"Bearer {request.token}",
+            "Content-Type": "application/octet-stream",
+        }
+        deadline, lost = time.monotonic() + self.patience, False
+        for attempt in itertools.count():
+            start = time.perf_counter()
+            try:
+                response = await connection.request("POST", INGEST, headers, request.body)
+            except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as error:
+                self.stats.transport_errors[type(error).__name__] += 1
+                lost = True
+                if not self._again(attempt, deadline):
+                    break
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            status = response.status
+            if lost and status == 409:
+                self.stats.recovered += 1
+                status = 202
+            if status == 503 and self.patience > 0 and self._again(attempt, deadline):
+                self.stats.retried[503] += 1
+                await asyncio.sleep(retry_after_seconds(response.headers) or self._backoff(attempt))
+                continue
+            self.stats.record(status, time.perf_counter() - start, request.shuffler, request.tag)
+            if status != 429:
+                return
+            if not self._again(attempt, deadline):
+                break
+            await asyncio.sleep(retry_after_seconds(response.headers) or 1.0)
+        self.stats.given_up += 1
+
+    def _again(self, attempt: int, deadline: float) -> bool:
+        """Whether a failed attempt is tried again."""
+        if self.patience > 0:
+            return time.monotonic() < deadline
+        return attempt + 1 < ATTEMPTS
+
+    def _backoff(self, attempt: int) -> float:
+        return 0.1 if self.patience <= 0 else min(0.2 * 2**attempt, 3.0)
+
+
+# --- the services' processes --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Resident memory and open file descriptors of a process and its descendants."""
+
+    rss_bytes: int
+    fds: int
+    processes: int
+
+
+def process_usage(pid: int) -> Usage:
+    """:class:`Usage` of ``pid`` and every process below it (Linux ``/proc``); zeros once it
+    is gone."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        if current in parents:
+            tree.append(current)
+            frontier += [child for child, parent in parents.items() if parent == current]
+    rss = fds = 0
+    for member in tree:
+        try:
+            status = Path(f"/proc/{member}/status").read_text()
+            rss += 1024 * int(status.split("VmRSS:", 1)[1].split()[0])
+            fds += len(os.listdir(f"/proc/{member}/fd"))
+        except (OSError, IndexError):
+            continue
+    return Usage(rss, fds, len(tree))

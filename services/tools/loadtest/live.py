@@ -1,0 +1,200 @@
+"""The run phase: replay the prepared contributions and show what happens, live (rich).
+
+Every second a sample: offered (requests handed to a connection) and accepted (202) rate,
+p50/p95/p99 latency of the answers in that second, errors by status, the same per shuffler, and
+the resident memory of each local service's process tree when the deployment runs here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from services.tools import loadgen
+
+SAMPLE_SECONDS = 1.0
+
+
+class ChannelSource:
+    """Every channel's :class:`loadgen.EpochSource` in turn (one contribution from each)."""
+
+    def __init__(
+        self, files: Mapping[str, Mapping[int, Sequence[Path]]], epochs: Mapping[str, int]
+    ):
+        self.sources = [loadgen.EpochSource(f, epochs[cid]) for cid, f in files.items()]
+        self._turn = 0
+
+    def next(self, now: float) -> loadgen.Request | None:
+        """The next request of the next channel that has one now."""
+        for _ in range(len(self.sources)):
+            self._turn = (self._turn + 1) % len(self.sources)
+            found = self.sources[self._turn].next(now)
+            if found is not None:
+                return loadgen.Request(found.shuffler, found.token, found.body, self._turn)
+        return None
+
+    @property
+    def skipped(self) -> int:
+        """Requests left unsent because their epoch ended."""
+        return sum(s.skipped for s in self.sources)
+
+
+@dataclass
+class Monitor:
+    """Samples of one run (and the processes whose memory to sample)."""
+
+    driver: loadgen.Driver
+    shuffler_urls: list[str]
+    local: Mapping[str, int] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def sample(self, last: dict[str, Any]) -> dict[str, Any]:
+        """One sample since ``last`` (the previous sample, or {} at the start)."""
+        stats, now = self.driver.stats, time.monotonic()
+        window = sorted(stats.take_window())
+        span = max(1e-9, now - last.get("_at", self.started))
+        per = {
+            self.shuffler_urls[i]: dict(counts) for i, counts in sorted(stats.by_shuffler.items())
+        }
+        before = last.get("_per", {})
+        sample: dict[str, Any] = {
+            "t": round(now - self.started, 2),
+            "offered": self.driver.sent,
+            "accepted": stats.accepted,
+            "offered_per_s": round((self.driver.sent - last.get("offered", 0)) / span, 1),
+            "accepted_per_s": round((stats.accepted - last.get("accepted", 0)) / span, 1),
+            "p50_ms": _ms(loadgen.percentile(window, 0.50)),
+            "p95_ms": _ms(loadgen.percentile(window, 0.95)),
+            "p99_ms": _ms(loadgen.percentile(window, 0.99)),
+            "errors": stats.errors,
+            "per_shuffler": {
+                url: {
+                    "accepted_per_s": round(
+                        (c.get(202, 0) - before.get(url, {}).get(202, 0)) / span, 1
+                    ),
+                    "errors": {str(k): v for k, v in c.items() if k != 202},
+                }
+                for url, c in per.items()
+            },
+            "rss_mb": {
+                name: round(loadgen.process_usage(pid).rss_bytes / 2**20, 1)
+                for name, pid in self.local.items()
+            },
+            "load_1min": round(os.getloadavg()[0], 2),
+            "_at": now,
+            "_per": per,
+        }
+        self.samples.append(sample)
+        return sample
+
+
+def _ms(seconds: float) -> float | None:
+    return None if math.isnan(seconds) else round(seconds * 1e3, 2)
+
+
+def view(sample: dict[str, Any], title: str) -> Group:
+    """The live view of one sample."""
+    head = Table(title=f"{title} — {sample['t']:.0f} s", show_header=True)
+    for column in ("offered/s", "accepted/s", "accepted", "p50 ms", "p95 ms", "p99 ms", "errors"):
+        head.add_column(column, justify="right")
+    errors = ", ".join(f"{k}: {v:,}" for k, v in sample["errors"].items()) or "none"
+    head.add_row(
+        f"{sample['offered_per_s']:,.0f}",
+        f"{sample['accepted_per_s']:,.0f}",
+        f"{sample['accepted']:,}",
+        *(str(sample[k]) for k in ("p50_ms", "p95_ms", "p99_ms")),
+        errors,
+    )
+    shufflers = Table(show_header=True)
+    shufflers.add_column("shuffler")
+    shufflers.add_column("accepted/s", justify="right")
+    shufflers.add_column("errors by status")
+    for url, row in sample["per_shuffler"].items():
+        found = ", ".join(f"{k}: {v:,}" for k, v in row["errors"].items()) or "none"
+        shufflers.add_row(url, f"{row['accepted_per_s']:,.0f}", found)
+    parts: list[Table] = [head, shufflers]
+    if sample["rss_mb"]:
+        memory = Table(show_header=True)
+        memory.add_column("service")
+        memory.add_column("RSS MiB", justify="right")
+        for name, mb in sample["rss_mb"].items():
+            memory.add_row(name, f"{mb:,.0f}")
+        parts.append(memory)
+    return Group(*parts)
+
+
+async def replay(
+    monitor: Monitor,
+    source: loadgen.Source,
+    rate: float | loadgen.Pace | None,
+    seconds: float,
+    console: Console,
+    live: bool = True,
+) -> float:
+    """Send at ``rate`` for ``seconds`` (stop early once every prepared request is sent),
+    sampling every second; returns the run's seconds."""
+
+    async def sampler(display: Live | None) -> None:
+        last: dict[str, Any] = {}
+        while True:
+            await asyncio.sleep(SAMPLE_SECONDS)
+            last = monitor.sample(last)
+            if display is not None:
+                display.update(view(last, "esa loadtest"))
+
+    monitor.started = time.monotonic()
+    with (
+        Live(Table(title="esa loadtest: starting"), console=console, refresh_per_second=2)
+        if live
+        else _Null() as display
+    ):
+        task = asyncio.create_task(sampler(display if live else None))
+        try:
+            return await monitor.driver.run(source, rate, seconds, until_empty=True)
+        finally:
+            task.cancel()
+            monitor.sample(monitor.samples[-1] if monitor.samples else {})
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def summary(monitor: Monitor, seconds: float) -> dict[str, Any]:
+    """The whole run: rates, latency percentiles, errors, per shuffler."""
+    stats = monitor.driver.stats
+    latencies = sorted(stats.latencies)
+    return {
+        "seconds": round(seconds, 2),
+        "offered": monitor.driver.sent,
+        "accepted": stats.accepted,
+        "offered_per_s": round(monitor.driver.sent / seconds, 1) if seconds else None,
+        "accepted_per_s": round(stats.accepted / seconds, 1) if seconds else None,
+        "p50_ms": _ms(loadgen.percentile(latencies, 0.50)),
+        "p95_ms": _ms(loadgen.percentile(latencies, 0.95)),
+        "p99_ms": _ms(loadgen.percentile(latencies, 0.99)),
+        "errors": stats.errors,
+        "given_up": stats.given_up,
+        "behind_schedule": monitor.driver.behind,
+        "per_shuffler": {
+            monitor.shuffler_urls[i]: {str(k): v for k, v in sorted(c.items())}
+            for i, c in sorted(stats.by_shuffler.items())
+        },
+        "statuses": {str(k): v for k, v in sorted(Counter(stats.statuses).items())},
+    }

@@ -1,0 +1,235 @@
+"""Verification after the run (with the shufflers' admin token): close, drain, conservation,
+estimates against the population's truth, and the certified ε per channel.
+
+Conservation (ESA-revisited Algorithm 3 removes whole contributions before the analyzer sees
+them): every contribution this run had acknowledged (202) is either received at the analyzer
+(the ``n`` of the channel's release over the run's epochs), removed by randomized deletion (or
+another deletion the shuffler counts: abort, retention), or still held at a shuffler. The
+shuffler side is read from each shuffler's ``/metrics`` before and after the run (the ledger
+gauges ``esa_shuffler_queue_depth`` and the counters ``esa_shuffler_contributions_deleted``),
+so other traffic on the deployment during the run shows as a mismatch, never as a pass.
+
+Estimates: for the channel's largest true bins, the release against what the estimator
+targets for ``truth × kept`` (``kept``: the share that survived deletion), with a 95% interval
+widened by the deletion's binomial sampling noise (as ``esa demo`` checks); the run fails if
+fewer land inside than a coverage of :data:`COVERAGE` allows with probability 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import numpy as np
+from scipy import stats
+
+from common.mechanisms import get as get_mechanism
+from services.tools import loadgen
+from services.tools.loadtest.population import Population
+
+Z95 = 1.959963984540054
+#: Bins per channel whose estimate is checked against the truth.
+CHECKED_BINS = 10
+#: The coverage below which the 95% intervals count as failing (normal approximations are
+#: rough for small counts; estimates of the wrong thing land nowhere near).
+COVERAGE = 0.85
+#: Probability of failing a correct deployment on the estimates.
+FALSE_ALARM = 1e-6
+_METRIC = re.compile(r"^(esa_[a-z_]+)(\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+
+class VerifyError(RuntimeError):
+    """Verification could not be completed (unreachable service, drain timed out)."""
+
+
+def scrape(url: str, token: str | None) -> dict[str, float]:
+    """A service's ``/metrics`` as {name{labels}: value}."""
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    try:
+        response = httpx.get(url + "/metrics", headers=headers, timeout=30).raise_for_status()
+    except httpx.HTTPError as error:
+        raise VerifyError(f"metrics of {url}: {error}") from error
+    return {
+        m.group(1) + (m.group(2) or ""): float(m.group(3)) for m in _METRIC.finditer(response.text)
+    }
+
+
+def shuffler_state(urls: Sequence[str], token: str) -> dict[str, dict[str, float]]:
+    """Per shuffler: acknowledged so far, deletions by cause, and its queues."""
+    with ThreadPoolExecutor(len(urls)) as pool:
+        scraped = list(pool.map(lambda url: scrape(url, token), urls))
+    found = {}
+    for url, metrics in zip(urls, scraped, strict=True):
+        found[url] = {
+            "received": metrics.get("esa_shuffler_contributions_received_total", 0.0),
+            **{
+                f"deleted_{cause}": metrics.get(
+                    f'esa_shuffler_contributions_deleted_total{{cause="{cause}"}}', 0.0
+                )
+                for cause in ("randomized_deletion", "abort", "retention")
+            },
+            **{
+                state: metrics.get(f'esa_shuffler_queue_depth{{state="{state}"}}', 0.0)
+                for state in ("pending", "held", "in_batches_unforwarded")
+            },
+        }
+    return found
+
+
+def close_epochs(urls: Sequence[str], token: str, epochs: Mapping[str, Sequence[int]]) -> None:
+    """Close every run epoch of every channel at every shuffler (admin close).
+
+    Raises:
+        VerifyError: a shuffler refused.
+    """
+    for channel_id, numbers in epochs.items():
+        for epoch in numbers:
+            for url in urls:
+                response = httpx.post(
+                    url + "/v1/admin/close",
+                    json={"channel_id": channel_id, "epoch": epoch},
+                    headers={"Authorization": f"Bearer {token}"},
+                    timeout=300,
+                )
+                if response.status_code != 200:
+                    raise VerifyError(
+                        f"closing {channel_id} epoch {epoch} at {url}: {response.text}"
+                    )
+
+
+def drain(analyzer_url: str, urls: Sequence[str], token: str, timeout: float) -> float:
+    """Wait until no shuffler has a pending contribution or an unforwarded batch and the
+    analyzer has opened every stored part; returns the seconds it took.
+
+    Raises:
+        VerifyError: still not drained after ``timeout`` seconds.
+    """
+    start = time.monotonic()
+    while True:
+        state = shuffler_state(urls, token)
+        waiting = sum(s["pending"] + s["in_batches_unforwarded"] for s in state.values())
+        unopened = scrape(analyzer_url, token).get("esa_analyzer_parts_unopened", math.nan)
+        if waiting == 0 and unopened == 0:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise VerifyError(
+                f"not drained after {timeout:.0f} s: {waiting:,.0f} contributions pending or in "
+                f"unforwarded batches at the shufflers, {unopened} parts unopened at the analyzer"
+            )
+        time.sleep(0.3)
+
+
+def release(
+    analyzer_url: str, channel_id: str, epochs: Sequence[int], k: int
+) -> dict[str, Any] | None:
+    """The channel's release over the run's epochs (None if the analyzer released nothing)."""
+    response = httpx.get(
+        f"{analyzer_url}/v1/channels/{channel_id}/estimate",
+        params={"epoch_from": min(epochs), "epoch_to": max(epochs), "top": k},
+        timeout=300,
+    )
+    if response.status_code != 200:
+        return None
+    found: dict[str, Any] = response.json()
+    return found
+
+
+def check_estimates(
+    target: loadgen.Target, population: Population, found: Mapping[str, Any], sent: int
+) -> list[dict[str, float]]:
+    """The largest true bins: truth, what the estimator targets, the estimate, its interval."""
+    values = dict(zip(found["bins"], found["values"], strict=True))
+    errors = dict(zip(found["bins"], found["std_errors"], strict=True))
+    n = int(found["n"])
+    crowds = [int(v) for v in (found.get("crowds") or {}).values()]
+    kept = min(1.0, (sum(crowds) if crowds else n) / sent) if sent else 0.0
+    truth = population.counts
+    mechanism = get_mechanism(target.channel.mechanism)
+    params = mechanism.parse_params(target.channel.params)
+    targets = mechanism.expected_estimate(params, np.asarray(truth * kept, dtype=np.float64), n)
+    rows = []
+    for b in np.argsort(-truth, kind="stable")[:CHECKED_BINS]:
+        b = int(b)
+        spread = math.sqrt(errors.get(b, 0.0) ** 2 + truth[b] * kept * (1 - kept))
+        estimate = float(values.get(b, 0.0))
+        rows.append(
+            {
+                "bin": b,
+                "truth": float(truth[b]),
+                "expected": float(targets[b]),
+                "estimate": estimate,
+                "lo": estimate - Z95 * spread,
+                "hi": estimate + Z95 * spread,
+            }
+        )
+    return rows
+
+
+def fewest_inside(checked: int) -> int:
+    """The fewest of ``checked`` 95% intervals that must hold their target (see module)."""
+    return int(stats.binom.ppf(FALSE_ALARM, checked, COVERAGE)) if checked else 0
+
+
+def conservation(
+    before: Mapping[str, Mapping[str, float]],
+    after: Mapping[str, Mapping[str, float]],
+    acknowledged: int,
+    received: int,
+) -> dict[str, Any]:
+    """Acknowledged (this run's 202s) against received + deleted + held (shuffler deltas)."""
+
+    def delta(key: str) -> int:
+        return int(sum(after[u][key] - before[u][key] for u in after))
+
+    deleted = {c: delta(f"deleted_{c}") for c in ("randomized_deletion", "abort", "retention")}
+    held, pending = delta("held"), delta("pending")
+    accounted = received + sum(deleted.values()) + held + pending
+    return {
+        "acknowledged": acknowledged,
+        "shufflers_acknowledged": delta("received"),
+        "received_at_analyzer": received,
+        "deleted": deleted,
+        "held": held,
+        "pending": pending,
+        "lost": acknowledged - accounted,
+        "per_shuffler": {
+            url: {k: int(after[url][k] - before[url][k]) for k in after[url]} for url in after
+        },
+    }
+
+
+def verdict(check: Mapping[str, Any], channels: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every reason the run fails (empty: it passes)."""
+    problems = []
+    if check["lost"] > 0:
+        problems.append(f"{check['lost']:,} acknowledged contributions are nowhere (lost)")
+    if check["lost"] < 0:
+        problems.append(
+            f"{-check['lost']:,} more contributions reached the analyzer or the shufflers' "
+            "ledgers than this run had acknowledged (counted twice, or other traffic in the "
+            "run's epochs)"
+        )
+    if check["shufflers_acknowledged"] != check["acknowledged"]:
+        problems.append(
+            f"the shufflers acknowledged {check['shufflers_acknowledged']:,} contributions, "
+            f"this run saw {check['acknowledged']:,} acknowledgements"
+        )
+    for cid, row in channels.items():
+        if row["received"] > row["acknowledged"]:
+            problems.append(
+                f"{cid}: the analyzer received {row['received']:,} contributions, this run had "
+                f"{row['acknowledged']:,} acknowledged"
+            )
+    checked = sum(len(r["checked"]) for r in channels.values())
+    inside = sum(r["inside"] for r in channels.values())
+    if inside < fewest_inside(checked):
+        problems.append(
+            f"only {inside} of {checked} estimates inside their 95% interval (at least "
+            f"{fewest_inside(checked)} expected)"
+        )
+    return problems

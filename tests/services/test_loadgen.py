@@ -1,0 +1,98 @@
+"""The load generator (services/tools/loadgen.py) against a real deployment: devices enrolled
+over HTTP (through the shufflers' enrolment limit), sealed in a worker process, replayed; every
+contribution acknowledged and counted where it went."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+
+from services.cli import launcher
+from services.tools import loadgen
+from services.tools.catalogue import DEFAULT_CHANNELS
+from tests.support import TEST_SHUFFLER_SETTINGS
+
+DEVICES = 30
+
+
+def _received(url: str) -> float:
+    text = httpx.get(
+        url + "/metrics", headers={"Authorization": "Bearer development"}, timeout=10
+    ).text
+    line = next(x for x in text.splitlines() if x.startswith("esa_shuffler_contributions_received"))
+    return float(line.split()[-1])
+
+
+def test_driver_delivers_every_contribution(tmp_path: Path) -> None:
+    homepage = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
+    # 600 enrolments a minute per address: a burst of 100, so the last devices get 429s and
+    # must wait out Retry-After.
+    overrides = {**TEST_SHUFFLER_SETTINGS, "ESA_SHUFFLER_ENROLL_PER_MINUTE": "600"}
+    base = launcher.free_base_port(4)
+    specs = launcher.prepare(tmp_path, 3, base, channels=[homepage], overrides=overrides)
+    services = launcher.start_all(specs, tmp_path / "logs")
+    try:
+        trusted = (tmp_path / "analyzer.pub").read_text().strip()
+        target = loadgen.fetch_target(services[0].url, trusted, "homepage")
+        tokens = asyncio.run(loadgen.enroll(target.shuffler_urls[:1], 110, 8))
+        assert len(tokens[0]) == len(set(tokens[0])) == 110
+        tokens = asyncio.run(loadgen.enroll(target.shuffler_urls, DEVICES, 8))
+        epoch = target.epoch(time.time() + 30)  # this epoch unless it ends within 30 s
+        with loadgen.SealerPool(target, workers=1) as pool:
+            assert pool.add_devices(tokens).items == DEVICES
+            files, timing = pool.seal_epoch(epoch, DEVICES, tmp_path)
+        assert timing.items == DEVICES
+        while target.epoch(time.time()) < epoch:
+            time.sleep(0.5)
+        driver = loadgen.Driver(target.shuffler_urls, concurrency=4)
+        source = loadgen.EpochSource({epoch: files}, target.channel.epoch_seconds)
+        asyncio.run(driver.run(source, rate=None, seconds=60, until_empty=True))
+        assert driver.stats.accepted == DEVICES, driver.stats.errors
+        assert driver.stats.errors == {}
+        assert sum(_received(s.url) for s in services[1:]) == DEVICES
+    finally:
+        launcher.stop(services)
+
+
+def test_driver_waits_out_retry_after() -> None:
+    """A 429 with Retry-After is counted, waited out and the request sent again."""
+    answers = [b"429 Too Many Requests\r\nRetry-After: 1", b"202 Accepted"]
+    arrivals: list[float] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while answers:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+            arrivals.append(time.monotonic())
+            status = answers.pop(0)
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+        writer.close()
+
+    class One:
+        def __init__(self) -> None:
+            self.left = [loadgen.Request(0, "client.mac", b"sealed")]
+
+        def next(self, now: float) -> loadgen.Request | None:
+            return self.left.pop() if self.left else None
+
+    async def scenario() -> loadgen.Driver:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        driver = loadgen.Driver([f"http://127.0.0.1:{port}"], concurrency=1)
+        await driver.run(One(), rate=None, seconds=30, until_empty=True)
+        server.close()
+        return driver
+
+    driver = asyncio.run(scenario())
+    assert driver.stats.statuses == {429: 1, 202: 1}
+    assert driver.stats.errors == {"429": 1}
+    assert arrivals[1] - arrivals[0] >= 0.95

@@ -1,0 +1,177 @@
+"""``esa loadtest`` against a real local deployment (1 analyzer + 3 shufflers as processes):
+a run that verifies (conservation, estimates, certified ε), and a run that must fail because
+other devices contributed to the same epoch while it ran."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from common.wire import ChannelConfig
+from services.cli import launcher
+from services.cli.loadtest import loadtest
+from services.tools import loadgen
+from services.tools.catalogue import DEFAULT_CHANNELS, DELETION
+from services.tools.loadtest.population import PopulationError, draw
+from tests.support import TEST_SHUFFLER_SETTINGS
+
+HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
+FEATURES = next(c for c in DEFAULT_CHANNELS if c.id == "features")
+#: A k-RR channel: one sealed fragment per report keeps the prepare phase short.
+PAGES = ChannelConfig(
+    id="pages",
+    mechanism="krr",
+    params={"k": 16, "eps": 2.0},
+    min_crowd=20,
+    **DELETION,
+    max_fragments=4,
+    delta=1e-8,
+)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(analyzer URL, pinned key) of a deployment with the homepage and features channels."""
+    var = tmp_path_factory.mktemp("deployment")
+    base = launcher.free_base_port(4)
+    specs = launcher.prepare(
+        var, 3, base, channels=[PAGES, FEATURES], overrides=TEST_SHUFFLER_SETTINGS
+    )
+    services = launcher.start_all(specs, var / "logs")
+    try:
+        yield services[0].url, (var / "analyzer.pub").read_text().strip()
+    finally:
+        launcher.stop(services)
+
+
+def _command(url: str, key: str, out: Path, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "services.cli", "loadtest",
+        "--analyzer-url", url, "--trusted-key", key, "--admin-token", "development",
+        "--out", str(out), "--no-live", "--drain-timeout", "60", *args,
+    ]  # fmt: skip
+
+
+def test_loadtest_verifies_conservation_and_estimates(
+    deployment: tuple[str, str], tmp_path: Path
+) -> None:
+    url, key = deployment
+    done = subprocess.run(
+        _command(url, key, tmp_path, "--channel", "pages", "--devices", "300", "--max"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "loadtest.json").read_text())
+    run, check = summary["run"], summary["verification"]
+    assert run["accepted"] == run["offered"] == 300 and run["errors"] == {}
+    totals = check["conservation"]["totals"]
+    assert totals["lost"] == 0 and totals["shufflers_acknowledged"] == 300
+    deleted = totals["deleted"]["randomized_deletion"]
+    assert totals["received_at_analyzer"] + deleted + totals["held"] == 300
+    assert 0 < deleted < 150  # Algorithm 3 removes some, not most
+    row = check["channels"]["pages"]
+    assert row["central_eps"] is not None and 0 < row["central_eps"] < 2.0  # amplified
+    assert row["inside"] >= 6 and check["problems"] == []
+    assert "verification: PASS" in done.stdout
+    assert "pages: " in done.stdout and "certified ε" in done.stdout
+    page = (tmp_path / "loadtest.html").read_text()
+    assert page.count("data:image/png;base64,") >= 3  # throughput, latency, errors
+
+
+def _foreign_contributions(url: str, key: str, count: int, out: Path) -> loadgen.EpochSource:
+    """``count`` contributions from other devices to this epoch's features channel (enrolled
+    and sealed in this process, as loadgen's sealing workers do)."""
+    target = loadgen.fetch_target(url, key, "features")
+    tokens = asyncio.run(loadgen.enroll(target.shuffler_urls, count, 4))
+    epoch = target.epoch(time.time())
+    sealer = loadgen._Sealer(
+        target.config.model_dump(mode="json"), "features", loadgen.ZipfValues(8)
+    )
+    sealer.add(list(zip(*tokens, strict=True)))
+    sealer.seal_epoch(epoch, count, str(out / "foreign.bin"), fresh=False)
+    return loadgen.EpochSource({epoch: [out / "foreign.bin"]}, target.channel.epoch_seconds)
+
+
+def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
+    deployment: tuple[str, str], tmp_path: Path
+) -> None:
+    url, key = deployment
+    if time.time() % 3600 > 3300:  # the extra traffic must land in the run's (hourly) epoch
+        time.sleep(3600 - time.time() % 3600 + 1)
+    foreign = _foreign_contributions(url, key, 40, tmp_path)
+    args = ["--channel", "features", "--devices", "200", "--rate", "50", "--duration", "30"]
+    process = subprocess.Popen(
+        _command(url, key, tmp_path / "out", *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []  # stderr
+    started = threading.Event()
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if "run: " in line:
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(180), "".join(lines)
+    driver = loadgen.Driver(loadgen.fetch_target(url, key, "features").shuffler_urls, 2)
+    asyncio.run(driver.run(foreign, None, 30, until_empty=True))
+    assert driver.stats.accepted == 40, driver.stats.errors
+    assert process.stdout is not None
+    stdout = process.stdout.read()
+    process.wait(180)
+    reader.join(10)
+    assert process.returncode == 1, stdout + "".join(lines)
+    text = "".join(lines).replace("\n", " ")
+    assert "verification: FAIL" in stdout, stdout + text
+    assert "the shufflers acknowledged 240 contributions, this run saw 200" in text, text
+    assert "more contributions reached the analyzer" in text, text
+
+
+def test_populations_add_up_to_the_devices(tmp_path: Path) -> None:
+    values = tmp_path / "values.csv"
+    values.write_text("# page,count\n3,30\n5,10\n7\n")
+    found = draw(f"csv:{values}", HOMEPAGE, 256, 80, seed=1)
+    assert found.counts.sum() == 80 and found.values.size == 80
+    assert list(np.flatnonzero(found.counts)) == [3, 5, 7]
+    assert list(found.counts[[3, 5, 7]]) == [59, 19, 2]  # 30 : 10 : 1, largest remainder
+    zipf = draw("zipf:1.5", HOMEPAGE, 256, 5000, seed=2).counts
+    assert zipf[0] > zipf[1] > zipf[10] and zipf.sum() == 5000
+    assert draw("uniform", HOMEPAGE, 256, 2560, seed=3).counts.max() < 30
+    with pytest.raises(PopulationError, match="csv population"):
+        draw(f"csv:{tmp_path / 'missing.csv'}", HOMEPAGE, 256, 10, seed=0)
+    values.write_text("300\n")
+    with pytest.raises(PopulationError, match=r"outside 0\.\.255"):
+        draw(f"csv:{values}", HOMEPAGE, 256, 10, seed=0)
+    with pytest.raises(PopulationError, match="use zipf"):
+        draw("pareto", HOMEPAGE, 256, 10, seed=0)
+
+
+def test_rate_options_are_exclusive() -> None:
+    result = CliRunner().invoke(loadtest, ["--rate", "10", "--max", "--trusted-key", "x"])
+    assert result.exit_code == 2 and "give one of --rate, --ramp and --max" in result.output
+    result = CliRunner().invoke(loadtest, ["--ramp", "10", "--trusted-key", "x"])
+    assert result.exit_code == 2 and "expected START:END" in result.output
+
+
+def test_pace_ramps_linearly() -> None:
+    pace = loadgen.Pace(100, 300)
+    assert pace.at(5, 10) == 200 and pace.planned(10, 10) == pytest.approx(2000)
+    assert pace.planned(12, 10) == pytest.approx(2600)  # the end rate after the ramp
