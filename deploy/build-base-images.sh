@@ -21,7 +21,7 @@
 # mirror, nothing from an image registry). Images that already exist are skipped (--force
 # rebuilds them). Then point the builds at them:
 #
-#   export ESA_BASE_IMAGE=esa-base/python:3.11-bookworm \
+#   export PYTHON_IMAGE=esa-base/python:3.11-bookworm \
 #          POSTGRES_IMAGE=esa-base/postgres:15-bookworm      # read by docker-compose.yml
 #   docker compose build                                     # or docker-compose build
 #
@@ -41,6 +41,7 @@ WANT=()
 usage() {
     cat <<EOF
 Usage: deploy/build-base-images.sh [--force] [--mirror URL] [python] [postgres]
+       deploy/build-base-images.sh --print python|postgres
 
 Builds local stand-ins for the official base images from Debian bookworm packages
 (debootstrap --variant=minbase + apt-get + docker import), for machines that cannot pull
@@ -52,12 +53,13 @@ python:3.11-slim / postgres:16 from a registry:
 With no image named, builds both. An image that already exists is skipped.
 
   --force        rebuild even if the image exists
+  --print NAME   print the tag of that stand-in and exit (deploy/engine.sh uses it)
   --mirror URL   Debian mirror (default: \$DEBIAN_MIRROR or ${MIRROR});
                  \$DEBIAN_SECURITY_MIRROR sets the security mirror (${SECURITY_MIRROR})
   -h, --help     this help
 
 Needs root, debootstrap and a running Docker engine. Then:
-  export ESA_BASE_IMAGE=${PYTHON_TAG} POSTGRES_IMAGE=${POSTGRES_TAG}
+  export PYTHON_IMAGE=${PYTHON_TAG} POSTGRES_IMAGE=${POSTGRES_TAG}
   docker compose build      # or: docker-compose build
 EOF
 }
@@ -66,6 +68,13 @@ while [ $# -gt 0 ]; do
     case "$1" in
         -h | --help) usage; exit 0 ;;
         --force) FORCE=1 ;;
+        --print)
+            case "${2:-}" in
+                python) echo "$PYTHON_TAG" ;;
+                postgres) echo "$POSTGRES_TAG" ;;
+                *) echo "--print needs python or postgres" >&2; exit 2 ;;
+            esac
+            exit 0 ;;
         --mirror) MIRROR=${2:?--mirror needs a URL}; shift ;;
         --mirror=*) MIRROR=${1#--mirror=} ;;
         python | postgres) WANT+=("$1") ;;

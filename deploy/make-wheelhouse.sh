@@ -11,13 +11,15 @@
 # manylinux). The project's own wheel is not kept: the image builds it from the sources.
 # Refill after changing dependencies in pyproject.toml: `--if-stale` does so only when they
 # (or the Python) changed since the last fill (deploy/wheelhouse/.stamp). `--clean` empties the
-# directory (the image build then installs from PyPI).
+# directory (the image build then installs from PyPI). Each fill is copied to
+# $ESA_WHEELHOUSE_CACHE (default /var/cache/esa/wheelhouse, when writable), from which
+# `--if-stale` refills an empty wheelhouse of the same stamp (a fresh clone, CI) without pip.
 set -euo pipefail
 script=$(readlink -f "$0")
 cd "$(dirname "$script")/.."
 out=deploy/wheelhouse
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
-    sed -n '2,14p' "$script" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$script" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 if [ "${1:-}" = --clean ]; then
@@ -44,6 +46,15 @@ wanted = [*data["project"]["dependencies"], *extras["server"], *extras["postgres
 print(hashlib.sha256("\n".join(wanted).encode()).hexdigest())
 PY
 )
+# A copy outside the work tree ($ESA_WHEELHOUSE_CACHE), so a fresh clone on the same machine
+# (CI) refills from disk; keyed by the stamp.
+cache=${ESA_WHEELHOUSE_CACHE:-/var/cache/esa/wheelhouse}
+if [ "${1:-}" = --if-stale ] && [ "$(cat "$out/.stamp" 2>/dev/null)" != "$stamp" ] \
+        && [ "$(cat "$cache/.stamp" 2>/dev/null)" = "$stamp" ]; then
+    rm -f "$out"/*.whl "$out/.stamp"
+    cp -p "$cache"/*.whl "$cache/.stamp" "$out/"
+    echo "$out filled from $cache"
+fi
 if [ "${1:-}" = --if-stale ] && [ "$(cat "$out/.stamp" 2>/dev/null)" = "$stamp" ] \
         && ls "$out"/*.whl >/dev/null 2>&1; then
     echo "$out is up to date ($(ls "$out"/*.whl | wc -l) wheels)"
@@ -54,4 +65,8 @@ rm -f "$out"/*.whl "$out/.stamp"
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 rm -f "$out"/esa_pipeline-*.whl
 echo "$stamp" >"$out/.stamp"
+if mkdir -p "$cache" 2>/dev/null && [ -w "$cache" ]; then
+    rm -f "$cache"/*.whl "$cache/.stamp"
+    cp -p "$out"/*.whl "$cache/" && cp -p "$out/.stamp" "$cache/"
+fi
 echo "$(ls "$out"/*.whl | wc -l) wheels, $(du -sh "$out" | cut -f1) in $out"
