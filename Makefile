@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint typecheck unit demo bench clean
+.PHONY: venv test lint typecheck unit demo bench clean fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ unit: venv
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# Long schemathesis runs against both services (the suite runs 200 cases per operation).
+FUZZ_EXAMPLES ?= 5000
+fuzz: venv
+	ESA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -s tests/shuffler/test_fuzz.py tests/analyzer/test_fuzz.py
 
 demo: venv
 	$(BIN)/esa demo

@@ -1,14 +1,24 @@
 """The analyzer's HTTP API: thin routers over :class:`analyzer.service.AnalyzerService`.
 
 ``POST /v1/batches`` (one signed part of a batch from a registered shuffler: 201 stored, 200
-known part, 401, 413, 422; opened in the background), ``GET /v1/config`` (the signed
+known part, 400, 401, 413, 415, 422; opened in the background), ``GET /v1/config`` (the signed
 collection config), ``GET /v1/channels``,
 ``GET /v1/channels/{id}/estimate`` (a release: estimates, 95% intervals, certified (ε, δ); a
 pure read), ``POST /v1/channels/{id}/releases`` (admin: publish and record a release),
-``GET /v1/channels/{id}/privacy`` (per-epoch charges and lifetime ε), ``GET /v1/privacy``
+``GET /v1/channels/{id}/privacy`` (per-epoch charges and lifetime ε),
+``POST /v1/channels/{id}/training/step`` (admin: one LDP-SGD step, ESA-revisited Algorithm 5),
+``GET /v1/channels/{id}/training`` (round, θ and steps of an ``ldp-sgd`` channel),
+``GET /v1/privacy``
 (lifetime ε across channels), ``GET /`` (dashboard),
 ``/healthz``, ``/readyz``, ``/metrics``. Every non-2xx answer is JSON ``{"error", "detail"}``
-(:mod:`services.runtime.http`).
+(:mod:`services.runtime.http`), and the OpenAPI document states every status each route can
+answer, with that shape (issue 12: a fuzzer checks it).
+
+Cheap refusals come before expensive work (issue 12): a batch whose declared
+``Content-Length`` is over ``max_batch_bytes``, with a non-JSON ``Content-Type`` or without a
+well-formed ``ESA-Signature`` is refused before its body is read, and the body is streamed
+with the cap (413 as soon as it is exceeded, never buffered beyond it); admin routes check the
+bearer token before their body is read or validated (401 before 400).
 """
 
 from __future__ import annotations
@@ -17,19 +27,28 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Header, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CollectorRegistry
 
 from analyzer import dashboard
-from analyzer.errors import AdminTokenError
+from analyzer.errors import (
+    AdminTokenError,
+    BatchTooLargeError,
+    MalformedBatchError,
+    UnknownChannelError,
+    UnsupportedMediaTypeError,
+)
+from analyzer.intake import MAX_STORED_INT, SIGNATURE_BYTES, signature_bytes
 from analyzer.metrics import EventsCollector
 from analyzer.service import AnalyzerService
 from analyzer.settings import AnalyzerSettings
+from analyzer.training import StepResult, Trainer, TrainingBody, step_result, training_body
 from common.wire import (
     MAX_INT,
+    Batch,
     BatchAck,
     ChannelList,
     Ledger,
@@ -40,14 +59,52 @@ from common.wire import (
 )
 from services.runtime import logs
 from services.runtime.http import (
-    ERROR_RESPONSES,
     add_operational_routes,
-    bearer_matches,
+    bearer_check,
+    bearer_scheme,
+    checked_route,
+    document_errors,
     error_responses,
     install_error_handlers,
 )
 
 log = logging.getLogger("esa.analyzer")
+
+
+def batch_schema() -> dict[str, Any]:
+    """The JSON schema of a batch part as this edge accepts it: :class:`common.wire.Batch` with
+    the bounds :func:`analyzer.intake.BatchIntake.accept` adds (what the tables hold)."""
+    schema = Batch.model_json_schema()
+    fields = schema["properties"]
+    fields["part"]["maximum"] = MAX_STORED_INT - 1
+    for name in ("parts", "n_contributions"):
+        fields[name]["maximum"] = MAX_STORED_INT
+    return schema
+
+
+#: ``ESA-Signature``: standard base64 of a 64-byte Ed25519 signature (86 characters and "==").
+SIGNATURE_PATTERN = r"^[A-Za-z0-9+/]{86}==$"
+#: What ``POST /v1/batches`` reads: its body is read raw (the signature covers the exact
+#: bytes), so the OpenAPI document states it by hand.
+BATCH_REQUEST: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": "ESA-Signature",
+            "in": "header",
+            "required": True,
+            "description": f"base64 Ed25519 signature ({SIGNATURE_BYTES} bytes) of the exact "
+            "body by the shuffler it names",
+            "schema": {"type": "string", "pattern": SIGNATURE_PATTERN},
+        }
+    ],
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": batch_schema()}},
+    },
+}
+#: Answered on every path: a method it does not serve (405, with ``Allow``); the server-level
+#: 400, 431 and 500 are added by :func:`services.runtime.http.document_errors`.
+EVERY_ROUTE = (405,)
 
 
 def get_service(request: Request) -> AnalyzerService:
@@ -59,14 +116,64 @@ def get_service(request: Request) -> AnalyzerService:
 Service = Annotated[AnalyzerService, Depends(get_service)]
 
 
-def require_admin(service: Service, authorization: Annotated[str | None, Header()] = None) -> None:
-    """Admin routes need ``Authorization: Bearer <admin token>`` (401 JSON otherwise)."""
-    if not bearer_matches(authorization, service.settings.admin_token.get_secret_value()):
-        raise AdminTokenError("Authorization: Bearer <admin token> required")
+def _admin_secret(request: Request) -> str:
+    return get_service(request).settings.admin_token.get_secret_value()
+
+
+#: Admin routes need ``Authorization: Bearer <admin token>``, checked before FastAPI reads,
+#: parses or validates the body (a malformed body without the token is a 401, not a 400).
+require_admin = bearer_check(
+    _admin_secret, AdminTokenError, "Authorization: Bearer <admin token> required"
+)
+
+
+def check_declared_length(request: Request, cap: int) -> None:
+    """Refuse a body whose declared ``Content-Length`` is over ``cap`` before reading it.
+
+    Raises:
+        BatchTooLargeError: ``Content-Length`` over ``cap``.
+        MalformedBatchError: ``Content-Length`` is not a number.
+    """
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return
+    length = declared.strip()
+    if not (length.isascii() and length.isdigit()):
+        raise MalformedBatchError("Content-Length must be a number of bytes")
+    if int(length) > cap:
+        raise BatchTooLargeError(f"batch part of {int(length)} bytes exceeds {cap} bytes")
+
+
+async def capped_body(request: Request, cap: int) -> bytes:
+    """The request body, streamed and refused as soon as it exceeds ``cap`` bytes (at most one
+    chunk is held beyond the cap; a chunked body declares no length).
+
+    Raises:
+        BatchTooLargeError: the body is over ``cap`` bytes.
+    """
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > cap:
+            raise BatchTooLargeError(f"batch part exceeds {cap} bytes")
+    return bytes(body)
+
+
+def require_json(content_type: str | None) -> None:
+    """A batch is JSON: a missing ``Content-Type`` is read as JSON, another type is a 415."""
+    media = (content_type or "application/json").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise UnsupportedMediaTypeError(f"Content-Type must be application/json, got {media!r}")
 
 
 batches = APIRouter(tags=["batches"])
 channels = APIRouter(prefix="/v1/channels", tags=["channels"])
+admin = APIRouter(
+    prefix="/v1/channels",
+    tags=["channels"],
+    route_class=checked_route(require_admin),
+    dependencies=[bearer_scheme("AdminToken", "the analyzer's admin token")],
+)
 pages = APIRouter(tags=["dashboard"])
 
 
@@ -77,18 +184,19 @@ pages = APIRouter(tags=["dashboard"])
     response_model_exclude_none=True,
     responses={
         200: {"model": BatchAck, "description": "Known (batch_id, part) (counted once)"},
-        **error_responses(413, 422),
+        **error_responses(400, 401, 413, 415, 422, 503),
     },
+    openapi_extra=BATCH_REQUEST,
 )
-async def post_batch(
-    request: Request,
-    response: Response,
-    service: Service,
-    esa_signature: Annotated[str | None, Header()] = None,
-) -> BatchAck:
+async def post_batch(request: Request, response: Response, service: Service) -> BatchAck:
     """Store one signed part of a batch from a registered shuffler (opened later)."""
-    body = await request.body()
-    ack = await asyncio.to_thread(service.accept, body, esa_signature)
+    signature = request.headers.get("esa-signature")
+    cap = service.intake.policy.max_batch_bytes
+    check_declared_length(request, cap)
+    require_json(request.headers.get("content-type"))
+    signature_bytes(signature)
+    body = await capped_body(request, cap)
+    ack = await asyncio.to_thread(service.accept, body, signature)
     if ack.duplicate:
         response.status_code = 200
     return ack
@@ -100,13 +208,15 @@ async def get_config(service: Service) -> SignedConfig:
     return service.config()
 
 
-@channels.get("", response_model=ChannelList)
+@channels.get("", response_model=ChannelList, responses=error_responses(503))
 async def list_channels(service: Service) -> ChannelList:
     """Configured channels and the epochs received so far."""
     return await asyncio.to_thread(service.channels)
 
 
-@channels.get("/{channel_id}/estimate", response_model=ReleaseBody)
+@channels.get(
+    "/{channel_id}/estimate", response_model=ReleaseBody, responses=error_responses(400, 404, 503)
+)
 async def get_estimate(
     service: Service,
     channel_id: str,
@@ -119,12 +229,11 @@ async def get_estimate(
     return await asyncio.to_thread(service.estimate, channel_id, epoch, epoch_from, epoch_to, top)
 
 
-@channels.post(
+@admin.post(
     "/{channel_id}/releases",
     status_code=201,
     response_model=ReleaseBody,
-    responses=error_responses(401),
-    dependencies=[Depends(require_admin)],
+    responses=error_responses(400, 401, 404, 503),
 )
 async def post_release(
     service: Service, channel_id: str, request: Annotated[ReleaseRequest | None, Body()] = None
@@ -134,19 +243,51 @@ async def post_release(
     return await asyncio.to_thread(service.publish, channel_id, wanted)
 
 
-@channels.get("/{channel_id}/privacy", response_model=Ledger)
+def _trainer(service: AnalyzerService, channel_id: str) -> Trainer:
+    if service.trainer is None:
+        raise UnknownChannelError(f"channel {channel_id[:64]!r} is not an ldp-sgd channel")
+    return service.trainer
+
+
+@admin.post(
+    "/{channel_id}/training/step",
+    response_model=StepResult,
+    responses=error_responses(401, 404, 503),
+)
+async def post_training_step(
+    service: Service,
+    channel_id: str,
+    epoch_to: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+) -> StepResult:
+    """One LDP-SGD step (ESA-revisited Algorithm 5, lines 4–6) from the epochs received since
+    the previous step, up to ``epoch_to`` (default: the last received): θ_{t+1} from the
+    reports of round t, reports naming another round refused and counted; the signed config
+    publishes θ_{t+1} and round t+1 from now on. 404 ``no_data`` when no report of round t
+    was received (nothing changes)."""
+    trainer = _trainer(service, channel_id)
+    return await asyncio.to_thread(step_result, trainer, channel_id, epoch_to)
+
+
+@channels.get("/{channel_id}/training", response_model=TrainingBody, responses=error_responses(404))
+async def get_training(service: Service, channel_id: str) -> TrainingBody:
+    """An ``ldp-sgd`` channel's training: the current round, θ_t and every step taken."""
+    trainer = _trainer(service, channel_id)
+    return await asyncio.to_thread(training_body, trainer, channel_id)
+
+
+@channels.get("/{channel_id}/privacy", response_model=Ledger, responses=error_responses(404, 503))
 async def get_privacy(service: Service, channel_id: str) -> Ledger:
     """The channel's privacy ledger: each epoch's certificate and the lifetime ε."""
     return await asyncio.to_thread(service.privacy, channel_id)
 
 
-@batches.get("/v1/privacy", response_model=PrivacyOverview)
+@batches.get("/v1/privacy", response_model=PrivacyOverview, responses=error_responses(503))
 async def get_lifetime(service: Service) -> PrivacyOverview:
     """The lifetime ε of a device that took part in every channel."""
     return await asyncio.to_thread(service.lifetime)
 
 
-@pages.get("/", response_class=HTMLResponse)
+@pages.get("/", response_class=HTMLResponse, responses=error_responses(503))
 async def home(service: Service) -> HTMLResponse:
     """The dashboard."""
     views = await asyncio.to_thread(service.overview)
@@ -171,10 +312,16 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
         finally:
             service.close()
 
-    app = FastAPI(title="ESA analyzer", lifespan=lifespan, responses=ERROR_RESPONSES)
+    app = FastAPI(
+        title="ESA analyzer",
+        lifespan=lifespan,
+        responses=error_responses(*EVERY_ROUTE),
+        redirect_slashes=False,
+    )
     app.state.service = service
     install_error_handlers(app, log, service.events.count)
-    for router in (batches, channels, pages):
+    document_errors(app)
+    for router in (batches, channels, admin, pages):
         app.include_router(router)
     metrics = CollectorRegistry(auto_describe=True)
     metrics.register(EventsCollector(service.events, service.store.unopened_parts))

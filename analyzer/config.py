@@ -23,7 +23,14 @@ from common.envelope import (
     load_or_create_x25519,
     public_bytes,
 )
-from common.wire import AnalyzerInfo, AnalyzerKey, CollectionConfig, SignedConfig, b64
+from common.wire import (
+    AnalyzerInfo,
+    AnalyzerKey,
+    ChannelConfig,
+    CollectionConfig,
+    SignedConfig,
+    b64,
+)
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,14 @@ class AnalyzerKeys:
         return KeyRing.of(*self.hpke)
 
 
-def collection_config(settings: AnalyzerSettings, keys: AnalyzerKeys, now: int) -> CollectionConfig:
-    """The config devices need, valid for ``config_ttl_seconds`` from ``now``."""
+def collection_config(
+    settings: AnalyzerSettings,
+    keys: AnalyzerKeys,
+    now: int,
+    channels: list[ChannelConfig] | None = None,
+) -> CollectionConfig:
+    """The config devices need, valid for ``config_ttl_seconds`` from ``now`` (``channels``:
+    the channels as published, e.g. with a training channel's current model)."""
     analyzer = AnalyzerInfo(
         url=settings.url,
         keys=[
@@ -64,11 +77,16 @@ def collection_config(settings: AnalyzerSettings, keys: AnalyzerKeys, now: int) 
         expires_at=now + settings.config_ttl_seconds,
         analyzer=analyzer,
         shufflers=list(settings.shufflers),
-        channels=list(settings.channels),
+        channels=list(settings.channels) if channels is None else channels,
         device_budget=settings.device_budget,
     )
 
 
-def signed_config(settings: AnalyzerSettings, keys: AnalyzerKeys, now: int) -> SignedConfig:
+def signed_config(
+    settings: AnalyzerSettings,
+    keys: AnalyzerKeys,
+    now: int,
+    channels: list[ChannelConfig] | None = None,
+) -> SignedConfig:
     """``GET /v1/config``: the collection config signed with the analyzer's Ed25519 key."""
-    return sign_config(collection_config(settings, keys, now), keys.signing)
+    return sign_config(collection_config(settings, keys, now, channels), keys.signing)

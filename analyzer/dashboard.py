@@ -2,8 +2,11 @@
 
 Per channel: the latest release as a top-k histogram with 95% error bars, an image (2-D
 channels), or a running series with its 95% band (longitudinal); the crowd sizes behind the
-certificate; and the privacy ledger: each epoch's certificate and the lifetime ε of a device in
-every epoch (dp_accounting PLD composition) beside basic composition, with the δ split.
+certificate; and the privacy ledger: each epoch's certificate and whether it entered the
+lifetime as the mechanism's dominating pair or as that certificate, the lifetime ε of a device in
+every epoch (dp_accounting PLD composition) beside basic composition with the δ split (also as
+the add/remove statement with randomized deletion), and the device-side local-ε budget in use
+(the signed config's caps against what a device that reported in every epoch has spent).
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from common.wire import ChannelConfig, Ledger, LedgerRow, Lifetime, ReleaseBody
+from common.wire import (
+    BudgetInUse,
+    BudgetLimit,
+    ChannelConfig,
+    Ledger,
+    LedgerRow,
+    Lifetime,
+    ReleaseBody,
+)
 
 WIDTH, HEIGHT, PAD = 640, 220, 36
 
@@ -159,35 +170,74 @@ def _eps(value: float | None) -> str:
     return "∞" if value is None else f"{value:.4g}"
 
 
-def lifetime_line(lifetime: Lifetime | None) -> str:
-    """The lifetime ε of a device in every epoch (PLD) beside basic composition, δ split."""
+def lifetime_line(lifetime: Lifetime | None, deleted: bool = False) -> str:
+    """The lifetime ε of a device in every epoch (PLD) beside basic composition, δ split
+    (``deleted``: the add/remove statement with randomized deletion)."""
     if lifetime is None:
-        return '<p class="lifetime muted">No epoch charged yet.</p>'
+        return '<p class="lifetime muted">No epoch charged yet.</p>' if not deleted else ""
     split = lifetime.delta_split
+    kind, label = ("lifetime-deletion", "took part at all") if deleted else ("lifetime", "lifetime")
     return (
-        f'<p class="lifetime">lifetime over {lifetime.epochs} epochs: '
-        f'<b>ε = <span class="lifetime-eps">{_eps(lifetime.eps)}</span></b> '
+        f'<p class="{kind}">{label} over {lifetime.epochs} epochs '
+        f"({lifetime.pair_parts} of {lifetime.parts} parts dominating pairs): "
+        f'<b>ε = <span class="{kind}-eps">{_eps(lifetime.eps)}</span></b> '
         f"({html.escape(lifetime.method)}; PLD {_eps(lifetime.eps_pld)}, basic composition "
         f'<span class="basic-eps">{_eps(lifetime.eps_basic)}</span>, advanced '
         f"{_eps(lifetime.eps_advanced)}) at δ = {lifetime.delta:.3g} "
-        f"(epochs' certificates {split.certificates:.3g}, composition "
-        f"{split.pld_pairs:.3g}; {html.escape(lifetime.neighbouring)})</p>"
+        f"(certificates {split.certificates:.3g}, composition {split.pld_pairs:.3g} of which "
+        f"truncation ≤ {split.pld_truncation:.2g}, basic {split.basic_per_part:.2g} per part; "
+        f"{html.escape(lifetime.neighbouring)})</p>"
+    )
+
+
+def _limit(limit: BudgetLimit) -> str:
+    scope = "this channel" if limit.scope == "channel" else "the device (all channels)"
+    span = (
+        "lifetime"
+        if limit.window_seconds is None
+        else f"any {limit.window_seconds:,} s window (most in one)"
+    )
+    state = ' <b class="exhausted">exhausted</b>' if limit.exhausted else ""
+    return (
+        f'<li class="budget-limit">{scope}, {span}: ε ≤ {limit.eps:.4g}; spent '
+        f"{_eps(limit.spent)}, left {limit.left:.4g}{state}</li>"
+    )
+
+
+def budget_block(budget: BudgetInUse | None) -> str:
+    """The device-side local-ε budget in use: caps of the signed config, and what a device
+    that reported in every epoch so far has spent (epochs × local ε, the SDK's rule)."""
+    if budget is None:
+        return ""
+    limits = "".join(_limit(limit) for limit in budget.limits)
+    caps = f"<ul>{limits}</ul>" if limits else " No device budget is set for it."
+    return (
+        f'<div class="device-budget"><p>device budget: local ε per report '
+        f"{_eps(budget.local_eps)}; a device in all {budget.reports} epochs has spent "
+        f'<b class="budget-spent">{_eps(budget.spent)}</b>.{caps}</p>'
+        f'<p class="muted">{html.escape(budget.note)}</p></div>'
     )
 
 
 def _ledger(ledger: Ledger) -> str:
-    return lifetime_line(ledger.lifetime) + _epoch_table(ledger.epochs)
+    return (
+        lifetime_line(ledger.lifetime)
+        + lifetime_line(ledger.with_randomized_deletion, deleted=True)
+        + budget_block(ledger.device_budget)
+        + _epoch_table(ledger.epochs)
+    )
 
 
 def _epoch_table(rows: Sequence[LedgerRow]) -> str:
     cells = "".join(
         f"<tr><td>{row.epoch}</td><td>{row.n:,}</td><td>{_eps(row.certificate.eps)}</td>"
-        f"<td>{row.certificate.delta:.3g}</td><td>{html.escape(row.certificate.method)}</td></tr>"
+        f"<td>{row.certificate.delta:.3g}</td><td>{html.escape(row.certificate.method)}</td>"
+        f'<td class="composed-as">{row.composed_as}</td></tr>'
         for row in rows[-10:]
     )
     return (
         '<table class="epochs"><tr><th>epoch</th><th>n</th><th>ε</th><th>δ</th>'
-        f"<th>method</th></tr>{cells}</table>"
+        f"<th>method</th><th>composed as</th></tr>{cells}</table>"
     )
 
 

@@ -8,14 +8,17 @@ a status at the edge. Callers catch :class:`AnalyzerError`::
     └── AnalyzerError
         ├── InvalidChannelError          invalid          a configured channel its mechanism rejects
         ├── MalformedBatchError          malformed        400: the body is not a batch
+        ├── UnsupportedMediaTypeError    unsupported_media_type 415: a body that is not JSON
         ├── BatchTooLargeError           too_large        413: body over max_batch_bytes
         │                                                 (also a runtime TooLargeError)
         ├── UnknownShufflerError         unknown_shuffler 401: batch names an unregistered shuffler
-        ├── BadSignatureError            bad_signature    401: signature missing or not verifying
+        ├── BadSignatureError            bad_signature    401: signature missing, ill-formed or
+        │                                                 not verifying
         ├── AdminTokenError              bad_admin_token  401: admin route without the admin token
         ├── InconsistentBatchError       (422: a batch the channel's configuration cannot hold)
         │   ├── BatchForUnknownChannelError unknown_channel
         │   ├── BelowMinCrowdError       below_min_crowd
+        │   ├── UnknownCrowdError        unknown_crowd    a crowd the channel does not declare
         │   └── InconsistentCountsError  inconsistent_counts
         ├── UnknownChannelError          unknown_channel  404: asked about an unconfigured channel
         ├── NothingReceivedError         no_data          404: nothing received for the release
@@ -46,6 +49,14 @@ class MalformedBatchError(AnalyzerError):
     kind = Kind.INVALID
 
 
+class UnsupportedMediaTypeError(AnalyzerError):
+    """A batch sent with a ``Content-Type`` other than ``application/json`` (a missing one is
+    read as JSON)."""
+
+    code = "unsupported_media_type"
+    kind = Kind.UNSUPPORTED_MEDIA
+
+
 class BatchTooLargeError(AnalyzerError, TooLargeError):
     """A batch body over ``max_batch_bytes``."""
 
@@ -61,7 +72,8 @@ class UnknownShufflerError(AnalyzerError):
 
 
 class BadSignatureError(AnalyzerError):
-    """The ``ESA-Signature`` is missing, not base64, or does not verify for the shuffler."""
+    """The ``ESA-Signature`` is missing, not the base64 of a 64-byte Ed25519 signature, or does
+    not verify for the shuffler."""
 
     code = "bad_signature"
     kind = Kind.UNAUTHENTICATED
@@ -89,6 +101,13 @@ class BelowMinCrowdError(InconsistentBatchError):
     """A batch of fewer contributions than the channel's ``min_crowd``."""
 
     code = "below_min_crowd"
+
+
+class UnknownCrowdError(InconsistentBatchError):
+    """A batch for a crowd its channel does not declare (``ChannelConfig.crowds``: crowds come
+    from the signed channel config, never from what a sender names)."""
+
+    code = "unknown_crowd"
 
 
 class InconsistentCountsError(InconsistentBatchError):

@@ -1,13 +1,18 @@
-"""Batch part intake (PROTOCOL.md, ``POST /v1/batches``; issue 11): verify and store.
+"""Batch part intake (PROTOCOL.md, ``POST /v1/batches``; issues 11 and 12): verify and store.
 
 The Ed25519 signature over the exact body must verify against the registered key of the
-shuffler the body names; parts below the channel's minimum crowd, for unknown channels, that
-disagree with their batch's stored parts, or whose batch carries more fragments than its
-contributions can are inconsistent; a known (``batch_id``, ``part``) is acknowledged again but
-counted once. The raw body is stored durably and acknowledged right after the commit, whatever
-the batch's size; :mod:`analyzer.opening` opens and accumulates it in the background (every
-fragment opened with any live analyzer key and parsed by the channel's mechanism; fragments
-that fail either are chaff, counted and never fatal).
+shuffler the body names, and it is checked before the body is validated as a batch: an
+ill-formed ``ESA-Signature`` is refused before anything is read (:func:`signature_bytes`, also
+called by the HTTP edge before it streams the body), and only the ``shuffler_id`` is read from
+an unverified body. Parts below the channel's minimum crowd, for unknown channels, that name a
+crowd the channel does not declare, disagree with their batch's stored parts, or whose batch
+carries more fragments than its contributions can are inconsistent; numbers beyond what the
+tables hold are malformed (the same answer on SQLite and PostgreSQL); a known (``batch_id``,
+``part``) is acknowledged again but counted once. The raw body is stored durably and
+acknowledged right after the commit, whatever the batch's size; :mod:`analyzer.opening` opens
+and accumulates it in the background (every fragment opened with any live analyzer key and
+parsed by the channel's mechanism; fragments that fail either are chaff, counted and never
+fatal).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import (
@@ -29,6 +34,7 @@ from analyzer.errors import (
     BelowMinCrowdError,
     InconsistentCountsError,
     MalformedBatchError,
+    UnknownCrowdError,
     UnknownShufflerError,
 )
 from analyzer.metrics import Events
@@ -37,6 +43,20 @@ from common.envelope import KeyRing, verify
 from common.wire import Batch
 
 log = logging.getLogger("esa.analyzer")
+
+#: Bytes of an Ed25519 signature (RFC 8032, §5.1.6).
+SIGNATURE_BYTES = 64
+#: Largest ``part``, ``parts`` and ``n_contributions``: those columns are 32-bit ``Integer``
+#: on PostgreSQL (a larger value would be a storage error there and silently stored on SQLite).
+MAX_STORED_INT = 2**31 - 1
+
+
+class _Signer(BaseModel):
+    """The one field read from a body before its signature is verified."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    shuffler_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +91,13 @@ class BatchIntake:
 
         Raises:
             BatchTooLargeError: body over ``max_batch_bytes``.
-            MalformedBatchError, UnknownShufflerError, BadSignatureError: not a verified part.
+            BadSignatureError: ``signature`` missing, ill-formed or not verifying.
+            MalformedBatchError, UnknownShufflerError: not a verified part.
             InconsistentBatchError: a part its channel, or its batch's other parts, cannot hold.
         """
         if len(body) > self.policy.max_batch_bytes:
             raise BatchTooLargeError(f"batch part exceeds {self.policy.max_batch_bytes} bytes")
-        if not signature:
-            raise BadSignatureError("ESA-Signature header required")
-        batch = self._verified(body, signature)
+        batch = self._verified(body, signature_bytes(signature))
         runtime = self._runtime(batch)
         header = _header(batch)
         del batch
@@ -101,20 +120,23 @@ class BatchIntake:
         )
         return Intake(header.batch_id, header.part, False)
 
-    def _verified(self, body: bytes, signature: str) -> Batch:
+    def _verified(self, body: bytes, signature: bytes) -> Batch:
+        """The batch, once the signature of the shuffler it names verifies (only
+        ``shuffler_id`` is read before that)."""
+        try:
+            shuffler_id = _Signer.model_validate_json(body).shuffler_id
+        except ValidationError as error:
+            raise MalformedBatchError(f"not a batch: {_problems(error)}") from error
+        key = self.policy.shufflers.get(shuffler_id)
+        if key is None:
+            raise UnknownShufflerError(f"shuffler {shuffler_id[:64]!r} is not registered")
+        if not verify(body, signature, key):
+            raise BadSignatureError("signature does not verify for this shuffler")
         try:
             batch = Batch.model_validate_json(body)
         except ValidationError as error:
             raise MalformedBatchError(f"not a batch: {_problems(error)}") from error
-        key = self.policy.shufflers.get(batch.shuffler_id)
-        if key is None:
-            raise UnknownShufflerError(f"shuffler {batch.shuffler_id!r} is not registered")
-        try:
-            raw = base64.b64decode(signature, validate=True)
-        except (binascii.Error, ValueError) as error:
-            raise BadSignatureError("ESA-Signature is not base64") from error
-        if not verify(body, raw, key):
-            raise BadSignatureError("signature does not verify for this shuffler")
+        _check_bounds(batch)
         return batch
 
     def _runtime(self, batch: Batch) -> ChannelRuntime:
@@ -126,7 +148,40 @@ class BatchIntake:
             raise BelowMinCrowdError(
                 f"batch of {batch.n_contributions} contributions < min_crowd={config.min_crowd}"
             )
+        if batch.crowd_id not in config.crowds:
+            raise UnknownCrowdError(
+                f"crowd {batch.crowd_id[:64]!r} is not declared by channel {config.id!r}"
+            )
         return runtime
+
+
+def signature_bytes(header: str | None) -> bytes:
+    """The raw signature an ``ESA-Signature`` header carries (base64 of 64 bytes).
+
+    Raises:
+        BadSignatureError: if the header is missing or is not one base64 Ed25519 signature.
+    """
+    if not header:
+        raise BadSignatureError("ESA-Signature header required")
+    try:
+        raw = base64.b64decode(header, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise BadSignatureError("ESA-Signature is not base64") from error
+    if len(raw) != SIGNATURE_BYTES:
+        raise BadSignatureError(
+            f"ESA-Signature must be a {SIGNATURE_BYTES}-byte Ed25519 signature, "
+            f"got {len(raw)} bytes"
+        )
+    return raw
+
+
+def _check_bounds(batch: Batch) -> None:
+    """Refuse numbers the tables cannot hold (the same answer on every database; strings are
+    bounded by the configuration: registered shufflers, configured channels, declared
+    crowds)."""
+    for name in ("parts", "n_contributions"):
+        if getattr(batch, name) > MAX_STORED_INT:
+            raise MalformedBatchError(f"{name} must be <= {MAX_STORED_INT}")
 
 
 def _header(batch: Batch) -> PartHeader:

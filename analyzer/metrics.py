@@ -1,11 +1,16 @@
-"""The analyzer's event counters and their Prometheus view (read at scrape time)."""
+"""The analyzer's event counters and gauges, and their Prometheus view (read at scrape time)."""
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from sqlalchemy.exc import SQLAlchemyError
+
+log = logging.getLogger("esa.analyzer")
 
 #: Counters every scrape shows (zero until the event happens), with their help text.
 COUNTERS = {
@@ -15,16 +20,24 @@ COUNTERS = {
     "batches_duplicate": "batch parts seen before (counted once)",
     "fragments_opened": "fragments opened",
     "fragments_invalid": "fragments that failed to open or parse (chaff)",
+    "part_open_failures": "failed openings of stored parts (retried, then quarantined)",
     "releases": "estimates released (ledger entries)",
+}
+#: Gauges read from the database at scrape time (registered with :meth:`Events.gauge`).
+GAUGES = {
+    "parts_quarantined": "batch parts set aside after repeated failed openings (kept with "
+    "their error, never accumulated: their batches stay incomplete)",
 }
 REJECTED = "rejected_"
 
 
 class Events:
-    """Thread-safe event counts (``rejected_<code>`` for every refusal)."""
+    """Thread-safe event counts (``rejected_<code>`` for every refusal), and the gauges read
+    at scrape time."""
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
+        self._gauges: dict[str, Callable[[], int]] = {}
         self._lock = threading.Lock()
 
     def count(self, event: str, amount: int = 1) -> None:
@@ -42,6 +55,16 @@ class Events:
         with self._lock:
             return dict(self._counts)
 
+    def gauge(self, name: str, read: Callable[[], int]) -> None:
+        """Export ``read()`` as the gauge ``name`` (one of :data:`GAUGES`) at every scrape."""
+        with self._lock:
+            self._gauges[name] = read
+
+    def gauges(self) -> dict[str, Callable[[], int]]:
+        """The registered gauges."""
+        with self._lock:
+            return dict(self._gauges)
+
 
 class EventsCollector:
     """Prometheus collector over :class:`Events`, and the intake backlog read at scrape time."""
@@ -54,14 +77,24 @@ class EventsCollector:
         """The metric names, without reading the database (registration runs before the
         migrations)."""
         yield GaugeMetricFamily("esa_analyzer_parts_unopened", "stored batch parts not yet opened")
+        for name, help_text in GAUGES.items():
+            yield GaugeMetricFamily(f"esa_analyzer_{name}", help_text)
         yield from self._counters()
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        """``esa_analyzer_<counter>``, ``esa_analyzer_batches_rejected{reason}`` and
-        ``esa_analyzer_parts_unopened`` (stored parts the opener has not accumulated yet)."""
+        """``esa_analyzer_<counter>``, ``esa_analyzer_batches_rejected{reason}``,
+        ``esa_analyzer_parts_unopened`` (stored parts the opener has not accumulated yet) and
+        ``esa_analyzer_parts_quarantined``; a gauge the database cannot answer now is NaN."""
         yield GaugeMetricFamily(
-            "esa_analyzer_parts_unopened", "stored batch parts not yet opened", value=self.backlog()
+            "esa_analyzer_parts_unopened",
+            "stored batch parts not yet opened",
+            value=_read(self.backlog),
         )
+        reads = self.events.gauges()
+        for name, help_text in GAUGES.items():
+            read = reads.get(name)
+            value = 0.0 if read is None else _read(read)
+            yield GaugeMetricFamily(f"esa_analyzer_{name}", help_text, value=value)
         yield from self._counters()
 
     def _counters(self) -> Iterator[CounterMetricFamily]:
@@ -75,3 +108,13 @@ class EventsCollector:
             if key.startswith(REJECTED):
                 rejected.add_metric([key.removeprefix(REJECTED)], value)
         yield rejected
+
+
+def _read(read: Callable[[], int]) -> float:
+    """A gauge read from the database; NaN while the database is unavailable (a scrape never
+    fails because of it)."""
+    try:
+        return float(read())
+    except SQLAlchemyError:
+        log.warning("metrics: database unavailable for a gauge")
+        return math.nan

@@ -7,6 +7,14 @@ HPKE opening is the analyzer's bottleneck, so it uses the cores), and folds it w
 updates the batch's statistics: a crash before that commit leaves the part stored and
 unopened, and the next start opens it again from scratch, so nothing is opened or counted
 twice. Memory is bounded by one part (its body, its opened fragments) plus one accumulator.
+
+Each pass pages through every waiting part (keyset paging, so parts it skips — their channel is
+no longer configured — never hide the ones behind them). A part whose opening raises is left
+for the next pass; after :data:`OPEN_ATTEMPTS` failed openings it is quarantined
+(:meth:`AnalyzerStore.record_failure`): kept with its error, never opened again by itself,
+never folded in, so its batch stays incomplete and every release says so. Failures of the
+database itself (a dropped connection, a concurrent writer) are not the part's fault: the pass
+stops and starts over after ``poll_seconds`` without counting them against any part.
 """
 
 from __future__ import annotations
@@ -17,19 +25,31 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from analyzer.channels import ChannelRuntime
+from analyzer.errors import StorageConflictError
 from analyzer.metrics import Events
-from analyzer.store import AnalyzerStore, Fold, Merge, PartHeader
+from analyzer.store import AnalyzerStore, Fold, Folded, Merge, PartHeader
 from common.envelope import EnvelopeError, KeyRing, open_fragment
 from common.wire import Batch
 
 log = logging.getLogger("esa.analyzer")
+
+#: Failed openings after which a stored part is quarantined (issue 11: a part that cannot be
+#: opened is neither retried forever nor allowed to hold up the parts behind it).
+OPEN_ATTEMPTS = 5
+
+#: How often a pool worker checks that the analyzer that started it is still there.
+PARENT_CHECK_SECONDS = 1.0
 
 #: The key ring of a pool worker process (set once by :func:`_start_worker`).
 _worker_ring: KeyRing | None = None
@@ -47,9 +67,22 @@ def open_chunk(ring: KeyRing, channel_id: str, texts: Sequence[str]) -> list[byt
     return opened
 
 
-def _start_worker(keys: Sequence[bytes]) -> None:
+def _start_worker(keys: Sequence[bytes], parent: int) -> None:
     global _worker_ring
     _worker_ring = KeyRing.of(*(X25519PrivateKey.from_private_bytes(k) for k in keys))
+    threading.Thread(
+        target=_exit_with, args=(parent,), name="esa-parent-watch", daemon=True
+    ).start()
+
+
+def _exit_with(parent: int) -> None:
+    """A worker ends when the analyzer that started it (``parent``, passed in rather than read
+    here: it may have died while this worker was still starting) is gone. A crash or ``kill
+    -9`` runs no shutdown, and the pool's workers would otherwise stay behind, idle, holding
+    memory."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(0)
 
 
 def _open_in_worker(channel_id: str, texts: Sequence[str]) -> list[bytes]:
@@ -68,25 +101,35 @@ class FragmentOpener:
         self.ring = ring
         self.processes = processes
         self.chunk = chunk
-        self._pool: ProcessPoolExecutor | None = None
-        if processes > 1:
-            keys = [k.private_bytes_raw() for k in ring.keys.values()]
-            self._pool = ProcessPoolExecutor(
-                processes,
-                mp_context=get_context("spawn"),
-                initializer=_start_worker,
-                initargs=(keys,),
-            )
+        self._pool = self._start() if processes > 1 else None
+
+    def _start(self) -> ProcessPoolExecutor:
+        keys = [k.private_bytes_raw() for k in self.ring.keys.values()]
+        return ProcessPoolExecutor(
+            self.processes,
+            mp_context=get_context("spawn"),
+            initializer=_start_worker,
+            initargs=(keys, os.getpid()),
+        )
 
     def open(self, channel_id: str, texts: Sequence[str]) -> list[bytes]:
-        """The opened fragments, in order (undecryptable ones left out)."""
+        """The opened fragments, in order (undecryptable ones left out).
+
+        Raises:
+            BrokenProcessPool: if a worker died; the pool is started afresh for the next call.
+        """
         if self._pool is None:
             return open_chunk(self.ring, channel_id, texts)
-        futures = [
-            self._pool.submit(_open_in_worker, channel_id, texts[i : i + self.chunk])
-            for i in range(0, len(texts), self.chunk)
-        ]
-        return [fragment for future in futures for fragment in future.result()]
+        try:
+            futures = [
+                self._pool.submit(_open_in_worker, channel_id, texts[i : i + self.chunk])
+                for i in range(0, len(texts), self.chunk)
+            ]
+            return [fragment for future in futures for fragment in future.result()]
+        except BrokenProcessPool:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._start()
+            raise
 
     def close(self) -> None:
         """Stop the worker processes."""
@@ -105,29 +148,64 @@ class PartOpener:
         opener: FragmentOpener,
         events: Events,
         fault_while_opening: str | None = None,
+        attempts: int = OPEN_ATTEMPTS,
     ) -> None:
         self.store = store
         self.channels = channels
         self.opener = opener
         self.events = events
         self.fault_while_opening = fault_while_opening
+        self.attempts = attempts
+        events.gauge("parts_quarantined", store.quarantined_parts)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def open_pending(self) -> int:
-        """Open every stored, unopened part (oldest first); returns how many were folded in."""
-        folded = 0
-        while pending := self.store.pending_parts():
-            progress = [self.open_part(header) for header in pending]
-            folded += sum(progress)
-            if not any(progress):
-                break
+        """One pass over every part waiting to be opened, oldest first, a page at a time;
+        returns how many were folded in. A part that fails is counted against it and left for
+        the next pass (quarantined at :attr:`attempts` failures).
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError, StorageConflictError: the database failed (no
+                part is blamed; the pass starts over later).
+        """
+        folded, after = 0, None
+        while not self._stop.is_set() and (page := self.store.pending_parts(after=after)):
+            for header in page:
+                if self._stop.is_set():  # stopping: the rest waits, stored, for the next start
+                    break
+                folded += self._attempt(header)
+            after = page[-1]
         return folded
 
+    def _attempt(self, header: PartHeader) -> int:
+        # Another analyzer worker opening this part right now: skip it (it folds it, or its
+        # lock dies with it and a later pass takes the part over).
+        with self.store.opening(header) as mine:
+            if not mine:
+                return 0
+            try:
+                return int(self.open_part(header))
+            except Exception as error:
+                if _transient(error):
+                    raise
+                self._failed(header, error)
+                return 0
+
+    def _failed(self, header: PartHeader, error: Exception) -> None:
+        where = {"batch_id": header.batch_id, "part": header.part, "channel": header.channel_id}
+        log.warning("opening a stored part failed", exc_info=error, extra=where)
+        self.events.count("part_open_failures")
+        if self.store.record_failure(header, f"{type(error).__name__}: {error}", self.attempts):
+            log.error(
+                "batch part quarantined: its batch stays incomplete until an operator acts",
+                extra={**where, "attempts": self.attempts, "error": str(error)},
+            )
+
     def open_part(self, header: PartHeader) -> bool:
-        """Open one stored part and fold it in; False if it was already opened or its channel
-        is no longer configured (it stays stored)."""
+        """Open one stored part and fold it in; False if it is no longer waiting (opened, or
+        quarantined) or its channel is no longer configured (it stays stored)."""
         runtime = self.channels.get(header.channel_id)
         body = self.store.part_body(header)
         if runtime is None or body is None:
@@ -142,11 +220,14 @@ class PartOpener:
         invalid: list[int] = []
         fold = _folder(runtime, header, opened, undecryptable, invalid)
         folded = self.store.fold_part(header, fold, _merger(runtime), runtime.charge)
-        if folded:
-            self.events.count("parts_opened")
-            self.events.count("fragments_opened", len(opened))
-            self.events.count("fragments_invalid", invalid[-1])
-        return folded
+        if folded is None:
+            return False
+        self.events.count("parts_opened")
+        self.events.count("fragments_opened", len(opened))
+        self.events.count("fragments_invalid", invalid[-1])
+        if folded is Folded.BATCH:
+            self.events.count("batches_accepted")
+        return True
 
     def wake(self) -> None:
         """A part was stored: open it soon."""
@@ -176,6 +257,22 @@ class PartOpener:
             except Exception:
                 log.exception("opening stored parts failed; retrying")
             self._wake.wait(poll_seconds)
+
+
+def _transient(error: Exception) -> bool:
+    """A failure of the database, of concurrent writers or of the opening pool itself (a
+    worker killed, memory exhausted: the pool restarts), not of the part being opened."""
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(
+        error,
+        OperationalError
+        | InterfaceError
+        | PoolTimeoutError
+        | StorageConflictError
+        | BrokenProcessPool
+        | MemoryError,
+    )
 
 
 def _folder(

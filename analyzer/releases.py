@@ -21,7 +21,7 @@ import numpy as np
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import IncompleteBatchesError, NothingReceivedError, UnknownChannelError
 from analyzer.metrics import Events
-from analyzer.store import AnalyzerStore, ReceivedRange
+from analyzer.store import AnalyzerStore, BatchProgress, ReceivedRange
 from common.accounting import BoundResult
 from common.mechanisms import Estimate, LocalPrivacy, NoDataError
 from common.wire import Bound, LocalBound, ReleaseBody
@@ -46,8 +46,9 @@ class Release:
     add_remove: BoundResult | None = None
     lower: BoundResult | None = None
     local: LocalPrivacy | None = None
-    #: Batches in range left out because parts are missing or unopened: id → (opened, parts).
-    incomplete: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    #: Batches in range left out because parts are missing, unopened or quarantined: id →
+    #: (opened, parts, quarantined).
+    incomplete: Mapping[str, BatchProgress] = field(default_factory=dict)
 
     @property
     def note(self) -> str:
@@ -55,8 +56,9 @@ class Release:
         if not self.incomplete:
             return self.estimate.note
         left_out = ", ".join(
-            f"{batch_id} ({opened}/{parts} parts)"
-            for batch_id, (opened, parts) in sorted(self.incomplete.items())
+            f"{batch_id} ({p.opened}/{p.parts} parts"
+            + (f", {p.quarantined} quarantined after failed openings)" if p.quarantined else ")")
+            for batch_id, p in sorted(self.incomplete.items())
         )
         return (
             f"{self.estimate.note}; left out {len(self.incomplete)} incomplete batch(es) "

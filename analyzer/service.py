@@ -25,6 +25,7 @@ from analyzer.opening import FragmentOpener, PartOpener
 from analyzer.releases import DEFAULT_TOP, SUMMARY_BINS, Release, ReleaseService
 from analyzer.settings import AnalyzerSettings
 from analyzer.store import AnalyzerStore
+from analyzer.training import Trainer, published_channels
 from common.envelope import load_ed25519_public
 from common.wire import (
     BatchAck,
@@ -56,6 +57,7 @@ class AnalyzerService:
     events: Events
     opener: PartOpener
     clock: Callable[[], float] = time.time
+    trainer: Trainer | None = None
 
     @classmethod
     def from_settings(
@@ -83,7 +85,7 @@ class AnalyzerService:
             store,
             BatchIntake(store, policy, events),
             ReleaseService(store, channels, events),
-            LedgerService(store, channels, settings.lifetime_delta),
+            LedgerService(store, channels, settings.lifetime_delta, settings.device_budget),
             events,
             PartOpener(
                 store,
@@ -93,6 +95,7 @@ class AnalyzerService:
                 settings.fault_while_opening,
             ),
             clock,
+            Trainer(store, channels, settings.training_dir),
         )
 
     def start(self) -> None:
@@ -128,7 +131,11 @@ class AnalyzerService:
 
     def config(self) -> SignedConfig:
         """``GET /v1/config``."""
-        return signed_config(self.settings, self.keys, int(self.clock()))
+        published = None
+        if self.trainer is not None and self.trainer.channels:
+            models = {c: self.trainer.state(c) for c in self.trainer.channels}
+            published = published_channels(self.settings.channels, models)
+        return signed_config(self.settings, self.keys, int(self.clock()), published)
 
     def channels(self) -> ChannelList:
         """``GET /v1/channels``: every configured channel and the epochs received."""

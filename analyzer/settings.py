@@ -46,6 +46,8 @@ class AnalyzerSettings(BaseSettings):
     public_url: str | None = None
     database_url: str = "sqlite:///var/analyzer/analyzer.db"
     key_dir: Path = Path("var/keys/analyzer")
+    #: LDP-SGD training state, one JSON file per ``ldp-sgd`` channel (:mod:`analyzer.training`).
+    training_dir: Path = Path("var/analyzer/training")
     channels: list[ChannelConfig] = Field(default_factory=list)
     channels_file: Path | None = None
     shufflers: list[ShufflerInfo] = Field(default_factory=list)

@@ -4,7 +4,10 @@ Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
 
 * ``batch_parts``: one row per stored part (idempotency by (``batch_id``, ``part``)): the raw
   signed body until it is opened, then only its counts (issue 11: acknowledged once stored,
-  opened in the background).
+  opened in the background). ``status`` is ``stored`` (waiting for the opener), ``opened``
+  (folded in) or ``quarantined`` (its opening failed :data:`analyzer.opening.OPEN_ATTEMPTS`
+  times: kept with its body, ``attempts`` and ``last_error`` for an operator, never folded in,
+  so its batch stays incomplete).
 * ``open_batches``: the statistics of a batch whose parts are not all opened yet, folded part
   by part in the same transaction that marks each part opened (nothing opened twice).
 * ``receipts``: one row per complete batch (all its parts opened), with its crowd size and how
@@ -14,7 +17,10 @@ Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
   shuffler's batch is shuffled separately: its crowd is what certification may rely on.
 * ``epoch_charges``: the privacy ledger — one row per (channel, crowd, epoch), the certificates
   of that epoch's view at the crowds received, rewritten in the same transaction as every batch
-  of the epoch (so an epoch is charged once, whatever is queried or published).
+  of the epoch (so an epoch is charged once, whatever is queried or published). The rewrite
+  takes the (channel, crowd, epoch) lock first and reads what was received after it, so
+  concurrent analyzer processes on PostgreSQL rewrite the row one after another, each from
+  everything committed before it.
 * ``releases``: what was published (``POST /v1/channels/{id}/releases``), with its certificate
   and the summary the dashboard draws. Reads (``GET .../estimate``) write nothing.
 
@@ -23,16 +29,17 @@ Everything that depends on the database dialect stays in this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from enum import Enum
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     BigInteger,
-    Boolean,
     Column,
     ColumnElement,
     Float,
@@ -43,11 +50,13 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    cast,
+    case,
     delete,
     func,
     insert,
     select,
+    text,
+    tuple_,
     update,
 )
 from sqlalchemy.engine import Connection, Engine
@@ -55,6 +64,7 @@ from sqlalchemy.exc import IntegrityError
 
 from analyzer.errors import StorageConflictError
 from common.wire import Bound, ReleaseBody
+from services.runtime import db
 
 metadata = MetaData()
 
@@ -122,10 +132,17 @@ batch_parts = Table(
     Column("n_contributions", Integer, nullable=False),
     Column("n_fragments", Integer, nullable=False),
     Column("body", LargeBinary, nullable=True),
-    Column("opened", Boolean, nullable=False, index=True),
+    Column("status", String(16), nullable=False, index=True),
+    Column("attempts", Integer, nullable=False),
+    Column("last_error", Text, nullable=True),
     Column("invalid", Integer, nullable=False),
     Column("received_at", Float, nullable=False),
 )
+
+#: ``batch_parts.status``: waiting for the opener, folded in, or set aside after failed openings.
+STORED, OPENED, QUARANTINED = "stored", "opened", "quarantined"
+#: Longest ``last_error`` kept for a failed opening.
+ERROR_CHARS = 2000
 
 open_batches = Table(
     "open_batches",
@@ -164,6 +181,31 @@ class PartHeader:
     epoch: int
     n_contributions: int
     n_fragments: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartStatus:
+    """Where a stored part stands: ``stored``, ``opened`` or ``quarantined``, with its failed
+    openings and the last one's error."""
+
+    status: str
+    attempts: int
+    last_error: str | None
+
+
+class BatchProgress(NamedTuple):
+    """An incomplete batch: parts opened, parts in all, parts quarantined (never opened)."""
+
+    opened: int
+    parts: int
+    quarantined: int = 0
+
+
+class Folded(Enum):
+    """What folding one part did: added it to its open batch, or completed the batch."""
+
+    PART = "part"
+    BATCH = "batch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,10 +279,8 @@ class AnalyzerStore:
 
     def stored_parts(self, batch_id: str) -> list[PartHeader]:
         """The headers of a batch's parts stored so far (the first part fixes the batch)."""
-        p = batch_parts.c
-        query = select(*_HEADER).where(p.batch_id == batch_id).order_by(p.part)
         with self.engine.connect() as conn:
-            return [PartHeader(*row) for row in conn.execute(query)]
+            return _stored_parts(conn, batch_id)
 
     def store_part(
         self, header: PartHeader, body: bytes, check: Callable[[list[PartHeader]], None]
@@ -250,16 +290,20 @@ class AnalyzerStore:
         known part (a repeat, or a batch accepted whole before parts existed).
         """
         with self._storing:
-            if self._known(header):
-                return False
-            check(self.stored_parts(header.batch_id))
             try:
                 with self.engine.begin() as conn:
+                    # Analyzer workers: two parts of one batch stored at once by two processes
+                    # are checked against each other, one after the other (PostgreSQL).
+                    _lock_batch(conn, header.batch_id)
+                    if _known(conn, header):
+                        return False
+                    check(_stored_parts(conn, header.batch_id))
                     conn.execute(
                         insert(batch_parts).values(
                             **asdict(header),
                             body=body,
-                            opened=False,
+                            status=STORED,
+                            attempts=0,
                             invalid=0,
                             received_at=self.clock(),
                         )
@@ -271,45 +315,110 @@ class AnalyzerStore:
         return True
 
     def _known(self, header: PartHeader) -> bool:
-        p, r = batch_parts.c, receipts.c
-        part = select(p.part).where(p.batch_id == header.batch_id, p.part == header.part)
-        whole = select(r.batch_id).where(r.batch_id == header.batch_id)
         with self.engine.connect() as conn:
-            return any(conn.execute(q).first() is not None for q in (part, whole))
+            return _known(conn, header)
 
-    def pending_parts(self, limit: int = PENDING_PAGE) -> list[PartHeader]:
-        """Stored parts not opened yet, oldest first (what the opener resumes after a crash)."""
+    def pending_parts(
+        self, limit: int = PENDING_PAGE, after: PartHeader | None = None
+    ) -> list[PartHeader]:
+        """Stored parts waiting for the opener, oldest first (what it resumes after a crash);
+        ``after`` pages on past a part (keyset on (``received_at``, ``batch_id``, ``part``)), so
+        parts the opener skips never hide the ones behind them."""
         p = batch_parts.c
-        query = (
-            select(*_HEADER)
-            .where(p.opened.is_(False))
-            .order_by(p.received_at, p.batch_id, p.part)
-            .limit(limit)
-        )
+        order = (p.received_at, p.batch_id, p.part)
+        query = select(*_HEADER).where(p.status == STORED).order_by(*order).limit(limit)
+        if after is not None:
+            received_at = (
+                select(p.received_at)
+                .where(p.batch_id == after.batch_id, p.part == after.part)
+                .scalar_subquery()
+            )
+            query = query.where(tuple_(*order) > tuple_(received_at, after.batch_id, after.part))
         with self.engine.connect() as conn:
             return [PartHeader(*row) for row in conn.execute(query)]
 
+    @contextlib.contextmanager
+    def opening(self, header: PartHeader) -> Iterator[bool]:
+        """Whether this process may open ``header``'s part now (issue 17, analyzer workers).
+
+        SQLite: always (one analyzer process per database). PostgreSQL: a session advisory
+        lock on the part, tried (``pg_try_advisory_lock``) on a dedicated connection held while
+        the part is opened and folded, so W analyzer processes paging through the same stored
+        parts open each once instead of all opening it and all but one discarding the work;
+        a worker killed mid-way loses its connection and the lock with it, and another takes
+        the part over. Correctness does not rest on it: :meth:`fold_part` locks the part's row
+        and folds it only while it is still ``stored``.
+        """
+        with db.try_advisory_lock(
+            self.engine, ["analyzer-part", header.batch_id, header.part]
+        ) as mine:
+            yield mine
+
     def unopened_parts(self) -> int:
-        """How many stored parts wait for the opener (the intake backlog)."""
-        query = select(func.count()).select_from(batch_parts).where(batch_parts.c.opened.is_(False))
+        """How many stored parts wait for the opener (the intake backlog; quarantined parts
+        are not waiting, see :meth:`quarantined_parts`)."""
+        return self._parts_with(STORED)
+
+    def quarantined_parts(self) -> int:
+        """How many parts were set aside after failed openings."""
+        return self._parts_with(QUARANTINED)
+
+    def _parts_with(self, status: str) -> int:
+        query = select(func.count()).select_from(batch_parts).where(batch_parts.c.status == status)
         with self.engine.connect() as conn:
             return int(conn.execute(query).scalar_one())
 
+    def part_status(self, header: PartHeader) -> PartStatus | None:
+        """A stored part's status, failed openings and last error (None if not stored)."""
+        p = batch_parts.c
+        query = select(p.status, p.attempts, p.last_error).where(
+            p.batch_id == header.batch_id, p.part == header.part
+        )
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else PartStatus(row.status, int(row.attempts), row.last_error)
+
     def part_body(self, header: PartHeader) -> bytes | None:
-        """The signed body of a stored part, None once it is opened."""
+        """The signed body of a part waiting for the opener, None once opened or quarantined."""
         p = batch_parts.c
         query = select(p.body).where(
-            p.batch_id == header.batch_id, p.part == header.part, p.opened.is_(False)
+            p.batch_id == header.batch_id, p.part == header.part, p.status == STORED
         )
         with self.engine.connect() as conn:
             body = conn.execute(query).scalar_one_or_none()
         return None if body is None else bytes(body)
 
-    def fold_part(self, header: PartHeader, fold: Fold, merge: Merge, charge: Charge) -> bool:
+    def record_failure(self, header: PartHeader, error: str, quarantine_after: int) -> bool:
+        """Count one failed opening of a waiting part and keep its error; at
+        ``quarantine_after`` failures the part is quarantined (never opened again by itself,
+        never folded in). Returns True if this failure quarantined it."""
+        p = batch_parts.c
+        key = (p.batch_id == header.batch_id, p.part == header.part, p.status == STORED)
+        with self.engine.begin() as conn:
+            before = conn.execute(_locked(conn, select(p.attempts).where(*key))).scalar()
+            if before is None:
+                return False
+            attempts = int(before) + 1
+            quarantined = attempts >= quarantine_after
+            conn.execute(
+                update(batch_parts)
+                .where(*key)
+                .values(
+                    attempts=attempts,
+                    last_error=error[:ERROR_CHARS],
+                    status=QUARANTINED if quarantined else STORED,
+                )
+            )
+        return quarantined
+
+    def fold_part(
+        self, header: PartHeader, fold: Fold, merge: Merge, charge: Charge
+    ) -> Folded | None:
         """Fold an opened part into its batch's statistics and mark it opened, in one
         transaction; when it is the batch's last part, the batch joins its accumulator, gets
         its receipt and its epoch is recharged in the same transaction (so a batch counts once,
-        whole, or not at all). Returns False if the part was already opened.
+        whole, or not at all). Returns None if the part is no longer waiting (opened by
+        another opener, or quarantined).
 
         Raises:
             StorageConflictError: if concurrent writers kept colliding.
@@ -324,12 +433,15 @@ class AnalyzerStore:
 
     def incomplete(
         self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
-    ) -> dict[str, tuple[int, int]]:
-        """Batches in range with parts missing or not opened yet: ``batch_id`` → (parts
-        opened, parts)."""
+    ) -> dict[str, BatchProgress]:
+        """Batches in range with parts missing, not opened yet or quarantined: ``batch_id`` →
+        (parts opened, parts, parts quarantined)."""
         p = batch_parts.c
+        counted = (
+            func.sum(case((p.status == status, 1), else_=0)) for status in (OPENED, QUARANTINED)
+        )
         query = (
-            select(p.batch_id, p.parts, func.sum(cast(p.opened, Integer)))
+            select(p.batch_id, p.parts, *counted)
             .where(*_in_range(batch_parts, channel_id, crowd_id, epoch_from, epoch_to))
             .group_by(p.batch_id, p.parts)
         )
@@ -343,7 +455,11 @@ class AnalyzerStore:
                     )
                 )
             }
-        return {b: (int(o or 0), int(n)) for b, n, o in rows if b not in done}
+        return {
+            b: BatchProgress(int(o or 0), int(n), int(q or 0))
+            for b, n, o, q in rows
+            if b not in done
+        }
 
     def uncharged(self) -> list[tuple[str, str, int]]:
         """(channel, crowd, epoch) with accumulators but no ledger row (databases from before
@@ -457,6 +573,28 @@ class AnalyzerStore:
         return None if text is None else ReleaseBody.model_validate_json(text)
 
 
+def _stored_parts(conn: Connection, batch_id: str) -> list[PartHeader]:
+    p = batch_parts.c
+    query = select(*_HEADER).where(p.batch_id == batch_id).order_by(p.part)
+    return [PartHeader(*row) for row in conn.execute(query)]
+
+
+def _known(conn: Connection, header: PartHeader) -> bool:
+    """The part is stored, or its batch was accepted whole (before parts existed)."""
+    p, r = batch_parts.c, receipts.c
+    part = select(p.part).where(p.batch_id == header.batch_id, p.part == header.part)
+    whole = select(r.batch_id).where(r.batch_id == header.batch_id)
+    return any(conn.execute(q).first() is not None for q in (part, whole))
+
+
+def _lock_batch(conn: Connection, batch_id: str) -> None:
+    """PostgreSQL: a transaction-scoped advisory lock on the batch (its first part's row does
+    not exist yet, so a row lock cannot serve); SQLite has one writer at a time anyway."""
+    if conn.dialect.name == "postgresql":
+        key = db.lock_key(["analyzer-batch", batch_id])
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+
+
 _HEADER = tuple(
     batch_parts.c[name]
     for name in (
@@ -475,11 +613,11 @@ _HEADER = tuple(
 
 def _fold_part(
     conn: Connection, header: PartHeader, fold: Fold, merge: Merge, charge: Charge, now: float
-) -> bool:
+) -> Folded | None:
     p, o = batch_parts.c, open_batches.c
-    part_key = (p.batch_id == header.batch_id, p.part == header.part, p.opened.is_(False))
+    part_key = (p.batch_id == header.batch_id, p.part == header.part, p.status == STORED)
     if conn.execute(_locked(conn, select(p.part).where(*part_key))).first() is None:
-        return False
+        return None
     row = conn.execute(
         _locked(
             conn,
@@ -490,7 +628,7 @@ def _fold_part(
     ).first()
     state, invalid = fold(None if row is None else bytes(row.state))
     conn.execute(
-        update(batch_parts).where(*part_key).values(opened=True, body=None, invalid=invalid)
+        update(batch_parts).where(*part_key).values(status=OPENED, body=None, invalid=invalid)
     )
     opened = 1 + (0 if row is None else int(row.opened))
     fragments = header.n_fragments + (0 if row is None else int(row.n_fragments))
@@ -507,7 +645,7 @@ def _fold_part(
                 invalid=invalid,
             )
         )
-        return True
+        return Folded.PART
     receipt = BatchReceipt(
         header.batch_id,
         header.shuffler_id,
@@ -519,7 +657,7 @@ def _fold_part(
     )
     _complete(conn, receipt, invalid, merge(_accumulator(conn, receipt), state), now)
     _charge(conn, receipt, charge, now)
-    return True
+    return Folded.BATCH
 
 
 def _accumulator(conn: Connection, receipt: BatchReceipt) -> bytes | None:
@@ -586,8 +724,15 @@ def _received(
 
 def _charge(conn: Connection, receipt: BatchReceipt, charge: Charge, now: float) -> None:
     """Rewrite the epoch's ledger row from everything received in it (the crowds change as
-    batches arrive; the row is one per epoch, never one per batch or query)."""
+    batches arrive; the row is one per epoch, never one per batch or query).
+
+    The (channel, crowd, epoch) lock comes first and the read after it, in this transaction: a
+    concurrent writer of the same epoch (another analyzer process on PostgreSQL) waits here
+    until this one commits, then reads this batch too (READ COMMITTED reads what committed
+    before each statement), so the last rewrite always covers every batch of the epoch.
+    """
     epoch = receipt.epoch
+    _lock_epoch(conn, receipt.channel_id, receipt.crowd_id, epoch)
     received = _received(conn, receipt.channel_id, receipt.crowd_id, epoch, epoch)
     certificate = charge(received)
     if certificate is None:
@@ -611,6 +756,16 @@ def _charge(conn: Connection, receipt: BatchReceipt, charge: Charge, now: float)
         )
     else:
         conn.execute(update(epoch_charges).where(*key).values(**values))
+
+
+def _lock_epoch(conn: Connection, channel_id: str, crowd_id: str, epoch: int) -> None:
+    """PostgreSQL: a transaction-scoped advisory lock on the (channel, crowd, epoch) key (the
+    ``epoch_charges`` row may not exist yet, so a row lock cannot serve). SQLite: the
+    transaction already holds the database's single write lock (it wrote the part first)."""
+    if conn.dialect.name != "postgresql":
+        return
+    key = db.lock_key([channel_id, crowd_id, epoch])
+    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
 
 
 def _locked(conn: Connection, query: Select[Any]) -> Select[Any]:

@@ -3,16 +3,22 @@
 Everything an encoder or a shuffler draws goes through :class:`RandomSource`, so the randomness
 that protects users always comes from ``os.urandom`` (via :mod:`secrets`) unless a test passes
 a :class:`SeededSource` explicitly. Simulations of whole populations (``simulate_aggregate``)
-use numpy generators instead: they protect nobody.
+use numpy generators instead: they protect nobody. Bulk draws (:func:`bounded_integers`, the
+shuffle) take their bits from the source in one call and vectorise the arithmetic with numpy,
+never numpy's generators.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import secrets
 from collections.abc import MutableSequence
 from typing import Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 T = TypeVar("T")
 
@@ -41,6 +47,9 @@ class SystemSource:
     def randbelow(self, upper: int) -> int:
         return secrets.randbelow(upper)
 
+    def randbytes(self, n: int) -> bytes:
+        return os.urandom(n)
+
 
 class SeededSource:
     """Deterministic source for tests and reproducible simulations. Never for real devices."""
@@ -53,6 +62,9 @@ class SeededSource:
 
     def randbelow(self, upper: int) -> int:
         return self._random.randrange(upper)
+
+    def randbytes(self, n: int) -> bytes:
+        return self._random.randbytes(n)
 
 
 def default_source() -> RandomSource:
@@ -75,8 +87,59 @@ def laplace(rng: RandomSource, scale: float) -> float:
     return scale * (math.log(uniform_open(rng)) - math.log(uniform_open(rng)))
 
 
+def random_bytes(rng: RandomSource, n: int) -> bytes:
+    """``n`` uniform bytes from ``rng``: its ``randbytes`` when it has one (both built-in
+    sources: one ``os.urandom`` call for the OS CSPRNG), else one uniform integer below
+    ``256**n``."""
+    randbytes = getattr(rng, "randbytes", None)
+    if randbytes is not None:
+        return bytes(randbytes(n))
+    return rng.randbelow(1 << (8 * n)).to_bytes(n, "little")
+
+
+def bounded_integers(rng: RandomSource, bounds: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """One independent uniform integer in ``[0, bounds[i])`` per bound, exactly (no modulo bias).
+
+    Rejection sampling on 64-bit words (Lemire's threshold): ``r mod b`` is uniform when ``r``
+    is uniform on ``[t, 2**64)`` with ``t = 2**64 mod b``, a range whose length is a multiple
+    of ``b``; words below ``t`` (probability < b / 2**64) are drawn again.
+
+    Raises:
+        ValueError: if a bound is 0.
+    """
+    bounds = np.asarray(bounds, dtype=np.uint64)
+    if bounds.size and int(bounds.min()) < 1:
+        raise ValueError(f"bounds must be >= 1, got min(bounds)={int(bounds.min())}")
+    thresholds = (np.uint64(0) - bounds) % bounds  # 2**64 mod b, in wrapping uint64
+    out = np.empty(bounds.shape, dtype=np.uint64)
+    todo = np.arange(bounds.size)
+    while todo.size:
+        words = np.frombuffer(random_bytes(rng, 8 * todo.size), dtype="<u8").astype(np.uint64)
+        good = words >= thresholds[todo]
+        out[todo[good]] = words[good] % bounds[todo[good]]
+        todo = todo[~good]
+    return out
+
+
+def uniform_integers(rng: RandomSource, upper: int, count: int) -> npt.NDArray[np.int64]:
+    """``count`` independent uniform integers in ``[0, upper)`` (exact, see
+    :func:`bounded_integers`).
+
+    Raises:
+        ValueError: if ``upper`` is not in [1, 2**63] or ``count`` < 0.
+    """
+    if not 1 <= upper <= 1 << 63 or count < 0:
+        raise ValueError(f"need 1 <= upper <= 2**63 and count >= 0, got {upper=}, {count=}")
+    return bounded_integers(rng, np.full(count, upper, dtype=np.uint64)).astype(np.int64)
+
+
 def shuffle(rng: RandomSource, items: MutableSequence[T]) -> None:
-    """In-place Fisher–Yates with ``rng.randbelow`` (never numpy's or ``random``'s default)."""
-    for i in range(len(items) - 1, 0, -1):
-        j = rng.randbelow(i + 1)
+    """In-place Fisher–Yates (Knuth's Algorithm P): position ``i`` swaps with a uniform
+    ``j <= i``, every ``j`` drawn from ``rng`` in one batch (never numpy's or ``random``'s
+    generators), so all ``len(items)!`` orders are equally likely."""
+    size = len(items)
+    if size < 2:
+        return
+    draws = bounded_integers(rng, np.arange(size, 1, -1, dtype=np.uint64)).tolist()
+    for i, j in zip(range(size - 1, 0, -1), draws, strict=True):
         items[i], items[j] = items[j], items[i]

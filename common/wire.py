@@ -13,9 +13,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 IDENTIFIER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
-#: Largest epoch, count or bin index accepted anywhere: fits a signed 64-bit column on every
-#: database with room to spare (2^62), so a huge number is a 400, never a storage error.
-MAX_INT = 2**62
+#: Largest epoch, count or bin index accepted anywhere: JSON's largest safe integer (I-JSON,
+#: RFC 7493 §2.2: every parser reads it exactly, so the OpenAPI ``maximum`` means what it says),
+#: and it fits a signed 64-bit column on every database; a larger number is a 400, never a
+#: storage error.
+MAX_INT = 2**53 - 1
+#: A crowd id (PROTOCOL.md, "Crowds"): empty (the channel's one natural crowd) or a lower-case
+#: identifier; a channel declares at most :data:`MAX_CROWDS` of them.
+CROWD = re.compile(r"^(?:[a-z0-9][a-z0-9_.-]{0,63})?$")
+MAX_CROWDS = 64
 
 
 def b64(data: bytes) -> str:
@@ -33,7 +39,7 @@ def unb64(text: str) -> bytes:
 
 
 def _identifier(value: str, what: str) -> str:
-    if not IDENTIFIER.match(value):
+    if not IDENTIFIER.fullmatch(value):
         raise ValueError(f"{what} must match {IDENTIFIER.pattern}, got {value!r}")
     return value
 
@@ -66,7 +72,14 @@ class ChannelPolicy(BaseModel):
         min_crowd: Batches below this many contributions are never released.
         eps_cr, delta_cr: Randomized report deletion parameters (Theorem V.1).
         max_fragments: Most fragments one contribution may carry.
-        max_batch: Contributions per batch before a group is evaluated early.
+        crowds: The declared crowds (ESA-revisited §V's natural crowds) a contribution may name
+            as its ``crowd_id``: 1 to :data:`MAX_CROWDS` distinct ids, each empty or matching
+            :data:`CROWD`; the default is the one unnamed crowd ``""``. Shufflers refuse any
+            other crowd (``400 unknown_crowd``); the SDK uses the first unless told otherwise.
+
+    A group is evaluated only when its epoch closes, whole (PROTOCOL.md: never split a group by
+    arrival). The ``max_batch`` key of configs signed before issue 11 (evaluate early at that
+    many contributions) is accepted and ignored, so such a saved signed config still verifies.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -77,18 +90,29 @@ class ChannelPolicy(BaseModel):
     eps_cr: float = Field(0.5, gt=0)
     delta_cr: float = Field(1e-9, gt=0, lt=1)
     max_fragments: int = Field(64, ge=1, le=65535)
-    max_batch: int = Field(1_000_000, ge=1)
+    crowds: tuple[str, ...] = Field(("",), min_length=1, max_length=MAX_CROWDS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_max_batch(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_batch" in data:
+            return {k: v for k, v in data.items() if k != "max_batch"}
+        return data
 
     @field_validator("id")
     @classmethod
     def _check_id(cls, value: str) -> str:
         return _identifier(value, "channel id")
 
-    @model_validator(mode="after")
-    def _check_batch(self) -> ChannelPolicy:
-        if self.max_batch < self.min_crowd:
-            raise ValueError(f"max_batch={self.max_batch} must be >= min_crowd={self.min_crowd}")
-        return self
+    @field_validator("crowds")
+    @classmethod
+    def _check_crowds(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for crowd in value:
+            if not CROWD.fullmatch(crowd):
+                raise ValueError(f"crowd ids must match {CROWD.pattern}, got {crowd[:80]!r}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"crowd ids must be distinct, got {list(value)}")
+        return value
 
 
 class DeviceBudget(BaseModel):
@@ -181,9 +205,9 @@ class Batch(BaseModel):
     batch_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     part: int = Field(0, ge=0)
     parts: int = Field(1, ge=1)
-    shuffler_id: str
-    channel_id: str
-    crowd_id: str
+    shuffler_id: str = Field(pattern=IDENTIFIER.pattern)
+    channel_id: str = Field(pattern=IDENTIFIER.pattern)
+    crowd_id: str = Field(pattern=CROWD.pattern)
     epoch: int = Field(ge=0, le=MAX_INT)
     n_contributions: int = Field(ge=0, le=MAX_INT)
     fragments: list[str]
@@ -270,6 +294,14 @@ class CloseRequest(BaseModel):
 
     channel_id: str
     epoch: int = Field(ge=0, le=MAX_INT)
+
+    @field_validator("epoch", mode="before")
+    @classmethod
+    def _json_integer(cls, value: Any) -> Any:
+        # JSON Schema's integer (what the OpenAPI says): 7 or 7.0, never false or "7".
+        if isinstance(value, bool | str):
+            raise ValueError("must be an integer")
+        return value
 
 
 class CloseResult(BaseModel):
@@ -379,6 +411,9 @@ class LedgerRow(BaseModel):
     crowds: dict[str, int]
     batches: int
     charged_at: float
+    #: How the epoch enters the lifetime: the mechanism's dominating pair at ``n``, or its
+    #: (ε, δ) certificate (mechanisms without a pair: Balcer–Cheu, report fragments).
+    composed_as: Literal["pair", "certificate"] = "certificate"
 
 
 class PublishedRelease(BaseModel):
@@ -423,15 +458,44 @@ class Lifetime(BaseModel):
     note: str
 
 
+class BudgetLimit(BaseModel):
+    """One local-ε cap of the signed config (:class:`DeviceBudget`) against what one device
+    that reported in every epoch so far has charged to it (the SDK's rule; null: unbounded)."""
+
+    scope: Literal["channel", "device"]
+    span: Literal["lifetime", "window"]
+    eps: float
+    window_seconds: int | None = None
+    spent: float | None
+    left: float
+    exhausted: bool
+
+
+class BudgetInUse(BaseModel):
+    """The device-side budget in use: local ε per report (replacement notion; across channels
+    the largest), reports of a device in every epoch so far, their total (basic composition, as
+    the SDK charges) and the caps they count against (a window cap: the most spent in any one
+    window). Null ε: no local privacy (reports that reveal the value, e.g. Balcer–Cheu)."""
+
+    local_eps: float | None
+    reports: int
+    spent: float | None
+    limits: list[BudgetLimit]
+    note: str
+
+
 class Ledger(BaseModel):
     """``GET /v1/channels/{id}/privacy``: each epoch's certificate, the lifetime of a device in
-    every epoch so far (null before any epoch is charged) and the releases published."""
+    every epoch so far (null before any epoch is charged), the same as an add/remove statement
+    with randomized deletion, the device-side budget in use and the releases published."""
 
     channel_id: str
     epochs: list[LedgerRow]
     lifetime: Lifetime | None
     releases: list[PublishedRelease]
     note: str
+    with_randomized_deletion: Lifetime | None = None
+    device_budget: BudgetInUse | None = None
 
 
 class PrivacyOverview(BaseModel):
@@ -442,6 +506,8 @@ class PrivacyOverview(BaseModel):
     epochs: int
     lifetime: Lifetime | None
     note: str
+    with_randomized_deletion: Lifetime | None = None
+    device_budget: BudgetInUse | None = None
 
 
 class ChannelSummary(ChannelConfig):

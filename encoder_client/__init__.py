@@ -4,6 +4,10 @@
     client.histogram("homepage").report(42)
     client.flush()
 
+A channel's signed config declares its crowds (``ChannelConfig.crowds``, ESA-revisited §V's
+natural crowds); a device reports in the first one unless it names another, per client
+(``Client(..., crowd="eu")``) or per reporter (``client.histogram("homepage", crowd="eu")``).
+
 Values are encoded with the channel's LDP mechanism (OS CSPRNG), each fragment sealed for the
 analyzer and each contribution for one shuffler, queued in a persistent outbox and delivered in
 the background. Catch :class:`EsaError` for every SDK error.
@@ -16,7 +20,11 @@ from encoder_client._errors import (
     ChannelError,
     ConfigError,
     EsaError,
+    InvalidArgumentError,
     StateError,
+    StateFileError,
+    TrustedKeyError,
+    UnknownCrowdError,
     ValueOutOfDomainError,
 )
 
@@ -28,7 +36,11 @@ __all__ = [
     "ConfigError",
     "EsaError",
     "HistogramReporter",
+    "InvalidArgumentError",
     "LongitudinalReporter",
     "StateError",
+    "StateFileError",
+    "TrustedKeyError",
+    "UnknownCrowdError",
     "ValueOutOfDomainError",
 ]

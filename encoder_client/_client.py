@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import functools
 import json
 import logging
 import secrets
+import sqlite3
 import ssl
 import threading
 import time
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from common.collection import CollectionConfigError, verify_config
 from common.envelope import (
@@ -48,7 +52,11 @@ from encoder_client._errors import (
     AlreadyReportedError,
     ChannelError,
     ConfigError,
+    InvalidArgumentError,
     StateError,
+    StateFileError,
+    TrustedKeyError,
+    UnknownCrowdError,
     ValueOutOfDomainError,
 )
 from encoder_client._state import Charge, DeviceState, Limit, OutboxItem
@@ -70,6 +78,100 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certifi.where())
 
 
+def _trusted_key(key: object) -> Ed25519PublicKey:
+    """The pinned analyzer key: 32 raw bytes, or their standard base64 (surrounding
+    whitespace, such as the newline ending ``var/analyzer.pub``, is ignored).
+
+    Raises:
+        TrustedKeyError: naming the value that is not such a key.
+    """
+    if isinstance(key, str):
+        text = key.strip()
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as error:
+            raise TrustedKeyError(
+                f"trusted_key {shown!r} is not base64 ({error}); pin the analyzer's key, "
+                "e.g. the content of var/analyzer.pub written by `esa up`"
+            ) from error
+    elif isinstance(key, bytes | bytearray):
+        raw, shown = bytes(key), f"{len(key)} raw bytes"
+    else:
+        raise TrustedKeyError(f"trusted_key must be base64 text or bytes, not {key!r}")
+    if len(raw) != 32:
+        raise TrustedKeyError(
+            f"trusted_key {shown!r} is {len(raw)} bytes; an Ed25519 public key is 32"
+        )
+    try:
+        return load_ed25519_public(raw)
+    except ValueError as error:
+        raise TrustedKeyError(f"trusted_key {shown!r} is not an Ed25519 key: {error}") from error
+
+
+def _read_config_file(path: object) -> Any:
+    """The JSON document in a saved config file.
+
+    Raises:
+        ConfigError: naming the file and why it cannot be read or parsed.
+    """
+    try:
+        return json.loads(Path(path).read_text())  # type: ignore[arg-type]
+    except TypeError as error:
+        raise ConfigError(f"config_file must be a path, not {path!r}") from error
+    except OSError as error:
+        raise ConfigError(f"config_file {str(path)!r} cannot be read: {error}") from error
+    except ValueError as error:
+        raise ConfigError(f"config_file {str(path)!r} is not JSON: {error}") from error
+
+
+def _recipient_keys(
+    config: CollectionConfig,
+) -> tuple[X25519PublicKey, dict[str, X25519PublicKey]]:
+    """The analyzer's current HPKE key and every shuffler's, decoded once.
+
+    Raises:
+        ConfigError: the (verified) config lists no shuffler or holds an unusable key.
+    """
+    if not config.shufflers:
+        raise ConfigError("the collection config lists no shuffler to report to")
+    try:
+        analyzer = load_x25519_public(base64.b64decode(config.analyzer.keys[0].public_key))
+        shufflers = {
+            s.id: load_x25519_public(base64.b64decode(s.public_key)) for s in config.shufflers
+        }
+    except (IndexError, ValueError) as error:
+        raise ConfigError(f"the collection config holds no usable HPKE key: {error}") from error
+    return analyzer, shufflers
+
+
+def _state_path(path: object) -> Path:
+    if not isinstance(path, str | Path) or not str(path):
+        raise InvalidArgumentError(f"state_path must be a file path, not {path!r}")
+    return Path(path)
+
+
+def _check_arguments(
+    timeout: float, interval: float, weights: dict[str, float] | None, crowd: object
+) -> None:
+    """Refuse arguments that would fail later, far from the call.
+
+    Raises:
+        InvalidArgumentError: naming the argument and its value.
+    """
+    for name, value in (("timeout", timeout), ("flush_interval", interval)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise InvalidArgumentError(f"{name} must be a positive number of seconds: {value!r}")
+    if weights is not None:
+        bad = {k: w for k, w in weights.items() if not (isinstance(w, int | float) and w >= 0)}
+        if bad or not any(w > 0 for w in weights.values()):
+            raise InvalidArgumentError(
+                f"weights must be non-negative numbers, at least one positive: {weights!r}"
+            )
+    if crowd is not None and not isinstance(crowd, str):
+        raise InvalidArgumentError(f"crowd must be a string, not {crowd!r}")
+
+
 class Client:
     """An ESA client for one device.
 
@@ -82,11 +184,18 @@ class Client:
         background: Deliver the outbox from a background thread (``flush()`` always works).
         flush_interval: Seconds between background delivery attempts.
         weights: Relative trust in each shuffler id for routing (default: uniform).
+        crowd: The crowd this device reports in on every channel (each channel's signed config
+            declares its crowds; a reporter refuses a crowd its channel does not declare with
+            :class:`UnknownCrowdError`). Default: each channel's first declared crowd.
         timeout: HTTP timeout in seconds.
         clock: Time source (tests).
 
     Raises:
-        ConfigError: unreachable, unsigned, mis-signed, tampered or expired config.
+        ConfigError: a malformed URL, a network error or bad answer, an unreadable file; an
+            unsigned, mis-signed, tampered or expired config (the message names the source).
+        TrustedKeyError: ``trusted_key`` is not 32 bytes or their base64.
+        StateFileError: ``state_path`` cannot be opened, created or written.
+        InvalidArgumentError: a non-positive timeout or interval, unusable weights.
     """
 
     def __init__(
@@ -99,19 +208,25 @@ class Client:
         background: bool = True,
         flush_interval: float = 5.0,
         weights: dict[str, float] | None = None,
+        crowd: str | None = None,
         timeout: float = 10.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        _check_arguments(timeout, flush_interval, weights, crowd)
         self._clock = clock
+        pinned = _trusted_key(trusted_key)
         self._http = httpx.Client(timeout=timeout, verify=_tls_context())
-        self._config = self._load_config(config_url, config_file, trusted_key)
+        try:
+            self._config = self._load_config(config_url, config_file, pinned)
+            self._analyzer_key, self._shuffler_keys = _recipient_keys(self._config)
+            self.state = DeviceState(_state_path(state_path))
+        except BaseException:
+            self._http.close()
+            raise
         self._channels = {c.id: c for c in self._config.channels}
         self._shufflers = list(self._config.shufflers)
-        self._analyzer_key = load_x25519_public(
-            base64.b64decode(self._config.analyzer.keys[0].public_key)
-        )
         self._weights = weights
-        self.state = DeviceState(Path(state_path))
+        self._crowd = crowd
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,19 +237,55 @@ class Client:
     # --- config ---------------------------------------------------------------------------
 
     def _load_config(
-        self, url: str | None, path: Path | str | None, key: bytes | str
+        self, url: str | None, path: Path | str | None, key: Ed25519PublicKey
     ) -> CollectionConfig:
-        raw_key = base64.b64decode(key) if isinstance(key, str) else key
+        """The signed config from ``path`` or ``url``, verified with the pinned ``key``.
+
+        Raises:
+            ConfigError: naming the file or URL and what is wrong with it.
+        """
+        if path is not None:
+            source, document = f"config_file {str(path)!r}", _read_config_file(path)
+        elif url is not None:
+            source, document = f"config_url {url!r}", self._fetch_config(url)
+        else:
+            raise ConfigError("give config_url or config_file")
         try:
-            if path is not None:
-                document = json.loads(Path(path).read_text())
-            elif url is not None:
-                document = self._http.get(url).raise_for_status().json()
-            else:
-                raise ConfigError("give config_url or config_file")
-            return verify_config(document, load_ed25519_public(raw_key), self._clock())
-        except (CollectionConfigError, httpx.HTTPError, OSError, ValueError) as error:
-            raise ConfigError(f"collection config refused: {error}") from error
+            if not isinstance(document, dict):
+                raise CollectionConfigError(f"not a JSON object but {type(document).__name__}")
+            return verify_config(document, key, self._clock())
+        except (CollectionConfigError, ValueError, TypeError) as error:
+            raise ConfigError(f"collection config from {source} refused: {error}") from error
+
+    def _fetch_config(self, url: object) -> Any:
+        """GET the config document from ``url`` (http or https).
+
+        Raises:
+            ConfigError: a malformed URL, a network error, a non-200 or non-JSON answer.
+        """
+        if not isinstance(url, str):
+            raise ConfigError(f"config_url must be a string URL, not {url!r}")
+        try:
+            parsed = httpx.URL(url)
+        except (httpx.InvalidURL, TypeError, ValueError) as error:
+            raise ConfigError(f"config_url {url!r} is not a URL: {error}") from error
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ConfigError(f"config_url {url!r} is not an http:// or https:// URL")
+        try:
+            response = self._http.get(url)
+        except httpx.HTTPError as error:
+            kind = type(error).__name__
+            raise ConfigError(f"cannot fetch config_url {url!r}: {kind}: {error}") from error
+        if response.status_code != 200:
+            raise ConfigError(
+                f"config_url {url!r} answered HTTP {response.status_code}: {response.text[:200]!r}"
+            )
+        try:
+            return response.json()
+        except ValueError as error:
+            raise ConfigError(
+                f"config_url {url!r} did not answer JSON: {response.text[:80]!r}"
+            ) from error
 
     @property
     def device_id(self) -> str:
@@ -152,22 +303,41 @@ class Client:
             raise ChannelError(f"channel {channel_id!r} is not in the collection config")
         return config
 
+    def crowd(self, channel_id: str, crowd: str | None = None) -> str:
+        """The crowd this device reports in on ``channel_id``: ``crowd``, else the client's,
+        else the channel's first declared crowd (PROTOCOL.md, "Crowds").
+
+        Raises:
+            ChannelError: unknown channel.
+            UnknownCrowdError: a crowd the channel's signed config does not declare.
+        """
+        config = self.channel(channel_id)
+        chosen = crowd if crowd is not None else self._crowd
+        if chosen is None:
+            return config.crowds[0]
+        if chosen not in config.crowds:
+            raise UnknownCrowdError(
+                f"crowd {chosen[:80]!r} is not declared for channel {channel_id!r} "
+                f"(declared: {', '.join(map(repr, config.crowds))})"
+            )
+        return chosen
+
     # --- reporters ------------------------------------------------------------------------
 
-    def histogram(self, channel_id: str) -> HistogramReporter:
+    def histogram(self, channel_id: str, crowd: str | None = None) -> HistogramReporter:
         """Reporter for a channel whose reports are a value in a domain (k-RAPPOR, report
-        fragments, k-RR, Balcer–Cheu...)."""
+        fragments, k-RR, Balcer–Cheu...), in ``crowd`` (see :meth:`crowd`)."""
         config, mechanism = self._kind(channel_id, ValueKind.CATEGORY)
-        return HistogramReporter(self, config, mechanism)
+        return HistogramReporter(self, config, mechanism, self.crowd(channel_id, crowd))
 
-    def counts(self, channel_id: str) -> HistogramReporter:
+    def counts(self, channel_id: str, crowd: str | None = None) -> HistogramReporter:
         """Reporter for Balcer–Cheu zero-sum histogram channels (same as :meth:`histogram`)."""
-        return self.histogram(channel_id)
+        return self.histogram(channel_id, crowd)
 
-    def longitudinal(self, channel_id: str) -> LongitudinalReporter:
-        """Reporter for channels that follow a 0/1 state over periods."""
+    def longitudinal(self, channel_id: str, crowd: str | None = None) -> LongitudinalReporter:
+        """Reporter for channels that follow a 0/1 state over periods, in ``crowd``."""
         config, mechanism = self._kind(channel_id, ValueKind.STATE)
-        return LongitudinalReporter(self, config, mechanism)
+        return LongitudinalReporter(self, config, mechanism, self.crowd(channel_id, crowd))
 
     def _kind(self, channel_id: str, kind: ValueKind) -> tuple[ChannelConfig, Mechanism[Any, Any]]:
         config = self.channel(channel_id)
@@ -203,13 +373,18 @@ class Client:
         return self._shufflers[-1]
 
     def _seal(
-        self, config: ChannelConfig, epoch: int, shuffler: ShufflerInfo, fragments: list[bytes]
+        self,
+        config: ChannelConfig,
+        crowd: str,
+        epoch: int,
+        shuffler: ShufflerInfo,
+        fragments: list[bytes],
     ) -> tuple[str, bytes]:
         sealed = tuple(
             seal_fragment(f, config.id, config.payload_size, self._analyzer_key) for f in fragments
         )
-        contribution = Contribution(config.id, "", epoch, new_nonce(), sealed)
-        key = load_x25519_public(base64.b64decode(shuffler.public_key))
+        contribution = Contribution(config.id, crowd, epoch, new_nonce(), sealed)
+        key = self._shuffler_keys[shuffler.id]
         return shuffler.id, seal_contribution(contribution, shuffler.id, key)
 
     def _queue(
@@ -244,10 +419,18 @@ class Client:
     # --- delivery -------------------------------------------------------------------------
 
     def flush(self) -> int:
-        """Try to deliver every due contribution now; returns how many were delivered."""
+        """Try to deliver every due contribution now; returns how many were delivered
+        (network errors and refusals are retried later, never raised).
+
+        Raises:
+            StateFileError: the state file can no longer be read or written.
+        """
         delivered = 0
-        for item in self.state.due(self._clock()):
-            delivered += self._deliver(item)
+        try:
+            for item in self.state.due(self._clock()):
+                delivered += self._deliver(item)
+        except sqlite3.Error as error:
+            raise StateFileError(f"device state file {self.state.path}: {error}") from error
         return delivered
 
     def _deliver(self, item: OutboxItem) -> int:
@@ -266,7 +449,7 @@ class Client:
                     "Content-Type": "application/octet-stream",
                 },
             )
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):  # network, or an enrolment answer we cannot use
             self._backoff(item)
             return 0
         if response.status_code in (202, 409):  # 409: already stored (a lost 202) — done
@@ -284,7 +467,7 @@ class Client:
                 extra={
                     "shuffler": shuffler.id,
                     "status": response.status_code,
-                    "error": response.json().get("error"),
+                    "error": _error_code(response),
                 },
             )
             self.state.delivered(item.id)
@@ -329,6 +512,15 @@ class Client:
         self.close()
 
 
+def _error_code(response: httpx.Response) -> str | None:
+    """The ``error`` of a JSON error body, None for any other body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return str(body.get("error")) if isinstance(body, dict) else None
+
+
 def _limits(scope: str | None, budget: DeviceBudget, epoch_start: float) -> list[Limit]:
     """The caps of one budget for a report of the epoch that starts at ``epoch_start``."""
     limits = []
@@ -341,37 +533,61 @@ def _limits(scope: str | None, budget: DeviceBudget, epoch_start: float) -> list
 
 
 class Reporter:
-    """Reports on one channel through its mechanism (one contribution per epoch)."""
+    """Reports on one channel, in one of its declared crowds, through its mechanism (one
+    contribution per epoch, whatever the crowd: PROTOCOL.md's quota)."""
 
-    def __init__(self, client: Client, config: ChannelConfig, mechanism: Mechanism[Any, Any]):
+    def __init__(
+        self,
+        client: Client,
+        config: ChannelConfig,
+        mechanism: Mechanism[Any, Any],
+        crowd: str = "",
+    ) -> None:
         self._client = client
         self._config = config
         self._mechanism = mechanism
+        self.crowd = crowd
         try:
             self._params = mechanism.parse_params(config.params)
         except (TypeError, ValueError) as error:
             raise ChannelError(f"channel {config.id!r} does not validate: {error}") from error
 
     def _submit(self, value: Any) -> None:
-        """Encode ``value`` with the channel's mechanism, seal and queue it with the state."""
+        """Encode ``value`` with the channel's mechanism, seal and queue it with the state.
+
+        Raises:
+            StateFileError: the state file can no longer be read or written.
+        """
+        try:
+            self._commit(self._encode(value))
+        except sqlite3.Error as error:
+            path = self._client.state.path
+            raise StateFileError(f"device state file {path}: {error}") from error
+
+    def _encode(self, value: Any) -> Any:
+        """The mechanism's encoding of ``value`` with this device's saved state."""
         client, config, mechanism = self._client, self._config, self._mechanism
         saved = client.state.channel_state(config.id, mechanism.name)
         try:
             state = saved if saved is not None else mechanism.new_state(self._params, _RNG)
-            encoded = mechanism.encode(self._params, value, state, _RNG, len(client._shufflers))
+            return mechanism.encode(self._params, value, state, _RNG, len(client._shufflers))
         except StaleUpdateError as error:
             raise AlreadyReportedError(str(error)) from error
         except StateConflictError as error:
             raise StateError(str(error)) from error
-        except MechanismError as error:
-            raise ValueOutOfDomainError(str(error)) from error
+        except (MechanismError, TypeError) as error:  # TypeError: e.g. a str for an int
+            raise ValueOutOfDomainError(f"{value!r}: {error}") from error
+
+    def _commit(self, encoded: Any) -> None:
+        """Seal the encoded report's routes and queue them with the state in one transaction."""
+        client, config, mechanism = self._client, self._config, self._mechanism
         if not encoded.routes:
             if encoded.state is not None:
                 client.state.save_state(config.id, mechanism.name, encoded.state)
             return
         epoch = client._epoch(config)
         outbox = [
-            client._seal(config, epoch, client._route(slot), list(fragments))
+            client._seal(config, self.crowd, epoch, client._route(slot), list(fragments))
             for slot, fragments in encoded.routes
         ]
         charge = client._charge(config, epoch, mechanism.local_privacy(self._params).replacement)

@@ -1,12 +1,19 @@
 """The SDK's exceptions. Catch :class:`EsaError` to catch them all::
 
 EsaError
-├── ConfigError            unsigned, mis-signed, tampered, expired or unreachable config
+├── ConfigError            unsigned, mis-signed, tampered, expired or unreachable config,
+│   │                      a malformed config URL, a bad answer from the analyzer
+│   └── TrustedKeyError    the pinned key is not base64 of 32 bytes (also a ValueError)
 ├── ChannelError           unknown channel, or a reporter of the wrong kind for it
+│   └── UnknownCrowdError  a crowd the channel's signed config does not declare
 ├── ValueOutOfDomainError  a value the channel cannot encode (also a ValueError)
 ├── AlreadyReportedError   a second report on a channel in the same epoch
 ├── StateError             the device state cannot be used for this channel
-└── BudgetExceededError    the report would spend more local ε than the device budget allows
+│   └── StateFileError     the state file cannot be opened, created or written
+├── BudgetExceededError    the report would spend more local ε than the device budget allows
+└── InvalidArgumentError   an argument the SDK cannot use (also a ValueError)
+
+Every message names the bad value (a key, URL, path or argument).
 """
 
 from __future__ import annotations
@@ -20,8 +27,17 @@ class ConfigError(EsaError):
     """The collection config cannot be trusted or fetched."""
 
 
+class TrustedKeyError(ConfigError, ValueError):
+    """The pinned analyzer key is not an Ed25519 public key (32 raw bytes or their base64)."""
+
+
 class ChannelError(EsaError):
     """Unknown channel, or a reporter of the wrong kind for it."""
+
+
+class UnknownCrowdError(ChannelError):
+    """A crowd that the channel's signed config does not declare (``ChannelConfig.crowds``);
+    shufflers would refuse the contribution (``400 unknown_crowd``)."""
 
 
 class ValueOutOfDomainError(EsaError, ValueError):
@@ -36,5 +52,14 @@ class StateError(EsaError):
     """The device state cannot be used for this channel (e.g. drawn for other parameters)."""
 
 
+class StateFileError(StateError):
+    """The device state file cannot be opened, created or written (a directory, a read-only
+    file or folder, a missing drive, a lock held too long); the message names the path."""
+
+
 class BudgetExceededError(EsaError):
     """The report would take this device past a local-ε budget of the signed config."""
+
+
+class InvalidArgumentError(EsaError, ValueError):
+    """An argument the SDK cannot use (a non-positive timeout, negative routing weights...)."""

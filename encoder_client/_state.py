@@ -10,8 +10,10 @@ backstops), never a silent mix of old and new randomness.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import secrets
 import sqlite3
 import threading
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from encoder_client._errors import BudgetExceededError, StateError
+from encoder_client._errors import BudgetExceededError, StateError, StateFileError
 
 log = logging.getLogger("esa.client")
 #: Relative slack when comparing spend with a budget, so that a budget of exactly k reports'
@@ -79,6 +81,28 @@ class OutboxItem:
     attempts: int
 
 
+def _check_writable(path: Path) -> None:
+    """The state file can be created and written: a regular file (or none yet) in a folder
+    we can write (SQLite also writes ``-wal`` and ``-shm`` files next to it).
+
+    Raises:
+        StateFileError: naming the path and the reason.
+    """
+    try:
+        if path.parent.exists() and not path.parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{path.parent.name} is not a folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and not path.is_file():
+            raise IsADirectoryError(errno.EISDIR, "not a regular file")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.close(fd)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(errno.EACCES, "its folder is not writable")
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise StateFileError(f"device state file {path} cannot be used: {reason}") from error
+
+
 class DeviceState:
     """The SDK's persistent state; one instance per state file, safe across threads."""
 
@@ -89,36 +113,58 @@ class DeviceState:
         self._db = self._open()
 
     def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Open (or create) the file; reset it only when its content is not a usable database.
+
+        Raises:
+            StateFileError: the path cannot be opened, created or written (a directory, a
+                read-only file or folder, a lock held by another process): nothing is moved.
+        """
+        _check_writable(self.path)
         try:
-            db = self._connect()
-            if db.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
-                raise sqlite3.DatabaseError("integrity check failed")
-            db.executescript(SCHEMA)
-            if db.execute("SELECT count(*) FROM identity").fetchone()[0] == 0:
-                if db.execute("SELECT count(*) FROM channel_state").fetchone()[0]:
-                    raise sqlite3.DatabaseError("channel state without a device identity")
-                db.execute(
-                    "INSERT INTO identity VALUES (?, ?)", (secrets.token_hex(16), time.time())
-                )
-            return db
-        except sqlite3.DatabaseError as error:
+            return self._initialise(self._connect())
+        except sqlite3.OperationalError as error:  # cannot open, read-only, locked: not corrupt
+            raise StateFileError(f"device state file {self.path}: {error}") from error
+        except sqlite3.DatabaseError as error:  # not a database, malformed, failed the check
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             log.warning(
                 "device state unusable; starting as a new device",
                 extra={"moved_to": str(aside), "reason": str(error)},
             )
-            self.path.replace(aside)
-            self.was_reset = True
-            db = self._connect()
-            db.executescript(SCHEMA)
+            try:
+                self.path.replace(aside)
+                self.was_reset = True
+                return self._initialise(self._connect())
+            except (OSError, sqlite3.Error) as again:
+                raise StateFileError(f"device state file {self.path}: {again}") from again
+
+    def _initialise(self, db: sqlite3.Connection) -> sqlite3.Connection:
+        """Check integrity, create the tables and the identity of a new device (``db`` is
+        closed if any of it fails)."""
+        try:
+            self._create(db)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    @staticmethod
+    def _create(db: sqlite3.Connection) -> None:
+        if db.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
+            raise sqlite3.DatabaseError("integrity check failed")
+        db.executescript(SCHEMA)
+        if db.execute("SELECT count(*) FROM identity").fetchone()[0] == 0:
+            if db.execute("SELECT count(*) FROM channel_state").fetchone()[0]:
+                raise sqlite3.DatabaseError("channel state without a device identity")
             db.execute("INSERT INTO identity VALUES (?, ?)", (secrets.token_hex(16), time.time()))
-            return db
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+        except BaseException:
+            db.close()
+            raise
         return db
 
     @property

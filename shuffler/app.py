@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -20,7 +21,12 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from services.runtime import db, logs
-from services.runtime.http import ERROR_RESPONSES, add_operational_routes, install_error_handlers
+from services.runtime.http import (
+    add_operational_routes,
+    document_errors,
+    install_error_handlers,
+)
+from services.runtime.server import HEAD_LIMIT
 from shuffler import routes
 from shuffler.ingest import CommitQueue, Ingest, IngestFastPath
 from shuffler.metrics import ShufflerCollector
@@ -28,6 +34,15 @@ from shuffler.service import ShufflerService, build_service
 from shuffler.settings import ShufflerSettings
 
 log = logging.getLogger("esa.shuffler")
+#: The OpenAPI description: the answers that no single route gives.
+DESCRIPTION = (
+    'Every answer other than 2xx is JSON `{"error": code, "detail": sentence}`. Besides the '
+    "statuses each operation lists, the server itself answers before routing: 400 "
+    "`malformed_http` to a request that is not valid HTTP/1.1 (framing such as "
+    f"`Content-Length: -1`), 431 `head_too_large` to a request line and headers over {HEAD_LIMIT} "
+    "bytes (both close the connection), 404 `not_found` to an unknown path and 405 "
+    "`method_not_allowed` (with `Allow`) to a method a path does not serve."
+)
 MIGRATIONS = Path(__file__).parent / "migrations"
 #: Seconds between retention purges (retention itself is days; a minute bounds the overshoot).
 RETENTION_INTERVAL = 60.0
@@ -104,12 +119,13 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
     http = httpx.Client(timeout=ANALYZER_TIMEOUT)
     app = FastAPI(
         title=f"ESA shuffler {settings.shuffler_id}",
+        description=DESCRIPTION,
         lifespan=_lifespan(service, writer, http),
-        responses=ERROR_RESPONSES,
     )
     app.state.service, app.state.http = service, http
     app.state.ingest = Ingest(service, writer)
-    install_error_handlers(app, log, service.events.count)
+    install_error_handlers(app, log, service.events.count, service.events.refuse)
+    document_errors(app, functools.partial(_document_channels, settings))
     app.include_router(routes.public)
     app.include_router(routes.admin)
     registry = CollectorRegistry(auto_describe=True)
@@ -117,6 +133,15 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
     token = settings.metrics_token or settings.admin_token
     add_operational_routes(app, service.store.engine, registry, token.get_secret_value())
     return app
+
+
+def _document_channels(settings: ShufflerSettings, schema: dict[str, Any]) -> None:
+    """The channels this instance serves, as the enum of ``CloseRequest.channel_id``: any
+    other channel is invalid input (400), as the document then says."""
+    ids = [channel.id for channel in settings.channels]
+    close = schema.get("components", {}).get("schemas", {}).get("CloseRequest")
+    if ids and close is not None:
+        close["properties"]["channel_id"]["enum"] = ids
 
 
 def create_asgi(settings: ShufflerSettings | None = None) -> IngestFastPath:

@@ -1,14 +1,19 @@
 """Randomized report deletion and the shuffle: ESA-revisited (Girgis et al.) §V, Algorithm 3.
 
-Pure: no database, no clock, no network. Per (channel, crowd, epoch) group the noise is drawn
-ONCE (a group is never evaluated twice with fresh noise, which would average it away):
+Pure but for the streamed shuffle's temporary file: no database, no clock, no network. A group
+is a whole (channel, crowd, epoch), evaluated once when its epoch closes, never split by
+arrival (PROTOCOL.md: splitting by arrival order would release it). The noise is drawn ONCE
+per group, from its count alone (a group is never evaluated twice with fresh noise, which
+would average it away):
 
     n̂ = max(n + Laplace(2/ε_cr) − (2/ε_cr)·ln(2/δ_cr), 0)
 
 if ``n̂ > n`` the group is aborted (all deleted); if ``⌊n̂⌋ < min_crowd`` it is held (never
 released, deleted at retention expiry); otherwise ``n − ⌊n̂⌋`` uniformly chosen WHOLE
-contributions are deleted, and the survivors' fragments are flattened and shuffled
-(Fisher–Yates). Theorem V.1 gives the (ε_cr, δ_cr) protection of the released count.
+contributions are deleted (a Fisher–Yates permutation of the group's row positions), and the
+survivors' fragments are released as one uniformly random permutation cut into signed parts of
+at most ``part_fragments`` fragments, dealt and shuffled in bounded memory by
+:mod:`shuffler.dealing`. Theorem V.1 gives the (ε_cr, δ_cr) protection of the released count.
 
 All randomness comes from an injected :class:`~common.randomness.RandomSource` that defaults to
 the OS CSPRNG (PROTOCOL.md: ``secrets``-grade, never numpy's PCG64); tests pass a seeded one.
@@ -18,17 +23,24 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common import randomness
 from common.envelope import sign
 from common.randomness import RandomSource
 from common.wire import PART_FRAGMENTS, Batch, ChannelPolicy, b64
-from shuffler.records import GroupKey, SealedPart, ShuffledBatch, unpack_fragments
+from shuffler.dealing import Deal, deal
+from shuffler.records import GroupKey, SealedPart
+
+Positions = npt.NDArray[np.int64]
 
 
 class GroupStatus(StrEnum):
@@ -56,11 +68,29 @@ class Deletion:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleasedBatch:
+    """A released group's batch as stored: ``fragments`` shuffled once, in ``parts`` parts."""
+
+    batch_id: str
+    n_contributions: int
+    fragments: int
+    parts: int
+
+
+@dataclass(frozen=True, slots=True)
 class Evaluation:
-    """Algorithm 3 applied to one group: the outcome and, when released, the shuffled batch."""
+    """Algorithm 3 applied to one group: the outcome and, when released, its batch."""
 
     deletion: Deletion
-    batch: ShuffledBatch | None
+    batch: ReleasedBatch | None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A batch being stored: what it is, and its signed parts, yielded once, one at a time."""
+
+    batch: ReleasedBatch
+    parts: Iterator[SealedPart]
 
 
 def randomized_deletion(n: int, policy: ChannelPolicy, rng: RandomSource) -> Deletion:
@@ -86,31 +116,11 @@ def randomized_deletion(n: int, policy: ChannelPolicy, rng: RandomSource) -> Del
     return Deletion(GroupStatus.RELEASED, n, kept)
 
 
-def shuffled_fragments(survivors: list[bytes], rng: RandomSource) -> list[bytes]:
-    """The survivors' packed fragments, flattened and shuffled uniformly (Fisher–Yates)."""
-    fragments = [f for blob in survivors for f in unpack_fragments(blob)]
-    randomness.shuffle(rng, fragments)
-    return fragments
-
-
-def part_count(fragments: int, part_fragments: int) -> int:
-    """Parts of a batch of ``fragments`` cut into parts of at most ``part_fragments`` (an empty
-    batch is still one part, so the analyzer learns its count).
-
-    Raises:
-        ValueError: if ``fragments`` < 0 or ``part_fragments`` < 1.
-    """
-    if fragments < 0 or part_fragments < 1:
-        raise ValueError(
-            f"need fragments >= 0, part_fragments >= 1, got {fragments=}, {part_fragments=}"
-        )
-    return max(1, math.ceil(fragments / part_fragments))
-
-
 @dataclass
 class Batcher:
-    """Applies Algorithm 3 to groups, shuffles the released ones once, and seals their
-    shuffled sequence as signed parts of at most ``part_fragments`` fragments."""
+    """Algorithm 3 for one group at a time: the noise draw, the uniformly chosen survivors, and
+    their fragments released as one shuffled sequence in signed parts of at most
+    ``part_fragments`` fragments (the store feeds it rows and stores what it yields)."""
 
     shuffler_id: str
     signing_key: Ed25519PrivateKey
@@ -121,49 +131,62 @@ class Batcher:
         if self.part_fragments < 1:
             raise ValueError(f"part_fragments must be >= 1, got {self.part_fragments}")
 
-    def evaluate(self, key: GroupKey, blobs: list[bytes], policy: ChannelPolicy) -> Evaluation:
-        """Algorithm 3 over one group's packed contributions (one noise draw), then the
-        survivors' fragments flattened and shuffled once."""
-        deletion = randomized_deletion(len(blobs), policy, self.rng)
-        if deletion.status is not GroupStatus.RELEASED:
-            return Evaluation(deletion, None)
-        order = list(range(len(blobs)))
-        randomness.shuffle(self.rng, order)
-        survivors = [blobs[i] for i in order[: deletion.kept]]
-        fragments = shuffled_fragments(survivors, self.rng)
-        return Evaluation(deletion, ShuffledBatch(secrets.token_hex(16), len(survivors), fragments))
+    def decide(self, n: int, policy: ChannelPolicy) -> Deletion:
+        """Algorithm 3's one noise draw for a group of ``n`` contributions (its count only)."""
+        return randomized_deletion(n, policy, self.rng)
 
-    def seal(self, key: GroupKey, batch: ShuffledBatch) -> Iterator[SealedPart]:
-        """The batch's signed parts, one at a time: consecutive slices of the shuffled sequence
-        (order inside it carries nothing, so cutting it reveals nothing), each body built and
-        signed from its slice alone so no whole-batch body ever exists in memory. Every part
-        carries the whole group's ``n_contributions`` (PROTOCOL.md, ``POST /v1/batches``)."""
-        parts = part_count(len(batch.fragments), self.part_fragments)
-        for part in range(parts):
-            start = part * self.part_fragments
+    def survivors(self, n: int, kept: int) -> Positions:
+        """``kept`` uniformly chosen whole contributions of ``n``: the first ``kept`` positions
+        of a Fisher–Yates permutation of ``range(n)`` (CSPRNG), returned sorted so the store
+        reads them in its own order (the shuffle of their fragments makes order irrelevant).
+
+        Raises:
+            ValueError: unless 0 <= kept <= n.
+        """
+        if not 0 <= kept <= n:
+            raise ValueError(f"need 0 <= kept <= n, got {kept=}, {n=}")
+        order = list(range(n))
+        randomness.shuffle(self.rng, order)
+        return np.sort(np.array(order[:kept], dtype=np.int64))
+
+    @contextmanager
+    def release(
+        self,
+        key: GroupKey,
+        n_contributions: int,
+        fragments: int,
+        chunks: Iterable[Sequence[bytes]],
+        directory: Path | None = None,
+    ) -> Iterator[Release]:
+        """Deal the survivors' packed fragments (``chunks``, ``fragments`` of them as stored)
+        into one uniformly random permutation (:func:`shuffler.dealing.deal`) and sign it as
+        parts; the temporary file lives as long as the ``with`` block."""
+        batch_id = secrets.token_hex(16)
+        with deal(chunks, fragments, self.part_fragments, self.rng, directory) as dealt:
+            batch = ReleasedBatch(batch_id, n_contributions, dealt.fragments, dealt.parts)
+            yield Release(batch, self._sealed(key, batch, dealt))
+
+    def _sealed(self, key: GroupKey, batch: ReleasedBatch, dealt: Deal) -> Iterator[SealedPart]:
+        """The signed parts, one at a time, each body built and signed from its own fragments
+        (no whole-batch body ever exists). Every part carries the whole group's
+        ``n_contributions`` (PROTOCOL.md, ``POST /v1/batches``)."""
+        for part, fragments in enumerate(dealt):
             body = Batch(
                 batch_id=batch.batch_id,
                 part=part,
-                parts=parts,
+                parts=batch.parts,
                 shuffler_id=self.shuffler_id,
                 channel_id=key.channel_id,
                 crowd_id=key.crowd_id,
                 epoch=key.epoch,
                 n_contributions=batch.n_contributions,
-                fragments=[b64(f) for f in batch.fragments[start : start + self.part_fragments]],
+                fragments=fragments.base64(),
             ).body()
             yield SealedPart(batch.batch_id, part, body, b64(sign(body, self.signing_key)))
 
 
-def due(
-    policy: ChannelPolicy, epoch: int, count: int, now: float, grace: float, closed_upto: int
-) -> bool | None:
-    """When a group is evaluated: ``True`` (final) once its epoch closed (after ``grace``
-    seconds, or closed by an admin), ``False`` (a full part) at ``max_batch`` contributions,
-    else ``None`` (not yet)."""
+def due(policy: ChannelPolicy, epoch: int, now: float, grace: float, closed_upto: int) -> bool:
+    """Whether a group is evaluated now: only once its epoch closed (``grace`` seconds after its
+    end, or closed by an admin), and then whole, however many contributions it has."""
     closes_at = (epoch + 1) * policy.epoch_seconds + grace
-    if now >= closes_at or epoch <= closed_upto:
-        return True
-    if count >= policy.max_batch:
-        return False
-    return None
+    return now >= closes_at or epoch <= closed_upto

@@ -14,6 +14,7 @@ answer and never changes. Details name the problem, never a client id, token or 
         ├── MalformedContributionError  malformed            400
         ├── BadContentTypeError         bad_content_type     400
         ├── UnknownChannelError         unknown_channel      400
+        ├── UnknownCrowdError           unknown_crowd        400
         ├── EpochNotOpenError           epoch_not_open       400
         ├── FutureEpochError            epoch_not_started    422  (admin close)
         ├── ReplayedNonceError          replayed_nonce       409
@@ -79,6 +80,13 @@ class UnknownChannelError(ShufflerError):
     kind = Kind.INVALID
 
 
+class UnknownCrowdError(ShufflerError):
+    """The contribution names a crowd its channel does not declare (``ChannelPolicy.crowds``)."""
+
+    code = "unknown_crowd"
+    kind = Kind.INVALID
+
+
 class EpochNotOpenError(ShufflerError):
     """The contribution's epoch is not open (in the past, the future, or closed by an admin)."""
 
@@ -102,7 +110,7 @@ class ReplayedNonceError(ShufflerError):
 
 
 class QuotaExceededError(ShufflerError):
-    """One contribution per (client, channel, crowd, epoch) was already received."""
+    """One contribution per (client, channel, epoch) was already received (in any crowd)."""
 
     code = "quota_exceeded"
     kind = Kind.CONFLICT

@@ -174,6 +174,9 @@ class Ingest:
         except ShufflerError as error:
             self.service.events.count(f"rejected_{error.code}")
             return refused(error)
+        except Exception:  # a bug, not a refusal: logged, answered like every other 500
+            log.exception("unexpected error", extra={"route": ROUTE})
+            return 500, error_body("internal", "unexpected server error; it has been logged"), []
         self.service.events.count("contributions_received")
         return 202, Receipt(receipt=receipt).model_dump_json().encode(), []
 
@@ -193,7 +196,7 @@ class Ingest:
         if declared.isdigit() and int(declared) > self.max_body:
             raise BodyTooLargeError(f"body of {int(declared)} bytes > {self.max_body}")
         body = await read_body(receive, self.max_body)
-        if headers.get(b"content-type", b"").split(b";")[0] != CONTENT_TYPE:
+        if headers.get(b"content-type", b"").split(b";")[0].strip().lower() != CONTENT_TYPE:
             raise BadContentTypeError("send the sealed contribution as application/octet-stream")
         stored = await self.writer.submit(intake.validate(client_id, body))
         if stored.refusal is not None:
@@ -203,7 +206,9 @@ class Ingest:
 
 class IngestFastPath:
     """ASGI front door: ``POST /v1/contributions`` to :class:`Ingest`, everything else
-    (including lifespan) to FastAPI."""
+    (including lifespan, and other methods on that path: FastAPI's 405 with ``Allow``) to
+    FastAPI, whose ``POST /v1/contributions`` route (:mod:`shuffler.routes`) is the same
+    :class:`Ingest` and documents it."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app

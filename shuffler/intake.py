@@ -6,9 +6,10 @@ and whether a sealed contribution is acceptable — before anything is stored.
 * :class:`RateLimiter`: token buckets per client (or address) whose state is bounded and expires,
   so the shuffler never keeps a long-lived per-client record in memory.
 * :class:`Intake`: opens a contribution with the shuffler's HPKE key and checks it against the
-  channel's policy and the open epochs → a :class:`~shuffler.records.Pending` record. The quota
-  (one contribution per client, channel, crowd and epoch) and the nonce replay check are the
-  database's unique constraints; :func:`refusal` names what a conflict means.
+  channel's policy (its declared crowds, fragment limit) and the open epochs → a
+  :class:`~shuffler.records.Pending` record. The quota (one contribution per client, channel and
+  epoch, whatever crowd it names: PROTOCOL.md) and the nonce replay check are the database's
+  unique constraints; :func:`refusal` names what a conflict means.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from shuffler.errors import (
     ShufflerError,
     TooManyFragmentsError,
     UnknownChannelError,
+    UnknownCrowdError,
 )
 from shuffler.records import Conflict, Pending
 from shuffler.settings import ShufflerSettings
@@ -140,9 +142,7 @@ def refusal(conflict: Conflict) -> ShufflerError:
     """The refusal a client gets when the database did not take its contribution."""
     if conflict is Conflict.REPLAYED_NONCE:
         return ReplayedNonceError("nonce already used")
-    return QuotaExceededError(
-        "one contribution per (client, channel, crowd, epoch) already received"
-    )
+    return QuotaExceededError("one contribution per (client, channel, epoch) already received")
 
 
 class Intake:
@@ -164,8 +164,8 @@ class Intake:
         """Open and check one contribution of an authenticated client (nothing is stored).
 
         Raises:
-            MalformedContributionError, UnknownChannelError, TooManyFragmentsError,
-            EpochNotOpenError.
+            MalformedContributionError, UnknownChannelError, UnknownCrowdError,
+            TooManyFragmentsError, EpochNotOpenError.
         """
         try:
             contribution = open_contribution(blob, self.settings.shuffler_id, self.ring)
@@ -174,6 +174,10 @@ class Intake:
         policy = self.settings.channel(contribution.channel_id)
         if policy is None:
             raise UnknownChannelError(f"channel {contribution.channel_id!r} is not served here")
+        if contribution.crowd_id not in policy.crowds:
+            raise UnknownCrowdError(
+                f"crowd {contribution.crowd_id[:64]!r} is not declared for channel {policy.id!r}"
+            )
         if len(contribution.fragments) > policy.max_fragments:
             raise TooManyFragmentsError(
                 f"{len(contribution.fragments)} fragments > max_fragments={policy.max_fragments}"

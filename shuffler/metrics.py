@@ -26,14 +26,21 @@ REJECTED = "rejected_"
 
 
 class Events:
-    """Process-wide event counters (``rejected_<code>``, ``group_<status>``, …)."""
+    """Process-wide event counters (``rejected_<code>`` for refused contributions,
+    ``group_<status>``, …) and refusals by the other routes, per (route, code)."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        self.refusals: dict[tuple[str, str], int] = {}
 
     def count(self, event: str, amount: int = 1) -> None:
         """Add ``amount`` to ``event``."""
         self.counts[event] = self.counts.get(event, 0) + amount
+
+    def refuse(self, route: str, code: str) -> None:
+        """Count a refusal by a route other than ``POST /v1/contributions`` (admin, enroll,
+        metrics): never mixed with refused contributions. ``route`` is a path template."""
+        self.refusals[route, code] = self.refusals.get((route, code), 0) + 1
 
     def get(self, event: str) -> int:
         """The count of ``event`` so far."""
@@ -47,24 +54,16 @@ class ShufflerCollector:
         self.events = events
         self.ledger = ledger
 
+    def describe(self) -> Iterator[Any]:
+        """The metric names, without reading the store: registration runs before the
+        migrations, and ``collect`` would query tables that do not exist yet."""
+        yield from self._counters()
+        yield GaugeMetricFamily(
+            "esa_shuffler_queue_depth", "contributions by state", labels=["state"]
+        )
+
     def collect(self) -> Iterator[Any]:
-        for name, help_text in COUNTERS.items():
-            yield CounterMetricFamily(
-                f"esa_shuffler_{name}", help_text, value=self.events.get(name)
-            )
-        rejected = CounterMetricFamily(
-            "esa_shuffler_contributions_rejected", "refused", labels=["reason"]
-        )
-        for key, value in self.events.counts.items():
-            if key.startswith(REJECTED):
-                rejected.add_metric([key.removeprefix(REJECTED)], value)
-        yield rejected
-        deleted = CounterMetricFamily(
-            "esa_shuffler_contributions_deleted", "deleted", labels=["cause"]
-        )
-        for cause in DELETION_CAUSES:
-            deleted.add_metric([cause], self.events.get(f"deleted_by_{cause}"))
-        yield deleted
+        yield from self._counters()
         try:
             ledger = self.ledger()
         except SQLAlchemyError:
@@ -75,3 +74,32 @@ class ShufflerCollector:
         for state in QUEUE_STATES:
             depth.add_metric([state], ledger[state])
         yield depth
+
+    def _counters(self) -> Iterator[Any]:
+        for name, help_text in COUNTERS.items():
+            yield CounterMetricFamily(
+                f"esa_shuffler_{name}", help_text, value=self.events.get(name)
+            )
+        rejected = CounterMetricFamily(
+            "esa_shuffler_contributions_rejected",
+            "contributions refused (POST /v1/contributions only)",
+            labels=["reason"],
+        )
+        for key, value in list(self.events.counts.items()):
+            if key.startswith(REJECTED):
+                rejected.add_metric([key.removeprefix(REJECTED)], value)
+        yield rejected
+        refused = CounterMetricFamily(
+            "esa_shuffler_requests_rejected",
+            "requests refused by the other routes (admin, enroll, metrics)",
+            labels=["route", "reason"],
+        )
+        for (route, code), value in list(self.events.refusals.items()):
+            refused.add_metric([route, code], value)
+        yield refused
+        deleted = CounterMetricFamily(
+            "esa_shuffler_contributions_deleted", "deleted", labels=["cause"]
+        )
+        for cause in DELETION_CAUSES:
+            deleted.add_metric([cause], self.events.get(f"deleted_by_{cause}"))
+        yield deleted

@@ -36,16 +36,6 @@ class GroupKey:
 
 
 @dataclass(frozen=True, slots=True)
-class ShuffledBatch:
-    """A released group's surviving fragments, shuffled once (ESA-revisited Algorithm 3);
-    stored and delivered as signed parts cut from this sequence."""
-
-    batch_id: str
-    n_contributions: int
-    fragments: list[bytes]
-
-
-@dataclass(frozen=True, slots=True)
 class SealedPart:
     """One signed part of a batch, ready to be stored and forwarded (only counts, no
     identifiers): the exact body bytes and their Ed25519 signature."""
@@ -78,13 +68,3 @@ class DuePart:
 def pack_fragments(fragments: Sequence[bytes]) -> bytes:
     """``u16 length | bytes`` per fragment (fragments are at most 65,535 bytes)."""
     return b"".join(len(f).to_bytes(2, "big") + f for f in fragments)
-
-
-def unpack_fragments(blob: bytes) -> list[bytes]:
-    """Inverse of :func:`pack_fragments`."""
-    out, offset = [], 0
-    while offset < len(blob):
-        length = int.from_bytes(blob[offset : offset + 2], "big")
-        out.append(blob[offset + 2 : offset + 2 + length])
-        offset += 2 + length
-    return out

@@ -1,27 +1,35 @@
 """The shuffler's FastAPI routes (PROTOCOL.md, "HTTP endpoints"), thin over
-:class:`~shuffler.service.ShufflerService` with typed dependencies.
+:class:`~shuffler.service.ShufflerService` with typed dependencies; each documents every status
+it answers (the server-level 400/431/500 are added by
+:func:`services.runtime.http.document_errors`).
 
-``POST /v1/contributions`` is not here: it is the raw ASGI route of :mod:`shuffler.ingest`.
+``POST /v1/contributions`` is served by the raw ASGI fast path of :mod:`shuffler.ingest` in
+front of this app; the route here is the same :class:`~shuffler.ingest.Ingest` call (what an
+in-process client reaches) and what documents it, so a wrong method on its path is a 405.
+Admin routes check the admin token before FastAPI reads the body
+(:func:`services.runtime.http.checked_route`): without the token any body is a 401.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
 import httpx
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
 from common.wire import (
     CloseRequest,
     CloseResult,
     EnrollResponse,
+    Receipt,
     RevokeRequest,
     RevokeResult,
     ShufflerConfig,
 )
-from services.runtime.http import bearer_matches, error_responses
+from services.runtime.http import bearer_check, bearer_scheme, checked_route, error_responses
 from shuffler.errors import AdminTokenError
+from shuffler.ingest import CONTENT_TYPE, Ingest
 from shuffler.service import ShufflerService
 
 
@@ -39,24 +47,52 @@ Service = Annotated[ShufflerService, Depends(get_service)]
 Http = Annotated[httpx.Client, Depends(get_http)]
 
 
-def require_admin(request: Request, service: Service) -> None:
-    """Admin routes need ``Authorization: Bearer <admin token>``.
+def _admin_secret(request: Request) -> str:
+    return get_service(request).settings.admin_token.get_secret_value()
 
-    Raises:
-        AdminTokenError: missing or wrong.
-    """
-    expected = service.settings.admin_token.get_secret_value()
-    if not bearer_matches(request.headers.get("authorization"), expected):
-        raise AdminTokenError("admin token missing or wrong")
 
+#: Admin routes need ``Authorization: Bearer <admin token>``, checked before the body is read.
+require_admin = bearer_check(_admin_secret, AdminTokenError, "admin token missing or wrong")
 
 public = APIRouter(tags=["clients"])
 admin = APIRouter(
     prefix="/v1/admin",
     tags=["admin"],
-    dependencies=[Depends(require_admin)],
-    responses=error_responses(401),
+    route_class=checked_route(require_admin),
+    dependencies=[bearer_scheme("AdminToken", "the shuffler's admin token")],
 )
+
+#: ``POST /v1/contributions``: the sealed contribution as raw bytes.
+CONTRIBUTION_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "One contribution sealed to this shuffler (HPKE, PROTOCOL.md); at most "
+        "``ESA_SHUFFLER_MAX_BODY_BYTES`` bytes",
+        "content": {CONTENT_TYPE.decode(): {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+@public.post(
+    "/v1/contributions",
+    status_code=202,
+    response_model=Receipt,
+    responses={
+        202: {"description": "Stored (committed) before this answer; keep the receipt"},
+        **error_responses(400, 401, 409, 413, 429, 503),
+    },
+    dependencies=[bearer_scheme("ClientToken", "a client token from POST /v1/enroll")],
+    openapi_extra=CONTRIBUTION_BODY,
+)
+async def contribute(request: Request) -> Response:
+    """Store one sealed contribution: 202 with a receipt only after it is committed; 400
+    malformed, wrong content type, unknown channel or crowd, epoch not open; 401 bad or revoked
+    token; 409 replayed nonce or quota used; 413 too large or too many fragments; 429 slow
+    down (``Retry-After``); 503 not stored."""
+    ingest: Ingest = request.app.state.ingest
+    status, data, extra = await ingest(request.scope["headers"], request.receive)
+    headers = {name.decode(): value.decode() for name, value in extra}
+    return Response(data, status, headers=headers, media_type="application/json")
 
 
 @public.post("/v1/enroll", response_model=EnrollResponse, responses=error_responses(429))
@@ -72,15 +108,16 @@ async def config(service: Service) -> ShufflerConfig:
     return service.config()
 
 
-@admin.post("/close", response_model=CloseResult, responses=error_responses(422))
+@admin.post("/close", response_model=CloseResult, responses=error_responses(400, 401, 422, 503))
 async def close(body: CloseRequest, service: Service, http: Http) -> CloseResult:
-    """Close every epoch <= ``epoch`` of a channel now, evaluate its groups, forward."""
+    """Close every epoch <= ``epoch`` of a channel now, evaluate its groups, forward: 400
+    invalid body or unknown channel, 401 admin token, 422 the epoch has not started."""
     groups = await asyncio.to_thread(service.close, body.channel_id, body.epoch)
     forwarded = await asyncio.to_thread(service.forward_due, http)
     return CloseResult(groups_evaluated=groups, **forwarded)
 
 
-@admin.post("/revoke", response_model=RevokeResult)
+@admin.post("/revoke", response_model=RevokeResult, responses=error_responses(400, 401, 503))
 async def revoke(body: RevokeRequest, service: Service) -> RevokeResult:
     """Refuse a client's token from now on."""
     await asyncio.to_thread(service.revoke, body.client_id)

@@ -80,7 +80,9 @@ class ShufflerService:
         return self.intake.tokens
 
     def load_state(self) -> None:
-        """Revocations and closed epochs from the database (after a restart)."""
+        """Revocations and closed epochs from the database: at start (after a restart) and
+        every batching round, so an admin close or a revocation made at one replica of this
+        trust domain reaches the others within ``batch_interval_seconds``."""
         self.intake.tokens.revoked |= self.store.revoked()
         for channel_id, epoch in self.store.closed_epochs().items():
             self.intake.close(channel_id, epoch)
@@ -132,37 +134,29 @@ class ShufflerService:
 
     # --- batching (ESA-revisited Algorithm 3) ---------------------------------------------
 
-    def due_groups(self, now: float) -> list[tuple[GroupKey, bool]]:
-        """Groups to evaluate now and whether finally (epoch closed) or as a full part."""
+    def due_groups(self, now: float) -> list[GroupKey]:
+        """Groups whose epoch closed: each is evaluated whole, never split by arrival."""
         found = []
-        for key, count in self.store.open_groups():
+        for key, _ in self.store.open_groups():
             policy = self.settings.channel(key.channel_id)
             if policy is None:
                 continue
             closed = self.intake.closed_upto.get(key.channel_id, -1)
-            final = due(policy, key.epoch, count, now, self.settings.epoch_grace_seconds, closed)
-            if final is not None:
-                found.append((key, final))
+            if due(policy, key.epoch, now, self.settings.epoch_grace_seconds, closed):
+                found.append(key)
         return found
 
-    def evaluate(self, key: GroupKey, final: bool) -> Deletion | None:
-        """Apply Algorithm 3 to one group (part) and store its batch, as signed parts of at most
-        ``part_fragments`` fragments, in one transaction.
+    def evaluate(self, key: GroupKey) -> Deletion | None:
+        """Apply Algorithm 3 to one whole group and store its batch, as signed parts of at most
+        ``part_fragments`` fragments, in one transaction (streamed: :mod:`shuffler.dealing`).
 
         Raises:
-            sqlalchemy.exc.IntegrityError: another worker evaluated this part first.
+            sqlalchemy.exc.IntegrityError: another worker evaluated this group first.
         """
         policy = self.settings.channel(key.channel_id)
         if policy is None:
             return None
-        outcome = self.store.evaluate_group(
-            key,
-            policy.max_batch,
-            final,
-            lambda blobs: self.batcher.evaluate(key, blobs, policy),
-            lambda batch: self.batcher.seal(key, batch),
-            self.clock(),
-        )
+        outcome = self.store.evaluate_group(key, self.batcher, policy, self.clock())
         if outcome is None:
             return None
         self._count_evaluation(key, outcome.deletion, released=outcome.batch is not None)
@@ -175,31 +169,40 @@ class ShufflerService:
         self.events.count(
             "deleted_by_abort" if by_abort else "deleted_by_randomized_deletion", deletion.deleted
         )
-        summary = {"status": str(deletion.status), "n": deletion.n, "kept": deletion.kept}
+        # A group's size and its deletions are secret until released (randomized deletion's
+        # ε_cr): only a released batch's n_contributions, which the batch itself publishes.
+        summary: dict[str, object] = {"status": str(deletion.status)}
+        if released:
+            summary["n_contributions"] = deletion.kept
         log.info(
             "group evaluated", extra={"channel": key.channel_id, "epoch": key.epoch, **summary}
         )
 
     def run_batching(self) -> int:
-        """Evaluate every due group; returns how many (parts) were evaluated.
+        """Evaluate every due group once; returns how many were evaluated.
 
         Serialized within the process (the periodic batcher and an admin close may overlap);
-        across replicas the groups table's primary key lets exactly one evaluation commit.
+        across replicas the groups table's primary key lets exactly one evaluation commit, and
+        on PostgreSQL a per-group advisory lock keeps a second replica from dealing it in vain.
+        Closed epochs and revocations are read from the store first (other replicas' closes).
         """
-        count = 0
         with self._batching:
-            for key, final in self.due_groups(self.clock()):
-                while self._evaluate_once(key, final) is not None:
-                    count += 1
-                    if final:
-                        break
-        return count
+            self.load_state()
+            due_now = self.due_groups(self.clock())
+            return sum(self._evaluate_once(key) is not None for key in due_now)
 
-    def _evaluate_once(self, key: GroupKey, final: bool) -> Deletion | None:
+    def _evaluate_once(self, key: GroupKey) -> Deletion | None:
         try:
-            return self.evaluate(key, final)
+            return self.evaluate(key)
         except IntegrityError:
             log.info("group already evaluated by another worker", extra={"channel": key.channel_id})
+            return None
+        except Exception:  # one failing group must not stop the groups behind it
+            self.events.count("group_evaluation_failed")
+            log.exception(
+                "evaluating a group failed; retried next round",
+                extra={"channel": key.channel_id, "epoch": key.epoch},
+            )
             return None
 
     def close(self, channel_id: str, epoch: int) -> int:
@@ -244,7 +247,7 @@ class ShufflerService:
 def build_service(settings: ShufflerSettings) -> ShufflerService:
     """A service over the configured database, with the keys in ``settings.key_dir`` (created
     on first start)."""
-    engine = db.make_engine(settings.database_url)
+    engine = db.make_engine(settings.database_url, settings.sqlite_busy_timeout_seconds)
     hpke_key = load_or_create_x25519(settings.key_dir / "hpke.pem")
     signing_key = load_or_create_ed25519(settings.key_dir / "signing.pem")
     return ShufflerService(settings, make_store(engine), KeyRing.of(hpke_key), signing_key)

@@ -39,6 +39,10 @@ class ShufflerSettings(BaseSettings):
     channels: list[ChannelPolicy] = Field(default_factory=list)
     channels_file: Path | None = None
     max_body_bytes: int = Field(256 * 1024, ge=1024)
+    #: Per-client token bucket, kept in each process's memory: with R replicas per trust
+    #: domain the limit holds per replica. Behind ``esa up``'s HAProxy (balancing on the
+    #: client token) a client reaches one replica, so it holds as set; a balancer that sprays
+    #: requests lets a client send up to R times it (docs/scaling.md).
     rate_per_second: float = Field(5.0, gt=0)
     rate_burst: int = Field(20, ge=1)
     enroll_per_minute: float = Field(600.0, gt=0)
@@ -54,6 +58,10 @@ class ShufflerSettings(BaseSettings):
     backoff_cap_seconds: float = Field(60.0, gt=0)
     retention_seconds: float = Field(7 * 24 * 3600.0, gt=0)
     commit_batch: int = Field(64, ge=1)
+    #: How long an ingest commit waits for SQLite's write lock before answering 503: longer
+    #: than an epoch close's final step (which removes the group's rows; ~1.2 s for 24,000
+    #: contributions on a loaded 2-core machine), shorter than the SDK's 10-second timeout.
+    sqlite_busy_timeout_seconds: float = Field(8.0, gt=0)
     log_level: str = "INFO"
 
     @model_validator(mode="after")

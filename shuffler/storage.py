@@ -1,9 +1,9 @@
 """The shuffler's tables (SQLAlchemy Core; the schema is created by alembic migrations).
 
 * ``contributions``: acknowledged contributions awaiting their group's evaluation. The client
-  id stays here for the per-(client, channel, crowd, epoch) quota (one contribution) and never
-  leaves the shuffler; ``held_part`` marks contributions of a group that was evaluated below
-  the minimum crowd and is held until retention expiry.
+  id stays here for the per-(client, channel, epoch) quota (one contribution, whatever crowd it
+  names: PROTOCOL.md) and never leaves the shuffler; ``held_part`` marks contributions of a
+  group that was evaluated below the minimum crowd and is held until retention expiry.
 * ``groups``: one row per evaluated (channel, crowd, epoch, part) — a group is never evaluated
   twice with fresh noise; records what randomized deletion did.
 * ``batches``: one row per released group (its shuffled batch): counts and whether every part
@@ -50,7 +50,7 @@ contributions = Table(
     Column("received_at", Float, nullable=False),
     Column("held_part", Integer, nullable=True),
     Column("receipt", String(32), nullable=False, unique=True),
-    UniqueConstraint("client_id", "channel_id", "crowd_id", "epoch", name="uq_contribution_quota"),
+    UniqueConstraint("client_id", "channel_id", "epoch", name="uq_contribution_quota"),
     Index("ix_contributions_group", "channel_id", "crowd_id", "epoch", "held_part"),
 )
 

@@ -6,30 +6,42 @@ supply what differs (the insert-ignore construct, the driver's placeholder, conn
 :func:`make_store` picks one for an engine; nothing else in the shuffler looks at the dialect.
 
 Durability (PROTOCOL.md, "Delivery guarantees"): :meth:`~ContributionStore.insert` returns
-receipts only after its transaction committed; :meth:`~ContributionStore.evaluate_group` stores a
-group's batch (all its signed parts) in the same transaction that removes its contributions and
-records the group as evaluated, whose primary key lets exactly one evaluation commit across
-workers. A part is sent by exactly one forwarder at a time: :meth:`~ContributionStore.claim`
-takes its lease with one conditional ``UPDATE`` (atomic in SQLite and PostgreSQL alike).
+receipts only after its transaction committed. :meth:`~ContributionStore.evaluate_group` deals
+and signs a group's batch without the write lock, storing each part ``staged`` (never sent);
+then one short transaction under the write lock (SQLite's ``BEGIN IMMEDIATE``, PostgreSQL's
+``SELECT ... FOR UPDATE`` on the group's rows) checks the group is unchanged, turns its parts
+``pending``, removes its contributions and records the group as evaluated, whose primary key
+lets exactly one evaluation commit across workers; so ingest is never blocked for longer than
+that step, and a concurrent retention purge can neither delete a row the batch contains nor
+count one the evaluation removed. A part is sent by exactly one
+forwarder at a time: :meth:`~ContributionStore.claim` takes its lease with one conditional
+``UPDATE`` (atomic in SQLite and PostgreSQL alike).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
 from sqlalchemy import Table, delete, event, exists, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.sql.dml import Insert
 
+from common.wire import ChannelPolicy
+from services.runtime import db
 from shuffler import storage
-from shuffler.batcher import Evaluation, GroupStatus
+from shuffler.batcher import Batcher, Deletion, Evaluation, GroupStatus, Release, ReleasedBatch
 from shuffler.records import (
     Conflict,
     DuePart,
@@ -37,7 +49,6 @@ from shuffler.records import (
     PartKey,
     Pending,
     SealedPart,
-    ShuffledBatch,
     pack_fragments,
 )
 
@@ -55,11 +66,20 @@ _COLUMNS = (
 _NONCE, _RECEIPT = _COLUMNS.index("nonce"), _COLUMNS.index("receipt")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
 _IDS_PER_DELETE = 10_000
+#: How long a staged part may wait for its evaluation to commit before retention deletes it as
+#: left behind by a crash (far above the 334 s an epoch of 10^6 contributions took to close).
+STAGED_GRACE_SECONDS = 6 * 3600.0
+UNSTAGE_ATTEMPTS = 5
+#: Rows of a group locked (and their ids and fragment counts read) per query.
+_LOCK_PAGE = 50_000
+#: Survivors whose packed fragments are read per query while dealing (~2 KB each for a
+#: k-RAPPOR contribution of 30 fragments: a few MB per chunk, whatever the group's size).
+_READ_ROWS = 2_000
 #: Batch parts forwarded per round (bounds one round's time when the analyzer is slow).
 FORWARD_ROUND = 32
 
 Row = tuple[Any, ...]
-Seal = Callable[[ShuffledBatch], Iterable[SealedPart]]
+Ids = npt.NDArray[np.int64]
 
 
 def new_receipts(count: int) -> list[str]:
@@ -191,45 +211,163 @@ class ContributionStore(ABC):
             return [(GroupKey(ch, cr, int(ep)), int(n)) for ch, cr, ep, n in conn.execute(query)]
 
     def evaluate_group(
-        self,
-        key: GroupKey,
-        limit: int,
-        final: bool,
-        evaluate: Callable[[list[bytes]], Evaluation],
-        seal: Seal,
-        now: float,
+        self, key: GroupKey, batcher: Batcher, policy: ChannelPolicy, now: float
     ) -> Evaluation | None:
-        """Apply ``evaluate`` (Algorithm 3) to the group's oldest ``limit`` waiting
-        contributions and store its outcome, all in one transaction; a released batch is
-        stored as the parts ``seal`` yields, each inserted as soon as it is signed (one part's
-        body in memory at a time). None when there is nothing to evaluate (or, unless
-        ``final``, fewer than ``limit``).
+        """Apply Algorithm 3 to the group, whole, and store its outcome; the write lock is held
+        only for the short final step, so ingest goes on while a big group is dealt.
+
+        1. Read the group's ids and fragment counts (no blobs, no lock) and draw the noise
+           once from the count.
+        2. A released group's survivors are read in chunks and dealt into one shuffled
+           sequence of signed parts (:mod:`shuffler.dealing`), each part stored ``staged``
+           in its own short transaction (no forwarder sends a staged part).
+        3. One short transaction under the write lock (:meth:`begin_writing`, ``FOR UPDATE``
+           on the group's rows) checks that every row read in step 1 is still there, turns the
+           staged parts ``pending``, records the batch and the group, and removes the group's
+           contributions. Rows that reached the group after step 1 are purged as ``late``
+           (PROTOCOL.md: never split a group). If a row read in step 1 vanished (a retention
+           purge) or another worker evaluated the group first, the staged parts are deleted
+           and nothing is recorded: the noise drawn is discarded unreleased.
+
+        None when nothing waits in the group, when the group was evaluated already (its late
+        rows are purged and recorded, reason ``late``) and when the group changed meanwhile
+        (evaluated again in a later round).
 
         Raises:
-            sqlalchemy.exc.IntegrityError: another worker evaluated this part first.
+            sqlalchemy.exc.IntegrityError: another worker recorded this group first.
         """
-        c = storage.contributions.c
-        with self.engine.begin() as conn:
-            part = conn.execute(
-                select(func.count())
-                .select_from(storage.groups)
-                .where(*_group_filter(key, storage.groups))
-            ).scalar_one()
-            rows = conn.execute(
-                select(c.id, c.fragments)
-                .where(*_group_filter(key, storage.contributions), c.held_part.is_(None))
-                .order_by(c.id)
-                .limit(limit)
-            ).all()
-            if not rows or (not final and len(rows) < limit):
+        with self.exclusive(key) as mine:
+            if not mine:  # another replica is evaluating the group right now
                 return None
-            ids = [row[0] for row in rows]
-            outcome = evaluate([row[1] for row in rows])
-            del rows
-            _apply(conn, key, part, ids, outcome, now)
-            if outcome.batch is not None:
-                _insert_batch(conn, key, outcome.batch, seal, now)
+            return self._evaluate(key, batcher, policy, now)
+
+    @contextlib.contextmanager
+    def exclusive(self, key: GroupKey) -> Iterator[bool]:
+        """Whether this process may evaluate ``key`` now: always on SQLite (one process per
+        database, its batching serialized); PostgreSQL overrides it with an advisory lock, so
+        replicas do not deal the same group twice only for one of them to discard it."""
+        yield True
+
+    def _evaluate(
+        self, key: GroupKey, batcher: Batcher, policy: ChannelPolicy, now: float
+    ) -> Evaluation | None:
+        """:meth:`evaluate_group`'s three steps (the caller holds :meth:`exclusive`)."""
+        with self.engine.connect() as conn:
+            ids, sizes = _group_rows(conn, key, lock=False)
+            evaluated = _evaluated(conn, key)
+        if not ids.size:
+            return None
+        if evaluated:
+            self._finish(key, ids, None, None, now)
+            return None
+        deletion = batcher.decide(int(ids.size), policy)
+        batch = None
+        if deletion.status is GroupStatus.RELEASED:
+            picked = batcher.survivors(int(ids.size), deletion.kept)
+            batch = self._stage(key, batcher, ids[picked], int(sizes[picked].sum()), now)
+            if batch is None:
+                return None
+        try:
+            outcome = self._finish(key, ids, deletion, batch, now)
+        except BaseException:
+            if batch is not None:
+                self._unstage(batch.batch_id)
+            raise
+        if outcome is None and batch is not None:
+            self._unstage(batch.batch_id)
         return outcome
+
+    @abstractmethod
+    def begin_writing(self, conn: Connection) -> None:
+        """Start ``conn``'s transaction as a writer (before :meth:`evaluate_group`'s final
+        step reads the group)."""
+
+    def spill_directory(self) -> Path | None:
+        """Where the streamed shuffle's temporary file goes (None: the system's)."""
+        return None
+
+    def _stage(
+        self, key: GroupKey, batcher: Batcher, survivors: Ids, fragments: int, now: float
+    ) -> ReleasedBatch | None:
+        """Deal the survivors' fragments (read in chunks) and store every signed part
+        ``staged``, one short transaction each; None (nothing left staged) when a survivor's
+        row vanished meanwhile. Any failure deletes what was staged."""
+        n, directory = int(survivors.size), self.spill_directory()
+        try:
+            with (
+                self.engine.connect() as conn,
+                batcher.release(key, n, fragments, _packed(conn, survivors), directory) as release,
+            ):
+                conn.rollback()  # the survivors are dealt: end the read before staging
+                self._store_staged(release, now)
+        except _VanishedError:
+            return None
+        return release.batch
+
+    def _store_staged(self, release: Release, now: float) -> None:
+        """Insert each signed part ``staged`` as it is yielded (one part's body in memory, one
+        short transaction each); on any failure delete what was staged.
+
+        Raises:
+            RuntimeError: the parts yielded are not the parts the batch announced.
+        """
+        batch, parts = release.batch, 0
+        try:
+            for sealed in release.parts:
+                with self.engine.begin() as conn:
+                    conn.execute(insert(storage.batch_parts).values(**_part_row(sealed, now)))
+                parts += 1
+            if parts != batch.parts:
+                raise RuntimeError(
+                    f"batch {batch.batch_id} announced {batch.parts} parts, made {parts}"
+                )
+        except BaseException:
+            self._unstage(batch.batch_id)
+            raise
+
+    def _finish(
+        self,
+        key: GroupKey,
+        ids: Ids,
+        deletion: Deletion | None,
+        batch: ReleasedBatch | None,
+        now: float,
+    ) -> Evaluation | None:
+        """Step 3 of :meth:`evaluate_group`, under the write lock (``deletion`` None: the
+        group was evaluated already, purge what waits in it as late)."""
+        with self.engine.begin() as conn:
+            self.begin_writing(conn)
+            current, _ = _group_rows(conn, key, lock=True)
+            part = _evaluated(conn, key)
+            if part or deletion is None:
+                _purge_late(conn, current, now)
+                return None
+            if np.setdiff1d(ids, current, assume_unique=True).size:
+                return None
+            _purge_late(conn, np.setdiff1d(current, ids, assume_unique=True), now)
+            if batch is not None:
+                _publish(conn, key, batch, now)
+            _apply(conn, key, part, ids, deletion, now)
+        return Evaluation(deletion, batch)
+
+    def _unstage(self, batch_id: str) -> None:
+        """Delete a batch's staged parts (an evaluation that did not commit), trying a few
+        times: the failure that stopped the evaluation may be a dropped connection. What a
+        crash leaves behind, retention deletes (:data:`STAGED_GRACE_SECONDS`)."""
+        p = storage.batch_parts.c
+        for attempt in range(UNSTAGE_ATTEMPTS):
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(
+                        delete(storage.batch_parts).where(
+                            p.batch_id == batch_id, p.status == "staged"
+                        )
+                    )
+                return
+            except OperationalError:
+                if attempt + 1 == UNSTAGE_ATTEMPTS:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
 
     # --- forwarding -----------------------------------------------------------------------
 
@@ -313,29 +451,33 @@ class ContributionStore(ABC):
     # --- retention and accounting ---------------------------------------------------------
 
     def purge(self, cutoff: float, now: float) -> int:
-        """Delete contributions and undelivered batches older than ``cutoff``; the count of
-        contributions deleted is recorded (in one transaction) and returned."""
-        c, b, p = storage.contributions.c, storage.batches.c, storage.batch_parts.c
-        # A batch with a part being sent (leased) or already delivered is not purged: the
-        # analyzer may count it, and a purge would then count the same contributions twice.
-        in_flight = exists().where(
-            p.batch_id == b.batch_id, or_(p.lease_until >= now, p.status == "forwarded")
-        )
+        """Delete contributions and undelivered batches older than ``cutoff``, and staged
+        parts an evaluation left behind (a crash between staging and committing); the count
+        of contributions deleted is recorded (in one transaction) and returned.
+
+        A batch with a part being sent (leased) or already delivered is not purged: the
+        analyzer may count it, and a purge would then count the same contributions twice. The
+        candidates' parts are locked (``FOR UPDATE``; SQLite's writer lock, taken first) and
+        the condition checked again under the lock, so a forwarder's lease taken between the
+        two reads either commits first (the batch is kept) or waits and finds no part.
+        """
+        c, b = storage.contributions.c, storage.batches.c
         with self.engine.begin() as conn:
+            self.begin_writing(conn)
             old = list(conn.execute(select(c.id).where(c.received_at < cutoff)).scalars())
-            stale = conn.execute(
-                select(b.batch_id, b.n_contributions).where(
-                    b.status != "forwarded", b.created_at < cutoff, ~in_flight
-                )
-            ).all()
-            _delete_ids(conn, old)
+            stale = _stale_batches(conn, cutoff, now)
             if stale:
-                ids = [s[0] for s in stale]
+                _lock_parts(conn, list(stale))
+                stale = _stale_batches(conn, cutoff, now, among=list(stale))
+            removed = _delete_ids(conn, old)
+            if stale:
+                ids = list(stale)
                 conn.execute(
                     delete(storage.batch_parts).where(storage.batch_parts.c.batch_id.in_(ids))
                 )
                 conn.execute(delete(storage.batches).where(b.batch_id.in_(ids)))
-            total = len(old) + sum(int(s[1]) for s in stale)
+            _delete_orphans(conn, now - STAGED_GRACE_SECONDS)
+            total = removed + sum(stale.values())
             if total:
                 conn.execute(
                     insert(storage.purges).values(
@@ -364,23 +506,119 @@ class ContributionStore(ABC):
             return {name: int(conn.execute(q).scalar_one() or 0) for name, q in queries.items()}
 
 
+def _stale_batches(
+    conn: Connection, cutoff: float, now: float, among: list[str] | None = None
+) -> dict[str, int]:
+    """Undelivered batches created before ``cutoff`` with no part leased or delivered, as
+    ``{batch_id: n_contributions}`` (only those in ``among`` when given)."""
+    b, p = storage.batches.c, storage.batch_parts.c
+    in_flight = exists().where(
+        p.batch_id == b.batch_id, or_(p.lease_until >= now, p.status == "forwarded")
+    )
+    query = select(b.batch_id, b.n_contributions).where(
+        b.status != "forwarded", b.created_at < cutoff, ~in_flight
+    )
+    if among is not None:
+        query = query.where(b.batch_id.in_(among))
+    return {str(batch_id): int(n) for batch_id, n in conn.execute(query)}
+
+
+def _lock_parts(conn: Connection, batch_ids: list[str]) -> None:
+    """Lock every part of these batches until the transaction ends (PostgreSQL)."""
+    p = storage.batch_parts.c
+    conn.execute(select(p.batch_id).where(p.batch_id.in_(batch_ids)).with_for_update()).all()
+
+
+def _delete_orphans(conn: Connection, before: float) -> None:
+    """Delete staged parts older than ``before`` (an evaluation that crashed mid-staging)."""
+    p = storage.batch_parts.c
+    conn.execute(delete(storage.batch_parts).where(p.status == "staged", p.created_at < before))
+
+
 def _landing(row: Row, landed: set[str], taken: set[bytes]) -> str | Conflict:
     if row[_RECEIPT] in landed:
         return str(row[_RECEIPT])
     return Conflict.REPLAYED_NONCE if row[_NONCE] in taken else Conflict.OVER_QUOTA
 
 
+def _group_rows(conn: Connection, key: GroupKey, lock: bool) -> tuple[Ids, Ids]:
+    """The group's waiting contributions as (ids, fragment counts) in id order, blobs unread;
+    with ``lock`` every row is locked until the transaction ends (``FOR UPDATE``; SQLite
+    compiles it away, its writer already holds the database). Pages by id until one comes back
+    empty: PostgreSQL may return a short page when a row it waited for was deleted meanwhile."""
+    c = storage.contributions.c
+    ids: list[Ids] = []
+    sizes: list[Ids] = []
+    last = -1
+    while True:
+        query = (
+            select(c.id, c.n_fragments)
+            .where(*_group_filter(key, storage.contributions), c.held_part.is_(None), c.id > last)
+            .order_by(c.id)
+            .limit(_LOCK_PAGE)
+        )
+        page = conn.execute(query.with_for_update() if lock else query).all()
+        if not page:
+            break
+        rows = np.array([tuple(row) for row in page], dtype=np.int64)
+        ids.append(rows[:, 0])
+        sizes.append(rows[:, 1])
+        last = int(rows[-1, 0])
+    empty = np.zeros(0, dtype=np.int64)
+    return np.concatenate(ids) if ids else empty, np.concatenate(sizes) if sizes else empty
+
+
+def _purge_late(conn: Connection, ids: Ids, now: float) -> None:
+    """Delete contributions that reached an already evaluated group, and record them."""
+    removed = _delete_ids(conn, ids.tolist())
+    if removed:
+        conn.execute(
+            insert(storage.purges).values(reason="late", contributions=removed, purged_at=now)
+        )
+
+
+class _VanishedError(RuntimeError):
+    """A contribution read when the evaluation began was deleted before its blob was read."""
+
+
+def _packed(conn: Connection, survivors: Ids) -> Iterator[list[bytes]]:
+    """The survivors' packed fragments, :data:`_READ_ROWS` contributions at a time.
+
+    Raises:
+        _VanishedError: a survivor's row was deleted meanwhile (a retention purge).
+    """
+    c = storage.contributions.c
+    for start in range(0, survivors.size, _READ_ROWS):
+        chunk = survivors[start : start + _READ_ROWS].tolist()
+        rows = conn.execute(select(c.fragments).where(c.id.in_(chunk))).scalars()
+        blobs = [bytes(blob) for blob in rows]
+        if len(blobs) != len(chunk):
+            raise _VanishedError(f"{len(chunk) - len(blobs)} contributions vanished")
+        yield blobs
+
+
+def _evaluated(conn: Connection, key: GroupKey) -> int:
+    """How many times the group was evaluated (0 or 1: a group is evaluated once, whole)."""
+    g = storage.groups
+    return int(
+        conn.execute(select(func.count()).select_from(g).where(*_group_filter(key, g))).scalar_one()
+    )
+
+
 def _apply(
-    conn: Connection, key: GroupKey, part: int, ids: list[int], outcome: Evaluation, now: float
+    conn: Connection, key: GroupKey, part: int, ids: Ids, deletion: Deletion, now: float
 ) -> None:
-    """Store Algorithm 3's outcome: hold the contributions, or delete them (the caller stores
-    the batch)."""
-    deletion = outcome.deletion
+    """Store Algorithm 3's outcome: hold the group's contributions, or delete them all (the
+    survivors' fragments are in the batch already stored)."""
     c = storage.contributions.c
     if deletion.status is GroupStatus.HELD:
-        conn.execute(update(storage.contributions).where(c.id.in_(ids)).values(held_part=part))
+        for start in range(0, ids.size, _IDS_PER_DELETE):
+            chunk = ids[start : start + _IDS_PER_DELETE].tolist()
+            conn.execute(
+                update(storage.contributions).where(c.id.in_(chunk)).values(held_part=part)
+            )
     else:
-        _delete_ids(conn, ids)
+        _delete_ids(conn, ids.tolist())
     conn.execute(
         insert(storage.groups).values(
             channel_id=key.channel_id,
@@ -396,31 +634,41 @@ def _apply(
     )
 
 
-def _insert_batch(
-    conn: Connection, key: GroupKey, batch: ShuffledBatch, seal: Seal, now: float
-) -> None:
-    parts = 0
-    for sealed in seal(batch):
-        conn.execute(
-            insert(storage.batch_parts).values(
-                batch_id=sealed.batch_id,
-                part=sealed.part,
-                body=sealed.body,
-                signature=sealed.signature,
-                status="pending",
-                created_at=now,
-                attempts=0,
-                next_attempt_at=now,
-            )
-        )
-        parts += 1
+def _part_row(sealed: SealedPart, now: float) -> dict[str, Any]:
+    """A signed part as a ``batch_parts`` row, ``staged`` until its group's outcome commits."""
+    return {
+        "batch_id": sealed.batch_id,
+        "part": sealed.part,
+        "body": sealed.body,
+        "signature": sealed.signature,
+        "status": "staged",
+        "created_at": now,
+        "attempts": 0,
+        "next_attempt_at": now,
+    }
+
+
+def _publish(conn: Connection, key: GroupKey, batch: ReleasedBatch, now: float) -> None:
+    """Turn the batch's staged parts ``pending`` (forwarders may send them) and record it.
+
+    Raises:
+        RuntimeError: the staged parts are not the parts the batch announced.
+    """
+    p = storage.batch_parts.c
+    ready = conn.execute(
+        update(storage.batch_parts)
+        .where(p.batch_id == batch.batch_id, p.status == "staged")
+        .values(status="pending", next_attempt_at=now)
+    ).rowcount
+    if ready != batch.parts:
+        raise RuntimeError(f"batch {batch.batch_id} has {ready} of its {batch.parts} parts")
     conn.execute(
         insert(storage.batches).values(
             batch_id=batch.batch_id,
             channel_id=key.channel_id,
             epoch=key.epoch,
             n_contributions=batch.n_contributions,
-            parts=parts,
+            parts=batch.parts,
             status="pending",
             created_at=now,
         )
@@ -437,10 +685,17 @@ def _unleased(now: float) -> Any:
     return or_(lease.is_(None), lease < now)
 
 
-def _delete_ids(conn: Connection, ids: list[int]) -> None:
+def _delete_ids(conn: Connection, ids: Sequence[int]) -> int:
+    """Delete contributions by id; how many rows were there to delete (a row another
+    transaction removed first is not counted twice)."""
+    deleted = 0
     for start in range(0, len(ids), _IDS_PER_DELETE):
         chunk = ids[start : start + _IDS_PER_DELETE]
-        conn.execute(delete(storage.contributions).where(storage.contributions.c.id.in_(chunk)))
+        result = conn.execute(
+            delete(storage.contributions).where(storage.contributions.c.id.in_(chunk))
+        )
+        deleted += result.rowcount
+    return deleted
 
 
 #: SQLite write-ahead-log pages between checkpoints (SQLite's default is 1,000).
@@ -469,6 +724,17 @@ class SqliteContributionStore(ContributionStore):
     def insert_ignore(self, table: Table) -> Insert:
         return sqlite_insert(table).on_conflict_do_nothing()
 
+    def begin_writing(self, conn: Connection) -> None:
+        """``BEGIN IMMEDIATE``: the write lock from the first read on (the driver would only
+        begin at the first write, after the group was read), so no other writer, a retention
+        purge included, changes the group between its reading and its removal."""
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    def spill_directory(self) -> Path | None:
+        """Beside the database file (the shuffler's data directory), else the system's."""
+        database = self.engine.url.database
+        return Path(database).resolve().parent if database and database != ":memory:" else None
+
 
 class PostgresContributionStore(ContributionStore):
     """PostgreSQL (psycopg): ``%s`` placeholders."""
@@ -477,6 +743,27 @@ class PostgresContributionStore(ContributionStore):
 
     def insert_ignore(self, table: Table) -> Insert:
         return pg_insert(table).on_conflict_do_nothing()
+
+    @contextlib.contextmanager
+    def exclusive(self, key: GroupKey) -> Iterator[bool]:
+        """``pg_try_advisory_lock`` on the group's key, on a dedicated connection held for the
+        whole evaluation: a replica that does not get it skips the group this round instead
+        of dealing it in vain (correctness does not rest on it: the group's row locks and the
+        ``groups`` primary key let one evaluation commit). A session lock, not a transaction
+        one, because the evaluation commits several transactions; a replica killed mid-way
+        loses its connection and with it the lock, so another replica takes the group over.
+        """
+        with db.try_advisory_lock(self.engine, group_lock_identity(key)) as mine:
+            yield mine
+
+    def begin_writing(self, conn: Connection) -> None:
+        """Nothing: :meth:`evaluate_group` locks the group's rows (``FOR UPDATE``) as it reads
+        them, which blocks a purge's ``DELETE`` of them until the evaluation commits."""
+
+
+def group_lock_identity(key: GroupKey) -> list[object]:
+    """What a group's PostgreSQL advisory lock is keyed on (:func:`db.lock_key`)."""
+    return ["shuffler-group", key.channel_id, key.crowd_id, key.epoch]
 
 
 STORES: dict[str, type[ContributionStore]] = {

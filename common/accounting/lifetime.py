@@ -85,7 +85,6 @@ from common.accounting.hockey_stick import ClonePair, eps_for_delta
 from common.accounting.mechanisms import (
     SPECS,
     MechanismParams,
-    PairFunction,
     _mechanism,
     _validate,
     applicable_methods,
@@ -649,17 +648,120 @@ def _snapped(crowds: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(n - n % (1 << max(0, n.bit_length() - 1 - CROWD_GRID_BITS)) for n in crowds)
 
 
-def _pair_function(
+def charged_crowds(crowds: Sequence[int]) -> tuple[int, ...]:
+    """The crowd each epoch is charged at (what :func:`lifetime_for_mechanism` composes).
+
+    The crowds as given, or, with more than ``MAX_EXACT_CROWDS`` distinct ones, each rounded
+    down to a relative grid (``CROWD_GRID_BITS``) so that epochs share PLDs. A smaller crowd
+    dominates a larger one (the pair with m' > m others is a post-processing of the pair with
+    m others, FMT21 Lemma E.2's argument), so the bound stays certified.
+
+    Raises:
+        ValueError: on an empty sequence or a crowd below 1.
+    """
+    return _snapped(_check_crowds(crowds))
+
+
+def _no_worse(a: ClonePair, b: ClonePair) -> bool:
+    """True if pair ``a`` is a post-processing of pair ``b`` (so its ε is no larger at any δ).
+
+    More others, a larger clone probability (``C' = C + Bin(m - C, (r' - r)/(1 - r))``), a
+    smaller ε0 (binary RR at a smaller ε0 post-processes RR at a larger one) and a smaller
+    informative weight (reveal the uninformative case more often) each post-process.
+    """
+    return (
+        a.n_others >= b.n_others
+        and a.clone_prob >= b.clone_prob
+        and a.eps0 <= b.eps0
+        and a.weight <= b.weight
+    )
+
+
+@lru_cache(maxsize=4096)
+def _best_pair(
     mech: Mechanism, eps0: float, crowd: int, delta: float, params: MechanismParams
-) -> PairFunction | None:
-    """Among the mechanism's dominating pairs, the one with the smallest ε at one epoch."""
+) -> ClonePair | None:
+    """Among the mechanism's dominating pairs at ``crowd``, the one with the smallest ε at δ.
+
+    Pairs another pair post-processes are dropped first (:func:`_no_worse`), so the numerical
+    comparison runs only when the families do not order (k-RR at a small ε0 against the
+    generic clones pair). None when the mechanism has no dominating pair.
+    """
     wanted = applicable_methods(mech, params, None)
     candidates = [
-        spec.pair for spec in SPECS[mech].methods if spec.pair is not None and spec.method in wanted
+        spec.pair(eps0, crowd, params)
+        for spec in SPECS[mech].methods
+        if spec.pair is not None and spec.method in wanted
     ]
-    if not candidates:
+    kept = [
+        pair
+        for i, pair in enumerate(candidates)
+        if not any(
+            _no_worse(other, pair) and (other != pair or j < i)
+            for j, other in enumerate(candidates)
+            if j != i
+        )
+    ]
+    if not kept:
         return None
-    return min(candidates, key=lambda pair_of: eps_for_delta(pair_of(eps0, crowd, params), delta))
+    if len(kept) == 1:
+        return kept[0]
+    return min(kept, key=lambda pair: eps_for_delta(pair, delta))
+
+
+def mechanism_epoch(
+    mechanism: Mechanism | str,
+    eps0: float,
+    crowd: int,
+    delta: float,
+    params: MechanismParams | None = None,
+    *,
+    deletion: tuple[float, float] | None = None,
+    replacement: bool = False,
+) -> Epoch | None:
+    """One shuffled epoch of ``mechanism`` at ``crowd`` as its dominating pair, or None.
+
+    The pair is the one of ``mechanisms.SPECS`` with the smallest one-epoch ε at ``delta``
+    (the privacy-blanket pair for binary RR, Balle et al. 2019; the k-RR pair with its weight,
+    FMT21 §4.1; the generic clones pair, FMT21 Remark 3.5, eq. (20)), in the mechanism's
+    natural neighbouring notion. With ``deletion`` = (ε_cr, δ_cr) it is the add/remove
+    statement of randomized report deletion (the replacement statement plus the count's
+    certificate, :meth:`Epoch.with_deletion`, ESA-revisited Theorem V.1); with
+    ``replacement`` a removal statement becomes the replacement one (:meth:`Epoch.as_replacement`).
+    This is the epoch :func:`lifetime_for_mechanism` composes; the analyzer's ledger builds
+    its epochs with it too (through :meth:`common.mechanisms.Mechanism.epoch_pair`).
+
+    Args:
+        mechanism: A mechanism name.
+        eps0: The local ε (as in :func:`~common.accounting.mechanisms.certify`).
+        crowd: The epoch's crowd (its smallest shuffled batch).
+        delta: The epoch's share of the lifetime δ, at which the pairs are compared.
+        params: Mechanism-specific parameters.
+        deletion: Optional per-epoch (ε_cr, δ_cr) of randomized report deletion.
+        replacement: State a removal epoch in the replacement notion.
+
+    Returns:
+        The :class:`Epoch`, or None for a mechanism without a dominating pair (``zsum``;
+        ``generic`` with δ0 > 0): compose its (ε, δ) certificate instead.
+
+    Raises:
+        ValueError: on bad arguments, naming the value.
+    """
+    mech = _mechanism(mechanism)
+    params = params or MechanismParams()
+    eps0 = check_positive("eps0", eps0)
+    crowd = check_count("crowd", crowd)
+    delta = check_probability("delta", delta)
+    _validate(eps0, crowd, delta, params)
+    pair = _best_pair(mech, eps0, crowd, delta, params)
+    if pair is None:
+        return None
+    epoch = Epoch.from_pair(pair, SPECS[mech].natural)
+    if deletion is not None:
+        return _with_deletion(epoch, deletion)
+    if replacement and epoch.neighbouring == "removal":
+        return epoch.as_replacement()
+    return epoch
 
 
 def _certificate_epoch(
@@ -676,14 +778,22 @@ def _mechanism_epochs(
     crowds: tuple[int, ...],
     delta: float,
     params: MechanismParams,
+    deletion: tuple[float, float] | None,
 ) -> list[Epoch]:
-    """One epoch per crowd: the best dominating pair, else the certificate at a δ share."""
-    natural = SPECS[mech].natural
-    pair_of = _pair_function(mech, eps0, min(crowds), delta / len(crowds), params)
-    if pair_of is not None:
-        return [Epoch.from_pair(pair_of(eps0, n, params), natural) for n in crowds]
-    share = CERTIFICATE_SHARE * delta / len(crowds)
-    return [_certificate_epoch(mech, eps0, n, share, params) for n in crowds]
+    """One epoch per crowd: the best dominating pair at that crowd (:func:`mechanism_epoch`,
+    compared at ``delta / T``), else the certificate at ``CERTIFICATE_SHARE · delta / T``."""
+    share = delta / len(crowds)
+    pairs = {
+        n: mechanism_epoch(mech, eps0, n, share, params, deletion=deletion) for n in set(crowds)
+    }
+    ready = [epoch for epoch in (pairs[n] for n in crowds) if epoch is not None]
+    if len(ready) == len(crowds):
+        return ready
+    certificate_share = CERTIFICATE_SHARE * share
+    epochs = [_certificate_epoch(mech, eps0, n, certificate_share, params) for n in crowds]
+    if deletion is not None:
+        epochs = [_with_deletion(epoch, deletion) for epoch in epochs]
+    return epochs
 
 
 def _with_deletion(epoch: Epoch, deletion: tuple[float, float]) -> Epoch:
@@ -702,13 +812,13 @@ def lifetime_for_mechanism(
 ) -> LifetimeResult:
     """Lifetime (ε, δ) of one channel of ``mechanism`` reported once per epoch.
 
-    Each epoch is the mechanism's dominating pair at that epoch's crowd (the one of
-    ``mechanisms.SPECS`` with the smallest one-epoch ε: the blanket pair for binary RR, the
-    k-RR pair with its weight, the generic clones pair), or, for mechanisms without one
-    (``zsum``; ``generic`` with δ0 > 0), its certificate at ``CERTIFICATE_SHARE · δ / T``.
-    With more than ``MAX_EXACT_CROWDS`` distinct crowds each is charged at a crowd rounded
-    down to a relative grid (``CROWD_GRID_BITS``), so that epochs share PLDs; a smaller crowd
-    dominates a larger one, so this only loosens the bound slightly.
+    Each epoch is the mechanism's dominating pair at that epoch's crowd
+    (:func:`mechanism_epoch`: the pair of ``mechanisms.SPECS`` with the smallest one-epoch ε at
+    ``δ / T``: the blanket pair for binary RR, the k-RR pair with its weight, the generic
+    clones pair), or, for mechanisms without one (``zsum``; ``generic`` with δ0 > 0), its
+    certificate at ``CERTIFICATE_SHARE · δ / T``. Crowds are charged as
+    :func:`charged_crowds` says (rounded down to a relative grid when many are distinct, so
+    that epochs share PLDs; a smaller crowd dominates a larger one).
     The statement holds in the mechanism's natural neighbouring notion, or add/remove with
     ``deletion``: then each epoch is the replacement statement (removal mechanisms: two
     independent copies, :meth:`Epoch.as_replacement`) plus the (ε_cr, δ_cr) certificate of
@@ -736,9 +846,7 @@ def lifetime_for_mechanism(
     _validate(eps0, min(crowds), delta, params)
     free = _delta_left(delta, len(crowds), deletion)
     charged = _snapped(crowds)
-    epochs = _mechanism_epochs(mech, eps0, charged, free, params)
-    if deletion is not None:
-        epochs = [_with_deletion(epoch, deletion) for epoch in epochs]
+    epochs = _mechanism_epochs(mech, eps0, charged, free, params, deletion)
     result = compose_epochs(epochs, delta)
     if charged == crowds:
         return result

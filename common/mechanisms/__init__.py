@@ -9,7 +9,7 @@ and one class implementing :class:`common.mechanisms.base.Mechanism`, registered
 
 from typing import Any
 
-from common.mechanisms import krappor, krr, longitudinal, rfrag, zsum
+from common.mechanisms import krappor, krr, ldpsgd, longitudinal, rfrag, zsum
 from common.mechanisms._estimates import CountAccumulator, Estimate
 from common.mechanisms._wire import WIRE_VERSION, FragmentError
 from common.mechanisms.base import (
@@ -36,6 +36,7 @@ BUILT_IN: tuple[Mechanism[Any, Any], ...] = (
     longitudinal.Longitudinal(),
     zsum.ZSum(),
     krr.KRR(),
+    ldpsgd.LdpSgd(),
 )
 for _builtin in BUILT_IN:
     register(_builtin)

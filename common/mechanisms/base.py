@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 from common.accounting import (
     BoundResult,
     Certification,
+    Epoch,
     basic_composition,
     compose_with_deletion,
 )
@@ -262,6 +263,33 @@ class Mechanism(ABC, Generic[P, A]):
         Raises:
             NoDataError: nothing in ``received`` a certificate can rest on.
         """
+
+    def epoch_pair(
+        self,
+        params: P,
+        n: int,
+        delta: float,
+        *,
+        deletion: tuple[float, float] | None = None,
+        replacement: bool = False,
+    ) -> Epoch | None:
+        """One epoch of this channel for lifetime composition: the dominating pair of the
+        shuffled epoch at crowd ``n`` (FMT21 Remark 3.5, eq. (20); the privacy-blanket pair for
+        binary and k-ary RR), built by :func:`common.accounting.lifetime.mechanism_epoch`.
+
+        The analyzer's ledger composes a device's epochs from these pairs with dp_accounting
+        PLDs; None (the default) means the mechanism has no dominating pair (Balcer–Cheu,
+        report fragments across batches) and the epoch enters as its (ε, δ) certificate.
+
+        Args:
+            params: The channel's parameters.
+            n: The crowd the epoch's certificate rests on (as :meth:`certify` counts it).
+            delta: The epoch's share of the lifetime δ (which pair is tightest there).
+            deletion: (ε_cr, δ_cr) of randomized report deletion: the add/remove statement
+                (:meth:`common.accounting.Epoch.with_deletion`, ESA-revisited Theorem V.1).
+            replacement: State the epoch in the replacement notion.
+        """
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from common.accounting import Certification, MechanismParams, certify
+from common.accounting import Certification, Epoch, MechanismParams, certify
+from common.accounting.lifetime import mechanism_epoch
 from common.mechanisms._base import (
     IndexHistogram,
     add_index_fragments,
@@ -129,6 +130,27 @@ def central(params: KRapporParams, n: int, delta: float) -> Certification:
     return certify("krappor", params.eps, n, delta, MechanismParams())
 
 
+def epoch_pair(
+    params: KRapporParams,
+    n: int,
+    delta: float,
+    deletion: tuple[float, float] | None = None,
+    replacement: bool = False,
+) -> Epoch | None:
+    """One epoch at crowd n as a dominating pair: binary RR's privacy-blanket pair (Balle et
+    al. 2019; FMT21 eq. (20) with ``r = 2/(e^ε + 1)``) per attribute, removal notion (the same
+    family :func:`central` certifies with)."""
+    return mechanism_epoch(
+        "krappor",
+        params.eps,
+        n,
+        delta,
+        MechanismParams(),
+        deletion=deletion,
+        replacement=replacement,
+    )
+
+
 class KRappor(IndexHistogram[KRapporParams]):
     """k-RAPPOR with attribute fragments through the mechanism interface."""
 
@@ -156,3 +178,14 @@ class KRappor(IndexHistogram[KRapporParams]):
 
     def certify_crowd(self, params: KRapporParams, n: int, delta: float) -> Certification:
         return central(params, n, delta)
+
+    def epoch_pair(
+        self,
+        params: KRapporParams,
+        n: int,
+        delta: float,
+        *,
+        deletion: tuple[float, float] | None = None,
+        replacement: bool = False,
+    ) -> Epoch | None:
+        return epoch_pair(params, n, delta, deletion, replacement)

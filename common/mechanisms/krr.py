@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from common.accounting import Certification, MechanismParams, certify
+from common.accounting import Certification, Epoch, MechanismParams, certify
+from common.accounting.lifetime import mechanism_epoch
 from common.mechanisms._base import (
     IndexHistogram,
     add_index_fragments,
@@ -130,6 +131,27 @@ def central(params: KRRParams, n: int, delta: float) -> Certification:
     return certify("krr", params.eps, n, delta, MechanismParams(k=params.k))
 
 
+def epoch_pair(
+    params: KRRParams,
+    n: int,
+    delta: float,
+    deletion: tuple[float, float] | None = None,
+    replacement: bool = False,
+) -> Epoch | None:
+    """One epoch at crowd n as a dominating pair (replacement): the k-RR pair with its weight
+    (FMT21 §4.1, ``r = 2/(e^ε + k - 1)``) or the generic clones pair (FMT21 Remark 3.5),
+    whichever is tighter at ``delta``."""
+    return mechanism_epoch(
+        "krr",
+        params.eps,
+        n,
+        delta,
+        MechanismParams(k=params.k),
+        deletion=deletion,
+        replacement=replacement,
+    )
+
+
 class KRR(IndexHistogram[KRRParams]):
     """k-ary randomized response through the mechanism interface."""
 
@@ -154,3 +176,14 @@ class KRR(IndexHistogram[KRRParams]):
 
     def certify_crowd(self, params: KRRParams, n: int, delta: float) -> Certification:
         return central(params, n, delta)
+
+    def epoch_pair(
+        self,
+        params: KRRParams,
+        n: int,
+        delta: float,
+        *,
+        deletion: tuple[float, float] | None = None,
+        replacement: bool = False,
+    ) -> Epoch | None:
+        return epoch_pair(params, n, delta, deletion, replacement)

@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from common.accounting import Certification, MechanismParams, certify
+from common.accounting import Certification, Epoch, MechanismParams, certify
+from common.accounting.lifetime import mechanism_epoch
 from common.mechanisms._base import check_eps
 from common.mechanisms._estimates import Estimate, FloatArray, IntArray
 from common.mechanisms._wire import FragmentError, frame, unframe
@@ -340,6 +341,27 @@ def central(params: LongitudinalParams, crowd: int, delta: float) -> Certificati
     )
 
 
+def epoch_pair(
+    params: LongitudinalParams,
+    crowd: int,
+    delta: float,
+    deletion: tuple[float, float] | None = None,
+    replacement: bool = False,
+) -> Epoch | None:
+    """One epoch at its smallest level crowd as a dominating pair: each report is (ε/2)-binary
+    RR or uniform, so binary RR's privacy-blanket pair at ε/2 (the family :func:`central`
+    certifies with), removal notion."""
+    return mechanism_epoch(
+        "longitudinal",
+        params.eps,
+        crowd,
+        delta,
+        MechanismParams(d=params.d, k=params.k),
+        deletion=deletion,
+        replacement=replacement,
+    )
+
+
 def smallest_level_crowd(accumulator: TreeAccumulator) -> int:
     """Smallest number of reports shuffled together at one tree node in a batch.
 
@@ -442,3 +464,14 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
         cert = central(params, min(crowds.values()), delta)
         periods = len({item.epoch for item in received})
         return ReleaseCertificate(cert.certified, cert.other_notion, cert.lower, crowds, periods)
+
+    def epoch_pair(
+        self,
+        params: LongitudinalParams,
+        n: int,
+        delta: float,
+        *,
+        deletion: tuple[float, float] | None = None,
+        replacement: bool = False,
+    ) -> Epoch | None:
+        return epoch_pair(params, n, delta, deletion, replacement)

@@ -298,7 +298,10 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
     """Report fragments with a persistent backstop through the mechanism interface.
 
     The device state is the :class:`BackstopState` (it must survive restarts: regenerating it
-    would void the ε_ℓ∞ cap); row r of a report goes to shuffler ``r mod K``.
+    would void the ε_ℓ∞ cap); row r of a report goes to shuffler ``r mod K``. An epoch's rows
+    reach different crowds at different shufflers, certified together by
+    :func:`common.accounting.rfrag_across_batches`, which has no dominating pair:
+    :meth:`epoch_pair` keeps the default, and the ledger composes each epoch's certificate.
     """
 
     name = NAME

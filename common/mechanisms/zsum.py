@@ -149,7 +149,11 @@ def central(params: ZSumParams, m: int, delta: float | None = None) -> Certifica
 
 
 class ZSum(IndexHistogram[ZSumParams]):
-    """The Balcer–Cheu zero-sum histogram through the mechanism interface."""
+    """The Balcer–Cheu zero-sum histogram through the mechanism interface.
+
+    It has no dominating pair (its noise is calibrated to a declared crowd, Theorem 12), so
+    :meth:`epoch_pair` keeps the default: the ledger composes each epoch's certificate.
+    """
 
     name = NAME
     code = MECHANISM_CODE

@@ -1,5 +1,5 @@
 """``esa demo``: bring a deployment up (or use a running one), drive a device population
-through the real SDK, close the epoch, and show what the analyzer released and certified."""
+through it, close the epoch, and show what the analyzer released and certified."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ if TYPE_CHECKING:
 @click.option(
     "--devices",
     type=click.IntRange(500, 1_000_000),
-    default=1500,
+    default=15_000,
     show_default=True,
-    help="Simulated devices; each reports once on every channel (at most 800 of them on "
-    "longitudinal channels). Fewer than 500 leave batches below the minimum crowd once "
+    help="Simulated devices; each reports once on every histogram channel and through every "
+    "period of a longitudinal one. Fewer than 500 leave batches below the minimum crowd once "
     "randomized deletion has removed its share.",
 )
 @click.option(
@@ -97,7 +97,7 @@ if TYPE_CHECKING:
     type=click.IntRange(1, 32),
     default=2,
     show_default=True,
-    help="Processes that run the simulated devices.",
+    help="Worker processes that encode and seal the simulated devices' reports.",
 )
 @click.option(
     "--channel",
@@ -107,9 +107,20 @@ if TYPE_CHECKING:
     help="Only these channels (repeatable; default: every channel of the config).",
 )
 @click.option(
-    "--keep-running",
-    is_flag=True,
-    help="If the demo started the deployment, keep it (and its dashboard) up until Ctrl-C.",
+    "--rate",
+    type=click.FloatRange(1.0, None),
+    default=None,
+    metavar="PER_SECOND",
+    help="Send at most this many contributions per second in all (default: as fast as the "
+    "shufflers answer), e.g. to spare a shared staging deployment.",
+)
+@click.option(
+    "--keep-running/--exit",
+    "keep_running",
+    default=None,
+    help="If the demo started the deployment: keep it and its dashboard up until Ctrl-C, or "
+    "stop it when the demo ends. Default: keep it up when stdin and stdout are a terminal, "
+    "stop it otherwise (CI, pipes).",
 )
 def demo(
     devices: int,
@@ -123,21 +134,25 @@ def demo(
     seed: int,
     workers: int,
     channels: tuple[str, ...],
-    keep_running: bool,
+    rate: float | None,
+    keep_running: bool | None,
 ) -> None:
     """Run a simulated device population through the whole pipeline and check the results.
 
     \b
-    Every device is a real SDK client (own state file, verified config, CSPRNG encoding,
-    HPKE sealing, HTTP to a shuffler). Afterwards the demo closes the epoch at every
-    shuffler, waits for the batches to reach the analyzer, and prints per channel: n,
-    the largest true values against their estimates with 95% intervals, the error, the
-    certified central ε and the local ε. It writes an HTML report with plots.
+    Every device is a device in protocol terms (own token at each shuffler, own nonces, CSPRNG
+    encoding, HPKE sealing in worker processes, as `esa loadtest`). Afterwards the demo closes
+    the epoch at every shuffler, waits for the batches to reach the analyzer, and prints per
+    channel: n, the largest true values against their estimates with 95% intervals, the error,
+    central and local ε, each epoch's certificate, the lifetime ε of a device in every epoch
+    (PLD beside basic composition, δ split) and the device budget in use; and an HTML report.
+
+    A deployment the demo started stays up with its dashboard until Ctrl-C in a terminal, and
+    stops at the end under CI or a pipe (--keep-running / --exit choose).
     """
     import httpx
 
     from encoder_client import EsaError
-    from services.cli import launcher
     from services.tools.demo import DemoError
 
     options = _Options(
@@ -150,16 +165,15 @@ def demo(
         report,
         json_path,
         channels,
+        rate,
     )
     services: list[launcher.Service] = []
     workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
     try:
         services, options.trusted_key = _deployment(options, var, workdir, database_url_template)
-        _run(options, workdir, own=bool(services))
-        if services and keep_running:
-            _console().print(f"dashboard: {options.analyzer_url}/   (Ctrl-C stops the deployment)")
-            launcher.serve_forever(services)
-            services = []
+        _run(options, workdir)
+        keep = keep_up(bool(services), keep_running, interactive())
+        finish(services, f"{options.analyzer_url}/", keep)
     except (DemoError, launcher.LaunchError) as error:
         raise click.ClickException(str(error)) from error
     except httpx.HTTPError as error:  # a service went away mid-run
@@ -170,6 +184,42 @@ def demo(
         if services:
             launcher.stop(services)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def interactive() -> bool:
+    """True when a person is at a terminal: stdin and stdout are both a TTY."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def keep_up(own: bool, keep_running: bool | None, is_interactive: bool) -> bool:
+    """Whether the demo keeps the deployment it started (``own``) up after its report:
+    ``--keep-running``/``--exit`` when given, else only for a person at a terminal (whose
+    first click is the dashboard link). A deployment it found running is never its to stop."""
+    if not own:
+        return False
+    return is_interactive if keep_running is None else keep_running
+
+
+def finish(services: list[launcher.Service], dashboard: str, keep: bool) -> None:
+    """Print the dashboard line; with ``keep``, serve until Ctrl-C or SIGTERM and then stop
+    every service the demo started (:func:`launcher.serve_forever`).
+
+    Raises:
+        launcher.LaunchError: a service died while being kept up.
+    """
+    _stdout().print(dashboard_line(dashboard, bool(services), keep), soft_wrap=True)
+    if keep:
+        launcher.serve_forever(services)
+        _console().print("deployment stopped")
+
+
+def dashboard_line(url: str, own: bool, keep: bool) -> str:
+    """The last line of the demo: the dashboard and what happens to the deployment now."""
+    if not own:
+        return f"dashboard: {url}"
+    if keep:
+        return f"dashboard: {url} — press Ctrl-C to stop the deployment"
+    return f"dashboard: {url}  (this demo's deployment stops now; --keep-running keeps it)"
 
 
 @dataclass
@@ -185,10 +235,16 @@ class _Options:
     report: Path
     json_path: Path | None
     only: tuple[str, ...]
+    rate: float | None = None
 
 
 def _console() -> Console:
     return Console(stderr=True)
+
+
+def _stdout() -> Console:
+    """Results on stdout; no squeezed tables in logs and CI."""
+    return Console(width=None if sys.stdout.isatty() else 132)
 
 
 def _deployment(
@@ -223,7 +279,7 @@ def _deployment(
     return services, (workdir / "deployment" / "analyzer.pub").read_text().strip()
 
 
-def _run(options: _Options, workdir: Path, own: bool) -> None:
+def _run(options: _Options, workdir: Path) -> None:
     """Simulate, print what the analyzer released, write the report (and JSON)."""
     from services.tools import demo_report
     from services.tools.demo import DemoError, check_fresh_epochs, connect, results, selected
@@ -233,9 +289,10 @@ def _run(options: _Options, workdir: Path, own: bool) -> None:
     check_fresh_epochs(target, channels, time.time())
     run, sent = _simulate(options, target, channels, workdir)
     found = results(run, sent)
-    out = Console(width=None if sys.stdout.isatty() else 132)  # logs and CI: no squeezed tables
+    out = _stdout()
     _print_summary(out, found)
     inside, checked = _print_checks(out, found)
+    _print_privacy(out, found)
     dashboard = f"{options.analyzer_url}/"
     shapes = {c.id: c.image_shape for c in target.channels if c.image_shape is not None}
     header = (
@@ -244,10 +301,6 @@ def _run(options: _Options, workdir: Path, own: bool) -> None:
     )
     path = demo_report.write(options.report, found, shapes, dashboard, header)
     out.print(f"report:    {path.resolve()}")
-    out.print(
-        f"dashboard: {dashboard}"
-        + ("" if not own else "  (this demo's deployment stops now; --keep-running keeps it)")
-    )
     if options.json_path is not None:
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
         body = {"devices": options.devices, "channels": [r.as_dict() for r in found]}
@@ -294,6 +347,7 @@ def _simulate(
             options.seed,
             options.workers,
             options.only,
+            rate=options.rate,
             progress=lambda name, done: progress.advance(tasks[name], done),
         )
         sent = simulate(run)
@@ -330,6 +384,35 @@ def _print_summary(out: Console, found: list[ChannelResult]) -> None:
         "replaced by the reference input); 'took part ε' covers whether a user contributed at "
         "all (add-remove, with randomized deletion)."
     )
+
+
+def _print_privacy(out: Console, found: list[ChannelResult]) -> None:
+    """Per channel: each epoch's certificate (and whether it entered the lifetime as the
+    mechanism's dominating pair), the lifetime ε by PLD beside basic composition with the δ
+    split, the same with randomized deletion, and the device budget in use."""
+    from rich.table import Table
+
+    from services.tools.demo import budget_text, lifetime_text
+
+    for r in found:
+        table = Table(title=f"{r.channel_id}: privacy over time (per-epoch certificates)")
+        for name in ("epoch", "n", "ε", "δ", "method", "composed as"):
+            table.add_column(name, justify="right")
+        for row in r.epochs[-10:]:
+            eps = "∞" if row["eps"] is None else f"{row['eps']:.3f}"
+            table.add_row(
+                str(row["epoch"]),
+                f"{row['n']:,}",
+                eps,
+                f"{row['delta']:.0e}",
+                str(row["method"]),
+                str(row["composed_as"]),
+            )
+        out.print(table)
+        out.print(f"{r.channel_id}: {lifetime_text(r.lifetime)}", soft_wrap=True)
+        took_part = lifetime_text(r.privacy.get("with_randomized_deletion"))
+        out.print(f"{r.channel_id}: took part at all (with deletion): {took_part}", soft_wrap=True)
+        out.print(f"{r.channel_id}: {budget_text(r.privacy.get('device_budget'))}", soft_wrap=True)
 
 
 def _print_checks(out: Console, found: list[ChannelResult]) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """``esa up``: the embedded deployment — an analyzer and K shufflers as processes on 127.0.0.1.
 
-On first run it creates ``<var>/keys/...`` (PEM, 0600) and writes the channel set and the
+On first run it creates ``<var>/keys/...`` (PEM, 0600; each shuffler also gets its own client
+token secret there: every shuffler is its own trust domain) and writes the channel set and the
 shuffler registry under ``<var>``; every service keeps its SQLite file under ``<var>``. It
 refuses to start when a port is taken, waits until every service is ready, prints the URLs,
 and on Ctrl-C / SIGTERM stops every process it started.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -29,6 +31,7 @@ from common.envelope import (
     public_identity,
 )
 from common.wire import ChannelConfig, b64
+from services.runtime import haproxy
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 ANALYZER_PORT = 8100
@@ -39,13 +42,21 @@ class LaunchError(RuntimeError):
 
 
 #: Settings every deployment of this layout runs with, whatever starts it (``esa up`` or
-#: ``docker-compose.yml``). All simulated devices of ``esa demo`` share one address, so the
-#: per-address enrolment limit is raised from its public-internet default.
+#: ``docker-compose.yml``).
 SHARED_SETTINGS = {
-    "ESA_SHUFFLER_ENROLL_PER_MINUTE": "120000",
     "ESA_SHUFFLER_BATCH_INTERVAL_SECONDS": "1.0",
     "ESA_SHUFFLER_FORWARD_INTERVAL_SECONDS": "0.5",
 }
+#: Settings of the local profile only (``esa up``, ``esa demo``, the tests): every simulated
+#: device enrols from 127.0.0.1, so the per-address enrolment limit is raised. The production
+#: profile (``docker-compose.yml``) keeps the shuffler's default (enrolment is open: the limit
+#: is what slows a flood of fake devices, README "Honest crowds").
+LOCAL_SETTINGS = {"ESA_SHUFFLER_ENROLL_PER_MINUTE": "120000"}
+#: ``local``: :data:`LOCAL_SETTINGS` on top of :data:`SHARED_SETTINGS`; ``production``: only
+#: the shared ones.
+Profile = Literal["local", "production"]
+#: A shuffler's client-token secret (HMAC key), next to its private keys.
+TOKEN_SECRET_FILE = "token-secret"
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,7 @@ def analyzer_spec(var: Path, port: int, database: str) -> ServiceSpec:
         "ESA_ANALYZER_PORT": str(port),
         "ESA_ANALYZER_DATABASE_URL": database,
         "ESA_ANALYZER_KEY_DIR": str(var / "keys" / "analyzer"),
+        "ESA_ANALYZER_TRAINING_DIR": str(var / "training"),
         "ESA_ANALYZER_CHANNELS_FILE": str(var / "channels.json"),
         "ESA_ANALYZER_SHUFFLERS_FILE": str(var / "shufflers.json"),
     }
@@ -131,9 +143,15 @@ def analyzer_spec(var: Path, port: int, database: str) -> ServiceSpec:
 
 
 def shuffler_spec(
-    var: Path, index: int, port: int, analyzer_url: str, database: str
+    var: Path,
+    index: int,
+    port: int,
+    analyzer_url: str,
+    database: str,
+    profile: Profile = "local",
 ) -> ServiceSpec:
-    """Shuffler ``index`` (``shuffler-<index>``) on ``port``, forwarding to ``analyzer_url``."""
+    """Shuffler ``index`` (``shuffler-<index>``) on ``port``, forwarding to ``analyzer_url``,
+    with the settings of ``profile``."""
     sid = f"shuffler-{index}"
     env = {
         "ESA_SHUFFLER_SHUFFLER_ID": sid,
@@ -143,6 +161,7 @@ def shuffler_spec(
         "ESA_SHUFFLER_CHANNELS_FILE": str(var / "channels.json"),
         "ESA_SHUFFLER_ANALYZER_URL": analyzer_url,
         **SHARED_SETTINGS,
+        **(LOCAL_SETTINGS if profile == "local" else {}),
     }
     return ServiceSpec(sid, ("shuffler", "serve"), env, port)
 
@@ -163,15 +182,51 @@ def service_specs(
     database_template: str | None = None,
     analyzer_url: str | None = None,
     overrides: Mapping[str, str] | None = None,
+    profile: Profile = "local",
 ) -> list[ServiceSpec]:
-    """The analyzer and shufflers 1..K: command, environment and port of each (no side effects;
-    ``docker-compose.yml`` is checked against this)."""
+    """The analyzer and shufflers 1..K: command, environment and port of each (no side effects,
+    no secrets; ``docker-compose.yml`` is checked against the ``production`` profile)."""
     analyzer_url = analyzer_url or f"http://127.0.0.1:{base_port}"
     specs = [analyzer_spec(var, base_port, database_url(database_template, var, "analyzer"))]
     for i in range(1, shufflers + 1):
         database = database_url(database_template, var, f"shuffler_{i}")
-        specs.append(shuffler_spec(var, i, base_port + i, analyzer_url, database))
+        specs.append(shuffler_spec(var, i, base_port + i, analyzer_url, database, profile))
     return [with_overrides(spec, overrides or {}) for spec in specs]
+
+
+def load_or_create_secret(path: Path) -> str:
+    """The secret in ``path``, created on first use: 256 bits from the OS CSPRNG, URL-safe
+    base64, in a file only its owner can read (0600, never overwritten).
+
+    Raises:
+        LaunchError: the file exists but holds no usable secret (>= 16 characters).
+    """
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process created it first: use that one
+            pass
+        else:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_urlsafe(32) + "\n")
+    secret = path.read_text().strip()
+    if len(secret) < 16:
+        raise LaunchError(f"{path} holds no secret of >= 16 characters; delete it to renew it")
+    return secret
+
+
+def with_token_secrets(specs: Sequence[ServiceSpec], var: Path) -> list[ServiceSpec]:
+    """Each shuffler with its own client-token secret (``var/keys/<shuffler>/token-secret``,
+    created on first use), so a token one shuffler issued is refused by every other one; a
+    secret already in a spec's environment (an override) is kept."""
+    out = []
+    for spec in specs:
+        if spec.name != "analyzer":
+            secret = load_or_create_secret(var / "keys" / spec.name / TOKEN_SECRET_FILE)
+            spec = replace(spec, env={"ESA_SHUFFLER_TOKEN_SECRET": secret, **spec.env})
+        out.append(spec)
+    return out
 
 
 def prepare(
@@ -187,7 +242,9 @@ def prepare(
 ) -> list[ServiceSpec]:
     """Keys, channel file, shuffler registry and the pinned analyzer key; returns the services.
 
-    Writes ``var/keys/<service>/`` (PEM, 0600; existing keys are kept), ``var/channels.json``,
+    Writes ``var/keys/<service>/`` (PEM, 0600; existing keys are kept; each shuffler's own
+    client-token secret in ``token-secret``, 0600, passed to it as ``ESA_SHUFFLER_TOKEN_SECRET``),
+    ``var/channels.json``,
     ``var/shufflers.json`` (public keys and URLs, ``shuffler_url`` formatted with ``i`` and
     ``port``) and ``var/analyzer.pub`` (the analyzer's Ed25519 config-signing key, base64: what
     an app pins). ``overrides`` are settings for every service of a kind (tests use them to
@@ -208,7 +265,7 @@ def prepare(
     (var / "shufflers.json").write_text(json.dumps(registry, indent=2))
     signing = load_or_create_ed25519(var / "keys" / "analyzer" / "signing.pem")
     (var / "analyzer.pub").write_text(b64(public_bytes(signing.public_key())) + "\n")
-    return service_specs(
+    specs = service_specs(
         var,
         shufflers,
         base_port,
@@ -216,6 +273,7 @@ def prepare(
         analyzer_url=analyzer_url,
         overrides=overrides,
     )
+    return with_token_secrets(specs, var)
 
 
 def start(spec: ServiceSpec, log: Path) -> Service:
@@ -299,27 +357,150 @@ def stop(services: list[Service]) -> None:
             service.process.wait()
 
 
+def check_scale(database_template: str | None, replicas: int, workers: int) -> None:
+    """Refuse replicas or analyzer workers on SQLite (the single-process embedded default).
+
+    Raises:
+        LaunchError: ``replicas`` or ``workers`` > 1 without a PostgreSQL URL template.
+    """
+    if replicas < 1 or workers < 1:
+        raise LaunchError(f"need replicas and analyzer workers >= 1, got {replicas}, {workers}")
+    scaled = replicas > 1 or workers > 1
+    if scaled and not (database_template or "").startswith("postgresql"):
+        raise LaunchError(
+            f"--replicas {replicas} / --analyzer-workers {workers} need PostgreSQL: SQLite is "
+            "the single-process embedded default. Pass --database-url-template "
+            "'postgresql+psycopg://USER@HOST:5432/esa_{service}' (the replicas of a service "
+            "share its database)."
+        )
+
+
+def scale(
+    specs: Sequence[ServiceSpec], replicas: int, workers: int, base_port: int
+) -> tuple[list[ServiceSpec], list[haproxy.Frontend]]:
+    """The processes behind HAProxy: ``workers`` copies of the analyzer (``analyzer.w1``...)
+    and ``replicas`` of each shuffler (``shuffler-1.r1``...), on the ports after the public
+    ones (which HAProxy takes: base, base + 1..K, so URLs, registry and keys are unchanged)."""
+    processes: list[ServiceSpec] = []
+    frontends: list[haproxy.Frontend] = []
+    port = base_port + len(specs)
+    for spec in specs:
+        shuffler = spec.command[0] == "shuffler"
+        copies, suffix = (replicas, "r") if shuffler else (workers, "w")
+        variable = "ESA_SHUFFLER_PORT" if shuffler else "ESA_ANALYZER_PORT"
+        ports = tuple(range(port, port + copies))
+        port += copies
+        for n, p in enumerate(ports, start=1):
+            env = {**spec.env, variable: str(p)}
+            processes.append(replace(spec, name=f"{spec.name}.{suffix}{n}", env=env, port=p))
+        frontends.append(haproxy.Frontend(spec.name, spec.port, ports, shuffler))
+    return processes, frontends
+
+
+def scaled_ports(shufflers: int, replicas: int, workers: int) -> int:
+    """Ports a deployment takes from its base port (public ones, then its processes')."""
+    public = shufflers + 1
+    return public if replicas == workers == 1 else public + workers + shufflers * replicas
+
+
 def up(
     var: Path,
     shufflers: int = 3,
     base_port: int = ANALYZER_PORT,
     timeout: float = 60.0,
     database_template: str | None = None,
+    *,
+    replicas: int = 1,
+    workers: int = 1,
+    channels: Sequence[ChannelConfig] = DEFAULT_CHANNELS,
+    overrides: Mapping[str, str] | None = None,
 ) -> list[Service]:
-    """Start the deployment and return its services once all are ready.
+    """Start the deployment and return its services once all are ready: with ``replicas`` or
+    ``workers`` > 1 (PostgreSQL only), the processes behind HAProxy (:func:`start_scaled`).
 
     Raises:
-        LaunchError: a port is taken or a service did not become ready (nothing is left running).
+        LaunchError: a port is taken, SQLite was asked for replicas, or a service did not
+            become ready (nothing is left running).
     """
-    ports = [base_port + i for i in range(shufflers + 1)]
+    check_scale(database_template, replicas, workers)
+    ports = [base_port + i for i in range(scaled_ports(shufflers, replicas, workers))]
     taken = [p for p in ports if not port_free(p)]
     if taken:
         raise LaunchError(
             f"port(s) {', '.join(map(str, taken))} on 127.0.0.1 already in use: is "
             "another deployment running? Stop it or pass --base-port."
         )
-    specs = prepare(var, shufflers, base_port, database_template=database_template)
-    return start_all(specs, var / "logs", timeout)
+    specs = prepare(
+        var,
+        shufflers,
+        base_port,
+        database_template=database_template,
+        channels=channels,
+        overrides=overrides,
+    )
+    if replicas == workers == 1:
+        return start_all(specs, var / "logs", timeout)
+    return start_scaled(var, specs, replicas, workers, base_port, timeout)
+
+
+def migrate(specs: Sequence[ServiceSpec]) -> None:
+    """Bring every service's database to the latest schema here, before its processes start:
+    each process migrates at start too, and concurrent first migrations of one empty database
+    would race (two processes creating the same table); on a migrated database they are no-ops.
+    """
+    import analyzer
+    import shuffler
+    from services.runtime import db
+
+    for spec in specs:
+        shuffler_side = spec.command[0] == "shuffler"
+        package = shuffler if shuffler_side else analyzer
+        url = spec.env[
+            "ESA_SHUFFLER_DATABASE_URL" if shuffler_side else "ESA_ANALYZER_DATABASE_URL"
+        ]
+        engine = db.make_engine(url)
+        try:
+            db.wait_for(engine)
+            db.upgrade(engine, Path(str(package.__file__)).parent / "migrations")
+        finally:
+            engine.dispose()
+
+
+def start_scaled(
+    var: Path,
+    specs: Sequence[ServiceSpec],
+    replicas: int,
+    workers: int,
+    base_port: int,
+    timeout: float,
+) -> list[Service]:
+    """Write ``var/haproxy.cfg``, migrate every database (:func:`migrate`), start every
+    process, then HAProxy; returns the processes and one entry per public frontend (all
+    sharing HAProxy's process) once every frontend answers ``/readyz``.
+
+    Raises:
+        LaunchError: haproxy is missing or refused its configuration, or a service did not
+            become ready (nothing is left running).
+    """
+    processes, frontends = scale(specs, replicas, workers, base_port)
+    logs, started = var / "logs", []
+    try:
+        config = haproxy.write_config(var / "haproxy.cfg", frontends)
+        migrate(specs)
+        started += start_all(processes, logs, timeout)
+        proxy = haproxy.start(config, logs / "haproxy.log")
+        started += [
+            Service(f"haproxy:{f.name}", f"http://127.0.0.1:{f.port}", proxy, logs / "haproxy.log")
+            for f in frontends
+        ]
+        wait_ready(started, timeout)
+    except haproxy.HaproxyError as error:
+        stop(started)
+        raise LaunchError(str(error)) from error
+    except BaseException:
+        stop(started)
+        raise
+    return started
 
 
 def serve_forever(services: list[Service]) -> None:

@@ -22,6 +22,7 @@ def shuffler_serve(host: str | None, port: int | None) -> None:
     import uvicorn
     from pydantic import ValidationError
 
+    from services.runtime.server import uvicorn_options
     from shuffler.app import create_asgi
     from shuffler.settings import ShufflerSettings
 
@@ -37,6 +38,7 @@ def shuffler_serve(host: str | None, port: int | None) -> None:
         port=settings.port,
         log_config=None,
         access_log=False,
+        **uvicorn_options(),
     )
 
 
@@ -58,6 +60,7 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
     from analyzer.app import create_app
     from analyzer.errors import InvalidChannelError
     from analyzer.settings import AnalyzerSettings
+    from services.runtime.server import uvicorn_options
 
     try:
         settings = AnalyzerSettings()
@@ -71,6 +74,7 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
         port=overrides.get("port", settings.port),  # type: ignore[arg-type]
         log_config=None,
         access_log=False,
+        **uvicorn_options(),
     )
 
 
@@ -100,6 +104,22 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
     "shuffler_1, ...; the databases must exist).",
 )
 @click.option(
+    "--replicas",
+    type=click.IntRange(1, 16),
+    default=1,
+    show_default=True,
+    help="Processes per shuffler trust domain, sharing its PostgreSQL database behind HAProxy "
+    "(var/haproxy.cfg; health checks on /readyz). > 1 needs --database-url-template.",
+)
+@click.option(
+    "--analyzer-workers",
+    type=click.IntRange(1, 16),
+    default=1,
+    show_default=True,
+    help="Analyzer processes sharing its PostgreSQL database behind HAProxy (each opens "
+    "stored parts; a part is opened by one of them). > 1 needs --database-url-template.",
+)
+@click.option(
     "--prepare-only",
     is_flag=True,
     help="Only write keys, channels.json, shufflers.json and analyzer.pub under --var, then "
@@ -116,13 +136,18 @@ def up_command(
     shufflers: int,
     base_port: int,
     database_url_template: str | None,
+    replicas: int,
+    analyzer_workers: int,
     prepare_only: bool,
     shuffler_url_template: str,
 ) -> None:
     """Start the analyzer and K shufflers on 127.0.0.1 and keep them running.
 
-    Creates keys and the default channel set (every mechanism) on first run, waits until all
-    services are ready, prints their URLs, and stops them all on Ctrl-C or SIGTERM.
+    Creates keys, each shuffler's own client-token secret and the default channel set (every
+    mechanism) on first run, waits until all services are ready, prints their URLs, and stops
+    them all on Ctrl-C or SIGTERM (the local profile: a raised per-address enrolment limit).
+    With --replicas R or --analyzer-workers W above 1 (PostgreSQL only), R processes per
+    shuffler and W analyzer processes run behind HAProxy, which takes the usual ports.
     """
     from services.cli.launcher import LaunchError, prepare, serve_forever, up
 
@@ -138,7 +163,14 @@ def up_command(
                 click.echo(f"{spec.name:<12} esa {' '.join(spec.command)} (port {spec.port})")
             click.echo(f"prepared {var}: keys/, channels.json, shufflers.json, analyzer.pub")
             return
-        services = up(var, shufflers, base_port, database_template=database_url_template)
+        services = up(
+            var,
+            shufflers,
+            base_port,
+            database_template=database_url_template,
+            replicas=replicas,
+            workers=analyzer_workers,
+        )
     except LaunchError as error:
         raise click.ClickException(str(error)) from error
     for service in services:

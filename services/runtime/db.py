@@ -8,8 +8,12 @@ is the production database. Schemas are managed by alembic; every service runs
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +26,16 @@ from sqlalchemy.exc import OperationalError
 log = logging.getLogger(__name__)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for ``url``; SQLite files get their directory, WAL and FULL sync."""
+def make_engine(url: str, busy_timeout: float = 5.0) -> Engine:
+    """An engine for ``url``; SQLite files get their directory, WAL and FULL sync, and wait up
+    to ``busy_timeout`` seconds for the write lock."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 5.0})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": busy_timeout}
+        )
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_connection: Any, _: Any) -> None:
@@ -69,3 +76,33 @@ def upgrade(engine: Engine, script_location: Path) -> None:
 def is_sqlite(engine: Engine) -> bool:
     """True for the embedded SQLite backend."""
     return engine.dialect.name == "sqlite"
+
+
+def lock_key(identity: Sequence[Any]) -> int:
+    """A signed 64-bit PostgreSQL advisory lock key: BLAKE2b of ``identity`` as JSON."""
+    name = json.dumps(list(identity)).encode()
+    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "big", signed=True)
+
+
+@contextlib.contextmanager
+def try_advisory_lock(engine: Engine, identity: Sequence[Any]) -> Iterator[bool]:
+    """Whether this process holds the session advisory lock on ``identity`` for the ``with``
+    block (``pg_try_advisory_lock`` on a dedicated autocommit connection, released at the end;
+    a process killed meanwhile loses its connection and the lock with it). Always True on
+    other databases (SQLite: one process per database)."""
+    if engine.dialect.name != "postgresql":
+        yield True
+        return
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        lock = {"key": lock_key(identity)}
+        if not conn.execute(text("SELECT pg_try_advisory_lock(:key)"), lock).scalar_one():
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            try:
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), lock)
+            except Exception:  # never hand a pooled connection back still holding it
+                conn.invalidate()
+                raise

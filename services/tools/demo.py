@@ -1,11 +1,15 @@
-"""``esa demo``: a population of simulated devices through the real SDK, end to end.
+"""``esa demo``: a population of simulated devices through a real deployment, end to end.
 
-Every device is an :class:`encoder_client.Client` with its own SQLite state file. It verifies
-the signed collection config against the pinned analyzer key, encodes with the operating
-system's CSPRNG, seals for the analyzer and one shuffler, enrols and POSTs over HTTP, exactly
-like an app. The demo then closes the epoch at every shuffler (admin close), waits until every
-batch has reached the analyzer, reads each channel's release and compares it with the
-population's truth.
+The devices run on the load generator's fast path (:mod:`services.tools.loadgen`, as
+``esa loadtest``): each is a device in protocol terms, with its own client token enrolled over
+HTTP at every shuffler, its value encoded by the channel's mechanism from the operating
+system's CSPRNG, every fragment HPKE-sealed to the analyzer key of the signed collection config
+(verified against the pinned key) and each contribution sealed with its own nonce to the
+shuffler it routes to. Encoding and sealing run in worker processes ahead of sending; the
+requests are then replayed over keep-alive HTTP. A longitudinal channel's devices run their
+tree (Erlingsson et al. 2019, Algorithm 1) through its periods, one short epoch each. The demo
+then closes the epochs at every shuffler (admin close), waits until every batch has reached the
+analyzer, reads each channel's release and compares it with the population's truth.
 
 Randomized deletion (ESA-revisited, Algorithm 3) removes whole contributions at random before
 the analyzer sees them, so the estimate targets ``truth * kept`` where ``kept`` is the share of
@@ -15,12 +19,13 @@ contributions that reached it; the interval the demo checks adds that sampling n
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import math
 import re
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,22 +38,27 @@ from common.mechanisms import ValueKind
 from common.mechanisms import get as get_mechanism
 from common.mechanisms.longitudinal import ChangeLog
 from common.wire import ChannelConfig, ChannelList, CollectionConfig, SignedConfig
-from services.tools import populations
+from services.tools import loadgen, populations
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
 #: Two-sided 95% normal quantile.
 Z95 = 1.959963984540054
-#: Devices handled per worker task (one progress-bar step).
-CHUNK = 50
+#: Devices sealed per step of the progress bar.
+CHUNK = 500
 #: How many of a channel's largest true bins the demo prints and checks.
 SHOWN = 5
-#: At most this many devices report on a longitudinal channel: each of its periods is one
-#: short epoch, and every report of a period must reach a shuffler before that epoch ends.
-LONGITUDINAL_DEVICES = 800
-#: Threads per worker process that deliver one longitudinal period's reports.
-PERIOD_THREADS = 8
+#: Keep-alive connections per shuffler while replaying.
+CONNECTIONS = 32
+#: Outer envelopes sealed per second assumed when planning a longitudinal channel's first
+#: period (measured ~6,500 per core on a quiet machine; this allows for a busy one).
+OUTER_SEALS_PER_S = 2000.0
+
+
+#: How long a simulated device keeps retrying a contribution (transport errors, 429, 503), as
+#: the SDK's outbox does: long enough for a crashed shuffler to be restarted.
+DEVICE_PATIENCE_SECONDS = 120.0
 
 
 class DemoError(RuntimeError):
@@ -107,6 +117,9 @@ class ChannelResult:
     truth: list[int]
     bins: list[int] = field(default_factory=list)
     checked: list[dict[str, float]] = field(default_factory=list)
+    #: The channel's privacy ledger (``GET /v1/channels/{id}/privacy``): per-epoch
+    #: certificates, the lifetime ε of a device in every epoch, the device budget in use.
+    privacy: dict[str, Any] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -145,6 +158,27 @@ class ChannelResult:
         return None if value is None else float(value)
 
     @property
+    def lifetime(self) -> dict[str, Any] | None:
+        """The lifetime (ε, δ) of a device in every epoch so far (PLD beside basic)."""
+        found: dict[str, Any] | None = self.privacy.get("lifetime")
+        return found
+
+    @property
+    def epochs(self) -> list[dict[str, Any]]:
+        """Each charged epoch: n, its certificate and whether it entered as a pair."""
+        return [
+            {
+                "epoch": row["epoch"],
+                "n": row["n"],
+                "eps": row["certificate"]["eps"],
+                "delta": row["certificate"]["delta"],
+                "method": row["certificate"]["method"],
+                "composed_as": row.get("composed_as", "certificate"),
+            }
+            for row in self.privacy.get("epochs", [])
+        ]
+
+    @property
     def inside(self) -> int:
         """How many checked bins hold their expected value inside the interval."""
         return sum(1 for row in self.checked if row["lo"] <= row["expected"] <= row["hi"])
@@ -167,6 +201,10 @@ class ChannelResult:
             "rmse": self.rmse,
             "checked": self.checked,
             "inside": self.inside,
+            "epochs": self.epochs,
+            "lifetime": self.lifetime,
+            "lifetime_with_deletion": self.privacy.get("with_randomized_deletion"),
+            "device_budget": self.privacy.get("device_budget"),
         }
 
     @property
@@ -280,129 +318,112 @@ def population(config: ChannelConfig, devices: int, rng: np.random.Generator) ->
     return Truth(config, np.asarray(counts, dtype=np.int64), values=values)
 
 
-# --- devices (run in worker processes) ----------------------------------------------------
+# --- devices: the load generator's fast path ------------------------------------------------
 
 
-@dataclass(frozen=True)
-class DeviceJob:
-    """Devices ``first..first+len(values)-1``: report each channel's value, then deliver."""
+@dataclass
+class _Delivery:
+    """What the replay of one phase saw: acknowledged per channel, refused, never sent."""
 
-    config_file: str
-    trusted_key: str
-    state_dir: str
-    first: int
-    values: dict[str, list[int]]
+    accepted: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
+    unsent: int = 0
 
+    def merge(self, other: _Delivery) -> None:
+        """Add what another phase saw."""
+        for cid, count in other.accepted.items():
+            self.accepted[cid] = self.accepted.get(cid, 0) + count
+        for status, count in other.refused.items():
+            self.refused[status] = self.refused.get(status, 0) + count
+        self.unsent += other.unsent
 
-def _deliver_all(client: Any, deadline: float) -> int:
-    delivered = client.flush()
-    while client.state.outbox_size() and time.monotonic() < deadline:
-        time.sleep(0.2)
-        delivered += client.flush()
-    return int(delivered)
-
-
-def _more_files() -> None:
-    """Raise this process's open-file limit to the hard limit: every open Client holds its
-    SQLite files and keep-alive sockets."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    def add(self, channels: list[str], driver: loadgen.Driver, skipped: int) -> None:
+        """Count one replay of ``channels`` (request tag i is ``channels[i]``)."""
+        for i, cid in enumerate(channels):
+            self.accepted[cid] = self.accepted.get(cid, 0) + driver.stats.accepted_by_tag[i]
+        for status, count in driver.stats.statuses.items():
+            if status not in (202, 429):  # a 429 is retried; given_up counts the rest
+                key = str(status)
+                self.refused[key] = self.refused.get(key, 0) + count
+        self.unsent += driver.stats.given_up + skipped
 
 
-def run_devices(job: DeviceJob) -> dict[str, int]:
-    """Each device reports once on every histogram channel; returns contributions delivered
-    per channel (and ``"_left"``: still in outboxes after retrying for a minute)."""
-    from encoder_client import Client
+def _replay(
+    urls: list[str],
+    files: dict[str, dict[int, list[Path]]],
+    epochs: dict[str, int],
+    rate: float | None = None,
+) -> tuple[loadgen.Driver, int]:
+    """Send every request of the current epoch(s) at ``rate`` per second in all (None: as fast
+    as the shufflers answer); returns the driver (its stats) and how many requests were
+    skipped because their epoch ended."""
+    from services.tools.loadtest.live import ChannelSource
 
-    delivered = {c: 0 for c in job.values}
-    left = dropped = 0
-    count = len(next(iter(job.values.values()))) if job.values else 0
-    for offset in range(count):
-        path = Path(job.state_dir) / f"device-{job.first + offset}.db"
-        with Client(
-            config_file=job.config_file,
-            trusted_key=job.trusted_key,
-            state_path=path,
-            background=False,
-        ) as client:
-            for channel_id, values in job.values.items():
-                client.histogram(channel_id).report(int(values[offset]))
-                delivered[channel_id] += 1
-            queued = client.state.outbox_size()
-            acknowledged = _deliver_all(client, time.monotonic() + 60)
-            left += client.state.outbox_size()
-            dropped += queued - acknowledged - client.state.outbox_size()
-    return {**delivered, "_left": left, "_dropped": dropped}
+    source = ChannelSource(files, epochs)
+    driver = loadgen.Driver(urls, concurrency=CONNECTIONS, patience=DEVICE_PATIENCE_SECONDS)
+    asyncio.run(driver.run(source, rate, 3600.0, until_empty=True))
+    return driver, source.skipped
 
 
-@dataclass(frozen=True)
-class LongitudinalJob:
-    """Devices of one longitudinal channel, driven period by period on the channel's epochs."""
-
-    config_file: str
-    trusted_key: str
-    state_dir: str
-    channel_id: str
-    epoch_seconds: int
-    first_epoch: int
-    devices: list[int]
-    changes: dict[int, list[int]]  # device -> periods at which its state changes
-    d: int
+def _pieces(columns: list[list[str]], size: int) -> Iterator[tuple[range, list[list[str]]]]:
+    """Devices in pieces of ``size``: their range and their tokens at each shuffler."""
+    for part in _chunks(len(columns[0]), size):
+        yield part, [tokens[part.start : part.stop] for tokens in columns]
 
 
-def run_longitudinal(job: LongitudinalJob) -> dict[str, int]:
-    """Period t runs in epoch ``first_epoch + t - 1``: every device tells the SDK whether its
-    state changed and delivers the report the tree asks for (Erlingsson et al. 2019, Alg. 1).
-    The devices' clients stay open across periods, as in an app that keeps running."""
-    from contextlib import ExitStack
+def _seal_histograms(
+    run: DemoRun, pool: loadgen.SealerPool, tokens: list[list[str]], channels: list[str]
+) -> dict[str, dict[int, list[Path]]]:
+    """Every histogram device encodes its value (CSPRNG) and seals its report in a worker,
+    piece by piece (the progress bar), then one contribution per device and channel is
+    sealed for the channel's current epoch. Returns the request files per channel."""
+    for part, columns in _pieces(tokens, CHUNK):
+        for cid in channels:
+            values = run.truths[cid].values
+            assert values is not None
+            pool.add_devices(columns, values[part.start : part.stop].tolist(), cid)
+        run.progress("devices", len(part))
+    files: dict[str, dict[int, list[Path]]] = {}
+    for cid in channels:
+        epoch = int(time.time() // run.config(cid).epoch_seconds)
+        where = run.workdir / "requests" / cid
+        where.mkdir(parents=True, exist_ok=True)
+        paths, _ = pool.seal_epoch(epoch, run.devices, where, channel=cid)
+        files[cid] = {epoch: paths}
+    return files
 
-    from encoder_client import Client
 
-    _more_files()
-    sent = late = queued = 0
-    with ExitStack() as stack:
-        clients = {
-            device: stack.enter_context(
-                Client(
-                    config_file=job.config_file,
-                    trusted_key=job.trusted_key,
-                    state_path=Path(job.state_dir) / f"device-{device}.db",
-                    background=False,
-                )
+def _run_series(
+    run: DemoRun, pool: loadgen.SealerPool, tokens: list[list[str]], config: ChannelConfig
+) -> tuple[_Delivery, tuple[int, int]]:
+    """A longitudinal channel: every device runs its tree through the channel's periods
+    (Erlingsson et al. 2019, Algorithm 1), sealed ahead of time; period t is sent during
+    epoch ``first + t - 1`` of the channel's short epochs. Returns what was delivered and
+    the (first, last) epoch."""
+    truth = run.truths[config.id]
+    assert truth.changes is not None
+    changes: list[list[int]] = [[] for _ in range(run.devices)]
+    for user, period in zip(truth.changes.user, truth.changes.period, strict=True):
+        changes[int(user)].append(int(period))
+    timing = pool.add_series(tokens, changes, config.id)
+    # The outer envelopes name the epoch: start far enough ahead to seal them all first.
+    ahead = 1.0 + 2.0 * timing.items / OUTER_SEALS_PER_S
+    first = int((time.time() + ahead) // config.epoch_seconds) + 1
+    files, _ = pool.seal_series(first, run.workdir / "requests" / config.id, config.id)
+    delivery = _Delivery()
+    for t, epoch in enumerate(sorted(files), start=1):
+        time.sleep(max(0.0, epoch * config.epoch_seconds + 0.05 - time.time()))
+        driver, skipped = _replay(pool.target.shuffler_urls, {config.id: {epoch: files[epoch]}},
+                                  {config.id: config.epoch_seconds}, run.rate)  # fmt: skip
+        if skipped:  # the epoch ended before all of its requests were sent
+            raise DemoError(
+                f"period {t} of {config.id!r} overran its {config.epoch_seconds}-second epoch: "
+                "this machine is too busy (stop other work, try fewer --devices, or --channel "
+                "to leave the longitudinal channel out)"
             )
-            for device in job.devices
-        }
-        for t in range(1, job.d + 1):
-            start = (job.first_epoch + t - 1) * job.epoch_seconds
-            time.sleep(max(0.0, start + 0.05 - time.time()))
-            deadline = time.monotonic() + job.epoch_seconds
-
-            def period(
-                item: tuple[int, Any], t: int = t, start: float = start, until: float = deadline
-            ) -> tuple[int, int]:
-                device, client = item
-                if time.time() >= start + job.epoch_seconds - 0.3:
-                    raise DemoError(
-                        f"period {t} of {job.channel_id!r} overran its {job.epoch_seconds}-second "
-                        "epoch: this machine is too busy (stop other work, or try --channel to "
-                        "leave the longitudinal channel out)"
-                    )
-                before = client.state.outbox_size()
-                client.longitudinal(job.channel_id).update(t, t in job.changes.get(device, ()))
-                if client.state.outbox_size() > before:
-                    return 1, _deliver_all(client, until)
-                return 0, 0
-
-            # Devices are independent; threads overlap their HTTP round trips.
-            with ThreadPoolExecutor(PERIOD_THREADS) as threads:
-                for reported, acknowledged in threads.map(period, clients.items()):
-                    queued += reported
-                    sent += acknowledged
-        late = sum(client.state.outbox_size() for client in clients.values())
-    return {job.channel_id: sent, "_left": late, "_dropped": queued - sent - late}
+        delivery.add([config.id], driver, skipped)
+        run.progress(config.id, 1)
+    return delivery, (first, first + len(files) - 1)
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -418,8 +439,13 @@ class DemoRun:
     seed: int = 0
     workers: int = 2
     only: tuple[str, ...] = ()
+    rate: float | None = None
     progress: Callable[[str, int], None] = lambda _, __: None
     truths: dict[str, Truth] = field(default_factory=dict)
+
+    def config(self, channel_id: str) -> ChannelConfig:
+        """The channel of the collection config named ``channel_id``."""
+        return next(c for c in self.target.channels if c.id == channel_id)
 
 
 def _kind(config: ChannelConfig) -> ValueKind:
@@ -454,14 +480,39 @@ def _chunks(n: int, size: int) -> Iterator[range]:
         yield range(start, min(n, start + size))
 
 
+def _patiently(send: Callable[[], httpx.Response], what: str) -> httpx.Response:
+    """``send()``, tried again after a transport error or a 503 for up to
+    :data:`DEVICE_PATIENCE_SECONDS`, with backoff: a shuffler being restarted (in compose its
+    name does not even resolve for a while).
+
+    Raises:
+        DemoError: still failing at the deadline.
+    """
+    deadline, delay = time.monotonic() + DEVICE_PATIENCE_SECONDS, 0.2
+    while True:
+        try:
+            response = send()
+            if response.status_code != 503:
+                return response
+            failure = f"HTTP 503: {response.text[:200]}"
+        except httpx.TransportError as error:
+            failure = f"{type(error).__name__}: {error}"
+        if time.monotonic() > deadline:
+            raise DemoError(f"{what}: {failure}")
+        time.sleep(delay)
+        delay = min(2 * delay, 3.0)
+
+
 def _close(target: Target, channel_id: str, epoch: int) -> None:
     for url in target.shuffler_urls:
-        response = httpx.post(
+        send = functools.partial(
+            httpx.post,
             url + "/v1/admin/close",
             json={"channel_id": channel_id, "epoch": epoch},
             headers={"Authorization": f"Bearer {target.admin_token}"},
             timeout=120.0,
         )
+        response = _patiently(send, f"closing {channel_id} epoch {epoch} at {url}")
         if response.status_code != 200:
             raise DemoError(f"closing {channel_id} epoch {epoch} at {url}: {response.text}")
 
@@ -478,7 +529,9 @@ def _wait_metric(
     """Poll ``url``'s ``/metrics`` (as ``token`` when given) until ``pattern``'s value is 0."""
     headers = {} if token is None else {"Authorization": f"Bearer {token}"}
     while True:
-        found = pattern.search(httpx.get(url + "/metrics", headers=headers, timeout=10.0).text)
+        send = functools.partial(httpx.get, url + "/metrics", headers=headers, timeout=10.0)
+        answer = _patiently(send, f"{url}/metrics")
+        found = pattern.search(answer.text)
         if found is not None and float(found.group(1)) == 0:
             return
         if time.monotonic() > deadline:
@@ -486,7 +539,7 @@ def _wait_metric(
         time.sleep(0.2)
 
 
-def _wait_forwarded(target: Target, timeout: float = 300.0) -> None:
+def _wait_forwarded(target: Target, timeout: float = 600.0) -> None:
     """Until every shuffler has forwarded its batches and the analyzer has opened them all."""
     deadline = time.monotonic() + timeout
     for url in target.shuffler_urls:
@@ -497,137 +550,63 @@ def _wait_forwarded(target: Target, timeout: float = 300.0) -> None:
 def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     """Drive every device; returns per channel (devices, delivered, first epoch, last epoch).
 
-    ``run.progress`` is told ``("devices", k)`` as histogram devices finish and
+    The load generator's fast path (:mod:`services.tools.loadgen`): each device enrolls at
+    every shuffler over HTTP (its own tokens), encodes its value with the OS CSPRNG and
+    seals it in a worker process; the requests are replayed over keep-alive connections.
+    ``run.progress`` is told ``("devices", k)`` as devices have sealed their reports and
     ``(channel_id, 1)`` as each longitudinal period ends.
+
+    Raises:
+        DemoError: enrolment or sealing failed, or contributions were refused or not sent.
     """
     target, rng = run.target, np.random.default_rng(run.seed)
-    config_file = run.workdir / "config.json"
-    config_file.write_text(target.document.model_dump_json())
-    state_dir = run.workdir / "devices"
-    state_dir.mkdir(parents=True, exist_ok=True)
     channels = selected(target, run.only)
-    stateful = {c.id for c in channels if _kind(c) is ValueKind.STATE}
-    sizes = {
-        c.id: min(run.devices, LONGITUDINAL_DEVICES) if c.id in stateful else run.devices
-        for c in channels
-    }
-    run.truths = {c.id: population(c, sizes[c.id], rng) for c in channels}
-    histograms = {c.id: c for c in channels if c.id not in stateful}
-    series = [c for c in channels if c.id in stateful]
-    totals: dict[str, int] = dict.fromkeys(run.truths, 0)
+    run.truths = {c.id: population(c, run.devices, rng) for c in channels}
+    histograms = [c.id for c in channels if _kind(c) is not ValueKind.STATE]
+    series = [c for c in channels if _kind(c) is ValueKind.STATE]
+    urls = target.shuffler_urls
     epochs: dict[str, tuple[int, int]] = {}
-    started = time.time()
-    left_h, dropped_h = _run_histograms(run, list(histograms), config_file, state_dir, totals)
-    finished = time.time()
-    for cid, config in histograms.items():
-        epochs[cid] = (
-            int(started // config.epoch_seconds),
-            int(finished // config.epoch_seconds),
-        )
+    delivery = _Delivery()
+    closed: set[str] = set()
+    first = loadgen.Target(target.config, channels[0])
     try:
-        left, dropped = _run_series(run, series, sizes, config_file, state_dir, epochs, totals)
-    finally:
-        # Close what this run used even when it failed, so a later run never merges with it.
-        for cid, (_, last) in epochs.items():
-            _close(target, cid, last)
-        _wait_forwarded(target)
-    dropped, left = dropped + dropped_h, left + left_h
-    if dropped:
+        with loadgen.SealerPool(first, run.workers, loadgen.ZipfValues(2)) as pool:
+            tokens = asyncio.run(loadgen.enroll(urls, run.devices))
+            pool.ready()
+            try:
+                if histograms:
+                    files = _seal_histograms(run, pool, tokens, histograms)
+                    seconds = {cid: run.config(cid).epoch_seconds for cid in histograms}
+                    driver, skipped = _replay(urls, files, seconds, run.rate)
+                    delivery.add(histograms, driver, skipped)
+                    epochs |= {cid: (min(f), max(f)) for cid, f in files.items()}
+                    # Closed now, the analyzer opens their batches during the periods below.
+                    for cid in histograms:
+                        _close(target, cid, epochs[cid][1])
+                        closed.add(cid)
+                for config in series:
+                    found, epochs[config.id] = _run_series(run, pool, tokens, config)
+                    delivery.merge(found)
+            finally:
+                # Close what this run used even when it failed, so a later run never merges.
+                for cid, (_, last) in epochs.items():
+                    if cid not in closed:
+                        _close(target, cid, last)
+                _wait_forwarded(target)
+    except loadgen.LoadError as error:
+        raise DemoError(f"the simulated devices could not report: {error}") from error
+    if delivery.refused:
         raise DemoError(
-            f"the shufflers refused {dropped} contributions for good (late "
-            "for their epoch, or 400/413: see the shufflers' logs and "
+            f"the shufflers refused contributions (by status: {delivery.refused}; late for "
+            "their epoch, or 400/413: see the shufflers' logs and "
             "esa_shuffler_contributions_rejected_total)"
         )
-    if left:
-        raise DemoError(f"{left} contributions could not be delivered (see the shufflers' logs)")
-    return {cid: (sizes[cid], totals[cid], *epochs[cid]) for cid in run.truths}
-
-
-def _run_histograms(
-    run: DemoRun, channel_ids: list[str], config_file: Path, state_dir: Path, totals: dict[str, int]
-) -> tuple[int, int]:
-    """Phase 1: the histogram channels, as fast as the machine allows, in worker processes.
-
-    Adds what each channel delivered to ``totals``; returns (left undelivered, refused).
-    """
-    left = dropped = 0
-    with ProcessPoolExecutor(run.workers) as pool:
-        futures = {}
-        for chunk in _chunks(run.devices, CHUNK):
-            values = {
-                cid: [int(v) for v in run.truths[cid].values[chunk]]  # type: ignore[index]
-                for cid in channel_ids
-            }
-            job = DeviceJob(
-                str(config_file), run.target.trusted_key, str(state_dir), chunk.start, values
-            )
-            futures[pool.submit(run_devices, job)] = len(chunk)
-        for future in as_completed(futures):
-            result = future.result()
-            left += result.pop("_left")
-            dropped += result.pop("_dropped")
-            for cid, sent in result.items():
-                totals[cid] += sent
-            run.progress("devices", futures[future])
-    return left, dropped
-
-
-def _run_series(
-    run: DemoRun,
-    series: list[ChannelConfig],
-    sizes: dict[str, int],
-    config_file: Path,
-    state_dir: Path,
-    epochs: dict[str, tuple[int, int]],
-    totals: dict[str, int],
-) -> tuple[int, int]:
-    """Phase 2 of :func:`simulate`; returns (left in outboxes, refused for good)."""
-    target = run.target
-    left = dropped = 0
-    # Phase 2: longitudinal channels, one period per (short) epoch. They run on a quiet machine:
-    # every report of a period has to reach a shuffler before its epoch ends.
-    for config in series:
-        truth = run.truths[config.id]
-        assert truth.changes is not None
-        d = periods(config) or 1
-        changes: dict[int, list[int]] = {}
-        for user, period in zip(truth.changes.user, truth.changes.period, strict=True):
-            changes.setdefault(int(user), []).append(int(period))
-        # Start at an epoch boundary far enough away for every worker to open its clients.
-        lead = 2.0 + 0.03 * sizes[config.id] / run.workers
-        first = int((time.time() + lead) // config.epoch_seconds) + 1
-        epochs[config.id] = (first, first + d - 1)
-        parts = np.array_split(np.arange(sizes[config.id]), run.workers)
-        with ProcessPoolExecutor(run.workers) as pool:
-            futures = [
-                pool.submit(
-                    run_longitudinal,
-                    LongitudinalJob(
-                        str(config_file),
-                        target.trusted_key,
-                        str(state_dir / config.id),
-                        config.id,
-                        config.epoch_seconds,
-                        first,
-                        [int(i) for i in part],
-                        {int(i): changes.get(int(i), []) for i in part},
-                        d,
-                    ),
-                )
-                for part in parts
-            ]
-            for t in range(1, d + 1):
-                end = (first + t) * config.epoch_seconds
-                while time.time() < end and not all(f.done() for f in futures):
-                    time.sleep(0.1)
-                run.progress(config.id, 1)
-            for future in futures:
-                result = future.result()
-                left += result.pop("_left")
-                dropped += result.pop("_dropped")
-                for cid, sent in result.items():
-                    totals[cid] += sent
-    return left, dropped
+    if delivery.unsent:
+        raise DemoError(
+            f"{delivery.unsent} contributions could not be delivered (the epoch ended, or "
+            "the shufflers kept answering 429 or broke connections: see their logs)"
+        )
+    return {cid: (run.devices, delivery.accepted.get(cid, 0), *epochs[cid]) for cid in run.truths}
 
 
 def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[ChannelResult]:
@@ -666,8 +645,70 @@ def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[Ch
             [int(c) for c in truth.counts],
         )
         _check(result, truth)
+        result.privacy = privacy(run.target, config.id)
         out.append(result)
     return out
+
+
+def _eps(value: float | None, digits: int = 3) -> str:
+    return "∞" if value is None else f"{value:.{digits}g}"
+
+
+def lifetime_text(lifetime: dict[str, Any] | None) -> str:
+    """One line: the lifetime ε by PLD composition beside basic (and advanced) composition,
+    at the total δ, with how δ is split."""
+    if lifetime is None:
+        return "no epoch charged yet"
+    if lifetime["eps"] is None:
+        return (
+            f"lifetime ε (PLD) = ∞ over {lifetime['epochs']} epochs beside basic composition ∞: "
+            "an epoch certifies no finite ε (e.g. Balcer–Cheu below its declared crowd)"
+        )
+    split = lifetime["delta_split"]
+    return (
+        f"lifetime ε (PLD) = {_eps(lifetime['eps_pld'])} over {lifetime['epochs']} epochs "
+        f"({lifetime['pair_parts']} of {lifetime['parts']} parts dominating pairs) beside basic "
+        f"composition {_eps(lifetime['eps_basic'])} (advanced {_eps(lifetime['eps_advanced'])}; "
+        f"certified {_eps(lifetime['eps'])} by {lifetime['method']}) at δ = "
+        f"{lifetime['delta']:.2g}, {lifetime['neighbouring']}; δ split: certificates "
+        f"{split['certificates']:.2g}, composition {split['pld_pairs']:.2g} (truncation ≤ "
+        f"{split['pld_truncation']:.1g}), basic {split['basic_per_part']:.2g} per part"
+    )
+
+
+def budget_text(budget: dict[str, Any] | None) -> str:
+    """One line: the device-side local-ε budget in use (the signed config's caps) and what a
+    device that reported in every epoch so far has spent (epochs × local ε)."""
+    if budget is None:
+        return "device budget: not reported by this analyzer"
+    caps = []
+    for limit in budget["limits"]:
+        span = "lifetime" if limit["window_seconds"] is None else f"{limit['window_seconds']} s"
+        over = " EXHAUSTED" if limit["exhausted"] else ""
+        caps.append(
+            f"{limit['scope']} {span} ε ≤ {limit['eps']:g} (spent {_eps(limit['spent'])}, "
+            f"left {limit['left']:.3g}){over}"
+        )
+    return (
+        f"device budget: local ε per report {_eps(budget['local_eps'])}; a device in all "
+        f"{budget['reports']} epochs spent {_eps(budget['spent'])}; "
+        + ("caps: " + "; ".join(caps) if caps else "no cap set in the signed config")
+    )
+
+
+def privacy(target: Target, channel_id: str) -> dict[str, Any]:
+    """The channel's privacy ledger: each epoch's certificate, the lifetime ε of a device in
+    every epoch so far (dp_accounting PLD beside basic composition, δ split) and the device
+    budget in use.
+
+    Raises:
+        DemoError: the analyzer does not answer it.
+    """
+    response = httpx.get(f"{target.analyzer_url}/v1/channels/{channel_id}/privacy", timeout=120.0)
+    if response.status_code != 200:
+        raise DemoError(f"the analyzer's privacy ledger of {channel_id!r}: {response.text}")
+    body: dict[str, Any] = response.json()
+    return body
 
 
 def _check(result: ChannelResult, truth: Truth) -> None:

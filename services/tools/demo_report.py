@@ -11,10 +11,16 @@ from pathlib import Path
 
 import numpy as np
 
-from services.tools.demo import Z95, ChannelResult
+from services.tools.demo import Z95, ChannelResult, budget_text, lifetime_text
 
 #: Bins a histogram plot shows (the largest true values).
 PLOTTED = 20
+#: What the report's "Privacy over time" table shows.
+PRIVACY_INTRO = """<p>The analyzer charges each epoch once, at the crowds it received. A device
+that reported in every epoch loses the composition of the epochs: composed by privacy-loss
+distributions (dp_accounting, pessimistic) of each epoch's dominating pair, or of its (ε, δ)
+certificate for mechanisms without one, beside basic composition. The device budget is the
+local-ε cap of the signed config that the SDK enforces, against epochs × local ε.</p>"""
 
 
 def _png(figure: object) -> str:
@@ -72,14 +78,63 @@ def plot(result: ChannelResult, shape: tuple[int, int] | None = None) -> str:
     return encoded
 
 
-def write(
-    path: Path,
-    results: Sequence[ChannelResult],
-    shapes: dict[str, tuple[int, int]],
-    dashboard: str | None,
-    header: str,
-) -> Path:
-    """Write the report and return its path."""
+def _epsilon(value: float | None) -> str:
+    return "∞" if value is None else f"{value:.3g}"
+
+
+def privacy_rows(results: Sequence[ChannelResult]) -> str:
+    """One row per channel: the lifetime ε of a device in every epoch (PLD) beside basic
+    composition, the δ and its split, the add/remove lifetime and the device budget in use."""
+    rows = []
+    for r in results:
+        life = r.lifetime
+        deleted = r.privacy.get("with_randomized_deletion")
+        budget = r.privacy.get("device_budget") or {}
+        if life is None:
+            rows.append(f"<tr><td>{html.escape(r.channel_id)}</td><td colspan=7>—</td></tr>")
+            continue
+        split = life["delta_split"]
+        rows.append(
+            f"<tr><td>{html.escape(r.channel_id)}</td><td>{life['epochs']}</td>"
+            f'<td class="lifetime-pld">{_epsilon(life["eps_pld"])}</td>'
+            f'<td class="lifetime-basic">{_epsilon(life["eps_basic"])}</td>'
+            f"<td>{life['delta']:.0e}</td><td>certificates {split['certificates']:.1e}, "
+            f"composition {split['pld_pairs']:.1e}</td>"
+            f"<td>{_epsilon(None if deleted is None else deleted['eps'])}</td>"
+            f"<td>{_epsilon(budget.get('spent'))} ({_caps(budget.get('limits', []))})</td></tr>"
+        )
+    return (
+        "<table><tr><th>channel</th><th>epochs</th><th>lifetime ε (PLD)</th>"
+        "<th>basic composition</th><th>δ</th><th>δ split</th><th>took part ε</th>"
+        f"<th>device budget spent</th></tr>{''.join(rows)}</table>"
+    )
+
+
+def _caps(limits: list[dict[str, object]]) -> str:
+    if not limits:
+        return "no cap set"
+    over = sum(1 for limit in limits if limit["exhausted"])
+    return f"{len(limits)} cap(s), {over} exhausted"
+
+
+def _epochs(result: ChannelResult) -> str:
+    """The channel's per-epoch certificates (last 10) and its lifetime and budget lines."""
+    cells = "".join(
+        f"<tr><td>{row['epoch']}</td><td>{row['n']:,}</td><td>{_epsilon(row['eps'])}</td>"
+        f"<td>{row['delta']:.0e}</td><td>{html.escape(str(row['method']))}</td>"
+        f"<td>{html.escape(str(row['composed_as']))}</td></tr>"
+        for row in result.epochs[-10:]
+    )
+    return (
+        f'<p class="lifetime">{html.escape(lifetime_text(result.lifetime))}</p>'
+        f'<p class="budget">{html.escape(budget_text(result.privacy.get("device_budget")))}</p>'
+        "<table><tr><th>epoch</th><th>n</th><th>ε</th><th>δ</th><th>method</th>"
+        f"<th>composed as</th></tr>{cells}</table>"
+    )
+
+
+def _release_rows(results: Sequence[ChannelResult]) -> list[str]:
+    """One table row per channel: n, central and local ε, took-part ε, error, coverage."""
     rows = []
     for r in results:
         local = "—" if r.local_eps is None else f"{r.local_eps:.2f}"
@@ -91,6 +146,18 @@ def write(
             f"<td>{r.release['certificate']['delta']:.0e}</td><td>{local}</td>"
             f"<td>{took_part}</td><td>{r.rmse:.1f}</td><td>{r.inside}/{len(r.checked)}</td></tr>"
         )
+    return rows
+
+
+def write(
+    path: Path,
+    results: Sequence[ChannelResult],
+    shapes: dict[str, tuple[int, int]],
+    dashboard: str | None,
+    header: str,
+) -> Path:
+    """Write the report and return its path."""
+    rows = _release_rows(results)
     sections = []
     for r in results:
         method = html.escape(str(r.release["certificate"]["method"]))
@@ -101,7 +168,7 @@ def write(
             f"{html.escape(str(r.release['certificate']['neighbouring']))} neighbours) over "
             f"{r.n:,} contributions.</p>"
             f'<img alt="{html.escape(r.channel_id)}" '
-            f'src="data:image/png;base64,{plot(r, shapes.get(r.channel_id))}">'
+            f'src="data:image/png;base64,{plot(r, shapes.get(r.channel_id))}">' + _epochs(r)
         )
     link = (
         f'<p>Live dashboard: <a href="{html.escape(dashboard)}">{html.escape(dashboard)}</a></p>'
@@ -125,6 +192,9 @@ larger share of the smaller period batches: read it as approximate.</p>
 <th>central ε</th><th>δ</th><th>local ε</th><th>took part ε</th><th>RMSE</th>
 <th>checked inside</th></tr>
 {"".join(rows)}</table>
+<h2>Privacy over time</h2>
+{PRIVACY_INTRO}
+{privacy_rows(results)}
 {"".join(sections)}
 </body></html>
 """

@@ -3,8 +3,12 @@ every non-2xx answer as JSON ``{"error", "detail"}`` with a human sentence."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,11 +18,23 @@ from analyzer.app import create_app
 from analyzer.settings import AnalyzerSettings
 from common.collection import verify_config
 from common.envelope import load_ed25519_public, public_identity
-from common.wire import Ledger, Lifetime, PrivacyOverview, ReleaseBody, ShufflerInfo, unb64
+from common.wire import (
+    Batch,
+    Ledger,
+    Lifetime,
+    PrivacyOverview,
+    ReleaseBody,
+    ShufflerInfo,
+    unb64,
+)
 
-from .helpers import ANALYZER_KEY, CHANNEL, SHUFFLERS, VALUES, make_batch
+from .helpers import ANALYZER_KEY, CHANNEL, SHUFFLERS, VALUES, make_batch, signed
 
 ADMIN = {"Authorization": "Bearer development"}
+#: A well-formed ``ESA-Signature`` that verifies for nothing.
+ANY_SIGNATURE = base64.b64encode(bytes(64)).decode()
+#: The test app's ``max_batch_bytes``.
+CAP = 4 * 1024 * 1024
 
 
 @pytest.fixture
@@ -51,7 +67,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         channels_file=None,
         shufflers=shufflers,
         shufflers_file=None,
-        max_batch_bytes=4 * 1024 * 1024,
+        max_batch_bytes=CAP,
         opening_processes=1,
     )
     with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
@@ -64,7 +80,7 @@ def _refusal(response: Response, status: int, code: str) -> str:
     body = response.json()
     assert set(body) == {"error", "detail"} and body["error"] == code
     detail: str = body["detail"]
-    assert detail and not any(mark in detail for mark in ("{", "'loc'", "Error("))
+    assert detail and not any(mark in detail for mark in ("{'", '{"', "'loc'", "Error("))
     return detail
 
 
@@ -105,9 +121,10 @@ def test_domain_refusals_keep_their_codes_and_statuses(client: TestClient) -> No
     _refusal(_post(client, body, signature[::-1]), 401, "bad_signature")
     _refusal(_post(client, b"x" * (4 * 1024 * 1024 + 1), "c2ln"), 413, "too_large")
     _refusal(_post(client, *make_batch(VALUES[:10])), 422, "below_min_crowd")
-    assert "batch_id" in _refusal(_post(client, b"{}", "c2ln"), 400, "malformed")
+    assert "shuffler_id" in _refusal(_post(client, b"{}", ANY_SIGNATURE), 400, "malformed")
+    assert "64-byte" in _refusal(_post(client, b"{}", "c2ln"), 401, "bad_signature")
     metrics = client.get("/metrics").text
-    assert 'esa_analyzer_batches_rejected_total{reason="bad_signature"} 2.0' in metrics
+    assert 'esa_analyzer_batches_rejected_total{reason="bad_signature"} 3.0' in metrics
 
 
 def test_batches_releases_ledger_and_config_keep_their_wire_shapes(client: TestClient) -> None:
@@ -189,3 +206,140 @@ def test_publishing_needs_the_admin_token_and_is_recorded(client: TestClient) ->
     recorded = client.get("/v1/channels/homepage/privacy").json()["releases"]
     assert len(recorded) == 1 and recorded[0]["n"] == VALUES.size
     assert recorded[0]["certificate"] == published.json()["certificate"]
+
+
+@dataclass
+class Exchange:
+    """One request driven through the ASGI app by hand: how much of its body the app asked
+    for, and what it answered."""
+
+    chunks_read: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def status(self) -> int:
+        return int(self.messages[0]["status"])
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.messages[0]["headers"]}
+
+
+def _drive(
+    client: TestClient, headers: dict[str, str], chunks: Iterator[bytes], path: str = "/v1/batches"
+) -> Exchange:
+    """POST ``chunks`` as a streamed body straight into the app, counting the chunks it reads
+    (TestClient reads a whole body before the app sees it, a real server does not)."""
+    exchange = Exchange()
+
+    async def receive() -> dict[str, Any]:
+        chunk = next(chunks, None)
+        if chunk is None:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        exchange.chunks_read += 1
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    async def send(message: dict[str, Any]) -> None:
+        exchange.messages.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    asyncio.run(client.app(scope, receive, send))  # type: ignore[arg-type]
+    return exchange
+
+
+def _endless(chunk: int = 64 * 1024) -> Iterator[bytes]:
+    while True:
+        yield b" " * chunk
+
+
+def test_a_batch_is_refused_before_its_body_is_read(client: TestClient) -> None:
+    """Issue 12: an unsigned 100 MB body used to be read whole before any check. A declared
+    length over the cap, a non-JSON type, a missing or ill-formed signature are refused before
+    a byte of the body is read; a streamed body is cut off right after the cap."""
+    well_formed = {"ESA-Signature": ANY_SIGNATURE}
+    refusals = [
+        ({**well_formed, "Content-Length": str(100 * 1024 * 1024)}, 413),
+        ({"Content-Length": str(CAP + 1)}, 413),
+        ({**well_formed, "Content-Type": "text/plain"}, 415),
+        ({}, 401),
+        ({"ESA-Signature": "c2ln"}, 401),
+        ({"ESA-Signature": "not base64!"}, 401),
+        ({"Content-Length": "12", "ESA-Signature": ANY_SIGNATURE + "="}, 401),
+        ({**well_formed, "Content-Length": "-1"}, 400),
+        ({**well_formed, "Content-Length": "\u00b2"}, 400),
+    ]
+    for headers, status in refusals:
+        exchange = _drive(client, headers, _endless())
+        assert (exchange.status, exchange.chunks_read) == (status, 0), headers
+    streamed = _drive(client, well_formed, _endless())
+    assert streamed.status == 413 and streamed.chunks_read == CAP // (64 * 1024) + 1
+    assert b'"too_large"' in streamed.messages[1]["body"]
+    small = _drive(client, {**well_formed, "Content-Type": "application/json"}, iter([b"{}"]))
+    assert small.status == 400 and small.chunks_read == 1
+
+
+def test_publishing_checks_the_token_before_the_body(client: TestClient) -> None:
+    """Without the admin token any body is a 401 (it used to be a 400 for a malformed one), and
+    nothing of it is read; with the token, a body that is not UTF-8 JSON is a 400 in the one
+    error shape."""
+    url = "/v1/channels/homepage/releases"
+    for body in (b"{", b"\xff\xfe", b'{"epoch": "x"}', b'{"epoch": 99999999999999999999999}'):
+        headers = {"Content-Type": "application/json"}
+        _refusal(client.post(url, content=body, headers=headers), 401, "bad_admin_token")
+        wrong: dict[str, str | bytes] = {**headers, "Authorization": b"Bearer a.\xff"}
+        _refusal(client.post(url, content=body, headers=wrong), 401, "bad_admin_token")
+        _refusal(
+            client.post(url, content=body, headers={**headers, **ADMIN}), 400, "invalid_request"
+        )
+    exchange = _drive(client, {"Content-Type": "application/json"}, _endless(), url)
+    assert (exchange.status, exchange.chunks_read) == (401, 0)
+    _refusal(client.post("/v1/channels/elsewhere/releases", content=b"{"), 401, "bad_admin_token")
+
+
+def test_a_body_that_is_not_utf8_json_gets_the_error_shape(client: TestClient) -> None:
+    for body in (b"\xff\xfe\x00{", b"\x80", b'{"shuffler_id": "\xc3\x28"}'):
+        detail = _refusal(_post(client, body, ANY_SIGNATURE), 400, "malformed")
+        assert "JSON" in detail or "UTF-8" in detail or "utf-8" in detail
+
+
+def test_a_wrong_method_is_a_405_naming_the_allowed_ones(client: TestClient) -> None:
+    """Every documented path answers an undocumented method with 405 JSON and ``Allow``."""
+    paths = client.get("/openapi.json").json()["paths"]
+    assert len(paths) >= 11
+    for template, operations in paths.items():
+        path = template.replace("{channel_id}", "homepage")
+        served = {method.upper() for method in operations}
+        for method in {"GET", "POST", "PUT", "DELETE", "PATCH"} - served:
+            response = client.request(method, path)
+            _refusal(response, 405, "method_not_allowed")
+            allowed = {m.strip() for m in response.headers["allow"].split(",")}
+            assert served <= allowed <= served | {"HEAD"}, (method, path, allowed)
+
+
+def test_signed_batches_with_numbers_or_crowds_the_edge_refuses(client: TestClient) -> None:
+    """A validly signed part with a count the tables cannot hold or a 10 kB crowd id is a 400,
+    one with an undeclared crowd a 422, the same on every database (such parts used to be
+    stored on SQLite and a storage error on PostgreSQL)."""
+    body, _ = make_batch(VALUES[:100])
+    batch = Batch.model_validate_json(body)
+    huge = batch.model_copy(update={"n_contributions": 2**40})
+    assert "n_contributions" in _refusal(_post(client, *signed(huge)), 400, "malformed")
+    stranger = batch.model_copy(update={"crowd_id": "us"})
+    _refusal(_post(client, *signed(stranger)), 422, "unknown_crowd")
+    endless = batch.model_copy(update={"crowd_id": "x" * 10_000})
+    assert "crowd_id" in _refusal(_post(client, *signed(endless)), 400, "malformed")
+    assert _post(client, *signed(batch)).status_code == 201

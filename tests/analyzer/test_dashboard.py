@@ -16,7 +16,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
+from analyzer.channels import ChannelRuntime
 from analyzer.dashboard import ChannelView, image_png, page, png_gray
+from analyzer.ledger import LedgerService
 from common.envelope import (
     load_or_create_ed25519,
     load_or_create_x25519,
@@ -25,7 +27,7 @@ from common.envelope import (
     sign,
 )
 from common.mechanisms import SeededSource, krappor, longitudinal
-from common.wire import Batch, ChannelConfig, b64
+from common.wire import Batch, ChannelConfig, DeviceBudget, b64
 
 from ..support import analyzer_process, wait_until
 from .helpers import ANALYZER_KEY, build, counter, signed
@@ -91,6 +93,47 @@ def test_an_image_release_is_drawn_from_its_stored_summary() -> None:
     view = ChannelView(picture, summary, layers.ledger.ledger(picture.id))
     shown = page([view])
     assert "data:image/png;base64," in shown and 'class="lifetime-eps"' in shown
+
+
+def test_the_ledger_shows_pairs_lifetimes_and_the_device_budget_in_use() -> None:
+    """Per channel: how each epoch entered the lifetime, the lifetime ε (PLD) beside basic
+    composition, the add/remove lifetime and the device budget against a device's spend."""
+    budget = DeviceBudget(lifetime_eps=20.0, window_eps=10.0, window_seconds=7200)
+    homepage = CHANNELS[0].model_copy(update={"budget": budget})
+    layers = build("sqlite://", [homepage])
+    runtimes = {homepage.id: ChannelRuntime.build(homepage, ["shuffler-1"])}
+    ledger = LedgerService(layers.store, runtimes, device_budget=DeviceBudget(lifetime_eps=7.0))
+    key, params = ANALYZER_KEY.public_key(), krappor.KRapporParams(**homepage.params)
+    values = np.random.default_rng(6).integers(0, params.k, size=120)
+    for epoch in (4, 5, 6):
+        rng = SeededSource(epoch)
+        fragments = [
+            b64(seal_fragment(f, homepage.id, 16, key))
+            for v in values
+            for f in krappor.encode(int(v), params, rng)
+        ]
+        batch = Batch(
+            batch_id=secrets.token_hex(16),
+            shuffler_id="shuffler-1",
+            channel_id=homepage.id,
+            crowd_id="",
+            epoch=epoch,
+            n_contributions=values.size,
+            fragments=fragments,
+        )
+        layers.deliver(*signed(batch))
+    summary = layers.releases.release(homepage.id, 6, 6).to_wire(50)
+    shown = page([ChannelView(homepage, summary, ledger.ledger(homepage.id))])
+    assert shown.count('<td class="composed-as">pair</td>') == 3
+    assert 'class="lifetime-eps"' in shown and 'class="lifetime-deletion-eps"' in shown
+    assert "3 of 3 parts dominating pairs" in shown and "6 of 9 parts" in shown  # deletion
+    # A device in all three epochs: 3 × 8 (replacement ε of k-RAPPOR at ε = 4) = 24.
+    assert '<b class="budget-spent">24</b>' in shown
+    limits = shown.split('class="device-budget"')[1]
+    assert "this channel, lifetime: ε ≤ 20; spent 24, left 0" in limits
+    assert "any 7,200 s window (most in one): ε ≤ 10; spent 16, left 0" in limits
+    assert "the device (all channels), lifetime: ε ≤ 7; spent 24" in limits
+    assert limits.count('class="exhausted"') == 3
 
 
 def _chromium() -> str:

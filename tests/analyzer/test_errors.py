@@ -11,12 +11,14 @@ from services.runtime.http import status_of
 #: Every refusal a client can see: (code, status), as PROTOCOL.md documents them.
 EXPECTED = {
     errors.MalformedBatchError: ("malformed", 400),
+    errors.UnsupportedMediaTypeError: ("unsupported_media_type", 415),
     errors.BatchTooLargeError: ("too_large", 413),
     errors.UnknownShufflerError: ("unknown_shuffler", 401),
     errors.BadSignatureError: ("bad_signature", 401),
     errors.AdminTokenError: ("bad_admin_token", 401),
     errors.BatchForUnknownChannelError: ("unknown_channel", 422),
     errors.BelowMinCrowdError: ("below_min_crowd", 422),
+    errors.UnknownCrowdError: ("unknown_crowd", 422),
     errors.InconsistentCountsError: ("inconsistent_counts", 422),
     errors.UnknownChannelError: ("unknown_channel", 404),
     errors.NothingReceivedError: ("no_data", 404),

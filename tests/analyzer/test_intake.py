@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import base64
+import json
 import threading
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select
 
 from analyzer.errors import (
     AnalyzerError,
@@ -19,13 +21,15 @@ from analyzer.errors import (
     IncompleteBatchesError,
     InconsistentCountsError,
     MalformedBatchError,
+    UnknownCrowdError,
     UnknownShufflerError,
 )
-from analyzer.intake import Intake
+from analyzer.intake import MAX_STORED_INT, Intake, signature_bytes
+from analyzer.store import batch_parts, receipts
 from common.envelope import sign
 from common.wire import Batch, b64
 
-from .helpers import SHUFFLERS, VALUES, build, make_batch, signed
+from .helpers import CHANNEL, SHUFFLERS, VALUES, build, make_batch, signed
 
 
 def _parts(body: bytes, parts: int) -> list[tuple[bytes, str]]:
@@ -126,8 +130,81 @@ def test_forged_unknown_and_inconsistent_batches_are_refused(database_url: str) 
     with pytest.raises(InconsistentCountsError, match="cannot come from"):
         accept(*signed(_with(body, n_contributions=50)))
     with pytest.raises(MalformedBatchError) as malformed:
-        accept(b"{}", base64.b64encode(b"x").decode())
+        accept(b"{}", base64.b64encode(bytes(64)).decode())
+    assert "shuffler_id: Field required" in malformed.value.detail
+    with pytest.raises(MalformedBatchError) as malformed:
+        accept(*signed_json({"shuffler_id": "shuffler-1"}))
     assert "batch_id: Field required" in malformed.value.detail
+
+
+def signed_json(document: object, shuffler: str = "shuffler-1") -> tuple[bytes, str]:
+    """Any JSON document, signed by a registered shuffler."""
+    body = json.dumps(document).encode()
+    return body, b64(sign(body, SHUFFLERS[shuffler]))
+
+
+@pytest.mark.parametrize(
+    ("header", "problem"),
+    [
+        (None, "header required"),
+        ("", "header required"),
+        ("%%%", "not base64"),
+        (base64.b64encode(b"x").decode(), "64-byte"),
+        (base64.b64encode(bytes(65)).decode(), "got 65 bytes"),
+        (base64.b64encode(bytes(64)).decode() + "\xff", "not base64"),
+    ],
+)
+def test_an_ill_formed_signature_header_is_refused_before_the_body_is_looked_at(
+    header: str | None, problem: str
+) -> None:
+    with pytest.raises(BadSignatureError, match=problem):
+        signature_bytes(header)
+    assert signature_bytes(base64.b64encode(bytes(64)).decode()) == bytes(64)
+
+
+def test_the_signature_is_checked_before_the_batch_is_validated(database_url: str) -> None:
+    """An unsigned body that is not a batch is a 401, not a 400 (nothing but ``shuffler_id``
+    is read before the signature verifies); once signed, the same body is malformed."""
+    accept = build(database_url).intake.accept
+    forged = {"shuffler_id": "shuffler-1", "part": 3, "parts": 1}
+    body, _ = signed_json(forged)
+    with pytest.raises(BadSignatureError, match="does not verify"):
+        accept(body, b64(sign(body, Ed25519PrivateKey.generate())))
+    with pytest.raises(MalformedBatchError, match="batch_id"):
+        accept(*signed_json(forged))
+    with pytest.raises(MalformedBatchError, match="not a batch"):
+        accept(b"\xff\xfe{", base64.b64encode(bytes(64)).decode())
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"n_contributions": MAX_STORED_INT + 1}, {"parts": MAX_STORED_INT + 1, "part": 0}],
+    ids=["n_contributions", "parts"],
+)
+def test_numbers_the_tables_cannot_hold_are_malformed_on_both_databases(
+    database_url: str, changes: dict[str, int]
+) -> None:
+    """Above 2^31 - 1 (the ``Integer`` columns) a signed part is a 400 on SQLite as on
+    PostgreSQL, never a storage error; at the bound it is stored."""
+    layers = build(database_url)
+    body, _ = make_batch(VALUES[:100])
+    with pytest.raises(MalformedBatchError, match=f"<= {MAX_STORED_INT}"):
+        layers.intake.accept(*signed(_with(body, **changes)))
+    at_bound = {k: v - 1 for k, v in changes.items() if k != "part"}
+    assert not layers.intake.accept(*signed(_with(body, **at_bound))).duplicate
+    assert layers.store.pending_parts()[0].n_contributions in (100, MAX_STORED_INT)
+
+
+def test_only_declared_crowds_are_accepted(database_url: str) -> None:
+    """Crowds come from the signed channel config, never from what the batch names."""
+    crowded = CHANNEL.model_copy(update={"crowds": ("", "eu")})
+    accept = build(database_url, [crowded]).intake.accept
+    body, _ = make_batch(VALUES[:100])
+    with pytest.raises(UnknownCrowdError, match="not declared"):
+        accept(*signed(_with(body, crowd_id="us")))
+    with pytest.raises(MalformedBatchError, match="crowd_id"):
+        accept(*signed(_with(body, crowd_id="x" * 10_000)))
+    assert not accept(*signed(_with(body, crowd_id="eu"))).duplicate
 
 
 def test_a_batch_over_the_size_limit_is_refused_before_parsing(database_url: str) -> None:
@@ -136,6 +213,29 @@ def test_a_batch_over_the_size_limit_is_refused_before_parsing(database_url: str
     with pytest.raises(BatchTooLargeError) as raised:
         layers.intake.accept(b"x" * (limit + 1), "c2ln")
     assert isinstance(raised.value, AnalyzerError) and raised.value.code == "too_large"
+
+
+def test_the_receipt_counts_the_chaff_the_metrics_count(database_url: str) -> None:
+    """Issue 12: a receipt stored ``invalid = 0`` while the answer and the metrics counted the
+    fragments that failed to open. Chaff is known only once a part is opened, so the receipt
+    is written then (when the batch's last part is folded in) with every part's chaff, and
+    ``esa_analyzer_fragments_invalid`` counts the same fragments."""
+    layers = build(database_url)
+    whole, _ = make_batch(VALUES, seed=6, chaff=45)
+    shuffled = Batch.model_validate_json(whole)
+    real, chaff = shuffled.fragments[:-45], shuffled.fragments[-45:]
+    step = len(real) // len(chaff)  # one chaff after every ``step`` real: in every part
+    spread = [f for i, c in enumerate(chaff) for f in (*real[i * step : (i + 1) * step], c)]
+    mixed = shuffled.model_copy(update={"fragments": spread + real[len(chaff) * step :]})
+    parts = _parts(mixed.body(), 3)
+    for part in parts:
+        layers.deliver(*part)
+    with layers.store.engine.connect() as conn:
+        receipt = conn.execute(select(receipts.c.invalid, receipts.c.n_fragments)).one()
+        per_part = conn.execute(select(batch_parts.c.invalid)).scalars().all()
+    assert receipt.invalid == 45 == layers.events.get("fragments_invalid")
+    assert sum(per_part) == 45 and sum(1 for n in per_part if n) >= 2
+    assert receipt.n_fragments == len(mixed.fragments)
 
 
 def test_corrupted_fragments_are_chaff_and_do_not_disturb_the_estimate(database_url: str) -> None:

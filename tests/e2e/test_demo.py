@@ -1,4 +1,5 @@
-"""``esa demo`` end to end: real service processes on PostgreSQL, real SDK devices over HTTP.
+"""``esa demo`` end to end: real service processes on PostgreSQL, real protocol devices over HTTP
+(the load generator's fast path: own tokens and nonces, CSPRNG encoding, sealing in workers).
 
 This is ``make demo``'s flow (the demo starts its own deployment with the commands and settings
 of ``esa up``), with the PostgreSQL backend of docker-compose.yml and a smaller population.
@@ -6,19 +7,29 @@ of ``esa up``), with the PostgreSQL backend of docker-compose.yml and a smaller 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
+import pty
+import re
+import select
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
+import pytest
 from scipy import stats
 
 from services.cli.launcher import port_free
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 from ..services.test_launcher import _base_port
+from ..support import wait_until
 
 
 def _demo(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -46,6 +57,7 @@ def test_demo_on_postgresql_reports_estimates_inside_their_intervals(
     assert {r["channel_id"] for r in results} == {c.id for c in DEFAULT_CHANNELS}
     checked = inside = 0
     for r in results:
+        assert r["devices"] == 600, r  # every channel, the longitudinal one too
         assert r["delivered"] >= r["devices"], r  # every device's contribution acknowledged
         assert 0.5 < r["kept"] <= 1.0, r  # randomized deletion removes a few, not most
         # Balcer–Cheu certifies nothing below its declared crowd (n = 2,000 per shuffler).
@@ -63,10 +75,45 @@ def test_demo_on_postgresql_reports_estimates_inside_their_intervals(
     floor = stats.binom.ppf(1e-4, checked, 0.85)
     assert inside >= floor, (inside, checked, results)
     assert f"{inside} of {checked} checked estimates inside" in done.stdout
+    _check_privacy_over_time(results, done.stdout)
     report = (tmp_path / "report.html").read_text()
     assert report.count("data:image/png;base64,") == len(DEFAULT_CHANNELS)
+    assert "Privacy over time" in report and report.count('class="lifetime"') == len(results)
     assert f"http://127.0.0.1:{base}/" in done.stdout  # the dashboard URL is printed
-    assert all(port_free(base + i) for i in range(4))  # its own deployment is stopped again
+    # not a terminal (a pipe, as in CI): its own deployment is stopped again, and it says so
+    assert "this demo's deployment stops now; --keep-running keeps it" in done.stdout
+    assert all(port_free(base + i) for i in range(4))
+
+
+#: Mechanisms whose epochs enter the lifetime as a dominating pair (the others: certificate).
+PAIRED = {"krappor", "krr", "longitudinal"}
+
+
+def _check_privacy_over_time(results: list[dict[str, Any]], stdout: str) -> None:
+    """Per channel: per-epoch certificates, the lifetime ε (PLD) beside basic composition with
+    the δ split, and the device budget in use — in the JSON and printed."""
+    for r in results:
+        cid, epochs, life = r["channel_id"], r["epochs"], r["lifetime"]
+        assert epochs and all(e["n"] > 0 and 0 <= e["delta"] < 1 for e in epochs), r
+        expected = "pair" if r["mechanism"] in PAIRED else "certificate"
+        assert {e["composed_as"] for e in epochs} == {expected}, r
+        assert life is not None and life["epochs"] == len(epochs), r
+        if life["eps"] is None:  # Balcer–Cheu below its declared crowd certifies nothing
+            assert r["mechanism"] == "zsum", r
+        else:
+            assert life["eps"] <= life["eps_basic"] and life["eps_pld"] is not None, r
+            assert life["eps"] >= max(e["eps"] for e in epochs) * 0.5, r  # δ may differ
+            split = life["delta_split"]
+            assert split["certificates"] + split["pld_pairs"] == pytest.approx(life["delta"])
+        budget = r["device_budget"]
+        assert budget is not None and budget["reports"] == len(epochs), r
+        if budget["local_eps"] is not None:
+            assert budget["spent"] == pytest.approx(len(epochs) * budget["local_eps"]), r
+        assert r["lifetime_with_deletion"]["neighbouring"] == "add-remove", r
+        assert f"{cid}: privacy over time" in stdout
+        assert f"{cid}: lifetime ε (PLD) = " in stdout and "beside basic composition" in stdout
+        assert f"{cid}: took part at all (with deletion): lifetime ε (PLD)" in stdout
+        assert f"{cid}: device budget: local ε per report" in stdout
 
 
 def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Path) -> None:
@@ -99,3 +146,127 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
     finally:
         up.terminate()
         up.wait(30)
+
+
+# --- after the report: keep the deployment up for a person at a terminal (issue 20) ---------
+
+#: What ``esa demo`` does once its report is printed, on a deployment started the way the demo
+#: starts its own (``launcher.up``): the device simulation is left out to keep this under 30 s;
+#: the flow above runs it in full.
+_AFTER_THE_REPORT = """
+import sys
+from pathlib import Path
+from services.cli import launcher
+from services.cli.demo import finish, interactive, keep_up
+base = int(sys.argv[2])
+services = launcher.up(Path(sys.argv[1]), base_port=base)
+try:
+    finish(services, f"http://127.0.0.1:{base}/", keep_up(True, None, interactive()))
+finally:  # as the demo does: whatever happens, stop what was started
+    launcher.stop(services)
+"""
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (children, their children...), from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _controlling_terminal() -> None:
+    """In the child: make the pseudo-terminal on fd 0 its controlling terminal, so that a
+    Ctrl-C typed into it becomes SIGINT for the child, as in a shell."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _read_until(
+    fd: int, text: str, seen: bytearray, timeout: float, child: subprocess.Popen[bytes]
+) -> str:
+    """Read the terminal into ``seen`` until ``text`` shows (fails if the child exits first)."""
+    deadline = time.monotonic() + timeout
+    while text not in re.sub(r"\x1b\[[0-9;]*m", "", seen.decode(errors="replace")):
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if not ready and (child.poll() is not None or time.monotonic() > deadline):
+            raise AssertionError(f"no {text!r}:\n{seen.decode()[-2000:]}")
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # EIO: the other side closed
+            chunk = b""
+        if not chunk:
+            raise AssertionError(f"output ended without {text!r}:\n{seen.decode()[-2000:]}")
+        seen.extend(chunk)
+    return seen.decode(errors="replace")
+
+
+def test_in_a_terminal_the_deployment_stays_up_until_ctrl_c(tmp_path: Path) -> None:
+    base = _base_port()
+    url = f"http://127.0.0.1:{base}/"
+    master, slave = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _AFTER_THE_REPORT, str(tmp_path / "var"), str(base)],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=_controlling_terminal,
+    )
+    os.close(slave)
+    seen = bytearray()
+    try:
+        expected = f"dashboard: {url} — press Ctrl-C to stop the deployment"
+        _read_until(master, expected, seen, 60, child)
+        started = _descendants(child.pid)
+        assert len(started) >= 4  # the analyzer, 3 shufflers (and the analyzer's openers)
+        time.sleep(1.0)
+        assert child.poll() is None  # still waiting, with the dashboard up
+        assert httpx.get(url, timeout=10).status_code == 200
+        os.write(master, b"\x03")  # Ctrl-C, through the terminal's line discipline
+        _read_until(master, "deployment stopped", seen, 30, child)
+        assert child.wait(30) == 0, seen.decode()
+        wait_until(lambda: not any(map(_running, started)), timeout=10)  # every one of them
+        assert all(port_free(base + i) for i in range(4))
+    finally:
+        if child.poll() is None:  # SIGTERM: it still stops the deployment it started
+            child.terminate()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        os.close(master)
+
+
+def test_keeping_the_deployment_up_is_decided_by_the_flags_then_the_terminal() -> None:
+    from click.testing import CliRunner
+
+    from services.cli.demo import dashboard_line, demo, keep_up
+
+    # (started its own deployment, --keep-running/--exit/neither, interactive) -> keep up
+    assert keep_up(True, None, True) and not keep_up(True, None, False)
+    assert keep_up(True, True, False) and not keep_up(True, False, True)  # the flags win
+    assert not any(
+        keep_up(False, flag, tty) for flag in (None, True, False) for tty in (False, True)
+    )
+    assert dashboard_line("http://x/", own=False, keep=False) == "dashboard: http://x/"
+    assert "press Ctrl-C" in dashboard_line("http://x/", own=True, keep=True)
+    assert "--keep-running / --exit" in CliRunner().invoke(demo, ["--help"]).output

@@ -149,11 +149,15 @@ def test_pipeline_end_to_end(deployment: Deployment) -> None:
     np.random.default_rng(0).shuffle(values)
     assert _report(deployment, values) == values.size
     url = deployment.analyzer.url
+    # Generous deadlines: delivery and background opening under a loaded 2-core machine.
     wait_until(
-        lambda: (httpx.get(url + "/v1/channels").json()["channels"][0]["epochs"]) is not None
+        lambda: (httpx.get(url + "/v1/channels").json()["channels"][0]["epochs"]) is not None,
+        timeout=90.0,
     )
     # Wait for every shuffler's batch (one crowd each), not for a fixed time.
-    wait_until(lambda: len(_estimate(url).get("crowds", {})) == len(deployment.shufflers))
+    wait_until(
+        lambda: len(_estimate(url).get("crowds", {})) == len(deployment.shufflers), timeout=90.0
+    )
     release = _estimate(url)
     # Algorithm 3 deleted whole contributions uniformly at each shuffler: the released crowd
     # holds each value in proportion, so the estimate targets the reported counts scaled by it.

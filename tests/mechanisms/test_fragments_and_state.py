@@ -24,7 +24,7 @@ def test_fragment_sizes_are_fixed_per_mechanism() -> None:
     l_params = longitudinal.LongitudinalParams(d=4, k=1, eps=1.0)
     _, report = longitudinal.update(longitudinal.TreeState(1, 1), 1, 1, l_params, rng)
     assert report is not None and len(report) == 2 + longitudinal.PAYLOAD_SIZE
-    assert {m.code for m in BUILT_IN} == {1, 2, 3, 4, 5}
+    assert {m.code for m in BUILT_IN} == {1, 2, 3, 4, 5, 6}
     assert all(get(m.name) is m for m in BUILT_IN)
 
 

@@ -1,8 +1,10 @@
 """docker-compose.yml runs what ``esa up`` runs: same commands, ports and settings.
 
-There is no Docker engine on our machines, so this parses the compose file and checks every
-service against :func:`services.cli.launcher.service_specs`; the e2e suite runs those same commands
-as processes against PostgreSQL (tests/e2e/test_demo.py).
+This parses the compose file and checks every service against
+:func:`services.cli.launcher.service_specs`, and the image build's inputs (.dockerignore, pinned
+base images, pull policy); the e2e suite runs those same commands as processes against
+PostgreSQL (tests/e2e/test_demo.py), and tests/deploy/test_compose_up.py runs the compose file
+itself on a Docker engine.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import yaml
 from click.testing import CliRunner
 
 from services.cli import cli
-from services.cli.launcher import SHARED_SETTINGS, service_specs
+from services.cli.launcher import LOCAL_SETTINGS, SHARED_SETTINGS, service_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -27,7 +29,12 @@ DB = (
     "@postgres:5432/esa_{service}"
 )
 SPECS = service_specs(
-    Path("/var/esa"), 3, 8100, database_template=DB, analyzer_url="http://analyzer:8100"
+    Path("/var/esa"),
+    3,
+    8100,
+    database_template=DB,
+    analyzer_url="http://analyzer:8100",
+    profile="production",
 )
 #: What compose may add to the launcher's settings, and why: containers bind all interfaces;
 #: shufflers and the analyzer run as production, with real secrets from the environment.
@@ -40,6 +47,7 @@ COMPOSE_ONLY = {
     "ESA_SHUFFLER_ENVIRONMENT",
     "ESA_SHUFFLER_TOKEN_SECRET",
     "ESA_SHUFFLER_ADMIN_TOKEN",
+    "ESA_SHUFFLER_ENROLL_PER_MINUTE",  # the production default unless ESA_ENROLL_PER_MINUTE
 }
 
 
@@ -80,7 +88,10 @@ def test_secrets_fail_fast_and_satisfy_production_settings() -> None:
     lines = (ROOT / "docker-compose.yml").read_text().splitlines()
     text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
     found = re.findall(r"\$\{([A-Z0-9_]+)([^}]*)\}", text)
-    assert all(rest.startswith(":?") for _, rest in found), "every variable must use ${VAR:?}"
+    optional = {"ESA_ENROLL_PER_MINUTE"}  # a test deployment's loadgen raises it
+    assert all(rest.startswith(":?") for name, rest in found if name not in optional), (
+        "every secret must use ${VAR:?}"
+    )
     used = {name for name, _ in found}
     assert used == {
         "POSTGRES_PASSWORD",
@@ -88,9 +99,11 @@ def test_secrets_fail_fast_and_satisfy_production_settings() -> None:
         "ESA_SHUFFLER_1_TOKEN_SECRET",
         "ESA_SHUFFLER_2_TOKEN_SECRET",
         "ESA_SHUFFLER_3_TOKEN_SECRET",
+        "ESA_ENROLL_PER_MINUTE",
     }
     env = {k: str(v) for k, v in SERVICES["shuffler-1"]["environment"].items()}
-    real = {k: re.sub(r"\$\{[^}]+\}", "s3cret-value-long-enough", v) for k, v in env.items()}
+    defaults = {k: re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
+    real = {k: re.sub(r"\$\{[^}]+\}", "s3cret-value-long-enough", v) for k, v in defaults.items()}
     settings = ShufflerSettings(
         **{
             k.removeprefix("ESA_SHUFFLER_").lower(): v
@@ -99,8 +112,26 @@ def test_secrets_fail_fast_and_satisfy_production_settings() -> None:
         }
     )
     assert settings.environment == "production"
+    secrets = {
+        name: SERVICES[name]["environment"]["ESA_SHUFFLER_TOKEN_SECRET"]
+        for name in ("shuffler-1", "shuffler-2", "shuffler-3")
+    }
+    assert len(set(secrets.values())) == 3, "each shuffler is its own trust domain"
     with pytest.raises(ValueError, match="token_secret"):
         ShufflerSettings(environment="production", token_secret="development")
+
+
+def test_production_keeps_the_shufflers_default_enrolment_limit() -> None:
+    """Issue 12: the raised per-address enrolment limit is for the local profile only."""
+    from shuffler.settings import ShufflerSettings
+
+    default = ShufflerSettings.model_fields["enroll_per_minute"].default
+    for name in ("shuffler-1", "shuffler-2", "shuffler-3"):
+        value = SERVICES[name]["environment"]["ESA_SHUFFLER_ENROLL_PER_MINUTE"]
+        assert value == f"${{ESA_ENROLL_PER_MINUTE:-{default:g}}}"
+    for spec in SPECS[1:]:
+        assert "ESA_SHUFFLER_ENROLL_PER_MINUTE" not in spec.env
+    assert float(LOCAL_SETTINGS["ESA_SHUFFLER_ENROLL_PER_MINUTE"]) > default
 
 
 def test_postgres_init_creates_every_database_the_services_use() -> None:
@@ -171,3 +202,33 @@ def test_loadgen_runs_esa_demo_against_the_compose_analyzer() -> None:
     assert context.params["var"] == Path("/var/esa")
     assert "ESA_SHUFFLER_ADMIN_TOKEN" in SERVICES["loadgen"]["environment"]
     assert set(SERVICES["loadgen"]["depends_on"]) == {s.name for s in SPECS}
+
+
+def test_images_are_built_here_from_pinned_bases_with_a_small_private_context() -> None:
+    """Issue 16: never pull our own image; pinned base images that an air-gapped user can
+    replace; a build context without the virtualenv, local keys or databases."""
+    for name, service in SERVICES.items():
+        if "build" in service:
+            assert service["pull_policy"] == "build", name
+            assert service["image"] in ("esa-pipeline:latest", "esa-postgres:latest"), name
+    assert SERVICES["analyzer"]["build"]["args"] == ["PYTHON_IMAGE"]
+    assert SERVICES["postgres"]["build"]["args"] == ["POSTGRES_IMAGE"]
+    python = (ROOT / "deploy" / "Dockerfile").read_text()
+    postgres = (ROOT / "deploy" / "postgres" / "Dockerfile").read_text()
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11\.\d+-slim-bookworm$", python, re.M)
+    assert re.search(r"^ARG POSTGRES_IMAGE=postgres:\d+\.\d+-bookworm$", postgres, re.M)
+    ignored = (ROOT / ".dockerignore").read_text().splitlines()
+    for pattern in ("**/.venv", "var", "**/var", "**/*.pem", ".git", "tests"):
+        assert pattern in ignored, pattern
+    assert "!deploy/wheelhouse" in ignored  # the one deploy/ folder the image needs
+
+
+def test_the_loadgen_home_is_writable_and_its_dashboard_is_the_hosts() -> None:
+    """Issue 16: HOME and matplotlib's cache outside the read-only /var/esa mount; the last
+    line the loadgen prints is a URL the host can open."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "HOME=/home/esa MPLCONFIGDIR=/home/esa/.config/matplotlib" in dockerfile
+    assert "config:/var/esa:ro" in SERVICES["loadgen"]["volumes"]
+    script = SERVICES["loadgen"]["entrypoint"][2]
+    assert 'esa "$$@"' in script and "http://127.0.0.1:8100/" in script
+    assert "127.0.0.1:8100:8100" in SERVICES["analyzer"]["ports"]

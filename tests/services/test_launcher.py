@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from services.cli.launcher import port_free
+from services.cli.launcher import LOCAL_SETTINGS, TOKEN_SECRET_FILE, port_free, prepare
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 from ..support import wait_until
@@ -63,6 +63,7 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
         for i in range(1, 4):
             assert httpx.get(f"http://127.0.0.1:{base + i}/readyz").status_code == 200
         assert oct((var / "keys" / "analyzer" / "hpke.pem").stat().st_mode & 0o777) == "0o600"
+        _assert_each_shuffler_is_its_own_trust_domain(base)
         second = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert second.returncode != 0 and "already in use" in second.stderr
         assert len(_processes_mentioning(str(var))) == 4  # analyzer + 3 shufflers
@@ -73,6 +74,49 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
             first.kill()
     wait_until(lambda: not _processes_mentioning(str(var)), timeout=20)
     wait_until(lambda: all(port_free(base + i) for i in range(4)), timeout=20)
+
+
+def _assert_each_shuffler_is_its_own_trust_domain(base: int) -> None:
+    """Issue 12: a client token enrolled at shuffler-2 is refused (401) by shuffler-1 and
+    shuffler-3, and still accepted by shuffler-2 (a garbage body: 400, past the token check)."""
+    token = httpx.post(f"http://127.0.0.1:{base + 2}/v1/enroll").json()["client_token"]
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
+    answers = {
+        i: httpx.post(
+            f"http://127.0.0.1:{base + i}/v1/contributions", content=b"x" * 64, headers=headers
+        )
+        for i in (1, 2, 3)
+    }
+    assert answers[2].status_code == 400 and answers[2].json()["error"] == "malformed"
+    for i in (1, 3):
+        assert answers[i].status_code == 401, answers[i].text
+        assert answers[i].json()["error"] == "bad_token"
+
+
+def test_prepare_gives_each_shuffler_its_own_lasting_token_secret(tmp_path: Path) -> None:
+    specs = prepare(tmp_path, 3, 20_000)
+    secrets = [s.env.get("ESA_SHUFFLER_TOKEN_SECRET") for s in specs]
+    assert secrets[0] is None  # the analyzer issues no client tokens
+    assert len(set(secrets[1:])) == 3 and all(len(str(s)) >= 40 for s in secrets[1:])
+    for spec, secret in zip(specs[1:], secrets[1:], strict=True):
+        path = tmp_path / "keys" / spec.name / TOKEN_SECRET_FILE
+        assert path.read_text().strip() == secret
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+    again = prepare(tmp_path, 3, 20_000)  # a restart keeps every token valid
+    assert [s.env.get("ESA_SHUFFLER_TOKEN_SECRET") for s in again] == secrets
+    chosen = prepare(tmp_path, 3, 20_000, overrides={"ESA_SHUFFLER_TOKEN_SECRET": "x" * 20})
+    assert {s.env["ESA_SHUFFLER_TOKEN_SECRET"] for s in chosen[1:]} == {"x" * 20}
+
+
+def test_the_raised_enrolment_limit_is_local_only(tmp_path: Path) -> None:
+    from services.cli.launcher import service_specs
+
+    local = service_specs(tmp_path, 2)
+    production = service_specs(tmp_path, 2, profile="production")
+    for spec in local[1:]:
+        assert LOCAL_SETTINGS.items() <= spec.env.items()
+    for spec in production[1:]:
+        assert "ESA_SHUFFLER_ENROLL_PER_MINUTE" not in spec.env
 
 
 def test_default_channels_leave_room_for_every_fragment_count() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,6 @@ POLICY = ChannelPolicy(
     eps_cr=1.0,
     delta_cr=1e-3,
     max_fragments=8,
-    max_batch=1000,
 )
 
 
@@ -75,14 +75,19 @@ def sealed(
     fragments: int = 2,
     channel: str = "homepage",
     nonce: bytes | None = None,
+    tag: int | None = None,
 ) -> bytes:
-    """A contribution sealed for ``service``."""
+    """A contribution sealed for ``service``; with a ``tag``, each of its fragments starts with
+    it (4 bytes) and then its index, so a test can tell whose fragment lands where."""
     contribution = Contribution(
         channel,
         "",
         epoch,
         nonce or new_nonce(),
-        tuple(bytes([i % 256]) * 72 for i in range(fragments)),
+        tuple(
+            bytes([i % 256]) * 72 if tag is None else tag.to_bytes(4, "big") + bytes([i]) * 68
+            for i in range(fragments)
+        ),
     )
     return seal_contribution(contribution, service.settings.shuffler_id, service.ring.public())
 
@@ -101,3 +106,15 @@ def fill(service: ShufflerService, epoch: int, count: int) -> None:
     """``count`` accepted contributions from fresh clients."""
     for _ in range(count):
         assert contribute(service, service.tokens.issue(), epoch).receipt
+
+
+def open_files() -> list[str]:
+    """What this process's file descriptors point at (Linux ``/proc``), an unlinked temporary
+    file included (``/dir/#123 (deleted)``)."""
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the descriptor listdir itself used, closed meanwhile
+            continue
+    return links

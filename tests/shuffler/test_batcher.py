@@ -1,4 +1,6 @@
-"""Algorithm 3 of ESA-revisited follows its law; the shuffle is uniform; groups fall due on time.
+"""Algorithm 3 of ESA-revisited follows its law; survivors are uniform whole contributions; the
+released sequence is shuffled uniformly into signed parts; groups fall due only when their epoch
+closes.
 
 Statistical tests of the law seed the injected randomness (deterministic); the shuffle test
 runs on the OS CSPRNG on purpose, since the CSPRNG is what it checks.
@@ -7,6 +9,7 @@ runs on the OS CSPRNG on purpose, since the CSPRNG is what it checks.
 from __future__ import annotations
 
 import base64
+import itertools
 import math
 from collections import Counter
 
@@ -18,17 +21,11 @@ from scipy import stats
 from common.envelope import verify
 from common.randomness import SeededSource, default_source, laplace
 from common.wire import Batch, ChannelPolicy
-from shuffler.batcher import (
-    Batcher,
-    GroupStatus,
-    due,
-    part_count,
-    randomized_deletion,
-    shuffled_fragments,
-)
+from shuffler.batcher import Batcher, GroupStatus, due, randomized_deletion
+from shuffler.dealing import deal
 from shuffler.records import GroupKey, pack_fragments
 
-POLICY = ChannelPolicy(id="homepage", min_crowd=20, eps_cr=0.5, delta_cr=1e-3, max_batch=1000)
+POLICY = ChannelPolicy(id="homepage", min_crowd=20, eps_cr=0.5, delta_cr=1e-3)
 KEY = GroupKey("homepage", "", 7)
 
 
@@ -95,9 +92,22 @@ def test_negative_group_size_is_refused() -> None:
 
 
 def _parts(batcher: Batcher, blobs: list[bytes], policy: ChannelPolicy) -> list[Batch]:
-    evaluation = batcher.evaluate(KEY, blobs, policy)
-    assert evaluation.deletion.status is GroupStatus.RELEASED and evaluation.batch is not None
-    sealed = list(batcher.seal(KEY, evaluation.batch))
+    """Algorithm 3 over ``blobs`` as the store runs it: the draw, the survivors, the release
+    (survivors fed in chunks of 7 contributions)."""
+    deletion = batcher.decide(len(blobs), policy)
+    assert deletion.status is GroupStatus.RELEASED
+    picked = batcher.survivors(len(blobs), deletion.kept).tolist()
+    survivors = [blobs[i] for i in picked]
+    chunks = [survivors[i : i + 7] for i in range(0, len(survivors), 7)]
+    fragments = 2 * len(survivors)
+    with batcher.release(KEY, deletion.kept, fragments, chunks) as release:
+        sealed = list(release.parts)
+        batch = release.batch
+    assert (batch.fragments, batch.parts, batch.n_contributions) == (
+        fragments,
+        len(sealed),
+        deletion.kept,
+    )
     public = batcher.signing_key.public_key()
     assert all(verify(p.body, base64.b64decode(p.signature), public) for p in sealed)
     assert [p.part for p in sealed] == list(range(len(sealed)))
@@ -107,35 +117,51 @@ def _parts(batcher: Batcher, blobs: list[bytes], policy: ChannelPolicy) -> list[
 @pytest.mark.parametrize("part_fragments", [1, 7, 100, 50_000])
 def test_released_batch_is_signed_parts_of_whole_contributions(part_fragments: int) -> None:
     """The shuffled sequence (Algorithm 3's survivors) cut into parts: each fragment in exactly
-    one part, every part signed and carrying the whole group's count."""
+    one part, every part signed, within the cap and carrying the whole group's count."""
     batcher = Batcher("shuffler-1", Ed25519PrivateKey.generate(), SeededSource(3), part_fragments)
     policy = ChannelPolicy(id="homepage", min_crowd=5, eps_cr=5.0, delta_cr=0.1)
     blobs = [pack_fragments([bytes([i, 0]) * 36, bytes([i, 1]) * 36]) for i in range(50)]
     parts = _parts(batcher, blobs, policy)
     kept = parts[0].n_contributions
-    assert len(parts) == part_count(2 * kept, part_fragments) == parts[0].parts
+    assert len(parts) == parts[0].parts >= math.ceil(2 * kept / part_fragments)
     assert len({p.batch_id for p in parts}) == 1 and {p.n_contributions for p in parts} == {kept}
-    assert all(len(p.fragments) <= part_fragments for p in parts)
+    assert all(0 < len(p.fragments) <= part_fragments for p in parts)
     fragments = [base64.b64decode(f) for p in parts for f in p.fragments]
     assert len(fragments) == len(set(fragments)) == 2 * kept
     owners = Counter(f[0] for f in fragments)
     assert len(owners) == kept and set(owners.values()) == {2}
 
 
-def test_part_count_edges() -> None:
-    assert [part_count(n, 10) for n in (0, 1, 10, 11, 100)] == [1, 1, 1, 2, 10]
-    with pytest.raises(ValueError, match="part_fragments"):
-        part_count(5, 0)
+def test_part_fragments_must_be_positive() -> None:
     with pytest.raises(ValueError, match="part_fragments"):
         Batcher("shuffler-1", Ed25519PrivateKey.generate(), part_fragments=0)
 
 
+def test_survivors_are_a_uniform_subset_of_whole_contributions() -> None:
+    """Seeded chi-square over all C(6, 3) = 20 subsets: Algorithm 3 deletes uniformly chosen
+    whole contributions, so every subset of survivors is equally likely."""
+    batcher = Batcher("shuffler-1", Ed25519PrivateKey.generate(), SeededSource(5))
+    draws = 10_000
+    seen = Counter(tuple(batcher.survivors(6, 3).tolist()) for _ in range(draws))
+    subsets = list(itertools.combinations(range(6), 3))
+    assert set(seen) == set(subsets)
+    observed = np.array([seen[s] for s in subsets], dtype=float)
+    assert stats.chisquare(observed).pvalue > 1e-6  # seeded: deterministic
+    assert batcher.survivors(4, 0).size == 0 and batcher.survivors(4, 4).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="kept=5"):
+        batcher.survivors(4, 5)
+
+
 def test_marked_fragment_lands_uniformly() -> None:
-    """Chi-square over 2,400 shuffles: where does contribution 0's fragment end up?"""
+    """Chi-square over 2,400 streamed shuffles (3 hands of 12 fragments, parts of at most 5):
+    where does contribution 0's fragment end up in the released sequence?"""
     size, batches = 12, 2_400
     survivors = [bytes([0, 2]) + bytes([i]) * 70 for i in range(size)]
     packed = [pack_fragments([fragment]) for fragment in survivors]
-    shuffles = [shuffled_fragments(list(packed), default_source()) for _ in range(batches)]
+    shuffles = []
+    for _ in range(batches):
+        with deal([packed[:5], packed[5:]], size, 5, default_source()) as dealt:
+            shuffles.append([f for part in dealt for f in part.fragments()])
     positions = Counter(fragments.index(survivors[0]) for fragments in shuffles)
     observed = np.array([positions[i] for i in range(size)], dtype=float)
     # Unseeded on purpose (the shuffle must use the CSPRNG): false failure 1e-7 per run; a
@@ -145,10 +171,23 @@ def test_marked_fragment_lands_uniformly() -> None:
     assert len(first_positions) == size  # arrival order does not survive
 
 
-def test_groups_fall_due_when_their_epoch_closes_or_a_part_is_full() -> None:
-    policy = ChannelPolicy(id="c", epoch_seconds=100, min_crowd=5, max_batch=10)
-    assert due(policy, epoch=5, count=3, now=550.0, grace=2.0, closed_upto=-1) is None
-    assert due(policy, epoch=5, count=10, now=550.0, grace=2.0, closed_upto=-1) is False
-    assert due(policy, epoch=5, count=3, now=601.0, grace=2.0, closed_upto=-1) is None
-    assert due(policy, epoch=5, count=3, now=602.0, grace=2.0, closed_upto=-1) is True
-    assert due(policy, epoch=5, count=3, now=550.0, grace=2.0, closed_upto=5) is True
+def test_groups_fall_due_only_when_their_epoch_closes() -> None:
+    """However many contributions wait, a group is evaluated whole once its epoch closed (after
+    the grace period, or closed by an admin), never early (PROTOCOL.md: never split a group by
+    arrival)."""
+    policy = ChannelPolicy(id="c", epoch_seconds=100, min_crowd=5)
+    assert due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=-1) is False
+    assert due(policy, epoch=5, now=601.0, grace=2.0, closed_upto=-1) is False
+    assert due(policy, epoch=5, now=602.0, grace=2.0, closed_upto=-1) is True
+    assert due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=5) is True
+    assert due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=4) is False
+
+
+def test_a_legacy_max_batch_key_is_accepted_and_means_nothing() -> None:
+    """Configs signed before issue 11 carry ``max_batch``; they still parse (a device's saved
+    signed config keeps verifying), and nothing evaluates a group early any more."""
+    legacy = ChannelPolicy.model_validate({"id": "homepage", "min_crowd": 5, "max_batch": 10})
+    assert legacy == ChannelPolicy(id="homepage", min_crowd=5)
+    assert "max_batch" not in legacy.model_dump()
+    with pytest.raises(ValueError, match="extra"):
+        ChannelPolicy.model_validate({"id": "homepage", "max_batches": 10})

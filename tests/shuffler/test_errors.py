@@ -15,6 +15,7 @@ EXPECTED = {
     errors.MalformedContributionError: ("malformed", 400),
     errors.BadContentTypeError: ("bad_content_type", 400),
     errors.UnknownChannelError: ("unknown_channel", 400),
+    errors.UnknownCrowdError: ("unknown_crowd", 400),
     errors.EpochNotOpenError: ("epoch_not_open", 400),
     errors.FutureEpochError: ("epoch_not_started", 422),
     errors.ReplayedNonceError: ("replayed_nonce", 409),

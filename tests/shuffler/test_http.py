@@ -16,7 +16,7 @@ from common.envelope import Contribution, load_x25519_public, new_nonce, seal_co
 
 from ..support import SMALL_CHANNEL, ServiceProcess, shuffler_process
 
-CHANNEL = SMALL_CHANNEL
+CHANNEL = {**SMALL_CHANNEL, "crowds": ["", "eu", "us"]}
 ANALYZER = X25519PrivateKey.generate()
 
 
@@ -47,10 +47,11 @@ def _blob(
     fragments: int = 2,
     nonce: bytes | None = None,
     shuffler: str = "shuffler-1",
+    crowd: str = "",
 ) -> bytes:
     contribution = Contribution(
         channel,
-        "",
+        crowd,
         int(time.time() // 3600),
         nonce or new_nonce(),
         tuple(bytes(72) for _ in range(fragments)),
@@ -123,6 +124,19 @@ def test_409_replay_and_quota(service: ServiceProcess) -> None:
     _error(_post(service, _blob(service, nonce=nonce), _token(service)), 409, "replayed_nonce")
 
 
+def test_crowds_are_declared_and_the_quota_covers_them_all(service: ServiceProcess) -> None:
+    """Issue 12: an undeclared crowd is a 400; one token's second contribution to the same
+    channel and epoch is a 409 whichever crowd it names (it used to get a 202 per crowd)."""
+    _error(_post(service, _blob(service, crowd="asia"), _token(service)), 400, "unknown_crowd")
+    token = _token(service)
+    assert _post(service, _blob(service, crowd="eu"), token).status_code == 202
+    for crowd in ("us", ""):
+        _error(_post(service, _blob(service, crowd=crowd), token), 409, "quota_exceeded")
+    assert (
+        httpx.get(service.url + "/v1/config").json()["channels"][0]["crowds"] == CHANNEL["crowds"]
+    )
+
+
 def test_413_too_large_and_too_many_fragments(service: ServiceProcess) -> None:
     _error(_post(service, b"x" * 5000, _token(service)), 413, "too_large")
     _error(_post(service, _blob(service, fragments=5), _token(service)), 413, "too_many_fragments")
@@ -153,7 +167,7 @@ def test_health_readiness_config_and_metrics(service: ServiceProcess) -> None:
     _error(close, 401, "bad_admin_token")  # a non-ASCII token is wrong, never a 500
     admin = {"Authorization": "Bearer development"}
     for body, status, code in (
-        ({"channel_id": CHANNEL["id"], "epoch": 2**61}, 422, "epoch_not_started"),
+        ({"channel_id": CHANNEL["id"], "epoch": 2**40}, 422, "epoch_not_started"),
         ({"channel_id": "nope", "epoch": 1}, 400, "unknown_channel"),
     ):
         refused = httpx.post(service.url + "/v1/admin/close", json=body, headers=admin)
@@ -192,7 +206,9 @@ def test_admin_close_answers_a_close_result(service: ServiceProcess) -> None:
 
 def test_503_when_storage_is_unavailable(tmp_path: Path) -> None:
     """Hold SQLite's write lock from outside: the commit fails and nothing is acknowledged."""
-    process = shuffler_process(tmp_path, "shuffler-1", [CHANNEL]).start()
+    process = shuffler_process(
+        tmp_path, "shuffler-1", [CHANNEL], sqlite_busy_timeout_seconds="1"
+    ).start()
     try:
         token = _token(process)
         blob = _blob(process)

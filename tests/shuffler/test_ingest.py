@@ -7,8 +7,11 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from sqlalchemy.exc import OperationalError
 
+from shuffler import ingest as ingest_module
+from shuffler import service as service_module
 from shuffler.errors import ClientRateLimitedError, ShufflerStorageError, TooManyFragmentsError
 from shuffler.ingest import CommitQueue, Ingest, refused
 from shuffler.records import Pending
@@ -83,3 +86,55 @@ def test_ingest_answers_receipts_and_refusals(tmp_path: Path) -> None:
     assert asyncio.run(post(b"{}", b"application/json"))[1]["error"] == "bad_content_type"
     assert service.events.get("contributions_received") == 1
     assert service.events.get("rejected_quota_exceeded") == 1
+
+
+class _Monotonic:
+    """A settable monotonic clock for the rate limiters (the code under test reads
+    ``time.monotonic()`` of its own module)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_per_client_state_of_the_ingest_path_expires(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11 item 4 through the real ingest and enrolment paths: one rate-limit bucket per
+    client that sent recently, none once a bucket has refilled (burst / rate seconds)."""
+    service, _ = make_service(
+        f"sqlite:///{tmp_path / 'test.db'}", tmp_path, rate_per_second=5.0, rate_burst=20
+    )
+    clock = _Monotonic()
+    monkeypatch.setattr(ingest_module, "time", clock)
+    monkeypatch.setattr(service_module, "time", clock)
+    writer = CommitQueue(service, max_batch=8)
+
+    async def post(token: str) -> int:
+        headers = [
+            (b"authorization", b"Bearer " + token.encode()),
+            (b"content-type", b"application/octet-stream"),
+        ]
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b"not sealed" * 8, "more_body": False}
+
+        return (await Ingest(service, writer)(headers, receive))[0]
+
+    async def crowd_of_clients(count: int) -> list[int]:
+        return [await post(service.tokens.issue()) for _ in range(count)]
+
+    assert set(asyncio.run(crowd_of_clients(2_000))) == {400}  # past the rate limit: malformed
+    for i in range(500):
+        service.enroll(f"10.0.{i // 256}.{i % 256}")
+    assert len(service.intake.contributions) == 2_000
+    assert len(service.intake.enrolments) == 500
+    clock.now += max(
+        20 / 5.0, service.intake.enrolments.burst / service.intake.enrolments.rate
+    )  # every bucket has refilled: indistinguishable from a fresh one, so forgotten
+    asyncio.run(crowd_of_clients(1))
+    service.enroll("10.9.9.9")
+    assert len(service.intake.contributions) == 1
+    assert len(service.intake.enrolments) == 1

@@ -65,7 +65,11 @@ def test_a_batch_is_stored_as_bounded_parts_and_forwarded_when_all_are_in(
     service, _ = _closed(database_url, tmp_path)
     parts = _bodies(service)
     kept = parts[0].n_contributions
-    assert len(parts) == parts[0].parts == -(-2 * kept // PART_FRAGMENTS) > 1
+    # The streamed shuffle cuts where data-independent coins say (shuffler.dealing): at least
+    # ceil(F / cap) parts, each within the cap, numbered 0..parts-1.
+    assert len(parts) == parts[0].parts >= -(-2 * kept // PART_FRAGMENTS) > 1
+    assert sorted(p.part for p in parts) == list(range(len(parts)))
+    assert all(0 < len(p.fragments) <= PART_FRAGMENTS for p in parts)
     assert sum(len(p.fragments) for p in parts) == 2 * kept
     refused = {1}  # the analyzer is briefly unavailable for part 1 only
 

@@ -15,7 +15,7 @@ from common.randomness import SeededSource
 from common.wire import Batch, ChannelPolicy
 from shuffler import storage
 
-from .factory import EPOCH_SECONDS, contribute, fill, make_service
+from .factory import EPOCH_SECONDS, contribute, fill, make_service, pending
 
 
 def test_epoch_close_releases_one_signed_batch_and_accounts_for_everyone(
@@ -65,16 +65,42 @@ def test_small_groups_are_held_then_purged(database_url: str, tmp_path: Path) ->
     assert ledger["held"] == 0 and ledger["purged"] == 8 and ledger["deleted_by_algorithm_3"] == 0
 
 
-def test_full_parts_are_evaluated_before_the_epoch_closes(
+def test_a_group_is_never_split_by_arrival_and_is_shuffled_whole(
     database_url: str, tmp_path: Path
 ) -> None:
-    policy = ChannelPolicy(id="homepage", min_crowd=5, eps_cr=5.0, delta_cr=0.1, max_batch=20)
-    service, clock = make_service(database_url, tmp_path, rng=SeededSource(2), policy=policy)
-    fill(service, clock.epoch, 45)
-    assert service.run_batching() == 2  # two full parts of 20; 5 wait for the epoch to close
-    assert service.ledger()["pending"] == 5
+    """Regression (issue 12: evaluating at a size cap released groups split by arrival order).
+    1,200 contributions wait in an open epoch and nothing is evaluated; after the close, ONE
+    group is evaluated and its batch is one shuffle of all of it: the first-arrived half's
+    fragments and the last-arrived half's are each found in every part."""
+    policy = ChannelPolicy(id="homepage", min_crowd=5, eps_cr=5.0, delta_cr=0.1)
+    service, clock = make_service(
+        database_url, tmp_path, rng=SeededSource(2), policy=policy, part_fragments=100
+    )
+    arrivals = 1_200
+    for start in range(0, arrivals, 300):
+        batch = [
+            pending(service, service.tokens.issue(), clock.epoch, tag=tag)
+            for tag in range(start, start + 300)
+        ]
+        assert all(stored.receipt for stored in service.commit(batch))
+    assert service.run_batching() == 0
+    clock.now += 600  # still inside the epoch
+    assert service.run_batching() == 0
+    assert service.ledger()["pending"] == arrivals
+    with service.store.engine.connect() as conn:
+        assert conn.execute(select(storage.groups)).all() == []
     clock.now = (clock.epoch + 1) * EPOCH_SECONDS + 10
     assert service.run_batching() == 1 and service.ledger()["pending"] == 0
+    with service.store.engine.connect() as conn:
+        group = conn.execute(select(storage.groups)).one()
+        bodies = conn.execute(select(storage.batch_parts.c.body)).scalars().all()
+    parts = [Batch.model_validate_json(body) for body in bodies]
+    assert (group.n, group.status) == (arrivals, "released")
+    assert len({p.batch_id for p in parts}) == 1 and len(parts) >= 2 * group.kept / 100
+    arrived = [[int.from_bytes(base64.b64decode(f)[:4], "big") for f in p.fragments] for p in parts]
+    assert sum(len(tags) for tags in arrived) == 2 * group.kept
+    assert all(len(tags) <= 100 for tags in arrived)
+    assert all(min(tags) < arrivals // 2 <= max(tags) for tags in arrived)
 
 
 def test_batch_contains_no_identifiers(database_url: str, tmp_path: Path) -> None:
@@ -129,3 +155,24 @@ def test_overlapping_batching_runs_release_each_group_once(
     assert sorted(results) == [0, 0, 0, 1]
     with service.store.engine.connect() as conn:
         assert len(conn.execute(select(storage.groups)).all()) == 1
+
+
+def test_contributions_reaching_an_evaluated_group_are_purged_never_a_second_part(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A contribution validated before the close and committed after it (or stored by a replica
+    that had not seen an admin close) reaches a group already evaluated: it is purged and
+    recorded, never evaluated as a second part with fresh noise (PROTOCOL.md)."""
+    service, clock = make_service(database_url, tmp_path, rng=SeededSource(3))
+    fill(service, clock.epoch, 40)
+    late = [pending(service, service.tokens.issue(), clock.epoch) for _ in range(25)]
+    assert service.close("homepage", clock.epoch) == 1
+    before = service.ledger()
+    service.commit(late)
+    assert service.run_batching() == 0
+    after = service.ledger()
+    assert after["purged"] == before["purged"] + 25
+    assert after["in_batches_unforwarded"] == before["in_batches_unforwarded"]
+    with service.store.engine.connect() as conn:
+        groups = conn.execute(select(storage.groups.c.part)).scalars().all()
+    assert groups == [0]

@@ -3,15 +3,29 @@ and closed epochs that survive a restart, forwarding state, retention, the ledge
 
 from __future__ import annotations
 
+import base64
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, select
 
 from common.envelope import new_nonce
+from common.randomness import SeededSource
+from common.wire import Batch, ChannelPolicy
+from shuffler import storage
+from shuffler import store as store_module
+from shuffler.batcher import Batcher, Deletion, Evaluation, Release
 from shuffler.errors import QuotaExceededError, ReplayedNonceError
-from shuffler.records import Conflict
+from shuffler.records import Conflict, GroupKey, SealedPart
+from shuffler.service import ShufflerService
 from shuffler.store import (
     PostgresContributionStore,
     SqliteContributionStore,
@@ -19,7 +33,7 @@ from shuffler.store import (
     new_receipts,
 )
 
-from .factory import contribute, fill, make_service, pending
+from .factory import POLICY, contribute, fill, make_service, open_files, pending
 
 
 def test_one_implementation_per_dialect(tmp_path: Path) -> None:
@@ -106,3 +120,215 @@ def test_forwarding_state_and_retention(database_url: str, tmp_path: Path) -> No
     ledger = service.ledger()
     assert ledger["in_batches_unforwarded"] == 0 and ledger["purged"] == kept
     assert service.events.get("deleted_by_retention") == kept
+
+
+@dataclass
+class PausingBatcher(Batcher):
+    """A real batcher that stops after the group is locked and counted (its noise draw) until
+    the test lets it go, so another transaction can be started against the locked group."""
+
+    locked: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+
+    def decide(self, n: int, policy: ChannelPolicy) -> Deletion:
+        self.locked.set()
+        assert self.go.wait(30)
+        return super().decide(n, policy)
+
+
+def test_a_purge_during_an_evaluation_wins_and_the_evaluation_records_nothing(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Retention runs beside batching, and an evaluation holds no lock while it deals. A purge
+    of the same (expired) rows between the evaluation's read and its commit deletes and counts
+    them; the evaluation then finds its rows gone and records nothing (no batch, no group, no
+    staged part): every contribution is accounted for exactly once, as purged."""
+    service, clock = make_service(
+        database_url, tmp_path, rng=SeededSource(7), retention_seconds=7200.0
+    )
+    fill(service, clock.epoch, 60)
+    key = GroupKey("homepage", "", clock.epoch)
+    clock.now += 7201  # every contribution is past retention
+    batcher = PausingBatcher("shuffler-1", service.signing_key, SeededSource(8), 16)
+    outcome: list[Evaluation | None] = []
+    evaluation = threading.Thread(
+        target=lambda: outcome.append(service.store.evaluate_group(key, batcher, POLICY, clock.now))
+    )
+    evaluation.start()
+    assert batcher.locked.wait(30)
+    assert service.purge() == 60  # not blocked: the evaluation holds no lock yet
+    batcher.go.set()
+    evaluation.join(60)
+    assert outcome == [None]
+    ledger = service.ledger()
+    assert ledger["purged"] == 60 and ledger["pending"] == 0
+    assert ledger["in_batches_unforwarded"] == ledger["deleted_by_algorithm_3"] == 0
+    with service.store.engine.connect() as conn:
+        assert conn.execute(select(storage.batch_parts)).all() == []
+        assert conn.execute(select(storage.groups)).all() == []
+
+
+@dataclass
+class StagingPauseBatcher(Batcher):
+    """A real batcher that stops after its first signed part is stored (mid-staging) until the
+    test lets it go."""
+
+    staging: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+
+    def release(self, *args: Any, **kwargs: Any) -> Iterator[Release]:  # type: ignore[override]
+        return self._paused(*args, **kwargs)
+
+    @contextmanager
+    def _paused(self, *args: Any, **kwargs: Any) -> Iterator[Release]:
+        with Batcher.release(self, *args, **kwargs) as release:
+            yield Release(release.batch, self._pause_after_first(release.parts))
+
+    def _pause_after_first(self, parts: Iterator[SealedPart]) -> Iterator[SealedPart]:
+        for index, part in enumerate(parts):
+            if index == 1:
+                self.staging.set()
+                assert self.go.wait(60)
+            yield part
+
+
+def test_ingest_goes_on_while_a_group_is_dealt_and_late_rows_are_purged(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Issue 11 (soak): an epoch close held SQLite's only write lock while it read, dealt,
+    signed and stored a whole group, so ingest got 503s after the busy timeout. Now staging
+    holds no lock: while the evaluation is paused mid-staging, new contributions commit (on
+    the lock they would fail after the busy timeout), a forwarder sees no staged part, and
+    the rows that reached the group meanwhile are purged as late when the group commits."""
+    service, clock = make_service(database_url, tmp_path, rng=SeededSource(21), part_fragments=4)
+    fill(service, clock.epoch, 60)
+    key = GroupKey("homepage", "", clock.epoch)
+    batcher = StagingPauseBatcher("shuffler-1", service.signing_key, SeededSource(22), 4)
+    outcome: list[Evaluation | None] = []
+    evaluation = threading.Thread(
+        target=lambda: outcome.append(service.store.evaluate_group(key, batcher, POLICY, clock.now))
+    )
+    evaluation.start()
+    try:
+        assert batcher.staging.wait(30)
+        late = [pending(service, service.tokens.issue(), clock.epoch) for _ in range(2)]
+        assert all(stored.receipt for stored in service.commit(late))
+        assert service.store.due_parts(clock.now + 1) == []  # staged parts are not sent
+    finally:
+        batcher.go.set()
+        evaluation.join(60)
+    assert outcome and outcome[0] is not None and outcome[0].batch is not None
+    ledger = service.ledger()
+    assert ledger["in_batches_unforwarded"] + ledger["deleted_by_algorithm_3"] == 60
+    assert ledger["purged"] == 2 and ledger["pending"] == 0  # the late rows
+    assert len(service.store.due_parts(clock.now + 1)) == outcome[0].batch.parts
+
+
+def test_a_purge_never_deletes_a_batch_whose_lease_is_taken_while_it_looks(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Issue 11 (review): retention's "no part in flight" check was an unlocked read, so a
+    forwarder could lease a part between that read and the delete and send a batch the purge
+    then counted as deleted. A forwarder's lease, uncommitted while the purge starts, now
+    either commits first or finds no part: here it commits, and the batch is kept."""
+    service, clock = make_service(database_url, tmp_path, rng=SeededSource(31), part_fragments=8)
+    fill(service, clock.epoch, 30)
+    outcome = service.store.evaluate_group(
+        GroupKey("homepage", "", clock.epoch), service.batcher, POLICY, clock.now
+    )
+    assert outcome is not None and outcome.batch is not None
+    later = clock.now + 10_000
+    parts = storage.batch_parts.c
+    purged: list[int] = []
+    with service.store.engine.connect() as conn:
+        lease = conn.begin()
+        conn.execute(
+            storage.batch_parts.update().where(parts.part == 0).values(lease_until=later + 60)
+        )
+        purge = threading.Thread(target=lambda: purged.append(service.store.purge(later, later)))
+        purge.start()
+        time.sleep(0.5)  # let the purge read the unleased batch (same outcome if it has not)
+        lease.commit()
+    purge.join(60)
+    assert purged == [0]
+    ledger = service.ledger()
+    assert (
+        ledger["purged"] == 0 and ledger["in_batches_unforwarded"] == outcome.batch.n_contributions
+    )
+
+
+def _tagged_group(service: ShufflerService, epoch: int, count: int) -> None:
+    batch = [pending(service, service.tokens.issue(), epoch, tag=t) for t in range(count)]
+    assert all(stored.receipt for stored in service.commit(batch))
+
+
+def test_evaluation_streams_the_group_and_conserves_every_survivor(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tiny pages and chunks (so locking, reading and dealing all take many rounds): the parts
+    hold exactly the fragments of ``kept`` whole contributions, each once; the others are
+    deleted; no spill file is left in the data directory."""
+    monkeypatch.setattr(store_module, "_LOCK_PAGE", 7)
+    monkeypatch.setattr(store_module, "_READ_ROWS", 5)
+    service, clock = make_service(database_url, tmp_path, rng=SeededSource(12), part_fragments=9)
+    _tagged_group(service, clock.epoch, 83)
+    spill = service.store.spill_directory()
+    assert spill == (tmp_path if database_url.startswith("sqlite") else None)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    outcome = service.store.evaluate_group(
+        GroupKey("homepage", "", clock.epoch), service.batcher, POLICY, clock.now
+    )
+    assert outcome is not None and outcome.batch is not None
+    kept = outcome.deletion.kept
+    with service.store.engine.connect() as conn:
+        bodies = conn.execute(select(storage.batch_parts.c.body)).scalars().all()
+        stored = conn.execute(select(storage.batches.c.parts)).scalar_one()
+    parts = [Batch.model_validate_json(b) for b in bodies]
+    fragments = [base64.b64decode(f) for p in parts for f in p.fragments]
+    owners = Counter(int.from_bytes(f[:4], "big") for f in fragments)
+    assert len(owners) == kept and set(owners.values()) == {2} and set(owners) <= set(range(83))
+    assert len(set(fragments)) == 2 * kept == outcome.batch.fragments
+    assert len(parts) == stored == outcome.batch.parts and all(len(p.fragments) <= 9 for p in parts)
+    ledger = service.ledger()
+    assert ledger["pending"] == 0 and ledger["deleted_by_algorithm_3"] == 83 - kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@dataclass
+class FailingBatcher(Batcher):
+    """A real batcher whose storage fails after the first part is stored (as a full disk or a
+    dropped connection would)."""
+
+    def release(self, *args: Any, **kwargs: Any) -> Iterator[Release]:  # type: ignore[override]
+        return self._failing(*args, **kwargs)
+
+    @contextmanager
+    def _failing(self, *args: Any, **kwargs: Any) -> Iterator[Release]:
+        with Batcher.release(self, *args, **kwargs) as release:
+            yield Release(release.batch, _then_fail(release.parts))
+
+
+def _then_fail(parts: Iterator[SealedPart]) -> Iterator[SealedPart]:
+    yield next(parts)
+    raise OSError("no space left on device")
+
+
+def test_a_failed_evaluation_stores_nothing_and_leaves_no_spill(
+    database_url: str, tmp_path: Path
+) -> None:
+    """One transaction: a failure while storing parts rolls back the parts, the deletions and
+    the group's record, and the spill file is closed (the group is evaluated again later)."""
+    service, clock = make_service(database_url, tmp_path, rng=SeededSource(13), part_fragments=5)
+    fill(service, clock.epoch, 40)
+    key = GroupKey("homepage", "", clock.epoch)
+    failing = FailingBatcher("shuffler-1", service.signing_key, SeededSource(14), 5)
+    with pytest.raises(OSError, match="no space"):
+        service.store.evaluate_group(key, failing, POLICY, clock.now)
+    ledger = service.ledger()
+    assert ledger["pending"] == 40 and ledger["in_batches_unforwarded"] == 0
+    with service.store.engine.connect() as conn:
+        assert conn.execute(select(storage.groups)).all() == []
+        assert conn.execute(select(storage.batch_parts)).all() == []
+    assert not [f for f in open_files() if "esa-deal-" in f]
+    outcome = service.store.evaluate_group(key, service.batcher, POLICY, clock.now)
+    assert outcome is not None and service.ledger()["pending"] == 0

@@ -1,0 +1,131 @@
+"""The services' HTTP/1.1 server: uvicorn with a bounded request head and JSON protocol errors.
+
+uvicorn (httptools, what ``uvicorn[standard]`` installs) accepts a request head of any size and
+answers malformed framing (``Content-Length: -1``, a bad chunk size, a non-ASCII path, …) with a
+``text/plain`` 400 of its own. :class:`JsonHttpToolsProtocol` keeps uvicorn's parser and fixes
+both before any application code runs:
+
+* the request line plus headers may be at most :data:`HEAD_LIMIT` bytes; over it the answer is
+  ``431 {"error": "head_too_large", …}`` and the connection is closed. The limit is counted on
+  the parsed request line and headers, and bytes of a head still incomplete are counted as they
+  arrive (bounded by :data:`RAW_HEAD_LIMIT`), so a never-ending header is cut off too;
+* a request the parser refuses is ``400 {"error": "malformed_http", …}``, connection closed.
+
+Both answers are JSON ``{"error", "detail"}`` like every other (:mod:`services.runtime.http`);
+the OpenAPI documents them on every operation (:data:`services.runtime.http.SERVER_STATUSES`).
+Serve with ``uvicorn.run(app, **uvicorn_options())``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from services.runtime.http import error_body
+
+#: Largest request head (request line and headers, in bytes) a service accepts.
+HEAD_LIMIT = 32 * 1024
+#: Bytes of a request head still being received before the connection is refused anyway (a
+#: single endless header never reaches the parsed-size check).
+RAW_HEAD_LIMIT = 2 * HEAD_LIMIT
+
+
+class HeadTooLargeError(Exception):
+    """The request head is over :data:`HEAD_LIMIT` (raised inside a parser callback)."""
+
+
+class JsonHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a request-head limit and JSON protocol errors."""
+
+    head_limit: ClassVar[int] = HEAD_LIMIT
+    raw_head_limit: ClassVar[int] = RAW_HEAD_LIMIT
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True
+        self._head_bytes = 0  # parsed request line and headers of the current request
+        self._raw_head_bytes = 0  # bytes received while the current head is incomplete
+
+    def data_received(self, data: bytes) -> None:
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # uvicorn's own handling (no upgrade is served)
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError:
+            if self._head_bytes > self.head_limit:  # raised by _grow inside a callback
+                self._refuse(431, "head_too_large", self._too_large())
+            else:
+                self.logger.warning("invalid HTTP request received")
+                self._refuse(400, "malformed_http", "the request is not valid HTTP/1.1")
+            return
+        if self._in_head:
+            self._raw_head_bytes += len(data)
+            if self._raw_head_bytes > self.raw_head_limit:
+                self._refuse(431, "head_too_large", self._too_large())
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's own 400 (kept for any path that still calls it), as JSON."""
+        self._refuse(400, "malformed_http", "the request is not valid HTTP/1.1")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes = True, 0
+
+    def on_url(self, url: bytes) -> None:
+        self._grow(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._grow(len(name) + len(value) + 4)  # "name: value\r\n"
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._raw_head_bytes = False, 0
+        super().on_headers_complete()
+
+    def _grow(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.head_limit:
+            raise HeadTooLargeError
+
+    def _too_large(self) -> str:
+        return f"request line and headers exceed {self.head_limit} bytes"
+
+    def _refuse(self, status: int, code: str, detail: str) -> None:
+        """Answer ``status`` with the JSON error shape and close the connection."""
+        if self.transport.is_closing():
+            return
+        body = error_body(code, detail)
+        content = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend(
+            [
+                b"content-type: application/json\r\n",
+                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+                b"connection: close\r\n",
+                b"\r\n",
+                body,
+            ]
+        )
+        self.transport.write(b"".join(content))
+        self.transport.close()
+
+
+def uvicorn_options() -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.run`` that every service uses: the protocol above, no
+    WebSocket support (nothing is served over it, and uvicorn would refuse an upgrade with a
+    bodiless 403: without it an upgrade request is an ordinary request, answered in JSON), and
+    the same head limit for h11 should anyone select it instead."""
+    return {
+        "http": JsonHttpToolsProtocol,
+        "ws": "none",
+        "h11_max_incomplete_event_size": HEAD_LIMIT,
+    }

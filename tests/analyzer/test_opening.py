@@ -1,0 +1,250 @@
+"""The background opener over both backends (issue 11): it pages past parts it must skip, a part
+whose opening keeps failing is quarantined after a bounded number of attempts (never folded in,
+never blocking the others, visible in the store, the metrics and every release), and failures
+of the database itself are not counted against any part."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.config import Config
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from prometheus_client import CollectorRegistry, generate_latest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
+from analyzer.channels import ChannelRuntime
+from analyzer.metrics import EventsCollector
+from analyzer.opening import OPEN_ATTEMPTS, FragmentOpener, PartOpener
+from analyzer.service import MIGRATIONS
+from analyzer.store import PENDING_PAGE, BatchProgress, PartHeader, PartStatus
+from common.envelope import KeyRing, seal_fragment, sign
+from common.wire import Batch, b64
+from services.runtime import db
+
+from ..support import wait_until
+from .helpers import CHANNEL, SHUFFLERS, VALUES, Layers, build, make_batch, signed
+
+OTHER = CHANNEL.model_copy(update={"id": "settings-page"})
+
+
+def _header(body: bytes) -> PartHeader:
+    batch = Batch.model_validate_json(body)
+    return PartHeader(
+        batch.batch_id,
+        batch.part,
+        batch.parts,
+        batch.shuffler_id,
+        batch.channel_id,
+        batch.crowd_id,
+        batch.epoch,
+        batch.n_contributions,
+        len(batch.fragments),
+    )
+
+
+def _halves(body: bytes) -> list[bytes]:
+    """A signed batch body cut into 2 parts (bodies only)."""
+    batch = Batch.model_validate_json(body)
+    half = len(batch.fragments) // 2
+    return [
+        batch.model_copy(
+            update={"part": i, "parts": 2, "fragments": batch.fragments[i * half : (i + 1) * half]}
+        ).body()
+        for i in range(2)
+    ]
+
+
+def _metrics(layers: Layers) -> dict[str, float]:
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(EventsCollector(layers.events, layers.store.unopened_parts))
+    values = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith("esa_analyzer_") and "{" not in line:
+            name, value = line.split()
+            values[name.removeprefix("esa_analyzer_")] = float(value)
+    return values
+
+
+def test_the_opener_pages_past_parts_of_channels_no_longer_configured(database_url: str) -> None:
+    layers = build(database_url, (CHANNEL, OTHER))
+    runtimes = {CHANNEL.id: ChannelRuntime.build(CHANNEL, sorted(SHUFFLERS))}
+    opener = PartOpener(
+        layers.store, runtimes, FragmentOpener(layers.opener.opener.ring, 1, 500), layers.events
+    )
+    # More than a page of the oldest parts belong to a channel this opener does not know.
+    chaff = [b64(os.urandom(100))] * 4
+    for _ in range(PENDING_PAGE + 1):
+        batch = Batch(
+            batch_id=os.urandom(16).hex(),
+            shuffler_id="shuffler-1",
+            channel_id=OTHER.id,
+            crowd_id="",
+            epoch=7,
+            n_contributions=OTHER.min_crowd,
+            fragments=chaff,
+        )
+        layers.intake.accept(*signed(batch))
+    layers.intake.accept(*make_batch(VALUES[:200]))
+    assert opener.open_pending() == 1
+    assert layers.store.unopened_parts() == PENDING_PAGE + 1
+    assert layers.store.quarantined_parts() == 0
+    assert opener.open_pending() == 0
+    assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == 200
+
+
+def test_a_part_that_keeps_failing_is_quarantined_and_never_blocks_the_others(
+    database_url: str,
+) -> None:
+    layers = build(database_url)
+    body, _ = make_batch(VALUES[:400], seed=1)
+    first, second = _halves(body)
+    layers.intake.accept(first, b64(sign(first, SHUFFLERS["shuffler-1"])))
+    broken = _header(second)
+    # The stored body of part 1 is damaged (it no longer parses): every opening raises.
+    assert layers.store.store_part(broken, second[: len(second) // 2], lambda _: None)
+    later = make_batch(VALUES[400:], seed=2)  # stored after the damaged part
+    layers.intake.accept(*later)
+    assert layers.opener.open_pending() == 2  # part 0 and the later batch: nothing waits behind
+    status = layers.store.part_status(broken)
+    assert status is not None and status.status == "stored" and status.attempts == 1
+    assert status.last_error is not None and status.last_error.startswith("ValidationError")
+    for _ in range(OPEN_ATTEMPTS - 1):
+        assert layers.opener.open_pending() == 0
+    status = layers.store.part_status(broken)
+    assert status is not None and status.status == "quarantined"
+    assert status.attempts == OPEN_ATTEMPTS
+    assert layers.opener.open_pending() == 0  # never tried again
+    assert layers.store.part_status(broken) == status
+    metrics = _metrics(layers)
+    assert metrics["parts_quarantined"] == 1 and metrics["parts_unopened"] == 0
+    assert metrics["part_open_failures_total"] == OPEN_ATTEMPTS
+    assert metrics["parts_opened_total"] == 2 and metrics["batches_accepted_total"] == 1
+    # Its batch stays incomplete: the release uses the other batch only, and says why.
+    assert layers.store.incomplete(CHANNEL.id, "", 7, 7) == {
+        broken.batch_id: BatchProgress(1, 2, 1)
+    }
+    release = layers.releases.release(CHANNEL.id, 7, 7)
+    assert release.estimate.n == VALUES.size - 400
+    assert f"{broken.batch_id} (1/2 parts, 1 quarantined" in release.to_wire().note
+    assert len(layers.store.charges(CHANNEL.id)) == 1
+    assert layers.store.charges(CHANNEL.id)[0].batches == 1
+
+
+def test_a_database_failure_is_not_counted_against_the_part(tmp_path: Path) -> None:
+    path = tmp_path / "analyzer.db"
+    layers = build(f"sqlite:///{path}")
+    layers.intake.accept(*make_batch(VALUES[:300]))
+    # Another process holds the write lock: folding the part in fails with "database is
+    # locked" after the busy timeout; the part keeps its clean record.
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(OperationalError, match="locked"):
+            layers.opener.open_pending()
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    (header,) = layers.store.pending_parts()
+    assert layers.store.part_status(header) == PartStatus("stored", 0, None)
+    assert layers.events.get("part_open_failures") == 0
+    assert layers.opener.open_pending() == 1
+    assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == 300
+
+
+def test_a_dead_pool_worker_fails_one_opening_and_the_pool_starts_again() -> None:
+    key = X25519PrivateKey.generate()
+    texts = [b64(seal_fragment(b"x" * 8, CHANNEL.id, 16, key.public_key())) for _ in range(40)]
+    opener = FragmentOpener(KeyRing.of(key), 2, 10)
+    try:
+        assert len(opener.open(CHANNEL.id, texts)) == 40
+        pool = opener._pool
+        assert pool is not None
+        victim = next(iter(pool._processes))  # type: ignore[attr-defined]
+        os.kill(victim, signal.SIGKILL)
+        threading.Event().wait(0.5)
+        with pytest.raises(BrokenProcessPool):
+            opener.open(CHANNEL.id, texts)
+        assert len(opener.open(CHANNEL.id, texts)) == 40
+    finally:
+        opener.close()
+
+
+def test_migration_turns_the_opened_flag_into_a_status(database_url: str) -> None:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    engine = db.make_engine(database_url)
+    columns = (
+        "batch_id, part, parts, shuffler_id, channel_id, crowd_id, epoch, n_contributions,"
+        " n_fragments, body, opened, invalid, received_at"
+    )
+    try:
+        with engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.upgrade(config, "0004")
+            for batch_id, opened in (("a" * 32, True), ("b" * 32, False)):
+                conn.execute(
+                    text(
+                        f"INSERT INTO batch_parts ({columns}) VALUES (:b, 0, 1, 'shuffler-1',"
+                        " 'homepage', '', 7, 50, 3, :body, :opened, 0, 1.0)"
+                    ),
+                    {"b": batch_id, "body": None if opened else b"{}", "opened": opened},
+                )
+            command.upgrade(config, "head")
+            rows = conn.execute(
+                text("SELECT batch_id, status, attempts, last_error FROM batch_parts")
+            ).all()
+            command.downgrade(config, "0004")
+            flags = conn.execute(text("SELECT batch_id, opened FROM batch_parts")).all()
+    finally:
+        engine.dispose()
+    assert sorted(tuple(r) for r in rows) == [
+        ("a" * 32, "opened", 0, None),
+        ("b" * 32, "stored", 0, None),
+    ]
+    assert sorted((b, bool(o)) for b, o in flags) == [("a" * 32, True), ("b" * 32, False)]
+
+
+WORKERS = """
+import sys, time
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from analyzer.opening import FragmentOpener
+from common.envelope import KeyRing
+opener = FragmentOpener(KeyRing.of(X25519PrivateKey.generate()), 2, 10)
+opener.open("homepage", ["AAAA"] * 40)
+print(*opener._pool._processes, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_pool_workers_end_when_the_analyzer_is_killed() -> None:
+    # A crash (kill -9) runs no shutdown: the workers must notice and end on their own.
+    analyzer = subprocess.Popen(
+        [sys.executable, "-c", WORKERS], stdout=subprocess.PIPE, cwd=Path(__file__).parents[2]
+    )
+    try:
+        assert analyzer.stdout is not None
+        workers = [int(pid) for pid in analyzer.stdout.readline().split()]
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    finally:
+        analyzer.kill()
+        analyzer.wait()
+    wait_until(lambda: not any(_alive(pid) for pid in workers), timeout=60)
