@@ -142,6 +142,8 @@ def refusal(conflict: Conflict) -> ShufflerError:
     """The refusal a client gets when the database did not take its contribution."""
     if conflict is Conflict.REPLAYED_NONCE:
         return ReplayedNonceError("nonce already used")
+    if conflict is Conflict.REVOKED:
+        return RevokedTokenError("client token has been revoked")
     return QuotaExceededError("one contribution per (client, channel, epoch) already received")
 
 

@@ -24,6 +24,7 @@ class Conflict(StrEnum):
 
     REPLAYED_NONCE = "replayed_nonce"
     OVER_QUOTA = "over_quota"
+    REVOKED = "revoked"  # revoked at another replica since this one loaded its revocations
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -64,6 +64,7 @@ _COLUMNS = (
     "receipt",
 )
 _NONCE, _RECEIPT = _COLUMNS.index("nonce"), _COLUMNS.index("receipt")
+_CLIENT = _COLUMNS.index("client_id")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
 _IDS_PER_DELETE = 10_000
 #: How long a staged part may wait for its evaluation to commit before retention deletes it as
@@ -152,12 +153,16 @@ class ContributionStore(ABC):
         rows = [_row(p, r) for p, r in zip(pending, receipts, strict=True)]
         c = storage.contributions.c
         with self.engine.begin() as conn:
-            if self._insert_rows(conn, rows) == len(rows):
-                return list(receipts)
-            landed = set(conn.execute(select(c.receipt).where(c.receipt.in_(receipts))).scalars())
-            missing = [row[_NONCE] for row in rows if row[_RECEIPT] not in landed]
-            taken = set(conn.execute(select(c.nonce).where(c.nonce.in_(missing))).scalars())
-        return [_landing(row, landed, taken) for row in rows]
+            revoked = _revoked_among(conn, {p.client_id for p in pending})
+            kept = [row for row in rows if row[_CLIENT] not in revoked]
+            if self._insert_rows(conn, kept) == len(kept):
+                landed, taken = {row[_RECEIPT] for row in kept}, set()
+            else:
+                found = conn.execute(select(c.receipt).where(c.receipt.in_(receipts)))
+                landed = set(found.scalars())
+                missing = [row[_NONCE] for row in kept if row[_RECEIPT] not in landed]
+                taken = set(conn.execute(select(c.nonce).where(c.nonce.in_(missing))).scalars())
+        return [_landing(row, landed, taken, revoked) for row in rows]
 
     def _insert_rows(self, conn: Connection, rows: list[Row]) -> int:
         """Rows inserted, or -1 when the driver cannot tell (the caller then looks up)."""
@@ -535,10 +540,21 @@ def _delete_orphans(conn: Connection, before: float) -> None:
     conn.execute(delete(storage.batch_parts).where(p.status == "staged", p.created_at < before))
 
 
-def _landing(row: Row, landed: set[str], taken: set[bytes]) -> str | Conflict:
+def _landing(row: Row, landed: set[str], taken: set[bytes], revoked: set[str]) -> str | Conflict:
+    if row[_CLIENT] in revoked:
+        return Conflict.REVOKED
     if row[_RECEIPT] in landed:
         return str(row[_RECEIPT])
     return Conflict.REPLAYED_NONCE if row[_NONCE] in taken else Conflict.OVER_QUOTA
+
+
+def _revoked_among(conn: Connection, clients: set[str]) -> set[str]:
+    """Which of ``clients`` are revoked, read just before the insert (in its transaction on
+    PostgreSQL; SQLite has one process, whose own set already refused them): a replica of
+    the same trust domain may have revoked one since this process loaded its revocations, and
+    a revocation answered by any replica must hold at every replica from then on."""
+    r = storage.revoked.c
+    return set(conn.execute(select(r.client_id).where(r.client_id.in_(clients))).scalars())
 
 
 def _group_rows(conn: Connection, key: GroupKey, lock: bool) -> tuple[Ids, Ids]:

@@ -155,18 +155,8 @@ def demo(
     from encoder_client import EsaError
     from services.tools.demo import DemoError
 
-    options = _Options(
-        analyzer_url.rstrip("/"),
-        trusted_key,
-        admin_token,
-        devices,
-        seed,
-        workers,
-        report,
-        json_path,
-        channels,
-        rate,
-    )
+    options = _Options(analyzer_url.rstrip("/"), trusted_key, admin_token, devices, seed,
+                       workers, report, json_path, channels, rate)  # fmt: skip
     services: list[launcher.Service] = []
     workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
     try:

@@ -23,7 +23,7 @@ from common.wire import Batch, ChannelPolicy
 from shuffler import storage
 from shuffler import store as store_module
 from shuffler.batcher import Batcher, Deletion, Evaluation, Release
-from shuffler.errors import QuotaExceededError, ReplayedNonceError
+from shuffler.errors import QuotaExceededError, ReplayedNonceError, RevokedTokenError
 from shuffler.records import Conflict, GroupKey, SealedPart
 from shuffler.service import ShufflerService
 from shuffler.store import (
@@ -59,6 +59,21 @@ def test_quota_and_replay(database_url: str, tmp_path: Path) -> None:
     assert isinstance(again.refusal, QuotaExceededError) and again.receipt is None
     replay = contribute(service, service.tokens.issue(), clock.epoch, nonce=nonce)
     assert isinstance(replay.refusal, ReplayedNonceError)
+
+
+def test_a_revocation_by_another_replica_holds_at_once(database_url: str, tmp_path: Path) -> None:
+    """Replicas of one trust domain share the database; each keeps the revocations it loaded
+    in memory. A client revoked at another replica (a row in ``revoked``, not in this process's
+    set) is refused by the insert itself, while the other clients of the same commit land."""
+    service, clock = make_service(database_url, tmp_path)
+    revoked, other = service.tokens.issue(), service.tokens.issue()
+    waiting = [pending(service, revoked, clock.epoch), pending(service, other, clock.epoch)]
+    service.store.revoke(waiting[0].client_id, clock())  # as the other replica does
+    assert waiting[0].client_id not in service.intake.tokens.revoked
+    refused, landed = service.commit(waiting)
+    assert isinstance(refused.refusal, RevokedTokenError) and refused.receipt is None
+    assert landed.receipt is not None and landed.refusal is None
+    assert service.store.ledger()["pending"] == 1
 
 
 def test_group_commit_sorts_out_conflicts_inside_one_batch(
