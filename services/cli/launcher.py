@@ -305,13 +305,28 @@ def start_all(specs: Sequence[ServiceSpec], logs: Path, timeout: float = 60.0) -
     return services
 
 
-def free_base_port(count: int, attempts: int = 50) -> int:
-    """A port p such that p .. p + count - 1 are all free on 127.0.0.1 (for parallel tests)."""
+#: Where test and throw-away deployments look for free ports: below the kernel's ephemeral
+#: range, so that a service restarted on its port never finds it taken by some process's
+#: outgoing connection (which the kernel numbers from the ephemeral range).
+PORT_FLOOR = 10_000
+
+
+def ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux
+    ``ip_local_port_range``; 32768, its default, elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def free_base_port(count: int, attempts: int = 200) -> int:
+    """A port p such that p .. p + count - 1 are all free on 127.0.0.1 (for parallel tests),
+    chosen at random below the ephemeral range (:data:`PORT_FLOOR`)."""
+    top = ephemeral_floor() - count
     for _ in range(attempts):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = int(sock.getsockname()[1])
-        if base + count < 65536 and all(port_free(base + i) for i in range(count)):
+        base = PORT_FLOOR + secrets.randbelow(max(1, top - PORT_FLOOR))
+        if all(port_free(base + i) for i in range(count)):
             return base
     raise LaunchError(f"no run of {count} free ports found on 127.0.0.1")
 

@@ -142,3 +142,15 @@ def test_default_channels_leave_room_for_every_fragment_count() -> None:
         assert max(counts) <= config.max_fragments, (config.id, max(counts))
         bounded = mechanism.fragment_limit(params) <= config.max_fragments
         assert bounded or mean + 8 * sd <= config.max_fragments, (config.id, mean, sd)
+
+
+def test_free_ports_are_below_the_ephemeral_range() -> None:
+    """A service restarted on its port must not find it taken by an outgoing connection, which
+    the kernel numbers from the ephemeral range (a CI failure: a shuffler stopped and started
+    again by the outbox test found its port in use)."""
+    from services.cli.launcher import PORT_FLOOR, ephemeral_floor, free_base_port
+
+    for _ in range(20):
+        base = free_base_port(4)
+        assert base >= PORT_FLOOR and base + 4 <= ephemeral_floor()
+        assert all(port_free(base + i) for i in range(4))
