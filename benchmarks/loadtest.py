@@ -16,6 +16,19 @@ the "Load test" section of docs/benchmarks.md as Markdown (append it by hand).
    contributions (distinct client tokens issued with each shuffler's secret, a new nonce each),
    as fast as answered, by each generator: offered and accepted per second; and one shuffler
    alone with benchmarks/shuffler.py's body (6 fragments of 72 bytes) for its ingest figure.
+
+``--capacity`` (the issue's targets, in one run against the same 3 local shufflers, homepage-
+sized bodies: 31 fragments of 72 bytes, ~2.4 KB): alternating rounds of (a) benchmarks/
+shuffler.py's ingest measurement (its raw client: ``CONCURRENCY`` keep-alive connections,
+requests back to back, here spread over the 3 shufflers) and (b) ``esa loadtest``'s run phase
+(services/tools/loadtest/live.py ``replay``: the Driver with ``--connections``, as fast as
+answered, from a prepared epoch file), fresh contributions each round; the ratio (b)/(a) of the
+medians. Then (c) the run phase at a fixed rate of ``--over`` × the measured capacity: offered
+(scheduled: sent + skipped behind schedule) against accepted per second.
+
+``--soak-minutes M --soak-rate R``: ``esa up`` with the homepage channel at
+``--soak-epoch-seconds`` epochs, then ``esa loadtest`` itself at ``--rate R`` for M minutes
+with verification (close, drain, conservation, estimates); prints its summary.
 """
 
 from __future__ import annotations
@@ -108,6 +121,7 @@ def generation(var: Path, url: str, key: str, devices: int) -> dict[str, Any]:
     for channel in ("homepage", "pages"):
         plan = Plan(url, key, devices, 10, var / f"gen-{channel}", (channel,), workers=1)
         prepared = prepare(plan)
+        prepared.close()
         found[channel] = {k: round(v) for k, v in prepared.timings.items()}
     return found
 
@@ -237,17 +251,160 @@ def ceiling(
     return {"driver": ours, "locust": theirs}
 
 
+def _shuffler_bench() -> Any:
+    """benchmarks/shuffler.py as a module (its name clashes with the ``shuffler`` package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_shuffler", HERE / "shuffler.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def raw_ingest(urls: list[str], requests: list[loadgen.Request]) -> float:
+    """benchmarks/shuffler.py's ingest measurement spread over the shufflers: its client's
+    CONCURRENCY connections (round robin over the shufflers), requests back to back."""
+    bench = _shuffler_bench()
+    ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+    per = [[bench._post(r.token, r.body) for r in requests if r.shuffler == i]
+           for i in range(len(urls))]  # fmt: skip
+    connections = [[c for c in range(bench.CONCURRENCY) if c % len(ports) == i]
+                   for i in range(len(ports))]  # fmt: skip
+
+    async def run() -> float:
+        latencies: list[float] = []
+        jobs = [
+            bench._connection("127.0.0.1", ports[i], per[i][j :: len(mine)], latencies)
+            for i, mine in enumerate(connections)
+            for j in range(len(mine))
+        ]
+        start = time.perf_counter()
+        await asyncio.gather(*jobs)
+        return len(latencies) / (time.perf_counter() - start)
+
+    return asyncio.run(run())
+
+
+def run_phase(
+    tmp: Path, urls: list[str], requests: list[loadgen.Request], rate: float | None,
+    seconds: float, connections: int,
+) -> dict[str, Any]:  # fmt: skip
+    """``esa loadtest``'s run phase (live.replay, no live view) over a prepared epoch file."""
+    from rich.console import Console
+
+    from services.tools.loadtest import live
+
+    path = tmp / f"epoch-{time.monotonic_ns()}.bin"
+    with path.open("wb") as out:
+        for r in requests:
+            token = r.token.encode()
+            out.write(loadgen.RECORD.pack(r.shuffler, len(token), len(r.body)) + token + r.body)
+    epoch = int(time.time() // 3600)
+    driver = loadgen.Driver(urls, max(1, connections // len(urls)))
+    monitor = live.Monitor(driver, urls)
+    source = loadgen.EpochSource({epoch: [path]}, 3600)
+    quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
+    spent = asyncio.run(live.replay(monitor, source, rate, seconds, quiet, live=False))
+    path.unlink()
+    run = live.summary(monitor, spent)
+    scheduled = driver.sent + driver.behind
+    return run | {"scheduled_per_s": round(scheduled / spent, 1), "behind": driver.behind}
+
+
+def capacity(args: argparse.Namespace) -> dict[str, Any]:
+    """The issue's two run-phase targets against the same 3 shufflers in one run."""
+    import statistics
+
+    results: dict[str, Any] = {"machine": machine(pinned=False), "load_before": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        var = tmp / "var"
+        services = launcher.up(var, base_port=launcher.free_base_port(4),
+                               channels=[DEFAULT_CHANNELS[0]])  # fmt: skip
+        try:
+            urls = [s.url for s in services[1:]]
+            fresh = lambda n: bodies(var, urls, n, 31, 72)  # noqa: E731
+            results["body_bytes"] = len(fresh(1)[0].body)
+            raw, ours = [], []
+            for _ in range(args.rounds):
+                raw.append(raw_ingest(urls, fresh(args.contributions)))
+                found = run_phase(tmp, urls, fresh(args.contributions), None, 600, args.connections)
+                ours.append(found["accepted_per_s"])
+                print({"shuffler.py": round(raw[-1]), "esa loadtest": found}, flush=True)
+            results["shuffler_py_per_s"], results["loadtest_per_s"] = raw, ours
+            cap = statistics.median(ours)
+            results["ratio"] = cap / statistics.median(raw)
+            rate = args.over * cap
+            count = int(rate * args.seconds * 1.1)
+            results["over"] = run_phase(tmp, urls, fresh(count), rate, args.seconds,
+                                        args.connections)  # fmt: skip
+            results["over"]["rate"] = round(rate)
+        finally:
+            launcher.stop(services)
+    results["load_after"] = os.getloadavg()[0]
+    return results
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    """``esa loadtest`` itself for ``--soak-minutes`` at ``--soak-rate`` against ``esa up``."""
+    import json
+
+    channel = DEFAULT_CHANNELS[0].model_copy(update={"epoch_seconds": args.soak_epoch_seconds})
+    results: dict[str, Any] = {"machine": machine(pinned=False), "load_before": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory() as directory:
+        var = Path(directory) / "var"
+        services = launcher.up(var, base_port=launcher.free_base_port(4), channels=[channel])
+        try:
+            devices = int(args.soak_rate * args.soak_epoch_seconds)
+            command = [
+                sys.executable, "-m", "services.cli", "loadtest",
+                "--analyzer-url", services[0].url, "--var", str(var),
+                "--admin-token", "development", "--channel", "homepage",
+                "--devices", str(devices), "--rate", str(args.soak_rate),
+                "--duration", str(60 * args.soak_minutes), "--workers", "2",
+                "--drain-timeout", "3600", "--no-live", "--out", str(args.out),
+            ]  # fmt: skip
+            print(" ".join(command), flush=True)
+            started = time.time()
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            results["wall_seconds"] = round(time.time() - started)
+            results["exit"] = done.returncode
+            results["stdout"] = done.stdout
+            print(done.stdout, done.stderr[-4000:], flush=True)
+            summary = json.loads((args.out / "loadtest.json").read_text())
+            loads = [s.get("load_1min") for s in summary.get("samples", [])]
+            results["load_during"] = [min(loads), max(loads)] if loads else None
+            results["run"] = {k: v for k, v in summary["run"].items() if k != "per_shuffler"}
+            results["verification"] = summary.get("verification", {}).get("conservation")
+            results["problems"] = summary.get("verification", {}).get("problems")
+        finally:
+            launcher.stop(services)
+    results["load_after"] = os.getloadavg()[0]
+    return results
+
+
 def main() -> None:
     import importlib.util
 
-    if importlib.util.find_spec("locust") is None:
-        raise SystemExit("the comparison needs Locust: .venv/bin/pip install 'locust>=2.20'")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=15, help="length of each timed run")
     parser.add_argument("--connections", type=int, default=96, help="connections / Locust users")
     parser.add_argument("--contributions", type=int, default=20_000, help="fresh bodies per run")
     parser.add_argument("--devices", type=int, default=400, help="devices of the generation step")
+    parser.add_argument("--capacity", action="store_true", help="only the run-phase targets")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating --capacity rounds")
+    parser.add_argument("--over", type=float, default=1.5, help="--capacity: rate / capacity")
+    parser.add_argument("--soak-minutes", type=float, default=0, help="esa loadtest soak")
+    parser.add_argument("--soak-rate", type=float, default=800, help="soak: contributions/s")
+    parser.add_argument("--soak-epoch-seconds", type=int, default=30, help="soak: epoch length")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/esa-loadtest-soak"))
     args = parser.parse_args()
+    if args.capacity or args.soak_minutes:
+        print(capacity(args) if args.capacity else soak(args), flush=True)
+        return
+    if importlib.util.find_spec("locust") is None:
+        raise SystemExit("the comparison needs Locust: .venv/bin/pip install 'locust>=2.20'")
     load = os.getloadavg()[0]
     pages = DEFAULT_CHANNELS[0].model_copy(
         update={

@@ -83,7 +83,8 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
     multiple=True,
     metavar="ID",
     help="Only these channels (repeatable; default: every channel that takes one "
-    "category value per report).",
+    "category value per report, and every longitudinal channel whose periods fit in 15 "
+    "minutes).",
 )
 @click.option(
     "--population",
@@ -91,8 +92,9 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
     multiple=True,
     metavar="[CHANNEL=]SPEC",
     help="Who holds which value: zipf[:S], uniform, horse, camera, hubble, words or "
-    "csv:PATH (one value per line, or value,count). Without CHANNEL= for every "
-    "channel. Default zipf.",
+    "csv:PATH (one value per line, or value,count); for a longitudinal channel "
+    "changes[:RATE] (each device changes state Binomial(k, RATE) times). Without "
+    "CHANNEL= for every channel of its kind. Default zipf, and changes:0.5.",
 )
 @click.option(
     "--devices",
@@ -189,6 +191,8 @@ def loadtest(
        in worker processes, written to files before the run;
     2. run: replay them over keep-alive connections at --rate, a --ramp or --max, with a
        live view (offered/accepted rate, p50/p95/p99, errors by status, per shuffler);
+    A longitudinal channel follows in a phase of its own: period t of every device's tree
+    is sent during the t-th epoch of the phase (rate: --rate, else as fast as answered).
     3. verify (with --admin-token or --up): close the run's epochs, wait for every batch,
        check acknowledged = received at the analyzer + removed by randomized deletion +
        held, estimates against the population's truth, and print the certified ε per
@@ -267,13 +271,17 @@ def _pinned(var: Path) -> str:
 
 def _print(summary: dict[str, Any], console: Console) -> None:
     """The run's figures, and the verification per channel."""
-    run = summary["run"]
-    errors = ", ".join(f"{k}: {v:,}" for k, v in run["errors"].items()) or "none"
-    click.echo(
-        f"offered {run['offered']:,} ({run['offered_per_s']:,}/s), accepted {run['accepted']:,} "
-        f"({run['accepted_per_s']:,}/s) in {run['seconds']} s; p50 {run['p50_ms']} ms, "
-        f"p95 {run['p95_ms']} ms, p99 {run['p99_ms']} ms; errors: {errors}"
-    )
+    runs = [("", summary["run"])] if not summary["series"] else []
+    if summary["series"] and summary["run"] is not next(iter(summary["series"].values())):
+        runs.append(("", summary["run"]))
+    runs += [(f"{cid} ({run['periods']} periods): ", run) for cid, run in summary["series"].items()]
+    for what, run in runs:
+        errors = ", ".join(f"{k}: {v:,}" for k, v in run["errors"].items()) or "none"
+        click.echo(
+            f"{what}offered {run['offered']:,} ({run['offered_per_s']:,}/s), accepted "
+            f"{run['accepted']:,} ({run['accepted_per_s']:,}/s) in {run['seconds']} s; p50 "
+            f"{run['p50_ms']} ms, p95 {run['p95_ms']} ms, p99 {run['p99_ms']} ms; errors: {errors}"
+        )
     found = summary.get("verification")
     if found is None:
         click.echo("not verified (no --admin-token)")

@@ -651,6 +651,14 @@ class Source(Protocol):
         ...
 
 
+def _finished(source: Source, now: float) -> bool:
+    """Whether ``source`` has nothing left at all: a source with a ``finished(now)`` method
+    (requests for later epochs still to come) says so itself; any other is finished as soon as
+    it has nothing now."""
+    finished: Callable[[float], bool] | None = getattr(source, "finished", None)
+    return True if finished is None else finished(now)
+
+
 class EpochSource:
     """The current epoch's requests, its files interleaved; at an epoch boundary what is left
     of the past epoch is skipped (a contribution for a closed epoch would only be refused)."""
@@ -662,6 +670,11 @@ class EpochSource:
         self._epoch: int | None = None
         self._readers: list[Iterator[Request]] = []
         self._turn = 0
+
+    def finished(self, now: float) -> bool:
+        """Nothing left to send: no reader open and no file for the epoch of ``now`` or later."""
+        epoch = int(now // self.epoch_seconds)
+        return not self._readers and all(e < epoch for e in self.files)
 
     def next(self, now: float) -> Request | None:
         """The next request for the epoch of unix time ``now``, or None if there is none."""
@@ -775,7 +788,8 @@ class Driver:
     ) -> float:
         """Send for ``seconds`` at ``rate`` requests/s (a :class:`Pace` for a ramp; None: as
         fast as the servers answer);
-        with ``until_empty``, stop early once the source has nothing for the current epoch.
+        with ``until_empty``, stop early once the source has nothing left (a source with a
+        ``finished(now)`` method, as :class:`EpochSource`, waits for its later epochs).
         Returns the seconds it ran, from the first request to the last answer."""
         queues: list[asyncio.Queue[Request | None]] = [
             asyncio.Queue(maxsize=2 * self.concurrency) for _ in self.urls
@@ -816,7 +830,7 @@ class Driver:
             for _ in range(min(due, 256)):
                 request = source.next(clock())
                 if request is None:
-                    if until_empty:
+                    if until_empty and _finished(source, clock()):
                         return
                     await asyncio.sleep(0.05)
                     break

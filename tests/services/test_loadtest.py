@@ -1,5 +1,6 @@
 """``esa loadtest`` against a real local deployment (1 analyzer + 3 shufflers as processes):
-a run that verifies (conservation, estimates, certified ε), and a run that must fail because
+a run that verifies (conservation, estimates, certified ε), a longitudinal channel driven
+through its periods (each in its own epoch) and verified, and a run that must fail because
 other devices contributed to the same epoch while it ran."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from services.cli import launcher
 from services.cli.loadtest import loadtest
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS, DELETION
-from services.tools.loadtest.population import PopulationError, draw
+from services.tools.loadtest.population import PopulationError, draw, draw_changes
+from services.tools.loadtest.prepare import Plan, spec_for
 from tests.support import TEST_SHUFFLER_SETTINGS
 
 HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
@@ -37,15 +39,28 @@ PAGES = ChannelConfig(
     max_fragments=4,
     delta=1e-8,
 )
+#: A longitudinal channel of 4 periods of 4-second epochs: the phase lasts ~16 s.
+ABROAD = ChannelConfig(
+    id="abroad",
+    mechanism="longitudinal",
+    params={"d": 4, "k": 2, "eps": 4.0},
+    epoch_seconds=4,
+    min_crowd=5,
+    **DELETION,
+    max_fragments=1,
+    delta=1e-8,
+    display="series",
+)
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(analyzer URL, pinned key) of a deployment with the homepage and features channels."""
+    """(analyzer URL, pinned key) of a deployment with the pages, features and abroad
+    channels."""
     var = tmp_path_factory.mktemp("deployment")
     base = launcher.free_base_port(4)
     specs = launcher.prepare(
-        var, 3, base, channels=[PAGES, FEATURES], overrides=TEST_SHUFFLER_SETTINGS
+        var, 3, base, channels=[PAGES, FEATURES, ABROAD], overrides=TEST_SHUFFLER_SETTINGS
     )
     services = launcher.start_all(specs, var / "logs")
     try:
@@ -88,6 +103,55 @@ def test_loadtest_verifies_conservation_and_estimates(
     assert "pages: " in done.stdout and "certified ε" in done.stdout
     page = (tmp_path / "loadtest.html").read_text()
     assert page.count("data:image/png;base64,") >= 3  # throughput, latency, errors
+
+
+def test_loadtest_drives_a_longitudinal_channel_through_its_periods(
+    deployment: tuple[str, str], tmp_path: Path
+) -> None:
+    url, key = deployment
+    done = subprocess.run(
+        _command(url, key, tmp_path, "--channel", "abroad", "--devices", "300", "--max"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "loadtest.json").read_text())
+    run, check = summary["series"]["abroad"], summary["verification"]
+    first, last = run["epochs"]
+    assert run["periods"] == 4 and last - first == 3 and run["skipped"] == 0
+    # Every device reports in the periods its level asks (d / 2^(h-1) of 4): ~7/3 each.
+    assert 300 < run["accepted"] == run["offered"] < 4 * 300 and run["errors"] == {}
+    totals = check["conservation"]["totals"]
+    assert totals["lost"] == 0 and totals["shufflers_acknowledged"] == run["accepted"]
+    deleted = totals["deleted"]["randomized_deletion"]
+    assert totals["received_at_analyzer"] + deleted + totals["held"] == run["accepted"]
+    row = check["channels"]["abroad"]
+    assert row["received"] == totals["received_at_analyzer"] > 0
+    assert row["epochs"] == [first, last] and row["method"] is not None
+    assert [r["bin"] for r in sorted(row["checked"], key=lambda r: r["bin"])] == [0, 1, 2, 3]
+    assert check["problems"] == [] and "verification: PASS" in done.stdout
+    assert "abroad (4 periods): offered" in done.stdout
+
+
+def test_state_populations_and_specs() -> None:
+    found = draw_changes("changes:0.5", "abroad", 4, 2, 1000, seed=4)
+    moves = found.change_periods()
+    assert len(moves) == 1000 and max(len(m) for m in moves) <= 2
+    assert all(1 <= t <= 4 for m in moves for t in m)
+    states = np.zeros((1000, 4), dtype=np.int64)  # the truth: devices in state 1 per period
+    for device, periods in enumerate(moves):
+        for t in periods:
+            states[device, t - 1 :] ^= 1
+    assert list(found.counts) == list(states.sum(axis=0)) and found.k == 4
+    with pytest.raises(PopulationError, match="changes:RATE"):
+        draw_changes("zipf", "abroad", 4, 2, 10, seed=0)
+    with pytest.raises(PopulationError, match=r"\[0, 1\]"):
+        draw_changes("changes:2", "abroad", 4, 2, 10, seed=0)
+    plan = Plan("http://x", "k", 10, 1, Path("."), populations={"*": "words"})
+    assert spec_for(plan, "homepage") == "words" and spec_for(plan, "abroad", True) == "changes"
+    plan = Plan("http://x", "k", 10, 1, Path("."), populations={"*": "changes:0.2"})
+    assert spec_for(plan, "homepage") == "zipf" and spec_for(plan, "abroad", True) == "changes:0.2"
 
 
 def _foreign_contributions(url: str, key: str, count: int, out: Path) -> loadgen.EpochSource:

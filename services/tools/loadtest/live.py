@@ -44,6 +44,10 @@ class ChannelSource:
                 return loadgen.Request(found.shuffler, found.token, found.body, self._turn)
         return None
 
+    def finished(self, now: float) -> bool:
+        """No channel has a request left for the epoch of ``now`` or a later one."""
+        return all(s.finished(now) for s in self.sources)
+
     @property
     def skipped(self) -> int:
         """Requests left unsent because their epoch ended."""
@@ -135,6 +139,15 @@ def view(sample: dict[str, Any], title: str) -> Group:
     return Group(*parts)
 
 
+async def _sampling(monitor: Monitor, display: Live | None, title: str) -> None:
+    last: dict[str, Any] = {}
+    while True:
+        await asyncio.sleep(SAMPLE_SECONDS)
+        last = monitor.sample(last)
+        if display is not None:
+            display.update(view(last, title))
+
+
 async def replay(
     monitor: Monitor,
     source: loadgen.Source,
@@ -145,27 +158,54 @@ async def replay(
 ) -> float:
     """Send at ``rate`` for ``seconds`` (stop early once every prepared request is sent),
     sampling every second; returns the run's seconds."""
-
-    async def sampler(display: Live | None) -> None:
-        last: dict[str, Any] = {}
-        while True:
-            await asyncio.sleep(SAMPLE_SECONDS)
-            last = monitor.sample(last)
-            if display is not None:
-                display.update(view(last, "esa loadtest"))
-
     monitor.started = time.monotonic()
     with (
         Live(Table(title="esa loadtest: starting"), console=console, refresh_per_second=2)
         if live
         else _Null() as display
     ):
-        task = asyncio.create_task(sampler(display if live else None))
+        task = asyncio.create_task(_sampling(monitor, display if live else None, "esa loadtest"))
         try:
             return await monitor.driver.run(source, rate, seconds, until_empty=True)
         finally:
             task.cancel()
             monitor.sample(monitor.samples[-1] if monitor.samples else {})
+
+
+async def replay_periods(
+    monitor: Monitor,
+    channel_id: str,
+    files: Mapping[int, Sequence[Path]],
+    epoch_seconds: int,
+    rate: float | None,
+    console: Console,
+    live: bool = True,
+) -> tuple[float, int]:
+    """A longitudinal channel's phase: each period's requests sent during its own epoch (the
+    files' epochs in order, period t in the t-th), sampling every second. Returns the seconds
+    from the start of the first period's epoch to the last answer, and the requests left
+    unsent because their period's epoch ended first."""
+    title = f"esa loadtest: {channel_id}, {len(files)} periods"
+    skipped = 0
+    monitor.started = time.monotonic()
+    with (
+        Live(Table(title=title), console=console, refresh_per_second=2) if live else _Null()
+    ) as display:
+        task = asyncio.create_task(_sampling(monitor, display if live else None, title))
+        try:
+            for epoch in sorted(files):
+                await asyncio.sleep(max(0.0, epoch * epoch_seconds + 0.05 - time.time()))
+                source = ChannelSource(
+                    {channel_id: {epoch: list(files[epoch])}}, {channel_id: epoch_seconds}
+                )
+                left = (epoch + 1) * epoch_seconds - time.time()
+                # Past the epoch's end the source counts what is left as skipped and stops.
+                await monitor.driver.run(source, rate, left + 2 * epoch_seconds, until_empty=True)
+                skipped += source.skipped
+        finally:
+            task.cancel()
+            monitor.sample(monitor.samples[-1] if monitor.samples else {})
+    return time.monotonic() - monitor.started, skipped
 
 
 class _Null:

@@ -7,6 +7,12 @@ frequent English words, :mod:`services.tools.populations`) or ``csv:PATH`` (one 
 or ``value,count`` lines). Every spec becomes true counts rescaled to the number of devices
 (largest remainder), then one value per device in a seeded random order: the values are the data
 being measured, not privacy noise (that comes from the OS CSPRNG when devices encode).
+
+A longitudinal (state) channel takes ``changes`` or ``changes:RATE`` instead: every device starts
+in state 0 and changes state ``Binomial(k, RATE)`` times (default 0.5; k the channel's most
+changes) at seeded random periods of the channel's d (:func:`services.tools.populations
+.longitudinal`); the truth per period is the number of devices in state 1 (Erlingsson et al.
+2019, the sum of states that Algorithm 2 estimates).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from common.mechanisms.longitudinal import ChangeLog
 from common.wire import ChannelConfig
 from services.tools import populations
 
@@ -38,11 +45,23 @@ class Population:
     spec: str
     values: IntArray
     k: int
+    #: A longitudinal channel's changes (``k`` is then its number of periods d).
+    changes: ChangeLog | None = None
 
     @property
     def counts(self) -> IntArray:
-        """Devices per value."""
+        """Devices per value; for a longitudinal channel, devices in state 1 per period."""
+        if self.changes is not None:
+            return self.changes.true_counts()
         found: IntArray = np.bincount(self.values, minlength=self.k).astype(np.int64)
+        return found
+
+    def change_periods(self) -> list[list[int]]:
+        """Per device, the periods (1..d) at which it changes state (longitudinal only)."""
+        found: list[list[int]] = [[] for _ in range(self.values.size)]
+        if self.changes is not None:
+            for user, period in zip(self.changes.user, self.changes.period, strict=True):
+                found[int(user)].append(int(period))
         return found
 
 
@@ -119,3 +138,26 @@ def draw(spec: str, channel: ChannelConfig, k: int, devices: int, seed: int) -> 
     rng = np.random.default_rng(seed + 1)
     values: IntArray = rng.permutation(np.repeat(np.arange(k), counts)).astype(np.int64)
     return Population(channel.id, spec, values, k)
+
+
+def is_changes(spec: str) -> bool:
+    """Whether ``spec`` is a longitudinal channel's (``changes[:RATE]``)."""
+    return spec.partition(":")[0] == "changes"
+
+
+def draw_changes(spec: str, channel_id: str, d: int, k: int, devices: int, seed: int) -> Population:
+    """``devices`` devices over ``d`` periods, each changing state ``Binomial(k, RATE)`` times.
+
+    Raises:
+        PopulationError: not a ``changes[:RATE]`` spec, or RATE outside [0, 1].
+    """
+    kind, _, arg = spec.partition(":")
+    try:
+        if kind != "changes":
+            raise ValueError("use changes or changes:RATE for a longitudinal channel")
+        rate = float(arg) if arg else 0.5
+        drawn = populations.longitudinal(devices, d, k, change_rate=rate, seed=seed)
+    except ValueError as error:
+        raise PopulationError(f"population {spec!r} of {channel_id}: {error}") from error
+    values: IntArray = np.zeros(devices, dtype=np.int64)
+    return Population(channel_id, spec, values, d, drawn.changes)

@@ -8,6 +8,12 @@ worker processes (:class:`services.tools.loadgen.SealerPool`) and write files of
 so that the run phase only replays bytes: in Python, sealing a k-RAPPOR report costs more CPU than
 a shuffler spends accepting it (docs/benchmarks.md, "Load test"), so generating on the fly would
 make the tool the bottleneck.
+
+A longitudinal (state) channel's devices run their own tree state (Erlingsson et al. 2019,
+Algorithm 1) through the channel's d periods in the workers, every period's report sealed to the
+analyzer ahead of time (:meth:`loadgen.SealerPool.add_series`); the outer envelopes name the
+epoch, so they are sealed just before that channel's own phase (:func:`seal_series`), period t
+for the t-th epoch of the phase. The pool stays open until :meth:`Prepared.close`.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from common.collection import verify_config
 from common.envelope import load_ed25519_public
 from common.mechanisms import ValueKind
 from common.mechanisms import get as get_mechanism
-from common.wire import CollectionConfig
+from common.wire import ChannelConfig, CollectionConfig
 from services.tools import loadgen
-from services.tools.loadtest.population import Population, draw
+from services.tools.loadtest.population import Population, draw, draw_changes, is_changes
 
 #: Outer seals per second assumed when planning when the run may start (measured: ~2,500/s).
 OUTER_SEALS_PER_S = 1500.0
+#: Longest a longitudinal channel's phase may take (d periods of epoch_seconds each) for it to
+#: be driven; longer ones are left out (named in the log), or refused when named with --channel.
+SERIES_MOST_SECONDS = 900
 
 
 @dataclass(frozen=True)
@@ -60,11 +69,21 @@ class Prepared:
     timings: dict[str, float]
     skipped: list[str]
     count: int
+    #: Longitudinal channels, driven after the histogram channels, one phase each.
+    series: dict[str, loadgen.Target] = field(default_factory=dict)
+    #: The sealing workers, holding the longitudinal devices' reports (None once closed).
+    pool: loadgen.SealerPool | None = None
 
     @property
     def shuffler_urls(self) -> list[str]:
         """The deployment's shufflers (the same in every channel's config)."""
-        return next(iter(self.targets.values())).shuffler_urls
+        return next(iter({**self.targets, **self.series}.values())).shuffler_urls
+
+    def close(self) -> None:
+        """Stop the sealing workers."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     @property
     def epochs(self) -> dict[str, list[int]]:
@@ -89,12 +108,13 @@ def fetch_config(analyzer_url: str, trusted_key: str) -> CollectionConfig:
 
 def choose(
     config: CollectionConfig, only: tuple[str, ...]
-) -> tuple[dict[str, loadgen.Target], list[str]]:
-    """The channels to load (``only``, or every channel taking one category value) and the
-    names of those left out with why.
+) -> tuple[dict[str, loadgen.Target], dict[str, loadgen.Target], list[str]]:
+    """The channels to load (``only``, or every channel taking one category value or a state
+    whose periods fit in :data:`SERIES_MOST_SECONDS`): histogram targets, longitudinal targets,
+    and the names of those left out with why.
 
     Raises:
-        loadgen.LoadError: a named channel is unknown or does not take category values.
+        loadgen.LoadError: a named channel is unknown or cannot be driven.
     """
     known = {c.id: c for c in config.channels}
     unknown = [c for c in only if c not in known]
@@ -102,24 +122,64 @@ def choose(
         raise loadgen.LoadError(
             f"unknown channel(s) {', '.join(unknown)}; the config has {', '.join(known)}"
         )
-    targets, skipped = {}, []
+    targets: dict[str, loadgen.Target] = {}
+    series: dict[str, loadgen.Target] = {}
+    skipped: list[str] = []
     for channel in config.channels:
         if only and channel.id not in only:
             continue
-        if get_mechanism(channel.mechanism).value_kind is not ValueKind.CATEGORY:
+        why = _left_out(channel)
+        if why is not None:
             if only:
-                raise loadgen.LoadError(f"channel {channel.id!r} does not take category values")
-            skipped.append(f"{channel.id} ({channel.mechanism}: not one value per report)")
+                raise loadgen.LoadError(f"channel {channel.id!r}: {why}")
+            skipped.append(f"{channel.id} ({channel.mechanism}: {why})")
             continue
-        targets[channel.id] = loadgen.Target(config, channel)
-    if not targets:
-        raise loadgen.LoadError("no channel of the config takes category values")
-    return targets, skipped
+        kind = get_mechanism(channel.mechanism).value_kind
+        into = series if kind is ValueKind.STATE else targets
+        into[channel.id] = loadgen.Target(config, channel)
+    if not targets and not series:
+        raise loadgen.LoadError("no channel of the config takes category values or states")
+    return targets, series, skipped
 
 
-def spec_for(plan: Plan, channel_id: str) -> str:
-    """The channel's population spec (``*``: every channel's; default zipf)."""
-    return plan.populations.get(channel_id, plan.populations.get("*", "zipf"))
+def _left_out(channel: ChannelConfig) -> str | None:
+    """Why ``esa loadtest`` cannot drive ``channel`` (None: it can)."""
+    mechanism = get_mechanism(channel.mechanism)
+    if mechanism.value_kind is ValueKind.CATEGORY:
+        return None
+    if mechanism.value_kind is not ValueKind.STATE:
+        return "does not take category values or states"
+    periods = mechanism.domain_size(mechanism.parse_params(channel.params))
+    if periods * channel.epoch_seconds > SERIES_MOST_SECONDS:
+        return (
+            f"{periods} periods of {channel.epoch_seconds} s take longer than "
+            f"{SERIES_MOST_SECONDS} s"
+        )
+    return None
+
+
+def spec_for(plan: Plan, channel_id: str, state: bool = False) -> str:
+    """The channel's population spec (``*``: every channel's of its kind; default zipf, or
+    changes for a longitudinal channel)."""
+    default = plan.populations.get("*")
+    if default is None or is_changes(default) != state:
+        default = "changes" if state else "zipf"
+    return plan.populations.get(channel_id, default)
+
+
+def _populations(
+    plan: Plan, targets: dict[str, loadgen.Target], series: dict[str, loadgen.Target]
+) -> dict[str, Population]:
+    """Every channel's population (seeded: ``plan.seed`` + the channel's position)."""
+    found = {}
+    for i, (cid, t) in enumerate({**targets, **series}.items()):
+        seed, spec = plan.seed + i, spec_for(plan, cid, state=cid in series)
+        if cid in series:
+            changes = int(t.channel.params.get("k", 1))
+            found[cid] = draw_changes(spec, cid, domain(t), changes, plan.devices, seed)
+        else:
+            found[cid] = draw(spec, t.channel, domain(t), plan.devices, seed)
+    return found
 
 
 def domain(target: loadgen.Target) -> int:
@@ -134,53 +194,52 @@ def run_epochs(target: loadgen.Target, start: float, seconds: float) -> list[int
 
 
 def prepare(plan: Plan, say: Callable[[str], None] = lambda _: None) -> Prepared:
-    """Enroll ``plan.devices`` devices, seal their reports and their run's contributions.
+    """Enroll ``plan.devices`` devices, seal their reports and their run's contributions (and
+    every period's report of the longitudinal channels; the pool stays open for those).
 
     Raises:
         loadgen.LoadError: config refused, enrolment refused, a sealing worker failed.
         PopulationError: a population spec that does not fit its channel.
     """
     config = fetch_config(plan.analyzer_url, plan.trusted_key)
-    targets, skipped = choose(config, plan.channels)
-    pops = {
-        cid: draw(
-            plan.populations.get(cid, "zipf"), t.channel, domain(t), plan.devices, plan.seed + i
-        )
-        for i, (cid, t) in enumerate(targets.items())
-    }
-    urls = next(iter(targets.values())).shuffler_urls
+    targets, series, skipped = choose(config, plan.channels)
+    pops = _populations(plan, targets, series)
+    first = next(iter({**targets, **series}.values()))
+    urls = first.shuffler_urls
     # The workers start (and import) while the devices enroll over HTTP.
-    with loadgen.SealerPool(next(iter(targets.values())), plan.workers) as pool:
+    pool = loadgen.SealerPool(first, plan.workers)
+    try:
         started = time.perf_counter()
         tokens = asyncio.run(loadgen.enroll(urls, plan.devices, plan.enroll_concurrency))
         enrolled = time.perf_counter() - started
         rate = len(urls) * plan.devices / enrolled
         say(f"enrolled {plan.devices:,} devices at {len(urls)} shufflers ({rate:,.0f}/s)")
         pool.ready()
-        sealed = cpu = 0.0
+        sealed = cpu = 1e-9
         for cid in targets:
             timing = pool.add_devices(tokens, pops[cid].values.tolist(), cid)
             sealed, cpu = sealed + timing.seconds, cpu + timing.cpu_seconds
+            say(f"{cid}: {timing.items:,} reports encoded and sealed ({timing.rate:,.0f}/s; "
+                f"{timing.per_core:,.0f} per CPU second)")  # fmt: skip
+        for cid in series:
+            timing = pool.add_series(tokens, pops[cid].change_periods(), cid)
             say(
-                f"{cid}: {timing.items:,} reports encoded and sealed ({timing.rate:,.0f}/s; "
-                f"{timing.per_core:,.0f} per CPU second)"
+                f"{cid}: {plan.devices:,} devices ran their tree through {pops[cid].k} "
+                f"periods: {timing.items:,} reports sealed ({timing.rate:,.0f}/s)"
             )
         files, outer = _seal_run(plan, targets, pool, say)
-    return Prepared(
-        targets,
-        pops,
-        files,
-        {
-            "enrolments_per_s": len(urls) * plan.devices / enrolled,
-            "reports_sealed_per_s": len(targets) * plan.devices / sealed,
-            "reports_sealed_per_cpu_s": len(targets) * plan.devices / cpu,
-            "contributions_sealed_per_s": outer[0] / outer[1],
-            "contributions_sealed_per_cpu_s": outer[0] / outer[2],
-            "workers": plan.workers,
-        },
-        skipped,
-        outer[0],
-    )
+    except BaseException:
+        pool.close()
+        raise
+    timings = {
+        "enrolments_per_s": len(urls) * plan.devices / enrolled,
+        "reports_sealed_per_s": len(targets) * plan.devices / sealed,
+        "reports_sealed_per_cpu_s": len(targets) * plan.devices / cpu,
+        "contributions_sealed_per_s": outer[0] / outer[1],
+        "contributions_sealed_per_cpu_s": outer[0] / outer[2],
+        "workers": plan.workers,
+    }
+    return Prepared(targets, pops, files, timings, skipped, outer[0], series, pool)
 
 
 def _seal_run(
@@ -193,9 +252,9 @@ def _seal_run(
     seconds, CPU seconds))."""
     directory = plan.workdir / "requests"
     directory.mkdir(parents=True, exist_ok=True)
-    per_epoch = len(targets) * plan.devices
-    ahead = 2.0 + per_epoch * (1 + plan.duration / 3600) / OUTER_SEALS_PER_S
-    start = time.time() + ahead
+    # Every epoch the run may touch is sealed first: start once they are all sealed.
+    epochs = sum(2 + math.ceil(plan.duration / t.channel.epoch_seconds) for t in targets.values())
+    start = time.time() + 2.0 + epochs * plan.devices / OUTER_SEALS_PER_S
     files: dict[str, dict[int, list[Path]]] = {}
     written, seconds, cpu = 0, 0.0, 0.0
     for cid, target in targets.items():
@@ -207,8 +266,30 @@ def _seal_run(
             files[cid][epoch] = paths
             written, seconds = written + timing.items, seconds + timing.seconds
             cpu += timing.cpu_seconds
-    say(f"sealed {written:,} contributions ({written / max(seconds, 1e-9):,.0f}/s)")
+    if targets:
+        say(f"sealed {written:,} contributions ({written / max(seconds, 1e-9):,.0f}/s)")
     return files, (written, max(seconds, 1e-9), max(cpu, 1e-9))
+
+
+def seal_series(
+    prepared: Prepared, channel_id: str, workdir: Path
+) -> tuple[dict[int, list[Path]], float]:
+    """The outer envelopes of a longitudinal channel's phase: period t's reports for the t-th
+    epoch after the sealing is done; returns ``{epoch: files}`` and the outer seals per second.
+
+    Raises:
+        loadgen.LoadError: the pool is closed or a worker failed.
+    """
+    if prepared.pool is None:
+        raise loadgen.LoadError("the sealing workers are closed")
+    target = prepared.series[channel_id]
+    # A device of level h reports d / 2^(h-1) times, its level uniform over L = log2 d + 1.
+    d = prepared.populations[channel_id].k
+    reports = sum(prepared.pool.shards.get(channel_id, [0])) * (2 * d - 1) / d.bit_length()
+    ahead = 1.0 + reports / OUTER_SEALS_PER_S
+    first = target.epoch(time.time() + ahead) + 1
+    found, timing = prepared.pool.seal_series(first, workdir / "requests" / channel_id, channel_id)
+    return found, timing.rate
 
 
 def planned_rate(prepared: Prepared, duration: float) -> float:

@@ -1,4 +1,5 @@
-"""One load test from start to end: prepare, run with the live view, verify, report."""
+"""One load test from start to end: prepare, run with the live view, verify, report; the
+histogram channels together, then each longitudinal channel in a phase of its own."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from rich.console import Console
 
 from services.tools import loadgen
 from services.tools.loadtest import live, report, verify
-from services.tools.loadtest.prepare import Plan, Prepared, prepare
+from services.tools.loadtest.population import Population
+from services.tools.loadtest.prepare import Plan, Prepared, prepare, seal_series
 
 
 @dataclass(frozen=True)
@@ -31,36 +33,37 @@ class Options:
     local: Mapping[str, int] = field(default_factory=dict)
 
 
-def channel_rows(
-    options: Options, prepared: Prepared, accepted: Mapping[int, int]
-) -> dict[str, dict[str, Any]]:
-    """Per channel: its release over the run's epochs, the estimates checked, certified ε."""
-    rows = {}
-    for index, (cid, target) in enumerate(prepared.targets.items()):
-        population = prepared.populations[cid]
-        sent = accepted.get(index, 0)
-        found = verify.release(options.plan.analyzer_url, cid, prepared.epochs[cid], population.k)
-        row: dict[str, Any] = {"acknowledged": sent, "n": 0, "received": 0, "checked": []}
-        row["inside"] = 0
-        row |= {"central_eps": None, "delta": None, "method": None, "population": population.spec}
-        if found is not None:
-            checked = verify.check_estimates(target, population, found, sent)
-            certificate = found["certificate"]
-            eps = certificate["eps"]
-            # Contributions received: the release's batch crowds (contributions per batch).
-            crowds = [int(v) for v in (found.get("crowds") or {}).values()]
-            row |= {
-                "n": int(found["n"]),
-                "received": sum(crowds) if crowds else int(found["n"]),
-                "checked": checked,
-                "inside": sum(1 for r in checked if r["lo"] <= r["expected"] <= r["hi"]),
-                "central_eps": None if eps is None or not math.isfinite(eps) else float(eps),
-                "delta": certificate["delta"],
-                "method": certificate["method"],
-                "local": found.get("local"),
-            }
-        rows[cid] = row
-    return rows
+def _row(
+    options: Options,
+    cid: str,
+    target: loadgen.Target,
+    population: Population,
+    epochs: list[int],
+    sent: int,
+    received: int | None,
+) -> dict[str, Any]:
+    """One channel's release over ``epochs``, its estimates checked and its certified ε;
+    ``received`` None: the release's batch crowds (histogram channels)."""
+    found = verify.release(options.plan.analyzer_url, cid, epochs, population.k)
+    row: dict[str, Any] = {"acknowledged": sent, "n": 0, "received": received or 0}
+    row |= {"checked": [], "inside": 0, "central_eps": None, "delta": None, "method": None}
+    row |= {"population": population.spec, "epochs": [min(epochs), max(epochs)]}
+    if found is None:
+        return row
+    got = verify.received_contributions(found) if received is None else received
+    checked = verify.check_estimates(target, population, found, got / sent if sent else 0.0)
+    certificate = found["certificate"]
+    eps = certificate["eps"]
+    return row | {
+        "n": int(found["n"]),
+        "received": got,
+        "checked": checked,
+        "inside": sum(1 for r in checked if r["lo"] <= r["expected"] <= r["hi"]),
+        "central_eps": None if eps is None or not math.isfinite(eps) else float(eps),
+        "delta": certificate["delta"],
+        "method": certificate["method"],
+        "local": found.get("local"),
+    }
 
 
 def verification(
@@ -70,7 +73,7 @@ def verification(
     stats: loadgen.Stats,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
-    """Close, drain, then conservation and estimates (see :mod:`.verify`)."""
+    """The histogram channels' phase: close, drain, conservation and estimates (:mod:`.verify`)."""
     assert options.admin_token is not None
     urls = prepared.shuffler_urls
     verify.close_epochs(urls, options.admin_token, prepared.epochs)
@@ -79,32 +82,100 @@ def verification(
         options.plan.analyzer_url, urls, options.admin_token, options.drain_timeout
     )
     after = verify.shuffler_state(urls, options.admin_token)
-    channels = channel_rows(options, prepared, stats.accepted_by_tag)
+    channels = {
+        cid: _row(
+            options,
+            cid,
+            target,
+            prepared.populations[cid],
+            prepared.epochs[cid],
+            stats.accepted_by_tag.get(index, 0),
+            None,
+        )
+        for index, (cid, target) in enumerate(prepared.targets.items())
+    }
     received = sum(r["received"] for r in channels.values())
     check = verify.conservation(before, after, stats.accepted, received)
-    problems = verify.verdict(check, channels)
-    totals = {k: v for k, v in check.items() if k != "per_shuffler"}
+    problems = verify.conservation_problems(check)
     return {
-        "drain_seconds": round(drained, 1),
-        "conservation": {"totals": totals, "per_shuffler": check["per_shuffler"]},
+        "name": "histograms",
+        "drain_seconds": drained,
+        "check": check,
         "channels": channels,
         "problems": problems,
     }
 
 
-def execute(options: Options, console: Console) -> dict[str, Any]:
-    """The whole load test; returns the summary (``verification.problems`` empty: passed).
+def series_phase(
+    options: Options, prepared: Prepared, cid: str, console: Console
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A longitudinal channel on its own: its devices' reports of period t sent during the
+    t-th epoch of the phase (each period in its own epoch, Erlingsson et al. 2019), then with
+    the admin token: close, drain, conservation (received = the analyzer's fragments opened
+    meanwhile: one per contribution) and every period's estimate against the truth. Returns
+    the phase's run summary and its verification."""
+    target, token = prepared.series[cid], options.admin_token
+    urls, analyzer = prepared.shuffler_urls, options.plan.analyzer_url
+    files, sealed = seal_series(prepared, cid, options.out)
+    before = verify.shuffler_state(urls, token) if token else {}
+    opened = verify.analyzer_fragments(analyzer, token) if token else {}
+    driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
+    monitor = live.Monitor(driver, urls, options.local)
+    rate = options.rate if isinstance(options.rate, int | float) else None
+    seconds = target.channel.epoch_seconds
+    console.log(
+        f"{cid}: {len(files)} periods of {seconds} s from epoch {min(files)} "
+        f"({sealed:,.0f} outer envelopes sealed/s)"
+    )
+    spent, skipped = asyncio.run(
+        live.replay_periods(monitor, cid, files, seconds, rate, console, options.live)
+    )
+    run = live.summary(monitor, spent) | {"periods": len(files), "skipped": skipped}
+    run |= {"epochs": [min(files), max(files)], "samples": report.public(monitor.samples)}
+    console.log(f"{cid}: {driver.stats.accepted:,} accepted over {len(files)} periods")
+    if token is None:
+        return run, None
+    stats = (driver.stats.accepted, skipped)
+    return run, _series_verification(options, prepared, cid, sorted(files), before, opened, stats)
 
-    Raises:
-        loadgen.LoadError, PopulationError: nothing could be prepared.
-        verify.VerifyError: verification could not complete.
-    """
-    plan = options.plan
-    say = console.log
-    prepared = prepare(plan, say)
-    for skipped in prepared.skipped:
-        say(f"left out: {skipped}")
-    urls = prepared.shuffler_urls
+
+def _series_verification(
+    options: Options, prepared: Prepared, cid: str, epochs: list[int],
+    before: dict[str, dict[str, float]], opened: dict[str, float], sent: tuple[int, int],
+) -> dict[str, Any]:  # fmt: skip
+    """A longitudinal phase's verification: close, drain, conservation with received = the
+    analyzer's fragments opened since ``opened``, every period's estimate; ``sent``:
+    (acknowledged, left unsent)."""
+    assert options.admin_token is not None
+    token, urls, analyzer = options.admin_token, prepared.shuffler_urls, options.plan.analyzer_url
+    (acknowledged, skipped), seconds = sent, prepared.series[cid].channel.epoch_seconds
+    verify.close_epochs(urls, token, {cid: [max(epochs)]})  # closes every epoch up to it
+    drained = verify.drain(analyzer, urls, token, options.drain_timeout)
+    after, now = verify.shuffler_state(urls, token), verify.analyzer_fragments(analyzer, token)
+    received = int(now["opened"] - opened["opened"])
+    population = prepared.populations[cid]
+    row = _row(options, cid, prepared.series[cid], population, epochs, acknowledged, received)
+    check = verify.conservation(before, after, acknowledged, received)
+    problems = verify.conservation_problems(check)
+    if now["invalid"] > opened["invalid"]:
+        problems.append(
+            f"{cid}: {now['invalid'] - opened['invalid']:,.0f} fragments failed to "
+            "open or parse at the analyzer"
+        )
+    if skipped:
+        problems.append(
+            f"{cid}: {skipped:,} contributions unsent: a period overran its "
+            f"{seconds}-second epoch (fewer --devices, or a quieter machine)"
+        )
+    return {"name": cid, "drain_seconds": drained, "check": check,
+            "channels": {cid: row}, "problems": problems}  # fmt: skip
+
+
+def _histograms(
+    options: Options, prepared: Prepared, console: Console
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """The histogram channels' run: its summary, samples and verification."""
+    plan, urls, say = options.plan, prepared.shuffler_urls, console.log
     before = verify.shuffler_state(urls, options.admin_token) if options.admin_token else {}
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
     monitor = live.Monitor(driver, urls, options.local)
@@ -120,17 +191,47 @@ def execute(options: Options, console: Console) -> dict[str, Any]:
     run["prepared_not_sent"] = prepared.count - driver.sent
     rate = run["accepted_per_s"]
     say(f"run finished: {run['accepted']:,} accepted in {seconds:.1f} s ({rate:,}/s)")
+    checked = None
+    if options.admin_token:
+        checked = verification(options, prepared, before, driver.stats, say)
+    return run, report.public(monitor.samples), checked
+
+
+def execute(options: Options, console: Console) -> dict[str, Any]:
+    """The whole load test; returns the summary (``verification.problems`` empty: passed):
+    the histogram channels' run, then each longitudinal channel's phase.
+
+    Raises:
+        loadgen.LoadError, PopulationError: nothing could be prepared.
+        verify.VerifyError: verification could not complete.
+    """
+    plan = options.plan
+    prepared = prepare(plan, console.log)
+    for skipped in prepared.skipped:
+        console.log(f"left out: {skipped}")
     summary: dict[str, Any] = {
         "analyzer_url": plan.analyzer_url,
         "devices": plan.devices,
         "channels": {cid: p.spec for cid, p in prepared.populations.items()},
         "skipped_channels": prepared.skipped,
         "preparation": {k: round(v, 1) for k, v in prepared.timings.items()},
-        "run": run,
-        "samples": report.public(monitor.samples),
+        "series": {},
     }
-    if options.admin_token:
-        summary["verification"] = verification(options, prepared, before, driver.stats, say)
+    phases = []
+    try:
+        if prepared.targets:
+            summary["run"], summary["samples"], checked = _histograms(options, prepared, console)
+            phases += [checked] if checked else []
+        for cid in prepared.series:
+            summary["series"][cid], checked = series_phase(options, prepared, cid, console)
+            phases += [checked] if checked else []
+    finally:
+        prepared.close()
+    if "run" not in summary:  # longitudinal channels only: the first one's run is the run
+        first = summary["series"][next(iter(prepared.series))]
+        summary["run"], summary["samples"] = first, first["samples"]
+    if phases:
+        summary["verification"] = verify.combined(phases)
     summary["report"] = str(options.out / "loadtest.html")
     report.write_json(options.out / "loadtest.json", summary)
     report.write_html(options.out / "loadtest.html", summary)

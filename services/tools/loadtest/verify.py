@@ -139,15 +139,37 @@ def release(
     return found
 
 
+def analyzer_fragments(url: str, token: str | None) -> dict[str, float]:
+    """The analyzer's fragment counters (``/metrics``): opened, and failed to open or parse.
+
+    A longitudinal contribution carries exactly one fragment, so during a phase in which only
+    one longitudinal channel sends, fragments opened = its contributions received (its
+    release counts only the reports at each level's first node, and its crowds are tree
+    nodes). The counters are the analyzer process's own: with several analyzer workers behind
+    a load balancer a scrape sees one of them.
+    """
+    metrics = scrape(url, token)
+    return {
+        name: metrics.get(f"esa_analyzer_fragments_{name}_total", 0.0)
+        for name in ("opened", "invalid")
+    }
+
+
+def received_contributions(found: Mapping[str, Any]) -> int:
+    """A histogram channel's contributions received: its release's batch crowds (or n)."""
+    crowds = [int(v) for v in (found.get("crowds") or {}).values()]
+    return sum(crowds) if crowds else int(found["n"])
+
+
 def check_estimates(
-    target: loadgen.Target, population: Population, found: Mapping[str, Any], sent: int
+    target: loadgen.Target, population: Population, found: Mapping[str, Any], kept: float
 ) -> list[dict[str, float]]:
-    """The largest true bins: truth, what the estimator targets, the estimate, its interval."""
+    """The largest true bins (every period of a longitudinal channel): truth, what the
+    estimator targets for ``truth × kept``, the estimate, its interval."""
     values = dict(zip(found["bins"], found["values"], strict=True))
     errors = dict(zip(found["bins"], found["std_errors"], strict=True))
     n = int(found["n"])
-    crowds = [int(v) for v in (found.get("crowds") or {}).values()]
-    kept = min(1.0, (sum(crowds) if crowds else n) / sent) if sent else 0.0
+    kept = min(1.0, max(0.0, kept))
     truth = population.counts
     mechanism = get_mechanism(target.channel.mechanism)
     params = mechanism.parse_params(target.channel.params)
@@ -155,7 +177,7 @@ def check_estimates(
     rows = []
     for b in np.argsort(-truth, kind="stable")[:CHECKED_BINS]:
         b = int(b)
-        spread = math.sqrt(errors.get(b, 0.0) ** 2 + truth[b] * kept * (1 - kept))
+        spread = math.sqrt(errors.get(b, 0.0) ** 2 + abs(truth[b]) * kept * (1 - kept))
         estimate = float(values.get(b, 0.0))
         rows.append(
             {
@@ -205,6 +227,11 @@ def conservation(
 
 def verdict(check: Mapping[str, Any], channels: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Every reason the run fails (empty: it passes)."""
+    return conservation_problems(check) + channel_problems(channels)
+
+
+def conservation_problems(check: Mapping[str, Any]) -> list[str]:
+    """What :func:`conservation` found wrong (empty: nothing lost or counted twice)."""
     problems = []
     if check["lost"] > 0:
         problems.append(f"{check['lost']:,} acknowledged contributions are nowhere (lost)")
@@ -219,6 +246,13 @@ def verdict(check: Mapping[str, Any], channels: Mapping[str, Mapping[str, Any]])
             f"the shufflers acknowledged {check['shufflers_acknowledged']:,} contributions, "
             f"this run saw {check['acknowledged']:,} acknowledgements"
         )
+    return problems
+
+
+def channel_problems(channels: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Channels that received more than acknowledged, and too few estimates inside their
+    intervals over all channels together."""
+    problems = []
     for cid, row in channels.items():
         if row["received"] > row["acknowledged"]:
             problems.append(
@@ -233,3 +267,39 @@ def verdict(check: Mapping[str, Any], channels: Mapping[str, Mapping[str, Any]])
             f"{fewest_inside(checked)} expected)"
         )
     return problems
+
+
+def combined(phases: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One verification from the phases' (each with its own conservation check): totals and
+    per-shuffler deltas summed, every channel row, every phase's conservation problem and the
+    estimates judged over all channels together."""
+    checks = [p["check"] for p in phases]
+    totals: dict[str, Any] = {}
+    for key in checks[0]:
+        if key == "per_shuffler":
+            continue
+        if key == "deleted":
+            totals[key] = {c: sum(x[key][c] for x in checks) for c in checks[0][key]}
+        else:
+            totals[key] = sum(x[key] for x in checks)
+    per_shuffler: dict[str, dict[str, int]] = {}
+    for check in checks:
+        for url, row in check["per_shuffler"].items():
+            into = per_shuffler.setdefault(url, {})
+            for key, value in row.items():
+                into[key] = into.get(key, 0) + value
+    channels = {cid: row for p in phases for cid, row in p["channels"].items()}
+    problems = [x for p in phases for x in p["problems"]] + channel_problems(channels)
+    return {
+        "drain_seconds": round(sum(p["drain_seconds"] for p in phases), 1),
+        "conservation": {
+            "totals": totals,
+            "per_shuffler": per_shuffler,
+            "phases": {
+                p["name"]: {k: v for k, v in p["check"].items() if k != "per_shuffler"}
+                for p in phases
+            },
+        },
+        "channels": channels,
+        "problems": problems,
+    }
