@@ -108,6 +108,14 @@ def sink(
     help="Local ε0 of the binary randomized response canaries report in the privacy game.",
 )
 @click.option(
+    "--game-channel",
+    default=None,
+    help="Play the privacy game with this default channel's mechanism (homepage, "
+    "homepage-fragments, picture, features) instead of binary RR: the target canary reports "
+    "value 0 or 1, the others 2, and ε_lower is printed beside the channel's certified "
+    "replacement ε (the audit channel's max_fragments must fit one report; docs/audit.md).",
+)
+@click.option(
     "--game-trials",
     type=click.IntRange(min=0),
     default=0,
@@ -152,6 +160,7 @@ def run(
     fragments: int,
     wait_seconds: float,
     game_eps0: float,
+    game_channel: str | None,
     game_trials: int,
     round_seconds: float,
     clock_skew: float,
@@ -175,7 +184,8 @@ def run(
     config = AuditConfig(
         shuffler_url, sink_url, sink_token, channel, admin_token, signing_key, payload_size,
         group_size, fragments, wait_seconds=wait_seconds, game_eps0=game_eps0,
-        game_trials=game_trials, round_seconds=round_seconds, skew_seconds=clock_skew, seed=seed,
+        game_trials=game_trials, game_channel=game_channel, round_seconds=round_seconds,
+        skew_seconds=clock_skew, seed=seed,
     )  # fmt: skip
     try:
         with console.status("auditing") as status:

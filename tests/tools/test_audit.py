@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from common.wire import Batch, BatchAck, ChannelPolicy
+from common.randomness import SeededSource
+from common.wire import Batch, BatchAck, ChannelConfig, ChannelPolicy
 from services.cli import launcher
 from services.cli.audit import audit
 from services.tools.audit.checks import kept_law
@@ -38,6 +39,16 @@ from services.tools.audit.game import (
     privacy_game,
     rr_one_probability,
 )
+from services.tools.audit.mechgame import (
+    LAWS,
+    MechanismGame,
+    MechTrial,
+    difference_law,
+    mechanism_game,
+    simulate,
+)
+from services.tools.audit.report import write_reports
+from services.tools.audit.runner import AuditConfig, run_audit
 from services.tools.audit.sink import SinkState, answer_batch, fetch_records
 from tests.support import ServiceProcess, free_port, shuffler_process, wait_until
 
@@ -87,9 +98,11 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _shuffler(tmp: Path, sink: str, leaks: str = "") -> ServiceProcess:
+def _shuffler(
+    tmp: Path, sink: str, leaks: str = "", channel: dict[str, object] = CHANNEL
+) -> ServiceProcess:
     """A shuffler forwarding to the sink; with ``leaks``, the leaky variant's process."""
-    process = shuffler_process(tmp, "shuffler-1", [CHANNEL], analyzer_url=sink, **FAST)
+    process = shuffler_process(tmp, "shuffler-1", [channel], analyzer_url=sink, **FAST)
     spec = replace(process.spec, env={**process.spec.env, "ESA_AUDIT_LEAKS": leaks})
     process.log_path.parent.mkdir(parents=True, exist_ok=True)
     module = "tests.tools.leaky_shuffler" if leaks else "services.cli"
@@ -133,7 +146,8 @@ def test_real_shuffler_passes_every_check(tmp_path: Path, sink: str) -> None:
     report = json.loads((tmp_path / "report" / "audit.json").read_text())
     timing = next(f for f in report["findings"] if f["name"] == "release_independent_of_arrival")
     assert timing["statistic"] is not None  # both burst groups released, in one round
-    assert len(report["summary"]["game"]["trials"]) == len(CHANNEL["crowds"]) - 1
+    crowds = CHANNEL["crowds"]
+    assert isinstance(crowds, list) and len(report["summary"]["game"]["trials"]) == len(crowds) - 1
     # the saved game pools (alone, not twice: the same run's trials are not independent)
     path = str(tmp_path / "report" / "audit.json")
     pooled = CliRunner().invoke(audit, ["pool", path])
@@ -288,3 +302,85 @@ def test_sink_relays_other_channels_byte_for_byte(sink: str) -> None:
     before = len(fetch_records(sink, TOKEN, client=HTTP))
     assert answer_batch(relaying, signature, _part())[0] == 201
     assert len(fetch_records(sink, TOKEN, client=HTTP)) == before
+
+
+@pytest.mark.parametrize("channel", ["homepage", "homepage-fragments", "picture", "features"])
+def test_mechanism_game_law_is_the_encoders(channel: str) -> None:
+    """The exact law the count distinguisher's threshold is fitted to (fragments naming b
+    minus those naming a, per report of a, b or c) is what the mechanism's encoder draws."""
+    game = MechanismGame.named(channel)
+    source = SeededSource(7)
+    for value in (0, 1, 2):
+        views = [game.view(game.encode(value, source)) for _ in range(1000)]
+        offset, pmf = _one_report_law(game, value)
+        drawn = np.bincount([b - a - offset for a, b, _ in views], minlength=len(pmf))
+        assert np.abs(drawn / len(views) - pmf).max() < 0.04, (value, drawn, pmf)
+
+
+def _one_report_law(game: MechanismGame, value: int) -> tuple[int, np.ndarray]:
+    joint = LAWS[game.mechanism_name](game.params, value)
+    rows, cols = joint.shape
+    pmf = np.zeros(rows + cols - 1)
+    for i in range(rows):
+        for j in range(cols):
+            pmf[j - i + rows - 1] += joint[i, j]
+    return -(rows - 1), pmf
+
+
+def test_mechanism_game_power_and_a_leak() -> None:
+    """Through a (seeded) uniform shuffle of the real encoder's fragments the bound stays below
+    the certified ε with some power; in arrival order (the target's fragments first) the
+    "first fragment naming a or b" distinguisher sees the leak; and a release that gives the
+    target away fails at a crowd where the certificate shows amplification (k-RAPPOR ε = 2,
+    k = 3 at crowd 1000: certified 1.02)."""
+    homepage = MechanismGame.named("homepage")
+    fair = mechanism_game(simulate(homepage, 20, 200, seed=3), homepage)
+    leak = mechanism_game(simulate(homepage, 20, 200, seed=3, shuffled=False), homepage)
+    assert fair.passed and fair.statistic is not None and 0.3 <= fair.statistic < 1.0
+    assert "certified ε=4.000" in fair.detail  # replacement: twice the per-bit removal ε
+    assert leak.statistic is not None and leak.statistic > 1.5
+    _, law_a, law_b = difference_law(homepage, 20)
+    assert law_a.sum() == pytest.approx(1.0) and law_b.sum() == pytest.approx(1.0)
+    assert (np.arange(len(law_b)) * law_b).sum() - (np.arange(len(law_a)) * law_a).sum() == (
+        pytest.approx(2 * (1 - 2 / (1 + math.exp(2.0))))
+    )
+    small = MechanismGame.of(
+        ChannelConfig(id="small", mechanism="krappor", params={"k": 3, "eps": 2.0}, delta=1e-8)
+    )
+    assert small.certified(1000).eps < 1.1
+    given_away = [MechTrial(s, (1 - s, s, s), 1000) for s in (0, 1) * 150]
+    assert not mechanism_game(given_away, small).passed
+    hidden = [MechTrial(s, (300, 300, -1), 1000) for s in (0, 1) * 150]
+    assert mechanism_game(hidden, small).passed
+    with pytest.raises(ValueError, match="longitudinal"):
+        MechanismGame.named("abroad")
+
+
+def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
+    """The game of the zero-sum channel through a real shuffler: canaries carry Balcer–Cheu
+    fragments, the auditor reads them back from the released batches, every check passes, and
+    the saved outcome pools."""
+    channel = {**CHANNEL, "max_fragments": 16, "crowds": ["c00", "c01", "c02", "small"]}
+    shuffler = _shuffler(tmp_path, sink, channel=channel)
+    try:
+        config = AuditConfig(shuffler.url, sink, TOKEN, "audit", admin_token="development",
+                             skew_seconds=0.2, game_channel="features", seed=1)  # fmt: skip
+        result = run_audit(config)
+    finally:
+        shuffler.stop()
+    assert [f.name for f in result.findings if not f.passed] == []
+    finding = next(f for f in result.findings if f.name == "distinguishing_game")
+    assert "features: zsum" in finding.detail and "certified ε=inf" in finding.detail
+    saved = result.summary["game"]
+    assert saved["mechanism"] == "zsum" and len(saved["trials"]) == 3
+    for trial in saved["trials"]:
+        assert trial["view"] is not None and trial["n_contributions"] >= CHANNEL["min_crowd"]
+        # the target's own message names its value: a or b is named at least once
+        assert trial["view"][0] + trial["view"][1] >= 1
+    pooled, runs = pool([("run", saved)])
+    assert runs == 1 and pooled.passed
+    json_path, html_path = write_reports(result, tmp_path / "report")  # certified ε is ∞ here
+    assert html_path.read_text().count("<img") >= 3
+    assert json.loads(json_path.read_text())["summary"]["game"]["channel"] == "features"
+    with pytest.raises(PoolError, match="binary RR"):
+        pool([("run", saved), ("rr", outcomes(_game_trials(True, 4, 20, 4.0, 0), 4.0, 1e-6, "x"))])

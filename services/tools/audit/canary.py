@@ -6,7 +6,9 @@ The shuffler never sees which key a fragment is sealed to (fragments are opaque 
 PROTOCOL.md), so canaries are indistinguishable from devices except through what they carry.
 Each canary fragment carries a marker: the run tag, the contribution's send sequence number,
 the fragment's index and count, the crowd index and a one-bit report for the privacy game
-(14 bytes, padded to the channel's ``payload_size`` like every fragment).
+(14 bytes, padded to the channel's ``payload_size`` like every fragment); in the privacy game of
+a channel's mechanism (:mod:`~services.tools.audit.mechgame`), followed by the mechanism
+fragment a device would send.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -48,19 +51,24 @@ class Marker:
     count: int
     crowd: int
     report: int = 0
+    payload: bytes = b""
 
     def encode(self) -> bytes:
-        return MARKER.pack(
+        marker = MARKER.pack(
             MARKER_MAGIC, self.run, self.seq, self.index, self.count, self.crowd, self.report
         )
+        return marker + self.payload
 
     @classmethod
     def decode(cls, data: bytes) -> Marker | None:
-        """The marker in an opened fragment, or None if it is not one."""
-        if len(data) != MARKER.size:
+        """The marker in an opened fragment (with the mechanism fragment after it, if any),
+        or None if it is not one."""
+        if len(data) < MARKER.size:
             return None
-        magic, run, seq, index, count, crowd, report = MARKER.unpack(data)
-        return cls(run, seq, index, count, crowd, report) if magic == MARKER_MAGIC else None
+        magic, run, seq, index, count, crowd, report = MARKER.unpack(data[: MARKER.size])
+        if magic != MARKER_MAGIC:
+            return None
+        return cls(run, seq, index, count, crowd, report, data[MARKER.size :])
 
 
 @dataclass
@@ -158,15 +166,20 @@ class CanaryFleet:
         epoch: int,
         fragments: int,
         report: int = 0,
+        payloads: Sequence[bytes] | None = None,
     ) -> Sent:
         """Enroll one canary and send its contribution of ``fragments`` marked fragments, each
-        carrying the one-bit ``report``.
+        carrying the one-bit ``report`` — or, with ``payloads``, one marked fragment per
+        mechanism fragment, carrying it.
 
         Raises:
             RuntimeError: the shuffler did not acknowledge it (202).
         """
+        carried = [b""] * fragments if payloads is None else list(payloads)
+        fragments = len(carried)
         markers = [
-            Marker(self.key.run, seq, i, fragments, crowd[0], report) for i in range(fragments)
+            Marker(self.key.run, seq, i, fragments, crowd[0], report, payload)
+            for i, payload in enumerate(carried)
         ]
         blob = self.seal(channel_id, payload_size, crowd[1], epoch, markers)
         token = self.enroll()

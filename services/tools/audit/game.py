@@ -230,6 +230,9 @@ def pool(saved: Iterable[tuple[str, Mapping[str, Any]]]) -> tuple[Finding, int]:
         PoolError: runs with different ε0 or δ, the same run twice (its trials would not be
             independent), or a malformed outcome.
     """
+    saved = list(saved)
+    if any("mechanism" in data for _, data in saved):
+        return _pool_mechanism(saved)
     settings: set[tuple[float, float]] = set()
     runs: dict[str, str] = {}
     trials: list[Trial] = []
@@ -244,3 +247,28 @@ def pool(saved: Iterable[tuple[str, Mapping[str, Any]]]) -> tuple[Finding, int]:
         raise PoolError(f"runs with different game settings (ε0, δ): {sorted(settings)}")
     ((eps0, delta),) = settings
     return privacy_game(trials, eps0, delta), len(runs)
+
+
+def _pool_mechanism(saved: Sequence[tuple[str, Mapping[str, Any]]]) -> tuple[Finding, int]:
+    """:func:`pool` for games of a channel's mechanism (:mod:`~services.tools.audit.mechgame`):
+    every run must have played the same channel (mechanism, parameters and δ)."""
+    from services.tools.audit import mechgame
+
+    games: set[mechgame.MechanismGame] = set()
+    runs: dict[str, str] = {}
+    trials: list[mechgame.MechTrial] = []
+    for name, data in saved:
+        if "mechanism" not in data:
+            raise PoolError(f"{name} played binary RR, the others a channel's mechanism")
+        try:
+            game, run, found = mechgame.load_outcomes(data)
+        except mechgame.GameError as error:
+            raise PoolError(f"{name}: {error}") from error
+        if run in runs:
+            raise PoolError(f"{name} holds run {run!r} already pooled from {runs[run]}")
+        runs[run] = name
+        games.add(game)
+        trials += found
+    if len(games) != 1:
+        raise PoolError(f"runs with different game settings: {sorted(g.describe() for g in games)}")
+    return mechgame.mechanism_game(trials, games.pop()), len(runs)

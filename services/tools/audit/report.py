@@ -94,7 +94,8 @@ def _draw(axes: Any, plot: dict[str, Any]) -> None:
     elif plot["kind"] == "game":
         names = list(plot["bounds"])
         axes.bar(names, [plot["bounds"][k] for k in names], label="ε_lower (95%)")
-        axes.axhline(plot["certified"], color="k", linestyle="--", label="certified ε")
+        if plot["certified"] is not None:  # None: certified ε is ∞ (no line to draw)
+            axes.axhline(plot["certified"], color="k", linestyle="--", label="certified ε")
         axes.set_ylabel("ε")
         axes.legend()
     else:

@@ -12,7 +12,8 @@ the shuffler must forward to an :mod:`audit sink <services.tools.audit.sink>`. S
 4. Read the sink's records and run :mod:`~services.tools.audit.checks`.
 5. With ``game_trials`` above the full groups of that epoch, more privacy-game rounds, one per
    following epoch (full groups only), until that many trials are pooled
-   (:mod:`~services.tools.audit.game`).
+   (:mod:`~services.tools.audit.game`; with ``game_channel``, the canaries encode with that
+   default channel's mechanism: :mod:`~services.tools.audit.mechgame`).
 
 The first full group receives all its canaries before any other group, the last full group all
 of its after every other: two very different arrival patterns, whose release times the timing
@@ -24,15 +25,16 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
 from common.envelope import load_ed25519_public
+from common.randomness import RandomSource, SeededSource, SystemSource
 from common.wire import ChannelPolicy, ShufflerConfig, unb64
-from services.tools.audit import checks, game, probes
+from services.tools.audit import checks, game, mechgame, probes
 from services.tools.audit.canary import MIN_PAYLOAD, CanaryFleet, CanaryKey, Sent
 from services.tools.audit.sink import fetch_records
 
@@ -63,6 +65,7 @@ class AuditConfig:
     game_eps0: float = 4.0
     game_delta: float = 1e-6
     game_trials: int = 0
+    game_channel: str | None = None
     round_seconds: float = 2.0
     seed: int | None = None
 
@@ -79,6 +82,80 @@ class AuditResult:
         return all(f.passed for f in self.findings)
 
 
+@dataclass(frozen=True)
+class GamePlan:
+    """Which privacy game the canaries play: binary RR with ε0 (``mechanism`` None) or a
+    default channel's mechanism (:mod:`~services.tools.audit.mechgame`)."""
+
+    eps0: float
+    delta: float
+    mechanism: mechgame.MechanismGame | None = None
+    max_fragments: int = 255
+
+    @classmethod
+    def of(cls, config: AuditConfig, policy: ChannelPolicy) -> GamePlan:
+        """Raises: AuditError: an unknown or unsupported game channel."""
+        if config.game_channel is None:
+            return cls(config.game_eps0, config.game_delta)
+        try:
+            mechanism = mechgame.MechanismGame.named(config.game_channel)
+        except mechgame.GameError as error:
+            raise AuditError(str(error)) from error
+        return cls(config.game_eps0, config.game_delta, mechanism, min(255, policy.max_fragments))
+
+    def payloads(self, value: int, source: RandomSource) -> list[bytes]:
+        """The mechanism fragments of one canary's report of ``value`` (A or B by the secret
+        for a target, C otherwise).
+
+        Raises:
+            AuditError: a report with no fragment or more than the audit channel allows (the
+                report cannot be redrawn: that would change the mechanism's law).
+        """
+        assert self.mechanism is not None
+        fragments = self.mechanism.encode(value, source)
+        if not 1 <= len(fragments) <= self.max_fragments:
+            raise AuditError(
+                f"a {self.mechanism.mechanism_name} canary report has {len(fragments)} fragments:"
+                f" the audit channel's max_fragments must be >= that (at most 255), for "
+                f"{self.mechanism.channel!r} about 8 sd above its mean (services/tools/catalogue)"
+            )
+        return fragments
+
+    def trials(
+        self, batches: Iterable[checks.ReleasedBatch], secrets: dict[str, int], fragments: int
+    ) -> list[Any]:
+        if self.mechanism is None:
+            return game.trials_from(list(batches), secrets, fragments)
+        return mechgame.trials_from(batches, secrets, self.mechanism)
+
+    def finding(self, trials: Sequence[Any]) -> checks.Finding:
+        if self.mechanism is None:
+            return game.privacy_game(trials, self.eps0, self.delta)
+        return mechgame.mechanism_game(trials, self.mechanism)
+
+    def outcomes(self, trials: Sequence[Any], run: str) -> dict[str, Any]:
+        if self.mechanism is None:
+            return game.outcomes(trials, self.eps0, self.delta, run)
+        return mechgame.outcomes(trials, self.mechanism, run)
+
+
+def _game_payload_size(config: AuditConfig) -> AuditConfig:
+    """The config with a payload size that fits a marker and the game's mechanism fragment.
+
+    Raises:
+        AuditError: a payload size below :data:`MIN_PAYLOAD`, an unknown game channel.
+    """
+    if config.payload_size < MIN_PAYLOAD:
+        raise AuditError(f"payload_size must be >= {MIN_PAYLOAD} to carry a marker")
+    if config.game_channel is None:
+        return config
+    try:
+        size = mechgame.MechanismGame.named(config.game_channel).fragment_size
+    except mechgame.GameError as error:
+        raise AuditError(str(error)) from error
+    return replace(config, payload_size=max(config.payload_size, MIN_PAYLOAD + size))
+
+
 def default_group_size(policy: ChannelPolicy) -> int:
     """Contributions per canary group: min_crowd + c + 1 + 10·b (b = 2/ε_cr, c = b·ln(2/δ_cr)),
     so a group is held with probability below e^−10/2 (Algorithm 3's threshold)."""
@@ -92,26 +169,27 @@ def run_audit(config: AuditConfig, progress: Progress = lambda _: None) -> Audit
     Raises:
         AuditError: the shuffler or sink cannot be used for an audit.
     """
-    if config.payload_size < MIN_PAYLOAD:
-        raise AuditError(f"payload_size must be >= {MIN_PAYLOAD} to carry a marker")
+    config = _game_payload_size(config)
     with httpx.Client(timeout=30) as client:
         shuffler = _shuffler_config(client, config.shuffler_url)
         policy = next((c for c in shuffler.channels if c.id == config.channel_id), None)
         if policy is None:
             raise AuditError(f"channel {config.channel_id!r} is not served by {shuffler.id}")
-        key = CanaryKey.fresh()
+        key, plan_game = CanaryKey.fresh(), GamePlan.of(config, policy)
         fleet = CanaryFleet(client, config.shuffler_url, shuffler, key)
         plan = _plan(config, policy)
         epoch = _epoch_with_room(policy, sum(n for _, n in plan))
         before = len(_records(client, config, 0))
         secrets = _secrets(config, plan)
-        sent, shots = _send(fleet, config, plan, epoch, secrets, progress)
+        sent, shots = _send(fleet, config, plan, epoch, secrets, plan_game, progress)
         progress("probing intake refusals")
         revoke = _revoker(client, config) if config.admin_token else None
         intake = probes.intake_checks(fleet, policy.id, config.payload_size, sent[0], revoke)
         closes_at = _close(client, config, policy, epoch, progress)
         records = _collect(client, config, before, progress)
-        extra = _game_rounds(fleet, config, policy, plan, epoch, len(secrets), progress)
+        extra = _game_rounds(
+            fleet, config, policy, plan, epoch, (len(secrets), plan_game), progress
+        )
     signing = load_ed25519_public(unb64(config.signing_key or shuffler.signing_key))
     parts = checks.parse_parts(records, key)
     ours = [p for p in parts if p.batch is None or p.batch.shuffler_id == shuffler.id]
@@ -119,7 +197,7 @@ def run_audit(config: AuditConfig, progress: Progress = lambda _: None) -> Audit
     batches = checks.assemble(audited, policy.id)
     mine = [p for p in audited if p.batch and p.batch.channel_id == policy.id]
     full, small = [c for c, n in plan if n == plan[0][1]], [c for c, n in plan if n != plan[0][1]]
-    trials = game.trials_from(batches, secrets, config.fragments) + extra
+    trials = plan_game.trials(batches, secrets, config.fragments) + extra
     findings = [
         *checks.order_checks(batches),
         *checks.metadata_checks(ours, signing, config.payload_size, policy.id),
@@ -129,7 +207,7 @@ def run_audit(config: AuditConfig, progress: Progress = lambda _: None) -> Audit
         *checks.timing_checks(audited, policy.id, closes_at, config.skew_seconds),
         checks.arrival_pattern_check(mine, sent, (full[0], full[-1]), config.round_seconds),
         *intake,
-        game.privacy_game(trials, config.game_eps0, config.game_delta),
+        plan_game.finding(trials),
     ]
     summary = {
         "shuffler": shuffler.id,
@@ -142,7 +220,7 @@ def run_audit(config: AuditConfig, progress: Progress = lambda _: None) -> Audit
         "signing_key": config.signing_key or shuffler.signing_key,
         "signing_key_source": "pinned" if config.signing_key else "shuffler /v1/config",
         "alpha": checks.ALPHA,
-        "game": game.outcomes(trials, config.game_eps0, config.game_delta, key.run.hex()),
+        "game": plan_game.outcomes(trials, key.run.hex()),
     }
     return AuditResult(findings, summary)
 
@@ -193,20 +271,21 @@ def _game_rounds(
     policy: ChannelPolicy,
     plan: list[tuple[str, int]],
     epoch: int,
-    have: int,
+    played: tuple[int, GamePlan],
     progress: Progress,
-) -> list[game.Trial]:
+) -> list[Any]:
     """More privacy-game trials, one round per following epoch (full groups only, each with
     fresh secrets), until ``config.game_trials`` are pooled with the ``have`` already run."""
     full = [(crowd, n) for crowd, n in plan if n == plan[0][1]]
-    trials: list[game.Trial] = []
+    have, plan_game = played
+    trials: list[Any] = []
     seq = sum(n for _, n in plan)
     while have + len(trials) < config.game_trials:
         epoch = _epoch_with_room(policy, sum(n for _, n in full), after=epoch)
         progress(f"privacy game: {have + len(trials)}/{config.game_trials} trials, epoch {epoch}")
         before = len(_records(fleet.client, config, 0))
         secrets = _secrets(config, full, salt=epoch)
-        sent, _ = _send(fleet, config, full, epoch, secrets, progress, first_seq=seq)
+        sent, _ = _send(fleet, config, full, epoch, secrets, plan_game, progress, first_seq=seq)
         seq += len(sent)
         _close(fleet.client, config, policy, epoch, progress)
         parts = checks.parse_parts(_collect(fleet.client, config, before, progress), fleet.key)
@@ -214,7 +293,7 @@ def _game_rounds(
         batches = checks.assemble(
             [p for p in mine if p.batch and p.batch.shuffler_id == fleet.config.id], policy.id
         )
-        trials += game.trials_from(batches, secrets, config.fragments)
+        trials += plan_game.trials(batches, secrets, config.fragments)
     return trials
 
 
@@ -232,14 +311,17 @@ def _send(
     plan: list[tuple[str, int]],
     epoch: int,
     secrets: dict[str, int],
+    plan_game: GamePlan,
     progress: Progress,
     first_seq: int = 0,
 ) -> tuple[list[Sent], list[tuple[int, dict[str, str]]]]:
     """Send the canaries (:func:`_order`; each group's first-sent canary is the privacy game's
-    target, reporting RR of its secret; the others RR of 0), snapshotting the public surface
-    at 0, half and all of them."""
-    coins = random.Random(f"{config.seed}/{first_seq}") if config.seed is not None else None
-    coins = coins or random.SystemRandom()
+    target, reporting RR of its secret; the others RR of 0 — or, in a mechanism's game, the
+    mechanism's report of value a or b, and of c), snapshotting the public surface at 0, half
+    and all of them."""
+    seeded = config.seed is not None
+    coins = random.Random(f"{config.seed}/{first_seq}") if seeded else random.SystemRandom()
+    source = SeededSource(1_000_003 * (config.seed or 0) + first_seq) if seeded else SystemSource()
     started: set[int] = set()
     order = _order(plan)
     bursts = sum(1 for _, n in plan if n == plan[0][1]) > 1
@@ -251,12 +333,23 @@ def _send(
             time.sleep(config.round_seconds)  # the first burst apart from all the rest
         if seq - first_seq == len(order) // 2:
             shots.append((seq, probes.snapshot(fleet.client, fleet.url)))
-        value = secrets.get(crowd[1], 0) if crowd[0] not in started else 0
+        target = crowd[0] not in started and crowd[1] in secrets
+        value = secrets[crowd[1]] if target else 0
         started.add(crowd[0])
         report = int(coins.random() < game.rr_one_probability(value, config.game_eps0))
+        payloads = None
+        if plan_game.mechanism is not None:
+            payloads = plan_game.payloads(value if target else mechgame.C, source)
         sent.append(
             fleet.send(
-                seq, config.channel_id, config.payload_size, crowd, epoch, config.fragments, report
+                seq,
+                config.channel_id,
+                config.payload_size,
+                crowd,
+                epoch,
+                config.fragments,
+                report,
+                payloads,
             )
         )
         if seq % 50 == 49:

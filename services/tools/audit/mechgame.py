@@ -1,0 +1,445 @@
+"""Check 8 for the default channels' mechanisms: the distinguishing game of
+:mod:`~services.tools.audit.game` with canaries that encode with a channel's own mechanism
+(k-RAPPOR, report fragments, k-RR, Balcer–Cheu zero-sum) instead of binary RR.
+
+Neighbouring populations differ in one canary's value (replacement): every canary of a group
+holds the value ``c`` = 2, except the group's first-sent canary (the target), which holds
+``a`` = 0 or ``b`` = 1 after a secret coin. Each canary fragment carries, besides its marker, the
+mechanism fragment a device would send (:class:`~services.tools.audit.canary.Marker`'s
+``payload``), so the auditor reads back exactly what the analyzer would receive of the released
+group: the fragments in batch order and ``n_contributions``. The view is folded with the
+mechanism's own ``accumulate`` (as the analyzer does): the counts ``S_a``, ``S_b`` of fragments
+naming a and b, and which of the two the batch's first such fragment names.
+
+Two distinguishers fixed in advance, as for binary RR: ``S_b − S_a ≥ t`` (the threshold t fitted
+to the exact law of ``S_b − S_a`` under each secret, from the mechanism's encoding law and the
+public ``n_contributions`` alone — :func:`difference_law`) and "the first fragment naming a or b
+names b" (against a shuffler that keeps arrival order). The Clopper–Pearson bound (StatDP /
+DP-Sniper; Steinke, Nasr and Jagielski) is the same as binary RR's, Bonferroni over both
+distinguishers and both rates. It is printed beside the certified replacement ε of the channel
+at the smallest released crowd, computed by the mechanism's ``certify`` exactly as the analyzer's
+``ChannelRuntime.certify`` calls it (one batch from shuffler 0 of 1, the channel's δ); the check
+fails when the bound at confidence 1 − 1e-7 exceeds it.
+
+Longitudinal channels are left out: a report there is a tree-node update of a state change over
+periods with a device state persisting across epochs, so one canary's neighbouring value is a
+whole change history and its certificate rests on the smallest level crowd over many epochs —
+not a single-epoch game on one group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from scipy import stats
+
+from common.accounting import BoundResult
+from common.mechanisms import BatchContext, Mechanism, Received, get
+from common.randomness import RandomSource, SeededSource
+from common.wire import ChannelConfig
+from services.tools.audit.checks import ALPHA, Finding
+from services.tools.audit.game import CONFIDENCE, clopper_pearson
+
+FloatArray = npt.NDArray[np.float64]
+#: The target's two values (secret 0 and 1) and every other canary's value.
+A, B, C = 0, 1, 2
+#: Rate bounds of the two distinguishers, jointly at the stated confidence (Bonferroni).
+RATES = 4
+
+
+class GameError(ValueError):
+    """A channel whose mechanism the game does not cover, or a malformed saved outcome."""
+
+
+@dataclass(frozen=True, slots=True)
+class MechTrial:
+    """One group: the secret, and the view of the released batch (S_a, S_b, first) with
+    ``first`` 1 / 0 / −1 when the first fragment naming a or b names b / a / none is there;
+    None: no batch released."""
+
+    secret: int
+    view: tuple[int, int, int] | None
+    n_contributions: int
+
+
+def _bit(on: bool, one: float) -> FloatArray:
+    """Law of a 0/1 count that reads 1 with probability ``one`` (``1 − one`` when ``on``)."""
+    p = 1.0 - one if on else one
+    return np.array([1.0 - p, p])
+
+
+def _krappor_law(params: Any, value: int) -> FloatArray:
+    """Bits a and b of k-RAPPOR are independent binary RR (ESA-revisited Algorithm 1)."""
+    p = params.flip_prob
+    return np.outer(_bit(value == A, p), _bit(value == B, p))
+
+
+def _rfrag_law(params: Any, value: int) -> FloatArray:
+    """Per bit: the backstop is binary RR (ε_b), then each of τ rows binary RR (ε_f) of the
+    backstop (ESA-revisited Algorithm 2); the count is over all τ rows, bits independent."""
+    tau, rows = params.tau, np.arange(params.tau + 1)
+
+    def count(on: bool) -> FloatArray:
+        one = 1.0 - params.backstop_flip if on else params.backstop_flip
+        high = stats.binom.pmf(rows, tau, 1.0 - params.fragment_flip)
+        low = stats.binom.pmf(rows, tau, params.fragment_flip)
+        result: FloatArray = one * high + (1.0 - one) * low
+        return result
+
+    return np.outer(count(value == A), count(value == B))
+
+
+def _zsum_law(params: Any, value: int) -> FloatArray:
+    """Per bin: Ber(p) noise messages plus one for the user's own bin (Balcer–Cheu Fig. 2)."""
+    p = params.noise_prob
+
+    def count(on: bool) -> FloatArray:
+        return np.array([0.0, 1.0 - p, p]) if on else np.array([1.0 - p, p, 0.0])
+
+    return np.outer(count(value == A), count(value == B))
+
+
+def _krr_law(params: Any, value: int) -> FloatArray:
+    """One message: the value with probability e^ε/(e^ε + k − 1), each other one with
+    1/(e^ε + k − 1) (Hiding Among the Clones §4.1); a and b are never both named."""
+    truth, other = params.truth_prob, params.other_prob
+    p_a, p_b = (truth if value == A else other), (truth if value == B else other)
+    return np.array([[1.0 - p_a - p_b, p_b], [p_a, 0.0]])
+
+
+#: Joint law of (fragments naming a, fragments naming b) of one report of a value.
+LAWS: dict[str, Callable[[Any, int], FloatArray]] = {
+    "krappor": _krappor_law,
+    "rfrag": _rfrag_law,
+    "zsum": _zsum_law,
+    "krr": _krr_law,
+}
+
+
+def _difference(joint: FloatArray) -> tuple[int, FloatArray]:
+    """(offset, pmf) of x_b − x_a from the joint law of (x_a, x_b)."""
+    rows, cols = joint.shape
+    pmf = np.zeros(rows + cols - 1)
+    for i in range(rows):
+        pmf[rows - 1 - i : rows - 1 - i + cols] += joint[i]
+    return -(rows - 1), pmf
+
+
+def _power(offset: int, pmf: FloatArray, times: int) -> tuple[int, FloatArray]:
+    """The law of the sum of ``times`` independent copies (convolution by squaring)."""
+    result_offset, result = 0, np.array([1.0])
+    while times:
+        if times & 1:
+            result_offset, result = result_offset + offset, np.convolve(result, pmf)
+        times >>= 1
+        if times:
+            offset, pmf = 2 * offset, np.convolve(pmf, pmf)
+    return result_offset, np.clip(result, 0.0, None)
+
+
+@dataclass(frozen=True)
+class MechanismGame:
+    """The game for one channel: its mechanism, parameters and δ."""
+
+    channel: str
+    mechanism_name: str
+    params_json: str
+    delta: float
+
+    @classmethod
+    def of(cls, config: ChannelConfig) -> MechanismGame:
+        """The game of a configured channel.
+
+        Raises:
+            GameError: a mechanism the game does not cover (longitudinal: see the module), or
+                a domain of fewer than three values.
+        """
+        if config.mechanism not in LAWS:
+            raise GameError(
+                f"channel {config.id!r}: the privacy game covers {', '.join(sorted(LAWS))}, not "
+                f"{config.mechanism!r} (a longitudinal report is a change history across "
+                "epochs, not one value in one group)"
+            )
+        game = cls(config.id, config.mechanism, json.dumps(config.params, sort_keys=True),
+                   config.delta)  # fmt: skip
+        if game.mechanism.domain_size(game.params) < 3:
+            raise GameError(f"channel {config.id!r}: the game needs a domain of >= 3 values")
+        return game
+
+    @classmethod
+    def named(cls, channel_id: str) -> MechanismGame:
+        """The game of a default channel (:data:`services.tools.catalogue.DEFAULT_CHANNELS`).
+
+        Raises:
+            GameError: naming the default channels.
+        """
+        from services.tools.catalogue import DEFAULT_CHANNELS
+
+        config = next((c for c in DEFAULT_CHANNELS if c.id == channel_id), None)
+        if config is None:
+            known = ", ".join(c.id for c in DEFAULT_CHANNELS if c.mechanism in LAWS)
+            raise GameError(f"unknown game channel {channel_id!r}; default channels: {known}")
+        return cls.of(config)
+
+    @property
+    def mechanism(self) -> Mechanism[Any, Any]:
+        return get(self.mechanism_name)
+
+    @property
+    def params(self) -> Any:
+        return _params(self.mechanism_name, self.params_json)
+
+    @property
+    def fragment_size(self) -> int:
+        """Bytes of one mechanism fragment (version, code, payload)."""
+        return 2 + self.mechanism.payload_size
+
+    def encode(self, value: int, rng: RandomSource) -> list[bytes]:
+        """One report of ``value`` by a new device, every route through the audited shuffler
+        (shuffler 0 of 1: report fragments send all τ rows to it)."""
+        mechanism, params = self.mechanism, self.params
+        encoded = mechanism.encode(params, value, mechanism.new_state(params, rng), rng, 1)
+        return [fragment for _, fragments in encoded.routes for fragment in fragments]
+
+    def view(self, fragments: Sequence[bytes]) -> tuple[int, int, int]:
+        """(S_a, S_b, first) of a released batch's fragments in batch order, folded with the
+        mechanism's ``accumulate`` as the analyzer folds them."""
+        mechanism, params, source = self.mechanism, self.params, BatchContext(0, 1)
+        total = mechanism.new_accumulator(params)
+        mechanism.accumulate(params, total, fragments, 0, source)
+        first = -1
+        if total.counts[A] + total.counts[B] > 0:
+            for fragment in fragments:
+                single = mechanism.new_accumulator(params)
+                mechanism.accumulate(params, single, [fragment], 0, source)
+                if single.counts[A] or single.counts[B]:
+                    first = int(single.counts[B] > 0)
+                    break
+        return int(total.counts[A]), int(total.counts[B]), first
+
+    def certified(self, n: int) -> BoundResult:
+        """The replacement-notion certificate of one batch of ``n`` from shuffler 0 of 1,
+        through the mechanism's ``certify`` as the analyzer calls it."""
+        mechanism, params = self.mechanism, self.params
+        received = Received(
+            0, "audited", (n,), mechanism.new_accumulator(params), BatchContext(0, 1)
+        )
+        cert = mechanism.certify(params, self.delta, [received])
+        return cert.certified if cert.certified.neighbouring == "replacement" else cert.other
+
+    def describe(self) -> str:
+        return f"{self.channel}: {self.mechanism_name} {self.params_json}"
+
+
+@lru_cache(maxsize=64)
+def _params(name: str, params_json: str) -> Any:
+    return get(name).parse_params(json.loads(params_json))
+
+
+@lru_cache(maxsize=256)
+def difference_law(game: MechanismGame, n: int) -> tuple[int, FloatArray, FloatArray]:
+    """(offset, law under secret a, law under secret b) of S_b − S_a in a batch of ``n``
+    reports: n − 1 of value c and the target's (exact, from the mechanism's encoding law)."""
+    law = LAWS[game.mechanism_name]
+    others = _power(*_difference(law(game.params, C)), max(0, n - 1))
+    laws = []
+    for value in (A, B):
+        offset, pmf = _difference(law(game.params, value))
+        laws.append(np.convolve(others[1], pmf))
+    return others[0] + offset, laws[0], laws[1]
+
+
+def _eps_from_counts(
+    tp: int, pos: int, fp: int, neg: int, delta: float, confidence: float
+) -> float:
+    """:func:`services.tools.audit.game.eps_lower` from counts of guesses of 1."""
+    if not pos or not neg:
+        return 0.0
+    tpr_lo, _ = clopper_pearson(tp, pos, confidence)
+    _, fpr_hi = clopper_pearson(fp, neg, confidence)
+    candidates = [0.0]
+    if tpr_lo - delta > 0 and fpr_hi > 0:
+        candidates.append(math.log((tpr_lo - delta) / fpr_hi))
+    if 1 - fpr_hi - delta > 0 and tpr_lo < 1:
+        candidates.append(math.log((1 - fpr_hi - delta) / (1 - tpr_lo)))
+    return max(candidates)
+
+
+@lru_cache(maxsize=512)
+def threshold(game: MechanismGame, n: int, per_class: int, delta: float, confidence: float) -> int:
+    """The t of the distinguisher S_b − S_a ≥ t with the largest ε lower bound the model
+    rates would give at ``per_class`` trials of each secret (never fitted to data)."""
+    offset, law_a, law_b = difference_law(game, n)
+    fpr = np.cumsum(law_a[::-1])[::-1]  # P(D >= offset + i | a)
+    tpr = np.cumsum(law_b[::-1])[::-1]
+    useful = np.flatnonzero((tpr > 1e-9) & (fpr < 1 - 1e-9) & (tpr > fpr))
+    best, best_score = offset + len(law_a), (-1.0, -1.0)
+    for i in useful[:: max(1, len(useful) // 400)]:
+        tp, fp = round(tpr[i] * per_class), round(fpr[i] * per_class)
+        value = _eps_from_counts(tp, per_class, fp, per_class, delta, confidence)
+        # ties (too few trials for any bound) go to the model's largest tpr − fpr
+        score = (value, float(tpr[i] - fpr[i]))
+        if score > best_score:
+            best, best_score = int(offset + i), score
+    return best
+
+
+def _bounds(
+    trials: Sequence[MechTrial], thresholds: Mapping[int, int], delta: float, confidence: float
+) -> dict[str, float]:
+    """ε_lower of both distinguishers, jointly at ``confidence`` (Bonferroni over four rates)."""
+    per_rate = 1 - (1 - confidence) / RATES
+    pos = [t for t in trials if t.secret == 1]
+    neg = [t for t in trials if t.secret == 0]
+
+    def rate(guess: Callable[[MechTrial], bool], group: list[MechTrial]) -> int:
+        return sum(1 for t in group if t.view is not None and guess(t))
+
+    def count(t: MechTrial) -> bool:
+        assert t.view is not None
+        return t.view[1] - t.view[0] >= thresholds[t.n_contributions]
+
+    def first(t: MechTrial) -> bool:
+        return t.view is not None and t.view[2] == 1
+
+    return {
+        name: _eps_from_counts(
+            rate(guess, pos), len(pos), rate(guess, neg), len(neg), delta, per_rate
+        )
+        for name, guess in (("count", count), ("first", first))
+    }
+
+
+def mechanism_game(trials: Sequence[MechTrial], game: MechanismGame) -> Finding:
+    """ε_lower at 95% over both distinguishers beside the certified replacement ε of the
+    channel at the smallest released crowd; fails when the bound at confidence 1 − ALPHA
+    exceeds it (so a correct shuffler fails with probability below ALPHA)."""
+    released = [t.n_contributions for t in trials if t.view is not None]
+    if not released:
+        return Finding("privacy", "distinguishing_game", True, None, None, "no group released")
+    crowd = min(released)
+    cert = game.certified(crowd)
+    delta, per_class = cert.delta, max(1, len(trials) // 2)
+    fit = 1 - (1 - CONFIDENCE) / RATES
+    thresholds = {n: threshold(game, n, per_class, delta, fit) for n in set(released)}
+    shown = _bounds(trials, thresholds, delta, CONFIDENCE)
+    strict = max(_bounds(trials, thresholds, delta, 1 - ALPHA).values())
+    lower = max(shown.values())
+    detail = (
+        f"ε_lower={lower:.3f} at 95% (S_b−S_a ≥ {thresholds[crowd]} at crowd {crowd}: "
+        f"{shown['count']:.3f}, first: {shown['first']:.3f}; {strict:.3f} at 1−{ALPHA:g}) over "
+        f"{len(trials)} groups vs certified ε={cert.eps:.3f} (replacement, {cert.method}; "
+        f"{game.describe()}, crowd {crowd}, δ={delta:g})"
+    )
+    finding = Finding("privacy", "distinguishing_game", strict <= cert.eps, lower, None, detail)
+    finding.plot = {"kind": "game", "bounds": shown,
+                    "certified": cert.eps if math.isfinite(cert.eps) else None}  # fmt: skip
+    return finding
+
+
+def trials_from(
+    batches: Iterable[Any], secrets: Mapping[str, int], game: MechanismGame
+) -> list[MechTrial]:
+    """One trial per group with a secret: the view of its released fragments (the canary
+    markers' payloads) in position order."""
+    by_crowd = {b.crowd_id: b for b in batches}
+    trials = []
+    for crowd, secret in secrets.items():
+        batch = by_crowd.get(crowd)
+        if batch is None:
+            trials.append(MechTrial(secret, None, 0))
+            continue
+        payloads = [m.payload for _, m in sorted(batch.canaries, key=lambda pm: pm[0])]
+        trials.append(MechTrial(secret, game.view(payloads), batch.n_contributions))
+    return trials
+
+
+def simulate(
+    game: MechanismGame, n: int, trials: int, seed: int, shuffled: bool = True
+) -> list[MechTrial]:
+    """Seeded trials through the mechanism's real ``encode`` and a uniform shuffle of all the
+    group's fragments (or arrival order, the target first: a shuffler that does not shuffle)."""
+    source, rng = SeededSource(seed), np.random.default_rng(seed)
+    out = []
+    for _ in range(trials):
+        secret = int(rng.integers(2))
+        fragments = game.encode(secret, source)
+        for _ in range(n - 1):
+            fragments += game.encode(C, source)
+        if shuffled:
+            fragments = [fragments[i] for i in rng.permutation(len(fragments))]
+        out.append(MechTrial(secret, game.view(fragments), n))
+    return out
+
+
+def outcomes(trials: Sequence[MechTrial], game: MechanismGame, run: str) -> dict[str, Any]:
+    """The game's outcome as saved in ``audit.json`` (``summary.game``): enough to pool it."""
+    return {
+        "channel": game.channel,
+        "mechanism": game.mechanism_name,
+        "params": json.loads(game.params_json),
+        "delta": game.delta,
+        "run": run,
+        "trials": [
+            {
+                "secret": t.secret,
+                "view": None if t.view is None else list(t.view),
+                "n_contributions": t.n_contributions,
+            }
+            for t in trials
+        ],
+    }
+
+
+def load_outcomes(data: Mapping[str, Any]) -> tuple[MechanismGame, str, list[MechTrial]]:
+    """(game, run tag, trials) from :func:`outcomes`' dictionary.
+
+    Raises:
+        GameError: a field is missing or malformed.
+    """
+    try:
+        config = ChannelConfig(
+            id=data["channel"],
+            mechanism=data["mechanism"],
+            params=data["params"],
+            delta=float(data["delta"]),
+        )
+        trials = [
+            MechTrial(
+                int(t["secret"]),
+                None
+                if t["view"] is None
+                else (int(t["view"][0]), int(t["view"][1]), int(t["view"][2])),
+                int(t["n_contributions"]),
+            )
+            for t in data["trials"]
+        ]
+    except (KeyError, TypeError, ValueError) as error:
+        raise GameError(f"malformed game outcome: {error!r}") from error
+    return MechanismGame.of(config), str(data["run"]), trials
+
+
+def statistic_eps(game: MechanismGame, n: int, delta: float) -> float:
+    """The ε of the pair of laws of S_b − S_a at crowd ``n`` and ``delta`` (hockey-stick
+    divergence, both directions, by bisection): what the count distinguisher could show with
+    unlimited trials — a lower bound on the exact ε of the mechanism at that crowd."""
+    _, law_a, law_b = difference_law(game, n)
+
+    def excess(eps: float) -> float:
+        return max(
+            float(np.clip(law_b - math.exp(eps) * law_a, 0, None).sum()),
+            float(np.clip(law_a - math.exp(eps) * law_b, 0, None).sum()),
+        )
+
+    low, high = 0.0, 30.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) > delta else (low, middle)
+    return high
