@@ -15,8 +15,36 @@ from typing import Any
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from common.collection import sign_config
+from common.envelope import key_id, public_bytes, public_identity
+from common.wire import (
+    AnalyzerInfo,
+    AnalyzerKey,
+    ChannelConfig,
+    CollectionConfig,
+    DeviceBudget,
+    ShufflerInfo,
+    b64,
+)
 from services.cli import launcher
+
+#: A k-RAPPOR channel whose epochs last 10^8 s, so a test never straddles an epoch boundary.
+LONG_EPOCH_CHANNEL = ChannelConfig(
+    id="homepage",
+    mechanism="krappor",
+    params={"k": 20, "eps": 4.0},
+    epoch_seconds=10**8,
+    min_crowd=5,
+    eps_cr=4.0,
+    delta_cr=1e-7,
+    max_fragments=20,
+    delta=1e-8,
+    payload_size=16,
+)
+#: The admin bearer token of test deployments (``esa up``'s development default).
+ADMIN_HEADERS = {"Authorization": "Bearer development"}
 
 #: Shuffler settings of test deployments: batch and forward within a fraction of a second.
 TEST_SHUFFLER_SETTINGS = {
@@ -250,3 +278,47 @@ def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.1) -> 
             return
         time.sleep(interval)
     raise AssertionError("condition not met in time")
+
+
+@dataclass(frozen=True)
+class OfflineConfig:
+    """A signed collection config in a file, for a device with no deployment: one shuffler and
+    the analyzer at port 9 (discard), so everything a device queues stays in its outbox; the
+    private keys let a test open what it queued."""
+
+    path: Path
+    signer: Ed25519PrivateKey
+    analyzer: X25519PrivateKey
+    shuffler: X25519PrivateKey
+
+    @property
+    def trusted_key(self) -> str:
+        """The config-signing key to pin, base64."""
+        return b64(public_bytes(self.signer.public_key()))
+
+
+def offline_config(
+    tmp: Path, channels: list[ChannelConfig], overall: DeviceBudget | None = None
+) -> OfflineConfig:
+    """Sign ``channels`` (and an overall device budget) into ``tmp/config.json``."""
+    signer, analyzer = Ed25519PrivateKey.generate(), X25519PrivateKey.generate()
+    shuffler = X25519PrivateKey.generate()
+    identity = public_identity(shuffler.public_key(), Ed25519PrivateKey.generate().public_key())
+    key = AnalyzerKey(
+        key_id=key_id(analyzer.public_key()).hex(),
+        public_key=b64(public_bytes(analyzer.public_key())),
+    )
+    now = int(time.time())
+    config = CollectionConfig(
+        issued_at=now,
+        expires_at=now + 10**9,
+        analyzer=AnalyzerInfo(
+            url="http://127.0.0.1:9", keys=[key], signing_key=b64(public_bytes(signer.public_key()))
+        ),
+        shufflers=[ShufflerInfo(id="shuffler-1", url="http://127.0.0.1:9", **identity)],
+        channels=channels,
+        device_budget=overall,
+    )
+    path = tmp / "config.json"
+    path.write_text(sign_config(config, signer).model_dump_json())
+    return OfflineConfig(path, signer, analyzer, shuffler)

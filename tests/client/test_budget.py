@@ -3,25 +3,17 @@ that would spend more local ε than the signed config allows."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from common.collection import sign_config
-from common.envelope import key_id, public_bytes, public_identity
 from common.wire import (
-    AnalyzerInfo,
-    AnalyzerKey,
     ChannelConfig,
-    CollectionConfig,
     DeviceBudget,
-    ShufflerInfo,
-    b64,
 )
 from encoder_client import BudgetExceededError, Client, EsaError
+
+from ..support import offline_config
 
 EPOCH = 3600
 #: k-RAPPOR at ε = 1: removal ε 1, replacement ε 2 per report.
@@ -42,29 +34,8 @@ def _channel(channel_id: str, budget: DeviceBudget | None) -> ChannelConfig:
 def _config_file(
     tmp: Path, channels: list[ChannelConfig], overall: DeviceBudget | None = None
 ) -> tuple[Path, str]:
-    signer, analyzer = Ed25519PrivateKey.generate(), X25519PrivateKey.generate()
-    shuffler_key = X25519PrivateKey.generate().public_key()
-    identity = public_identity(shuffler_key, Ed25519PrivateKey.generate().public_key())
-    shuffler = ShufflerInfo(id="shuffler-1", url="http://127.0.0.1:9", **identity)
-    key = AnalyzerKey(
-        key_id=key_id(analyzer.public_key()).hex(),
-        public_key=b64(public_bytes(analyzer.public_key())),
-    )
-    info = AnalyzerInfo(
-        url="http://127.0.0.1:9", keys=[key], signing_key=b64(public_bytes(signer.public_key()))
-    )
-    now = int(time.time())
-    config = CollectionConfig(
-        issued_at=now,
-        expires_at=now + 10**9,
-        analyzer=info,
-        shufflers=[shuffler],
-        channels=channels,
-        device_budget=overall,
-    )
-    path = tmp / "config.json"
-    path.write_text(sign_config(config, signer).model_dump_json())
-    return path, b64(public_bytes(signer.public_key()))
+    config = offline_config(tmp, channels, overall)
+    return config.path, config.trusted_key
 
 
 class Clock:

@@ -38,27 +38,20 @@ from common.envelope import (
     seal_fragment,
 )
 from common.mechanisms import krappor
-from common.wire import ChannelConfig
 from services.cli import launcher
 from services.runtime import db
 from shuffler import storage
 
-from ..support import TEST_SHUFFLER_SETTINGS, ServiceProcess, wait_until
-
-#: Epochs of 10^8 s: the test never straddles an epoch boundary.
-CHANNEL = ChannelConfig(
-    id="homepage",
-    mechanism="krappor",
-    params={"k": 20, "eps": 4.0},
-    epoch_seconds=10**8,
-    min_crowd=5,
-    eps_cr=4.0,
-    delta_cr=1e-7,
-    max_fragments=20,
-    delta=1e-8,
-    payload_size=16,
+from ..support import (
+    ADMIN_HEADERS,
+    LONG_EPOCH_CHANNEL,
+    TEST_SHUFFLER_SETTINGS,
+    ServiceProcess,
+    wait_until,
 )
-ADMIN = {"Authorization": "Bearer development"}
+
+CHANNEL = LONG_EPOCH_CHANNEL  # the test never straddles an epoch boundary
+ADMIN = ADMIN_HEADERS
 #: Small parts, so the batch is delivered and opened as many parts under the faults.
 PART_FRAGMENTS = 15
 INGEST_SECONDS = 6.0

@@ -41,7 +41,6 @@ from common.envelope import (
 )
 from common.mechanisms import krappor
 from common.randomness import SeededSource
-from common.wire import ChannelConfig
 from services.cli import launcher
 from services.cli.servers import up_command
 from services.runtime import db
@@ -51,25 +50,13 @@ from shuffler.records import GroupKey
 from shuffler.store import group_lock_identity, make_store
 
 from ..shuffler.factory import fill, make_service
-from ..support import TEST_SHUFFLER_SETTINGS, wait_until
+from ..support import ADMIN_HEADERS, LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS, wait_until
 
 SHUFFLERS = 3
 REPLICAS = 2
 WORKERS = 2
-#: Epochs of 10^8 s: the test never straddles an epoch boundary.
-CHANNEL = ChannelConfig(
-    id="homepage",
-    mechanism="krappor",
-    params={"k": 20, "eps": 4.0},
-    epoch_seconds=10**8,
-    min_crowd=5,
-    eps_cr=4.0,
-    delta_cr=1e-7,
-    max_fragments=20,
-    delta=1e-8,
-    payload_size=16,
-)
-ADMIN = {"Authorization": "Bearer development"}
+CHANNEL = LONG_EPOCH_CHANNEL  # the test never straddles an epoch boundary
+ADMIN = ADMIN_HEADERS
 INGEST_SECONDS = 4.0
 #: Tiny parts: a batch is delivered as dozens of POSTs, so a kill lands mid-delivery.
 PART_FRAGMENTS = 5

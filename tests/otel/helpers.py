@@ -3,38 +3,29 @@ file and outbox, and the private keys to open what it queued (its shuffler never
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-from common.collection import sign_config
 from common.envelope import (
     Contribution,
     KeyRing,
-    key_id,
     open_contribution,
     open_fragment,
-    public_bytes,
-    public_identity,
 )
 from common.mechanisms import krr
 from common.mechanisms._base import parse_indices
 from common.wire import (
-    AnalyzerInfo,
-    AnalyzerKey,
     ChannelConfig,
-    CollectionConfig,
     DeviceBudget,
-    ShufflerInfo,
-    b64,
 )
 from encoder_client import Client
 from encoder_client.otel import EsaMetricExporter
+
+from ..support import offline_config
 
 EPOCH = 3600
 #: k-RR at ε = 40: a report is the true value except with probability 7/e^40 < 1e-16.
@@ -124,35 +115,13 @@ class Device:
 
 
 def device(tmp: Path, channels: list[ChannelConfig], overall: DeviceBudget | None = None) -> Device:
-    signer, analyzer = Ed25519PrivateKey.generate(), X25519PrivateKey.generate()
-    shuffler = X25519PrivateKey.generate()
-    identity = public_identity(shuffler.public_key(), Ed25519PrivateKey.generate().public_key())
-    # Port 9 (discard): nobody listens, so everything queued stays in the outbox.
-    info = ShufflerInfo(id="shuffler-1", url="http://127.0.0.1:9", **identity)
-    key = AnalyzerKey(
-        key_id=key_id(analyzer.public_key()).hex(),
-        public_key=b64(public_bytes(analyzer.public_key())),
-    )
-    analyzer_info = AnalyzerInfo(
-        url="http://127.0.0.1:9", keys=[key], signing_key=b64(public_bytes(signer.public_key()))
-    )
-    now = int(time.time())
-    config = CollectionConfig(
-        issued_at=now,
-        expires_at=now + 10**10,
-        analyzer=analyzer_info,
-        shufflers=[info],
-        channels=channels,
-        device_budget=overall,
-    )
-    path = tmp / "config.json"
-    path.write_text(sign_config(config, signer).model_dump_json())
+    config = offline_config(tmp, channels, overall)
     clock = Clock()
     client = Client(
-        config_file=path,
-        trusted_key=b64(public_bytes(signer.public_key())),
+        config_file=config.path,
+        trusted_key=config.trusted_key,
         state_path=tmp / "device.db",
         background=False,
         clock=clock,
     )
-    return Device(client, clock, shuffler, analyzer)
+    return Device(client, clock, config.shuffler, config.analyzer)
