@@ -3,7 +3,8 @@ broken shufflers (:mod:`tests.tools.leaky_shuffler`, the real server with faults
 fail exactly the checks that name their leak.
 
 Every statistical check fails at p < 1e-7 (ten of them: a correct shuffler fails with
-probability below 1e-6); the broken ones score p < 1e-20.
+probability below 1e-6); the broken ones fail the checks that name their faults far below
+that.
 """
 
 from __future__ import annotations
@@ -196,6 +197,47 @@ def test_early_release_without_deletion_or_threshold_fails(tmp_path: Path, sink:
         "timing.release_independent_of_arrival",
     } <= failed
     assert not any(name.startswith(("order.", "metadata.", "surface.")) for name in failed)
+
+
+def test_biased_deletion_missing_threshold_and_token_fail_alone(tmp_path: Path, sink: str) -> None:
+    """Three faults that touch disjoint parts of the shuffler, each failing only the check that
+    names it: ``oldestfirst`` (the batch still shuffled, Algorithm 3's count law intact, but the
+    oldest contributions survive) fails ``deletion.survivors_random`` while every order check
+    passes; ``belowcrowd`` (noise and deletion intact, held groups released anyway) releases
+    the ``min_crowd − 1`` group; ``token`` adds a ``client_token`` field to every body.
+
+    Wrong verdicts: the survivors' rank-sum Z is −√(3 Σ k(n − k)/(n + 1)) over the 6 groups
+    of n = 20 (k ≈ 11 kept: Z ≈ −9), above −5.33 (p ≥ 1e-7) only if three groups keep ≥ 17 or
+    none (< 1e-13); the small group escapes ``belowcrowd`` only by an abort (2.5e-8). A full
+    group held by Algorithm 3 (1e-6 each) is released whole by ``belowcrowd``, which
+    ``kept_count_law`` rightly rejects: that check is asserted only when no group was."""
+    shuffler = _shuffler(tmp_path, sink, "oldestfirst,belowcrowd,token")
+    try:
+        code, verdicts = _audit(shuffler, sink, tmp_path / "report")
+    finally:
+        shuffler.stop()
+    failed = {name for name, passed in verdicts.items() if not passed}
+    assert code == 1
+    assert {
+        "deletion.survivors_random",
+        "crowd.min_crowd",
+        "crowd.small_groups_withheld",
+        "metadata.documented_fields",
+        "metadata.canonical_body",
+    } <= failed
+    assert not any(name.startswith(("order.", "surface.", "timing.", "intake.")) for name in failed)
+    assert not failed & {
+        "crowd.counts_cover_canaries",
+        "metadata.headers",
+        "metadata.one_fragment_size",
+        "metadata.signatures",
+        "metadata.no_repeated_fragment",
+    }
+    report = json.loads((tmp_path / "report" / "audit.json").read_text())
+    finding = {f"{f['check']}.{f['name']}": f for f in report["findings"]}
+    assert finding["deletion.survivors_random"]["statistic"] < -5.33  # the oldest survive
+    law = finding["deletion.kept_count_law"]
+    assert law["passed"] or "0" in law["plot"]["histogram"]  # "0": a held group released whole
 
 
 def test_kept_law_is_algorithm_3() -> None:
