@@ -86,5 +86,10 @@ def test_the_shop_route_histogram_reaches_the_estimate(
             estimate,
         )
     assert max(estimate, key=lambda b: estimate[b]) == vocabulary.index("/items/{item_id}")
+    # ... and it is what the dashboard shows: the channel's n and its bar chart.
+    page = httpx.get(url + "/", timeout=30).text
+    section = page[page.index('<section id="homepage">') :]
+    section = section[: section.index("</section>")]
+    assert f'<b class="n">{release["n"]:,}</b>' in section and "<svg" in section, section[:400]
     wait_until(lambda: _release(url, "features").get("n", 0) > 0, timeout=30)
     assert len(devices) - _release(url, "features")["n"] <= 6
