@@ -325,8 +325,13 @@ def free_base_port(count: int, attempts: int = 200) -> int:
     chosen at random below the ephemeral range (:data:`PORT_FLOOR`)."""
     top = ephemeral_floor() - count
     for _ in range(attempts):
-        base = PORT_FLOOR + secrets.randbelow(max(1, top - PORT_FLOOR))
-        if all(port_free(base + i) for i in range(count)):
+        if top - PORT_FLOOR >= 1_000:
+            base = PORT_FLOOR + secrets.randbelow(top - PORT_FLOOR)
+        else:  # a kernel whose ephemeral range starts low: any port the kernel offers
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                base = int(sock.getsockname()[1])
+        if base + count < 65536 and all(port_free(base + i) for i in range(count)):
             return base
     raise LaunchError(f"no run of {count} free ports found on 127.0.0.1")
 

@@ -863,7 +863,7 @@ class Driver:
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             status = response.status
-            if lost and status == 409:
+            if status == 409 and (lost or _replayed(response)):
                 self.stats.recovered += 1
                 status = 202
             if status == 503 and self.patience > 0 and self._again(attempt, deadline):
@@ -886,6 +886,17 @@ class Driver:
 
     def _backoff(self, attempt: int) -> float:
         return 0.1 if self.patience <= 0 else min(0.2 * 2**attempt, 3.0)
+
+
+def _replayed(response: Response) -> bool:
+    """A 409 ``replayed_nonce``: this request's own nonce is already stored, so an earlier
+    attempt of it was committed, e.g. by a replica that died before answering, and a load
+    balancer resent it (every nonce is sent by one logical request only, as a device's
+    outbox re-sends only its own queued contribution: PROTOCOL.md)."""
+    try:
+        return bool(json.loads(response.body).get("error") == "replayed_nonce")
+    except (ValueError, AttributeError):
+        return False
 
 
 # --- the services' processes --------------------------------------------------------------

@@ -42,7 +42,7 @@ from services.cli import launcher
 from services.runtime import haproxy
 from services.tools.audit.runner import AuditConfig, run_audit
 from tests.support import TEST_SHUFFLER_SETTINGS
-from tests.tools.test_audit import CHANNEL, FAST, TOKEN, sink
+from tests.tools.test_audit import CHANNEL, FAST, GROUP_SIZE, TOKEN, sink
 
 __all__ = ["sink"]  # the module-scoped ``esa audit sink`` fixture, shared with test_audit
 
@@ -99,6 +99,7 @@ def test_order_and_metadata_checks_pass_against_two_replicas_behind_haproxy(
         channel_id=AUDIT_CHANNEL.id,
         admin_token=ADMIN["Authorization"].removeprefix("Bearer "),
         skew_seconds=0.2,  # sink and auditor share this machine's clock
+        group_size=GROUP_SIZE,  # every full group released but with probability ~2e-9
     )
     result = run_audit(config)
     verdicts = {f"{f.check}.{f.name}": f for f in result.findings}

@@ -96,3 +96,18 @@ def test_driver_waits_out_retry_after() -> None:
     assert driver.stats.statuses == {429: 1, 202: 1}
     assert driver.stats.errors == {"429": 1}
     assert arrivals[1] - arrivals[0] >= 0.95
+
+
+def test_a_replayed_nonce_means_an_earlier_attempt_landed() -> None:
+    """Behind a load balancer that resends a request whose replica died after committing it,
+    the driver sees 409 ``replayed_nonce`` without a transport error of its own: that
+    contribution was acknowledged once, not refused. Any other 409 (quota) stays a refusal."""
+    from services.tools.loadgen import Response, _replayed
+
+    def answer(body: bytes) -> Response:
+        return Response(409, {}, body)
+
+    assert _replayed(answer(b'{"error": "replayed_nonce", "detail": "nonce already used"}'))
+    assert not _replayed(answer(b'{"error": "quota_exceeded", "detail": "one per epoch"}'))
+    assert not _replayed(answer(b"<html>conflict</html>"))
+    assert not _replayed(answer(b"[1, 2]"))

@@ -63,6 +63,10 @@ CHANNEL = {
     "max_fragments": 4,
     "crowds": [f"c{i:02d}" for i in range(6)] + ["small"],
 }
+#: Canaries per group where a test needs every full group released: Algorithm 3 holds a
+#: group of 24 (ε_cr 4, δ_cr 1e-7, min_crowd 5) with probability ~3e-10 (the default size, 20,
+#: with ~1e-6, too often for a test that asserts every group).
+GROUP_SIZE = 24
 FAST = {"enroll_per_minute": "1000000", "rate_per_second": "1000", "rate_burst": "1000"}
 #: One client for every poll: ``httpx.get`` builds a TLS context per call (~0.25 s of CPU).
 HTTP = httpx.Client(timeout=10)
@@ -406,7 +410,8 @@ def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
     shuffler = _shuffler(tmp_path, sink, channel=channel)
     try:
         config = AuditConfig(shuffler.url, sink, TOKEN, "audit", admin_token="development",
-                             skew_seconds=0.2, game_channel="features", seed=1)  # fmt: skip
+                             skew_seconds=0.2, game_channel="features", seed=1,
+                             group_size=GROUP_SIZE)  # fmt: skip
         result = run_audit(config)
     finally:
         shuffler.stop()
