@@ -15,6 +15,10 @@
 #                                    `pg_isready -h 127.0.0.1` is a real readiness check),
 #                                    runs as the `postgres` user (`docker import` cannot
 #                                    set STOPSIGNAL: deploy/postgres/Dockerfile sets SIGINT).
+#   esa-base/prometheus:2.42-bookworm  Debian bookworm minbase + prometheus (2.42, with promtool):
+#                                    the `monitoring` profile's deploy/prometheus/Dockerfile
+#   esa-base/haproxy:2.6-bookworm    Debian bookworm minbase + haproxy (2.6): the `replicas`
+#                                    profile's deploy/haproxy/Dockerfile
 #
 # Each one is `debootstrap --variant=minbase bookworm` + `apt-get install` in the chroot +
 # `docker import` (about 45 s for both on 2 cores; needs root, debootstrap and a Debian
@@ -22,10 +26,12 @@
 # rebuilds them). Then point the builds at them:
 #
 #   export PYTHON_IMAGE=esa-base/python:3.11-bookworm \
-#          POSTGRES_IMAGE=esa-base/postgres:15-bookworm      # read by docker-compose.yml
+#          POSTGRES_IMAGE=esa-base/postgres:15-bookworm \
+#          PROMETHEUS_IMAGE=esa-base/prometheus:2.42-bookworm \
+#          HAPROXY_IMAGE=esa-base/haproxy:2.6-bookworm        # read by docker-compose.yml
 #   docker compose build                                     # or docker-compose build
 #
-# Nothing else changes: both images provide what deploy/Dockerfile and the compose file use
+# Nothing else changes: the images provide what deploy/Dockerfile and the compose file use
 # (python3 -m venv, useradd; pg_isready, the initdb.d convention, PGDATA at
 # /var/lib/postgresql/data). PostgreSQL 15 instead of 16 is fine for a fresh data volume, not
 # for one that a 16 server initialised (PostgreSQL refuses to start on it, it loses nothing).
@@ -33,6 +39,8 @@ set -euo pipefail
 
 PYTHON_TAG=esa-base/python:3.11-bookworm
 POSTGRES_TAG=esa-base/postgres:15-bookworm
+PROMETHEUS_TAG=esa-base/prometheus:2.42-bookworm
+HAPROXY_TAG=esa-base/haproxy:2.6-bookworm
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SECURITY_MIRROR=${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
 FORCE=0
@@ -40,8 +48,8 @@ WANT=()
 
 usage() {
     cat <<EOF
-Usage: deploy/build-base-images.sh [--force] [--mirror URL] [python] [postgres]
-       deploy/build-base-images.sh --print python|postgres
+Usage: deploy/build-base-images.sh [--force] [--mirror URL] [python] [postgres] [prometheus] [haproxy]
+       deploy/build-base-images.sh --print python|postgres|prometheus|haproxy
 
 Builds local stand-ins for the official base images from Debian bookworm packages
 (debootstrap --variant=minbase + apt-get + docker import), for machines that cannot pull
@@ -49,8 +57,10 @@ python:3.11-slim / postgres:16 from a registry:
 
   python    ${PYTHON_TAG}    (python3 3.11, python3-venv, ca-certificates)
   postgres  ${POSTGRES_TAG}  (postgresql-15 + an official-image-like entrypoint)
+  prometheus ${PROMETHEUS_TAG} (prometheus 2.42 + promtool; profile monitoring)
+  haproxy   ${HAPROXY_TAG}  (haproxy 2.6; profile replicas)
 
-With no image named, builds both. An image that already exists is skipped.
+With no image named, builds python and postgres. An image that already exists is skipped.
 
   --force        rebuild even if the image exists
   --print NAME   print the tag of that stand-in and exit (deploy/engine.sh uses it)
@@ -72,12 +82,14 @@ while [ $# -gt 0 ]; do
             case "${2:-}" in
                 python) echo "$PYTHON_TAG" ;;
                 postgres) echo "$POSTGRES_TAG" ;;
-                *) echo "--print needs python or postgres" >&2; exit 2 ;;
+                prometheus) echo "$PROMETHEUS_TAG" ;;
+                haproxy) echo "$HAPROXY_TAG" ;;
+                *) echo "--print needs python, postgres, prometheus or haproxy" >&2; exit 2 ;;
             esac
             exit 0 ;;
         --mirror) MIRROR=${2:?--mirror needs a URL}; shift ;;
         --mirror=*) MIRROR=${1#--mirror=} ;;
-        python | postgres) WANT+=("$1") ;;
+        python | postgres | prometheus | haproxy) WANT+=("$1") ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -247,6 +259,39 @@ EOF
         --change 'EXPOSE 5432' \
         --change 'CMD ["postgres"]'
     log "$POSTGRES_TAG built in $((SECONDS - start)) s"
+}
+
+# Debian's prometheus 2.42 (the official image: 2.53): /bin/prometheus and /bin/promtool
+# (merged /usr), /bin/sh and the user nobody, which deploy/prometheus/Dockerfile relies on.
+build_prometheus() {
+    if exists "$PROMETHEUS_TAG"; then log "$PROMETHEUS_TAG exists, skipped"; return; fi
+    local start=$SECONDS root
+    make_root
+    root=$ROOT
+    install_in "$root" prometheus
+    rm -rf "$root"/var/lib/prometheus/*
+    finish_and_import "$root" "$PROMETHEUS_TAG" \
+        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'USER nobody' \
+        --change 'EXPOSE 9090' \
+        --change 'ENTRYPOINT ["/bin/prometheus"]' \
+        --change 'CMD ["--config.file=/etc/prometheus/prometheus.yml"]'
+    log "$PROMETHEUS_TAG built in $((SECONDS - start)) s"
+}
+
+# Debian's haproxy 2.6 (the official image: 3.0): `haproxy` on PATH and the user haproxy,
+# which deploy/haproxy/Dockerfile relies on.
+build_haproxy() {
+    if exists "$HAPROXY_TAG"; then log "$HAPROXY_TAG exists, skipped"; return; fi
+    local start=$SECONDS root
+    make_root
+    root=$ROOT
+    install_in "$root" haproxy
+    finish_and_import "$root" "$HAPROXY_TAG" \
+        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'ENTRYPOINT ["haproxy", "-W", "-db"]' \
+        --change 'CMD ["-f", "/etc/haproxy/haproxy.cfg"]'
+    log "$HAPROXY_TAG built in $((SECONDS - start)) s"
 }
 
 for image in "${WANT[@]}"; do

@@ -6,9 +6,10 @@
 #      (deploy/build-base-images.sh) when missing: apt-get, as root;
 #   2. starts a plain `dockerd` in the background when `docker info` gets no answer
 #      (log: $ESA_DOCKERD_LOG, default /tmp/esa-dockerd.log), and waits until it answers;
-#   3. with --base-images, builds the stand-in base images the compose build needs when the
-#      pinned official ones are not present locally (deploy/build-base-images.sh; nothing is
-#      pulled from an image registry), and prints the variables that select them;
+#   3. with --base-images, builds the stand-in base images the compose build needs (python,
+#      postgres, and the profiles' prometheus and haproxy) when the pinned official ones are
+#      not present locally (deploy/build-base-images.sh; nothing is pulled from an image
+#      registry), and prints the variables that select them;
 #   4. with --wheelhouse, fills deploy/wheelhouse/ when stale (deploy/make-wheelhouse.sh), so
 #      the image build needs no network.
 #
@@ -65,21 +66,26 @@ start_engine() {
     exit 1
 }
 
-# The FROM defaults of deploy/Dockerfile and deploy/postgres/Dockerfile, when present here;
-# else the stand-ins. Printed as `export ...` for eval.
+# The FROM defaults of the Dockerfiles (deploy/Dockerfile, deploy/postgres/, the monitoring
+# profile's deploy/prometheus/ and the replicas profile's deploy/haproxy/), when present here;
+# else the stand-ins, built once. Printed as `export ...` for eval.
+IMAGES=(python:PYTHON_IMAGE:Dockerfile postgres:POSTGRES_IMAGE:postgres/Dockerfile
+        prometheus:PROMETHEUS_IMAGE:prometheus/Dockerfile haproxy:HAPROXY_IMAGE:haproxy/Dockerfile)
 base_images() {
-    local python postgres
-    python=$(sed -n 's/^ARG PYTHON_IMAGE=//p' "$here/Dockerfile")
-    postgres=$(sed -n 's/^ARG POSTGRES_IMAGE=//p' "$here/postgres/Dockerfile")
-    if docker image inspect "$python" >/dev/null 2>&1 \
-            && docker image inspect "$postgres" >/dev/null 2>&1; then
-        log "official base images present: $python, $postgres"
-        echo "export PYTHON_IMAGE=$python POSTGRES_IMAGE=$postgres"
-        return
-    fi
-    "$here/build-base-images.sh" >&2
-    echo "export PYTHON_IMAGE=$("$here/build-base-images.sh" --print python)" \
-        "POSTGRES_IMAGE=$("$here/build-base-images.sh" --print postgres)"
+    local entry name var file official missing=() exports=()
+    for entry in "${IMAGES[@]}"; do
+        IFS=: read -r name var file <<<"$entry"
+        official=$(sed -n "s/^ARG $var=//p" "$here/$file")
+        if docker image inspect "$official" >/dev/null 2>&1; then
+            log "official base image present: $official"
+            exports+=("$var=$official")
+        else
+            missing+=("$name")
+            exports+=("$var=$("$here/build-base-images.sh" --print "$name")")
+        fi
+    done
+    if [ ${#missing[@]} -gt 0 ]; then "$here/build-base-images.sh" "${missing[@]}" >&2; fi
+    echo "export ${exports[*]}"
 }
 
 # One preparation at a time (.ci/run starts one in the background; the test waits for it).

@@ -1,4 +1,6 @@
-"""The ``deploy`` marker: tests that run docker-compose.yml on a real Docker engine.
+"""The ``deploy`` marker: tests that run docker-compose.yml on a real Docker engine, and the
+compose project they share (``stack``, started once per session: the base deployment, to
+which test_monitoring.py and test_replicas.py add their profiles).
 
 They need root (to install and start the engine when missing: deploy/engine.sh) or an engine
 that answers already. Elsewhere they are skipped, except under ``CI=true``, where they are
@@ -7,10 +9,49 @@ required: a missing engine there fails the run instead of passing it silently.
 
 from __future__ import annotations
 
+import os
+import secrets
+from collections.abc import Iterator
+
 import pytest
+
+from tests.deploy.stack import PORTS, Stack, compose_command, free, prepare_engine
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "deploy: docker compose on a real Docker engine (tests/deploy/)"
     )
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    images = prepare_engine()
+    secret = {
+        name: secrets.token_urlsafe(24)
+        for name in (
+            "POSTGRES_PASSWORD",
+            "ESA_ADMIN_TOKEN",
+            "ESA_SHUFFLER_1_TOKEN_SECRET",
+            "ESA_SHUFFLER_2_TOKEN_SECRET",
+            "ESA_SHUFFLER_3_TOKEN_SECRET",
+        )
+    }
+    env = {**os.environ, **images, **secret, "ESA_ENROLL_PER_MINUTE": "120000"}
+    for inherited in ("COMPOSE_PROJECT_NAME", "COMPOSE_PROFILES", "ESA_SHUFFLER_URL_TEMPLATE"):
+        env.pop(inherited, None)
+    deployment = Stack(compose_command(), env)
+    everything = deployment.profiles()
+    deployment.run(*everything, "down", "-v", "--remove-orphans", timeout=120)  # an earlier run
+    taken = [port for port in PORTS.values() if not free(port)]
+    assert not taken, f"ports {taken} are taken on 127.0.0.1: the compose file publishes them"
+    try:
+        # One build of each image: docker-compose 1.29 builds every service that has a
+        # `build` (five times esa-pipeline); `up` then finds the images.
+        deployment.run("build", "postgres", "init", timeout=900)
+        deployment.run("up", "-d", timeout=300)
+        deployment.wait_healthy()
+        yield deployment
+    finally:
+        print(deployment.logs())
+        deployment.run(*everything, "down", "-v", "--remove-orphans", timeout=180, check=False)

@@ -204,15 +204,30 @@ def test_loadgen_runs_esa_demo_against_the_compose_analyzer() -> None:
     assert set(SERVICES["loadgen"]["depends_on"]) == {s.name for s in SPECS}
 
 
+#: Every image the compose file builds, with the build argument that names its base image.
+IMAGES = {
+    "esa-pipeline:latest": "PYTHON_IMAGE",
+    "esa-postgres:latest": "POSTGRES_IMAGE",
+    "esa-prometheus:latest": "PROMETHEUS_IMAGE",  # profile monitoring
+    "esa-haproxy:latest": "HAPROXY_IMAGE",  # profile replicas
+}
+
+
 def test_images_are_built_here_from_pinned_bases_with_a_small_private_context() -> None:
     """Issue 16: never pull our own image; pinned base images that an air-gapped user can
     replace; a build context without the virtualenv, local keys or databases."""
     for name, service in SERVICES.items():
         if "build" in service:
             assert service["pull_policy"] == "build", name
-            assert service["image"] in ("esa-pipeline:latest", "esa-postgres:latest"), name
-    assert SERVICES["analyzer"]["build"]["args"] == ["PYTHON_IMAGE"]
-    assert SERVICES["postgres"]["build"]["args"] == ["POSTGRES_IMAGE"]
+            assert service["image"] in IMAGES, name
+            assert service["build"]["args"] == [IMAGES[service["image"]]], name
+    for image, dockerfile in (
+        ("PROMETHEUS_IMAGE", "deploy/prometheus/Dockerfile"),
+        ("HAPROXY_IMAGE", "deploy/haproxy/Dockerfile"),
+    ):  # the profiles' images: pinned official bases, or deploy/build-base-images.sh's
+        assert re.search(
+            rf"^ARG {image}=\S+:v?\d+\.\d+\.\d+\S*$", (ROOT / dockerfile).read_text(), re.M
+        )
     python = (ROOT / "deploy" / "Dockerfile").read_text()
     postgres = (ROOT / "deploy" / "postgres" / "Dockerfile").read_text()
     assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11\.\d+-slim-bookworm$", python, re.M)

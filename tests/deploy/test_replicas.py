@@ -1,0 +1,110 @@
+"""docker-compose.yml's ``replicas`` profile on a real Docker engine (issue 17, item 3).
+
+Added to the running deployment (the session's ``stack``): a second process of each shuffler
+trust domain (shuffler-<i>-r2: the same keys volume, token secret and database) and one
+HAProxy per domain (deploy/haproxy/<domain>.cfg, generated from ``esa up --replicas``'s
+configuration; health checks on /readyz), with ``init`` preparing again so devices are told
+the HAProxy URLs (ESA_SHUFFLER_URL_TEMPLATE) and the analyzer restarted to serve them. Then
+``esa demo`` (500 devices, one channel the other tests do not use) through HAProxy while one
+replica's process is SIGKILLed from the host: the run certifies ε, the restart policy brings
+the replica back, both processes of an untouched domain acknowledged contributions, and
+conservation holds (acknowledged = forwarded + deleted + held; the analyzer received what
+was forwarded and the release counts it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.stack import PROJECT, ROOT, SERVED, Stack
+
+pytestmark = pytest.mark.deploy
+
+CHANNEL = "picture"  # k-RAPPOR as homepage (one contribution per device), unused elsewhere
+DEVICES = 500
+RATE = 40  # contributions/s in all: ~12 s of sending, long enough to kill a replica mid-run
+REPORT = "/var/esa-reports/replicas.json"
+TEMPLATE = "http://shuffler-{i}-lb:{port}"
+DOMAINS = ("shuffler-1", "shuffler-2", "shuffler-3")
+REPLICAS = tuple(f"{d}-r2" for d in DOMAINS)
+BALANCERS = tuple(f"{d}-lb" for d in DOMAINS)
+KILLED = "shuffler-2-r2"
+METRICS = (
+    "import os, urllib.request as u; print(u.urlopen(u.Request('http://127.0.0.1:{port}/metrics',"
+    " headers={{'Authorization': 'Bearer ' + os.environ['ESA_SHUFFLER_ADMIN_TOKEN']}}),"
+    " timeout=5).read().decode())"
+)
+
+
+def _received(stack: Stack, service: str, port: int) -> int:
+    """esa_shuffler_contributions_received of one process (its own counter, not the domain's)."""
+    text = stack.run("exec", "-T", service, "python", "-c", METRICS.format(port=port))
+    line = next(x for x in text.splitlines() if x.startswith("esa_shuffler_contributions_received"))
+    return int(float(line.split()[-1]))
+
+
+def _loadgen(stack: Stack, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    args = ["demo", "--analyzer-url", "http://analyzer:8100", "--var", "/var/esa"]
+    args += ["--report", "/var/esa-reports/replicas.html", "--json", REPORT]
+    args += ["--devices", str(DEVICES), "--channel", CHANNEL, "--rate", str(RATE)]
+    command = [*stack.command, "-p", PROJECT, "--profile", "loadgen", "run", "--rm", "--no-deps"]
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [*command, "-T", "loadgen", *args], cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+
+
+def _up_with_replicas(stack: Stack) -> dict[str, str]:
+    env = {**stack.env, "ESA_SHUFFLER_URL_TEMPLATE": TEMPLATE}
+    stack.run("--profile", "replicas", "build", BALANCERS[0], timeout=600, env=env)
+    stack.run("--profile", "replicas", "up", "-d", timeout=600, env=env)
+    stack.run("restart", "analyzer", timeout=120, env=env)  # serves the URLs init wrote
+    stack.wait_healthy(timeout=240, services=(*SERVED, *REPLICAS, *BALANCERS))
+    return env
+
+
+def test_replicas_behind_haproxy_survive_a_kill_and_conserve(stack: Stack, tmp_path: Path) -> None:
+    env = _up_with_replicas(stack)
+    config = httpx.get("http://127.0.0.1:8100/v1/config", timeout=10).raise_for_status().json()
+    urls = [s["url"] for s in config["config"]["shufflers"]]
+    assert urls == [f"http://{d}-lb:{8100 + i}" for i, d in enumerate(DOMAINS, start=1)]
+    for i in (1, 2, 3):  # HAProxy answers for its domain from the host too
+        assert httpx.get(f"http://127.0.0.1:{8110 + i}/readyz", timeout=5).status_code == 200
+    before = stack.restarts(KILLED)
+    log = tmp_path / "loadgen.log"
+    loadgen = _loadgen(stack, env, log)
+    try:
+        deadline = time.monotonic() + 240
+        query = f"SELECT count(*) FROM contributions WHERE channel_id = '{CHANNEL}'"
+        while stack.sql("esa_shuffler_2", query) < 20:  # acknowledged ones, mid-run
+            assert loadgen.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        os.kill(int(stack.state(KILLED)["Pid"]), 9)  # type: ignore[call-overload]
+        assert loadgen.wait(timeout=300) == 0, log.read_text()
+    finally:
+        if loadgen.poll() is None:
+            loadgen.kill()
+    assert stack.restarts(KILLED) > before  # restart: unless-stopped brought it back
+    stack.wait_healthy(timeout=120, services=(*SERVED, *REPLICAS))
+    body = stack.run(
+        "--profile", "loadgen", "run", "--rm", "--no-deps", "-T", "--entrypoint", "cat",
+        "loadgen", REPORT, env=env,
+    )  # fmt: skip
+    (result,) = json.loads(body)["channels"]
+    assert result["channel_id"] == CHANNEL and result["devices"] == DEVICES
+    assert result["central_eps"] is not None and 0 < result["central_eps"] < 10
+    # HAProxy spread the clients of an untouched domain over both of its processes.
+    for domain, port in (("shuffler-1", 8101), ("shuffler-3", 8103)):
+        assert _received(stack, domain, port) > 0, domain
+        assert _received(stack, f"{domain}-r2", port) > 0, domain
+    shuffled, received = stack.conservation(CHANNEL)
+    assert received == result["n"] > 0
+    assert result["delivered"] <= shuffled <= DEVICES, (result, shuffled)
