@@ -139,6 +139,18 @@ def _audit(shuffler: ServiceProcess, sink: str, out: Path) -> tuple[int, dict[st
     return result.exit_code, {f"{f['check']}.{f['name']}": f["passed"] for f in report["findings"]}
 
 
+def _failed_with(tmp_path: Path, sink: str, leaks: str) -> set[str]:
+    """The checks ``esa audit run`` fails against a shuffler with ``leaks`` switched on (its
+    exit code must be 1); the report stays in ``tmp_path / "report"``."""
+    shuffler = _shuffler(tmp_path, sink, leaks)
+    try:
+        code, verdicts = _audit(shuffler, sink, tmp_path / "report")
+    finally:
+        shuffler.stop()
+    assert code == 1
+    return {name for name, passed in verdicts.items() if not passed}
+
+
 def test_real_shuffler_passes_every_check(tmp_path: Path, sink: str) -> None:
     shuffler = _shuffler(tmp_path, sink)
     try:
@@ -163,13 +175,7 @@ def test_real_shuffler_passes_every_check(tmp_path: Path, sink: str) -> None:
 
 
 def test_arrival_order_and_oldest_first_deletion_fail(tmp_path: Path, sink: str) -> None:
-    shuffler = _shuffler(tmp_path, sink, "noshuffle,openmetrics,timestamp")
-    try:
-        code, verdicts = _audit(shuffler, sink, tmp_path / "report")
-    finally:
-        shuffler.stop()
-    failed = {name for name, passed in verdicts.items() if not passed}
-    assert code == 1
+    failed = _failed_with(tmp_path, sink, "noshuffle,openmetrics,timestamp")
     assert {
         "order.rank_correlation",
         "order.early_canaries_uniform",
@@ -186,13 +192,7 @@ def test_early_release_without_deletion_or_threshold_fails(tmp_path: Path, sink:
     """Groups released as they arrive, whole and tiny: the crowd, deletion and timing checks
     fail (intake may too: this shuffler forgets released contributions, and with them the
     nonces and quotas it should still refuse)."""
-    shuffler = _shuffler(tmp_path, sink, "keepall,early")
-    try:
-        code, verdicts = _audit(shuffler, sink, tmp_path / "report")
-    finally:
-        shuffler.stop()
-    failed = {name for name, passed in verdicts.items() if not passed}
-    assert code == 1
+    failed = _failed_with(tmp_path, sink, "keepall,early")
     assert {
         "crowd.min_crowd",
         "crowd.small_groups_withheld",
@@ -215,13 +215,7 @@ def test_biased_deletion_missing_threshold_and_token_fail_alone(tmp_path: Path, 
     none (< 1e-13); the small group escapes ``belowcrowd`` only by an abort (2.5e-8). A full
     group held by Algorithm 3 (1e-6 each) is released whole by ``belowcrowd``, which
     ``kept_count_law`` rightly rejects: that check is asserted only when no group was."""
-    shuffler = _shuffler(tmp_path, sink, "oldestfirst,belowcrowd,token")
-    try:
-        code, verdicts = _audit(shuffler, sink, tmp_path / "report")
-    finally:
-        shuffler.stop()
-    failed = {name for name, passed in verdicts.items() if not passed}
-    assert code == 1
+    failed = _failed_with(tmp_path, sink, "oldestfirst,belowcrowd,token")
     assert {
         "deletion.survivors_random",
         "crowd.min_crowd",
