@@ -528,15 +528,16 @@ def _wait_metric(
 ) -> None:
     """Poll ``url``'s ``/metrics`` (as ``token`` when given) until ``pattern``'s value is 0."""
     headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-    while True:
-        send = functools.partial(httpx.get, url + "/metrics", headers=headers, timeout=10.0)
-        answer = _patiently(send, f"{url}/metrics")
-        found = pattern.search(answer.text)
-        if found is not None and float(found.group(1)) == 0:
-            return
-        if time.monotonic() > deadline:
-            raise DemoError(f"{url} still holds {what}")
-        time.sleep(0.2)
+    # One client for every poll: a new one per request builds a TLS context (~20 ms of CPU).
+    with httpx.Client(timeout=10.0) as client:
+        send = functools.partial(client.get, url + "/metrics", headers=headers)
+        while True:
+            found = pattern.search(_patiently(send, f"{url}/metrics").text)
+            if found is not None and float(found.group(1)) == 0:
+                return
+            if time.monotonic() > deadline:
+                raise DemoError(f"{url} still holds {what}")
+            time.sleep(0.2)
 
 
 def _wait_forwarded(target: Target, timeout: float = 600.0) -> None:
