@@ -374,8 +374,8 @@ def test_mechanism_game_power_and_a_leak() -> None:
     target away fails at a crowd where the certificate shows amplification (k-RAPPOR ε = 2,
     k = 3 at crowd 1000: certified 1.02)."""
     homepage = MechanismGame.named("homepage")
-    fair = mechanism_game(simulate(homepage, 20, 200, seed=3), homepage)
-    leak = mechanism_game(simulate(homepage, 20, 200, seed=3, shuffled=False), homepage)
+    fair = mechanism_game(simulate(homepage, 20, 1000, seed=3), homepage)
+    leak = mechanism_game(simulate(homepage, 20, 1000, seed=3, shuffled=False), homepage)
     assert fair.passed and fair.statistic is not None and 0.3 <= fair.statistic < 1.0
     assert "certified ε=4.000" in fair.detail  # replacement: twice the per-bit removal ε
     assert leak.statistic is not None and leak.statistic > 1.5
