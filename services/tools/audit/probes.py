@@ -4,12 +4,16 @@ how intake refuses what it must (check 7).
 Public surface: every unauthenticated probe is answered at several fill levels of an open
 group (before the canaries, half way, all sent). Random values (tokens, receipts, ids) are
 masked and the ``Date`` header dropped; any other difference between the answers means
-something public moves with a group's size, its deletions or its arrivals.
+something public moves with a group's size, its deletions or its arrivals. A 429 (the
+per-address enrolment limit, which the canaries' own enrolments drain at a production limit)
+answers the prober's request rate, not the group: the probe waits out its ``Retry-After`` and
+asks again, as the canaries do, up to :data:`RATE_LIMIT_RETRIES` times.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +27,8 @@ from services.tools.audit.checks import Finding
 #: ids (a metric or route name has no digit).
 RANDOM = re.compile(r"[A-Za-z0-9_\-+/=.]{20,}")
 VOLATILE_HEADERS = frozenset({"date"})
+#: Times a probe answered 429 is asked again after its ``Retry-After``.
+RATE_LIMIT_RETRIES = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +64,8 @@ def snapshot(client: httpx.Client, url: str) -> dict[str, str]:
     """Every probe's answer, normalized (status, headers, body with random values masked)."""
     answers = {}
     for probe in PROBES:
-        headers = {"Content-Type": probe.content_type} if probe.content_type else {}
         try:
-            response = client.request(
-                probe.method, url.rstrip("/") + probe.path, content=probe.body, headers=headers
-            )
+            response = _ask(client, url, probe)
         except httpx.HTTPError as error:
             answers[probe.name] = f"transport error {type(error).__name__}"
             continue
@@ -74,6 +77,28 @@ def snapshot(client: httpx.Client, url: str) -> dict[str, str]:
         body = _mask(response.text)
         answers[probe.name] = f"{response.status_code}\n" + "\n".join(kept) + "\n\n" + body
     return answers
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """The answer's ``Retry-After`` in seconds, within [0.1, 60]; 1 when it is not a number."""
+    try:
+        seconds = float(response.headers.get("retry-after", "1"))
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 0.1), 60.0) if seconds == seconds else 1.0
+
+
+def _ask(client: httpx.Client, url: str, probe: Probe) -> httpx.Response:
+    """``probe``'s answer, after waiting out up to :data:`RATE_LIMIT_RETRIES` 429s."""
+    headers = {"Content-Type": probe.content_type} if probe.content_type else {}
+    target = url.rstrip("/") + probe.path
+    response = client.request(probe.method, target, content=probe.body, headers=headers)
+    for _ in range(RATE_LIMIT_RETRIES):
+        if response.status_code != 429:
+            break
+        time.sleep(_retry_after(response))
+        response = client.request(probe.method, target, content=probe.body, headers=headers)
+    return response
 
 
 def surface_check(snapshots: list[tuple[int, dict[str, str]]]) -> list[Finding]:
