@@ -10,20 +10,29 @@ script creates and drops its own databases (``esa_rb_*``, prefix ``ESA_BENCH_DB_
    processes, and one sealed contribution each is written to disk ahead of the run. Client
    tokens are HMACs under each shuffler's secret (kept under the var folder), so the very same
    requests (same bodies, same sizes) are replayed in every round against fresh databases.
-2. Ingest rounds, alternating R = 1, 2, 1, 2, ...: fresh databases, ``esa up``'s scaled layout
+2. Ingest rounds: ``--warmup`` rounds at R = 1 that are not counted (the first round after
+   sealing ran slower), then R in the balanced order 1, 2, 2, 1, 1, 2, 2, 1, ... (``--rounds``
+   pairs; each pair of pairs is ABBA, so a load that drifts linearly over the run weighs on
+   both layouts alike). Each round: fresh databases, ``esa up``'s scaled layout
    (launcher.start_scaled: R processes per shuffler, 1 analyzer, HAProxy in front even for
    R = 1), then the loadgen Driver sends every request as fast as the shufflers answer over
-   ``--concurrency`` keep-alive connections. Checked after each round: every request answered
-   202 and each shuffler's database holds exactly its accepted contributions.
+   ``--concurrency`` keep-alive connections: the same offered load in every round. Checked
+   after each round: every request answered 202 and each shuffler's database holds exactly
+   its accepted contributions. Compared: the pooled rate of each layout (its accepted
+   contributions over its seconds, all rounds), and the ratio within each adjacent pair.
+   Also the services' CPU (``/proc``: the shuffler and analyzer processes, HAProxy, their
+   PostgreSQL backends) per accepted contribution, which other work on the machine disturbs
+   far less than the rate, and the cores they used.
 3. A stored epoch: after the last round the analyzer is stopped, the epoch is closed at every
    shuffler (admin close through HAProxy), and once every group is evaluated and its batch
    parts are built, the shuffler databases are copied (``CREATE DATABASE ... TEMPLATE``) with
    the parts held back (``next_attempt_at`` far ahead).
-4. Opening rounds, W = 1, 2, ...: the shuffler databases restored from the copy, a fresh
-   analyzer database, R = 1 and W analyzer processes behind HAProxy; once all are ready the
-   parts are released (``next_attempt_at = 0``) and the time until the analyzer has stored
-   and opened every part is measured. Checked: every part opened, one receipt per batch,
-   contributions received = contributions the shufflers released.
+4. Opening rounds, W in the same balanced order 1, 2, 2, 1, ...: the shuffler databases
+   restored from the copy, a fresh analyzer database, R = 1 and W analyzer processes behind
+   HAProxy; once all are ready the parts are released (``next_attempt_at = 0``) and the time
+   until the analyzer has stored and opened every part is measured. Checked: every part
+   opened, one receipt per batch, contributions received = contributions the shufflers
+   released.
 
 Prints a markdown section and writes it to ``<out>/replicas.md`` (appended to
 docs/benchmarks.md by hand) and the numbers to ``<out>/replicas.json``.
@@ -178,6 +187,25 @@ def stored_contributions() -> dict[str, int]:
     return counts
 
 
+def cpu_seconds(pids: set[int]) -> dict[int, float]:
+    """CPU seconds (user + system) so far, by pid, of ``pids`` and of every PostgreSQL backend
+    serving this script's databases (process title ``postgres: ... <prefix>_<service> ...``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    marker = f" {PREFIX}_".encode()
+    times = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int(entry.name) not in pids and marker not in (entry / "cmdline").read_bytes():
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return times
+
+
 async def ingest_round(
     var: Path, replicas: int, load: dict[str, Any], args: argparse.Namespace
 ) -> tuple[dict[str, Any], list[launcher.Service], int]:
@@ -186,12 +214,23 @@ async def ingest_round(
     services, base = deploy(var, replicas, 1)
     driver = loadgen.Driver(fronts(base), max(1, args.concurrency // SHUFFLERS))
     source = loadgen.EpochSource({load["epoch"]: load["files"]}, EPOCH_SECONDS)
+    pids = {s.process.pid for s in services}
     try:
+        before = cpu_seconds(pids)
         seconds = await driver.run(source, None, args.max_seconds, True)
+        after = cpu_seconds(pids)
     except BaseException:
         launcher.stop(services)
         raise
     stats = driver.stats
+    # shuffler-1.r1 -> shuffler, analyzer.w1 -> analyzer, haproxy:... -> haproxy; the rest are
+    # the PostgreSQL backends.
+    kinds = {s.process.pid: s.name.split(":")[0].split(".")[0].split("-")[0] for s in services}
+    by_kind: dict[str, float] = {}
+    for pid, t in after.items():
+        kind = kinds.get(pid, "postgres")
+        by_kind[kind] = by_kind.get(kind, 0.0) + t - before.get(pid, 0.0)
+    cpu = sum(by_kind.values())
     stored = stored_contributions()
     by_shuffler = {f"shuffler_{i + 1}": c[202] for i, c in sorted(stats.by_shuffler.items())}
     result = {
@@ -205,6 +244,12 @@ async def ingest_round(
         "given_up": stats.given_up,
         "stored_match": stored == by_shuffler,
         "load_1min": round(os.getloadavg()[0], 2),
+        # The services' CPU: shuffler and analyzer processes, HAProxy, their PostgreSQL
+        # backends (the load generator, this process, is not counted).
+        "cpu_s": round(cpu, 2),
+        "cpu_ms_per_contribution": round(cpu * 1e3 / max(1, stats.accepted), 3),
+        "cores_used": round(cpu / seconds, 2),
+        "cpu_s_by": {kind: round(value, 2) for kind, value in sorted(by_kind.items())},
     }
     console.log(f"ingest R={replicas}: {result}")
     if stats.accepted != args.devices or not result["stored_match"]:
@@ -359,10 +404,45 @@ async def opening_round(var: Path, workers: int, stored: dict[str, Any]) -> dict
     return result
 
 
+def balanced_order(pairs: int) -> list[int]:
+    """1, 2, 2, 1, 1, 2, ...: ``pairs`` pairs of the two layouts, every other pair reversed
+    (ABBA), so a linear drift of the machine's load adds the same to both layouts."""
+    return [n for i in range(pairs) for n in ((1, 2) if i % 2 == 0 else (2, 1))]
+
+
+def pooled(rounds: list[dict[str, Any]], key: str, value: int) -> float:
+    """Accepted contributions per second over every round where ``key`` is ``value``."""
+    chosen = [r for r in rounds if r[key] == value]
+    return float(sum(r["accepted"] for r in chosen) / sum(r["seconds"] for r in chosen))
+
+
+def cpu_per(rounds: list[dict[str, Any]], replicas: int, kind: str | None = None) -> float:
+    """Service CPU milliseconds per accepted contribution over the rounds at ``replicas`` (of
+    the processes of one ``kind``: shuffler, analyzer, haproxy, postgres; default all)."""
+    chosen = [r for r in rounds if r["replicas"] == replicas]
+    used = sum(r["cpu_s"] if kind is None else r["cpu_s_by"].get(kind, 0.0) for r in chosen)
+    return float(used * 1e3 / sum(r["accepted"] for r in chosen))
+
+
+def cores(rounds: list[dict[str, Any]], replicas: int) -> float:
+    """Cores the services used on average over the rounds at ``replicas``."""
+    chosen = [r for r in rounds if r["replicas"] == replicas]
+    return float(sum(r["cpu_s"] for r in chosen) / sum(r["seconds"] for r in chosen))
+
+
+def pair_ratios(rounds: list[dict[str, Any]]) -> list[float]:
+    """Rate at 2 over rate at 1 within each adjacent pair of rounds (1, 2) or (2, 1)."""
+    ratios = []
+    for first, second in zip(rounds[::2], rounds[1::2], strict=False):
+        by = {first["replicas"]: first["rate"], second["replicas"]: second["rate"]}
+        ratios.append(by[2] / by[1])
+    return ratios
+
+
 def section(summary: dict[str, Any]) -> str:
     """The docs/benchmarks.md section."""
     ingest, opening = summary["ingest"], summary["opening"]
-    rate = {r: statistics.median(x["rate"] for x in ingest if x["replicas"] == r) for r in (1, 2)}
+    rate = {r: pooled(ingest, "replicas", r) for r in (1, 2)}
     open_rate = {
         w: statistics.median(x["rate"] for x in opening if x["workers"] == w) for w in (1, 2)
     }
@@ -381,21 +461,41 @@ def section(summary: dict[str, Any]) -> str:
         f"databases over {summary['concurrency']} keep-alive connections, as fast as the "
         "shufflers answer.",
         "",
-        "| round | replicas per shuffler | accepted/s | p50 ms | p99 ms | errors "
-        "| stored = accepted |",
-        "|---|---|---|---|---|---|---|",
+        f"{summary['warmup_rounds']} warm-up round(s) at 1 replica first (not counted), then "
+        "the layouts in the order 1, 2, 2, 1, ...",
+        "",
+        "| round | replicas per shuffler | seconds | accepted/s | p50 ms | p99 ms | errors "
+        "| stored = accepted | load (1 min) | service CPU ms per contribution | cores used |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for i, r in enumerate(ingest, start=1):
+    numbered = [("w", r) for r in summary["warmup"]] + list(enumerate(ingest, start=1))
+    for i, r in numbered:
         lines.append(
-            f"| {i} | {r['replicas']} | {r['rate']:,.0f} | {r['p50_ms']} | {r['p99_ms']} | "
-            f"{sum(r['errors'].values()) + r['given_up']} | "
-            f"{'yes' if r['stored_match'] else 'NO'} |"
+            f"| {i} | {r['replicas']} | {r['seconds']} | {r['rate']:,.0f} | {r['p50_ms']} | "
+            f"{r['p99_ms']} | {sum(r['errors'].values()) + r['given_up']} | "
+            f"{'yes' if r['stored_match'] else 'NO'} | {r['load_1min']} | "
+            f"{r['cpu_ms_per_contribution']} | {r['cores_used']} |"
         )
-    ratio = rate[2] / rate[1]
+    ratio, pairs = rate[2] / rate[1], pair_ratios(ingest)
     lines += [
         "",
-        f"Median accepted/s: 1 replica **{rate[1]:,.0f}**, 2 replicas **{rate[2]:,.0f}**: "
-        f"ratio **{ratio:.2f}** (target ≥ 0.9: {'met' if ratio >= 0.9 else '**not met**'}).",
+        f"Pooled accepted/s (all accepted / all seconds of the layout): 1 replica "
+        f"**{rate[1]:,.0f}**, 2 replicas **{rate[2]:,.0f}**: ratio **{ratio:.3f}** (target ≥ 0.9: "
+        f"{'met' if ratio >= 0.9 else '**not met**'}). Within each adjacent pair: "
+        + ", ".join(f"{x:.2f}" for x in pairs)
+        + f" (median {statistics.median(pairs):.2f}).",
+        "",
+        "Service CPU per contribution (shuffler and analyzer processes, HAProxy and their",
+        "PostgreSQL backends; CPU seconds over accepted contributions, all rounds of the layout):",
+        f"1 replica **{cpu_per(ingest, 1):.2f} ms**, 2 replicas **{cpu_per(ingest, 2):.2f} ms** "
+        f"(ratio {cpu_per(ingest, 2) / cpu_per(ingest, 1):.2f}); cores the services used on "
+        f"average: {cores(ingest, 1):.2f} vs {cores(ingest, 2):.2f} of 2. By part (ms per "
+        "contribution, 1 vs 2 replicas): "
+        + ", ".join(
+            f"{kind} {cpu_per(ingest, 1, kind):.2f} vs {cpu_per(ingest, 2, kind):.2f}"
+            for kind in ("shuffler", "postgres", "haproxy", "analyzer")
+        )
+        + ".",
         "",
         f"**Opening**, one stored epoch: {summary['stored']['parts']:,} batch parts, "
         f"{opening[0]['fragments']:,} fragments, {summary['stored']['released']:,}",
@@ -447,17 +547,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         load = await prepare_load(var, out, args)
         summary["request_bytes"] = load["request_bytes"]
-        order = [1, 2] * args.rounds
-        summary["ingest"] = []
+        order = [1] * args.warmup + balanced_order(args.rounds)
+        summary["warmup_rounds"], summary["ingest"], summary["warmup"] = args.warmup, [], []
         for n, replicas in enumerate(order):
             result, services, base = await ingest_round(var, replicas, load, args)
-            summary["ingest"].append(result)
+            summary["warmup" if n < args.warmup else "ingest"].append(result)
             if n < len(order) - 1:
                 launcher.stop(services)
         summary["stored"] = await store_epoch(services, base, load["epoch"])
         summary["opening"] = [
             await opening_round(var, workers, summary["stored"])
-            for workers in [1, 2] * args.opening_rounds
+            for workers in balanced_order(args.opening_rounds)
         ]
     finally:
         if not args.keep:
@@ -473,7 +573,12 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--devices", type=int, default=30_000, help="contributions per round")
-    parser.add_argument("--rounds", type=int, default=2, help="pairs of ingest rounds (1, 2)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="pairs of ingest rounds (1, 2, then 2, 1, ...)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="ingest rounds at 1 replica first, not counted"
+    )
     parser.add_argument(
         "--opening-rounds", type=int, default=1, help="pairs of opening rounds (1, 2 workers)"
     )

@@ -8,11 +8,9 @@ So the frontend binds every interface, each ``server`` names a container, and HA
 the names through Docker's DNS (127.0.0.11) at start and while running (a replica that is
 recreated may come back with another address; one not started yet is ``init-addr none``, down
 until it resolves and passes ``/readyz``). The balancing, the ``/readyz`` health checks, the
-enrolment route and the timeouts are ``render``'s, unchanged. One addition: a request in
-flight on a replica that dies (SIGKILL, OOM) is retried on the other (``retry-on
-conn-failure empty-response`` on the buffered request) instead of answered 502, as devices do
-not retry a 502; a contribution the dead replica had stored is refused as a replay (409), never
-stored twice.
+enrolment route, the timeouts and the retry policy are ``render``'s, unchanged: a request in
+flight on a replica that dies (SIGKILL, OOM) is resent to the other instead of answered 502
+(``services.runtime.haproxy.RETRY_POLICY``, which says why that is safe on every route).
 
     python deploy/haproxy/render.py           # writes deploy/haproxy/shuffler-<i>.cfg
     python deploy/haproxy/render.py --check   # exit 1 when a file differs (tests/deploy/)
@@ -39,11 +37,6 @@ RESOLVERS = [
     "    hold valid 5s",
     "    hold nx 5s",
 ]
-
-
-#: Layer-7 retries of a request whose replica died before answering (the request is buffered
-#: whole first, so it can be sent again).
-RETRY = ["    retry-on conn-failure empty-response", "    option http-buffer-request"]
 
 
 class RenderError(RuntimeError):
@@ -73,7 +66,6 @@ def compose_config(domain: str, port: int, hosts: Sequence[str]) -> str:
     text = _sub(
         r"^(    default-server .*)$", r"\1 resolvers docker init-addr last,libc,none", text, 2
     )
-    text = _sub(r"^(    retries \d+)$", "\\1\n" + "\n".join(RETRY), text, 1)
     return _sub(r"^(    timeout http-request .*)$", "\\1\n" + "\n".join(RESOLVERS), text, 1)
 
 

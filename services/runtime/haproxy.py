@@ -12,6 +12,33 @@ request of one client token reaches the same replica while it is healthy, so the
 rate limit, kept in each replica's memory, holds as configured; when a replica dies only its
 clients move (and start with a full bucket once). Enrolment (no token yet) is hashed on the
 source address for the same reason. The analyzer's workers share the load round-robin.
+
+Retries (:data:`RETRY_POLICY`, one policy for ``esa up`` and docker-compose.yml's ``replicas``
+profile, whose deploy/haproxy/render.py adapts this module's :func:`render`): a request whose
+process refused the connection (``conn-failure``) or closed it without a byte of answer
+(``empty-response``: killed, OOM, restarted mid-request) is sent again, to another process
+at once (``option redispatch 1``: every retry redispatches; a consistent hash then avoids the
+server that failed), instead of answered 502 before the health check takes the dead process
+out. The request is buffered whole first (``option http-buffer-request``); one larger than a
+buffer (``tune.bufsize``, 16 KiB: a big batch part) is never resent (its forwarder retries).
+Resending is safe on every shuffler route:
+
+* ``POST /v1/contributions``: the nonce is unique in the trust domain's shared database, so a
+  contribution the dead process had committed is refused 409 ``replayed_nonce`` at the resend,
+  never stored twice; the SDK and the load generator read that 409 as delivered.
+* ``POST /v1/enroll``: a token is an HMAC of a fresh random client id (nothing is stored). The
+  token minted by a process that died before answering never reached anyone; the resend mints
+  another, and the client holds exactly one. Its cost is one enrolment of the per-address
+  limit in the dead process's memory, gone with it.
+* ``POST /v1/admin/close`` and ``/v1/admin/revoke``: idempotent (a closed epoch stays closed,
+  a group is evaluated once under its advisory lock and primary key; revocation is an insert
+  that ignores a duplicate).
+
+At the analyzer, ``POST /v1/batches`` is idempotent (a known ``(batch_id, part)`` is answered
+200 and counted once) and GETs are safe, but a release (``POST .../releases``) or an LDP-SGD
+step (``POST .../training/step``) resent would be recorded or taken twice: every other POST is
+resent only when its connection was refused (``http-request disable-l7-retry``), never after
+it reached a process.
 """
 
 from __future__ import annotations
@@ -26,8 +53,23 @@ from pathlib import Path
 DEBIAN_BINARY = Path("/usr/sbin/haproxy")
 #: Seconds between health checks of one backend process.
 CHECK_INTERVAL = "500ms"
+#: How long one check waits for ``/readyz`` to answer. Without it the wait is the interval,
+#: and on two cores at a load average near 12 a sole replica answering in 518 ms was taken
+#: out (every request then answered 503) though it was serving. A killed process is taken out
+#: as fast either way (its port refuses the connection); a hung one after about 5 s.
+CHECK_TIMEOUT = "2s"
 #: How long one request may take end to end (a batch part POST may take 30 s at the analyzer).
 SERVER_TIMEOUT = "120s"
+#: The retry policy of every frontend (``defaults`` lines; see the module docstring).
+RETRY_POLICY = (
+    "    option http-buffer-request",
+    "    option redispatch 1",
+    "    retries 3",
+    "    retry-on conn-failure empty-response",
+)
+#: Analyzer POSTs that may be resent after reaching a process (idempotent); any other POST
+#: is resent only on a refused connection.
+ANALYZER_RESENDABLE = ("/v1/batches",)
 
 
 class HaproxyError(RuntimeError):
@@ -85,9 +127,9 @@ def render(frontends: Sequence[Frontend]) -> str:
         "defaults",
         "    mode http",
         "    option forwardfor",
-        "    option redispatch",
-        "    retries 3",
+        *RETRY_POLICY,
         "    timeout connect 2s",
+        f"    timeout check {CHECK_TIMEOUT}",
         "    timeout client 120s",
         f"    timeout server {SERVER_TIMEOUT}",
         "    timeout http-request 30s",
@@ -104,7 +146,12 @@ def render(frontends: Sequence[Frontend]) -> str:
                 *_backend(f"{f.name}-enroll", "source", f.backends),
             ]
         else:
-            lines += [f"    default_backend {f.name}-workers", ""]
+            resendable = " ".join(ANALYZER_RESENDABLE)
+            lines += [
+                f"    http-request disable-l7-retry if METH_POST !{{ path {resendable} }}",
+                f"    default_backend {f.name}-workers",
+                "",
+            ]
             lines += _backend(f"{f.name}-workers", "roundrobin", f.backends)
     return "\n".join(lines) + "\n"
 

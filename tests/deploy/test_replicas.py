@@ -9,7 +9,10 @@ the HAProxy URLs (ESA_SHUFFLER_URL_TEMPLATE) and the analyzer restarted to serve
 replica's process is SIGKILLed from the host: the run certifies ε, the restart policy brings
 the replica back, both processes of an untouched domain acknowledged contributions, and
 conservation holds (acknowledged = forwarded + deleted + held; the analyzer received what
-was forwarded and the release counts it).
+was forwarded and the release counts it). With the ``monitoring`` profile up as well (in the
+session's stack test_monitoring.py started Prometheus first), Prometheus scrapes each
+shuffler-<i>-r2 too, found through DNS (deploy/prometheus/prometheus.yml), labelled as a
+process of its trust domain and up (its /metrics answered with the credential).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ CHANNEL = "picture"  # k-RAPPOR as homepage (one contribution per device), unuse
 DEVICES = 500
 RATE = 40  # contributions/s in all: ~12 s of sending, long enough to kill a replica mid-run
 REPORT = "/var/esa-reports/replicas.json"
+PROMETHEUS_API = "http://127.0.0.1:9090/api/v1"
 TEMPLATE = "http://shuffler-{i}-lb:{port}"
 DOMAINS = ("shuffler-1", "shuffler-2", "shuffler-3")
 REPLICAS = tuple(f"{d}-r2" for d in DOMAINS)
@@ -59,6 +63,33 @@ def _loadgen(stack: Stack, env: dict[str, str], log: Path) -> subprocess.Popen[b
         return subprocess.Popen(
             [*command, "-T", "loadgen", *args], cwd=ROOT, env=env, stdout=out, stderr=out
         )
+
+
+def _prometheus_scrapes_the_replicas(stack: Stack, timeout: float = 90) -> None:
+    """Prometheus (when the monitoring profile is up) has each -r2 process as an up target
+    of the ``shuffler`` job, named and labelled as its trust domain's (DNS discovery every
+    30 s, a scrape every 10 s), and holds its counters."""
+    if not stack.container("prometheus"):
+        return  # this file alone: the monitoring profile is not up in this stack
+    want = {f"{d}-r2:{8100 + i}": d for i, d in enumerate(DOMAINS, start=1)}
+    deadline, found = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        answer = httpx.get(f"{PROMETHEUS_API}/targets", params={"state": "active"}, timeout=10)
+        targets = answer.raise_for_status().json()["data"]["activeTargets"]
+        found = {t["labels"]["instance"]: t for t in targets if t["labels"]["instance"] in want}
+        if set(found) == set(want) and all(t["health"] == "up" for t in found.values()):
+            break
+        time.sleep(3)
+    else:
+        raise AssertionError(f"Prometheus does not scrape every replica: {found}")
+    for instance, domain in want.items():
+        labels = found[instance]["labels"]
+        assert labels["job"] == "shuffler" and labels["trust_domain"] == domain, labels
+        assert labels["service"] == f"{domain}-r2", labels
+    query = 'esa_shuffler_contributions_received_total{service=~"shuffler-.-r2"}'
+    answer = httpx.get(f"{PROMETHEUS_API}/query", params={"query": query}, timeout=10)
+    result = answer.raise_for_status().json()["data"]["result"]
+    assert {r["metric"]["instance"] for r in result} == set(want), result
 
 
 def _up_with_replicas(stack: Stack) -> dict[str, str]:
@@ -108,3 +139,4 @@ def test_replicas_behind_haproxy_survive_a_kill_and_conserve(stack: Stack, tmp_p
     shuffled, received = stack.conservation(CHANNEL)
     assert received == result["n"] > 0
     assert result["delivered"] <= shuffled <= DEVICES, (result, shuffled)
+    _prometheus_scrapes_the_replicas(stack)

@@ -1,0 +1,252 @@
+"""HAProxy's retry policy (issue 17, :data:`services.runtime.haproxy.RETRY_POLICY`): a replica
+that dies under load costs its clients nothing they can see.
+
+One trust domain as ``esa up --replicas 3 --database-url-template`` starts it (three shuffler
+processes on one PostgreSQL database behind the real HAProxy, :func:`services.cli.launcher.up`).
+Client threads enroll and contribute through HAProxy without retrying anything themselves: every
+enrolment must answer 200 and every contribution 202 (or 409 ``replayed_nonce``, a resend of a
+contribution the dead replica had committed: the SDK and the load generator read it as
+delivered).
+
+* Replica 1 is killed (SIGKILL) under load: requests in flight on it, and those sent to it
+  before the health check takes it out (connection refused), are resent to another replica.
+* Replica 2 is stopped (SIGSTOP), so the requests HAProxy sends it hang unanswered, and
+  killed 2.5 s later, before its health check (2 s per try, 2 tries) takes it out: every hung
+  request is resent (``empty-response``) and answered by replica 3. At least one request spans
+  the kill (sent ≥ 1 s before it, answered after: it hung on replica 2). Each of the 8 client
+  threads sends on until one of its requests hangs there, dozens a second each hashed to
+  replica 2 with probability about 1/2: none hanging is out of reach.
+
+Afterwards the database holds exactly the contributions acknowledged: none lost, none stored
+twice (the nonce is unique, so a resend can at most be refused as a replay). The config text
+tests check that ``esa up``'s and the compose profile's HAProxy configurations carry the same
+policy, written once.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+from sqlalchemy import func, select
+
+from common.envelope import (
+    Contribution,
+    load_x25519_public,
+    new_nonce,
+    seal_contribution,
+    seal_fragment,
+)
+from common.mechanisms import krappor
+from services.cli import launcher
+from services.runtime import db, haproxy
+from shuffler import storage
+
+from ..support import LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS
+
+ROOT = Path(__file__).resolve().parents[2]
+CHANNEL = LONG_EPOCH_CHANNEL
+SID = "shuffler-1"
+REPLICAS = 3
+THREADS = 8
+OCTETS = "application/octet-stream"
+#: Seconds a stopped replica hangs before it is killed (before its health check fails).
+STOPPED_SECONDS = 2.5
+
+
+@dataclass
+class Requests:
+    """Every request the clients sent: (path, sent, answered, status or error)."""
+
+    done: list[tuple[str, float, float, str]] = field(default_factory=list)
+    landed: int = 0
+    replayed: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, path: str, sent: float, outcome: str) -> None:
+        with self.lock:
+            self.done.append((path, sent, time.monotonic(), outcome))
+            if path == "/v1/contributions" and outcome in ("202", "409 replayed_nonce"):
+                self.landed += 1
+                self.replayed += outcome != "202"
+
+    def unexpected(self) -> list[tuple[str, float, float, str]]:
+        good = {"/v1/enroll": ("200",), "/v1/contributions": ("202", "409 replayed_nonce")}
+        return [r for r in self.done if r[3] not in good[r[0]]]
+
+    def since(self, moment: float) -> int:
+        """Contributions acknowledged after ``moment``."""
+        return sum(1 for r in self.done if r[0] == "/v1/contributions" and r[2] > moment)
+
+
+def _skip_without_haproxy() -> None:
+    try:
+        haproxy.binary()
+    except haproxy.HaproxyError as error:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(str(error))
+        pytest.skip(str(error))
+
+
+@pytest.fixture
+def domain(tmp_path: Path, postgres_template: str) -> Iterator[dict[str, launcher.Service]]:
+    """``shuffler-1`` as 3 replicas behind HAProxy (and the analyzer ``esa up`` starts)."""
+    _skip_without_haproxy()
+    overrides = {**TEST_SHUFFLER_SETTINGS, "ESA_SHUFFLER_ENROLL_PER_MINUTE": "600000"}
+    services = launcher.up(
+        tmp_path,
+        1,
+        launcher.free_base_port(launcher.scaled_ports(1, REPLICAS, 1)),
+        timeout=90,
+        database_template=postgres_template,
+        replicas=REPLICAS,
+        channels=[CHANNEL],
+        overrides=overrides,
+    )
+    try:
+        yield {service.name: service for service in services}
+    finally:
+        for service in services:  # a stopped replica cannot be terminated politely
+            if service.process.poll() is None:
+                os.kill(service.process.pid, signal.SIGCONT)
+        launcher.stop(services)
+
+
+def _sealed_fragments(analyzer_url: str) -> list[tuple[bytes, ...]]:
+    config = httpx.get(analyzer_url + "/v1/config", timeout=30).json()["config"]
+    key = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
+    params = krappor.KRapporParams(k=20, eps=4.0)
+    return [
+        tuple(
+            seal_fragment(f, CHANNEL.id, CHANNEL.payload_size, key)
+            for f in krappor.encode(i, params)
+        )
+        for i in range(20)
+    ]
+
+
+def _send(
+    client: httpx.Client, path: str, requests: Requests, **kwargs: object
+) -> httpx.Response | None:
+    """One POST, never retried here: its outcome is recorded as the client saw it."""
+    sent = time.monotonic()
+    try:
+        answer = client.post(path, **kwargs)  # type: ignore[arg-type]
+    except httpx.HTTPError as error:
+        requests.record(path, sent, f"{type(error).__name__}: {error}")
+        return None
+    outcome = str(answer.status_code)
+    if answer.status_code == 409:
+        outcome += f" {answer.json().get('error')}"
+    requests.record(path, sent, outcome)
+    return answer
+
+
+def _client_loop(
+    url: str,
+    key: X25519PublicKey,
+    pool: list[tuple[bytes, ...]],
+    stop: threading.Event,
+    requests: Requests,
+) -> None:
+    """Fresh clients one after another: enroll, then one contribution with a fresh nonce."""
+    epoch = int(time.time() // CHANNEL.epoch_seconds)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            enrolled = _send(client, "/v1/enroll", requests)
+            if enrolled is None or enrolled.status_code != 200:
+                continue
+            contribution = Contribution(CHANNEL.id, "", epoch, new_nonce(), pool[n % len(pool)])
+            headers = {
+                "Authorization": f"Bearer {enrolled.json()['client_token']}",
+                "Content-Type": OCTETS,
+            }
+            body = seal_contribution(contribution, SID, key)
+            _send(client, "/v1/contributions", requests, content=body, headers=headers)
+
+
+def _stored(postgres_template: str) -> int:
+    engine = db.make_engine(postgres_template.replace("{service}", "shuffler_1"))
+    try:
+        with engine.connect() as conn:
+            query = select(func.count()).select_from(storage.contributions)
+            return int(conn.execute(query).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_a_replica_killed_under_load_costs_its_clients_nothing(
+    domain: dict[str, launcher.Service], postgres_template: str
+) -> None:
+    front = domain[f"haproxy:{SID}"].url
+    config = httpx.get(front + "/v1/config", timeout=30).json()
+    key = load_x25519_public(base64.b64decode(config["public_key"]))
+    pool = _sealed_fragments(domain["haproxy:analyzer"].url)
+    requests, stop = Requests(), threading.Event()
+    threads = [
+        threading.Thread(target=_client_loop, args=(front, key, pool, stop, requests))
+        for _ in range(THREADS)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.5)
+        domain[f"{SID}.r1"].kill()  # in flight, then refused until the check takes it out
+        first_kill = time.monotonic()
+        time.sleep(2.0)
+        stopped = domain[f"{SID}.r2"].process.pid
+        os.kill(stopped, signal.SIGSTOP)  # what HAProxy sends it now hangs unanswered
+        time.sleep(STOPPED_SECONDS)
+        domain[f"{SID}.r2"].kill()  # the hung requests: connection closed, no answer
+        second_kill = time.monotonic()
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(90)
+    assert not requests.unexpected(), requests.unexpected()[:5]
+    # Replica 3 alone went on taking contributions after both kills.
+    assert requests.since(first_kill) > 0 and requests.since(second_kill + 0.5) > 0
+    # Requests that hung on the stopped replica were resent and answered after its kill.
+    spanning = [r for r in requests.done if r[1] < second_kill - 1.0 and r[2] > second_kill]
+    assert spanning, "no request was in flight on the stopped replica when it was killed"
+    # None lost, none stored twice: the database holds exactly what was acknowledged.
+    assert _stored(postgres_template) == requests.landed
+
+
+def test_esa_up_and_compose_carry_one_retry_policy(tmp_path: Path) -> None:
+    """The ``defaults`` of ``esa up``'s configuration and of every compose configuration hold
+    :data:`~services.runtime.haproxy.RETRY_POLICY` (written once, in render), and
+    ``haproxy -c`` accepts ``esa up``'s."""
+    frontends = [
+        haproxy.Frontend("analyzer", 18000, (18010, 18011), shuffler=False),
+        haproxy.Frontend(SID, 18001, (18012, 18013), shuffler=True),
+    ]
+    texts = [haproxy.render(frontends)]
+    texts += [(ROOT / "deploy" / "haproxy" / f"shuffler-{i}.cfg").read_text() for i in (1, 2, 3)]
+    for text in texts:
+        defaults = text.split("\ndefaults\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        assert [line for line in defaults if line in haproxy.RETRY_POLICY] == list(
+            haproxy.RETRY_POLICY
+        )
+        assert sum("retry-on" in line or "redispatch" in line for line in text.splitlines()) == 2
+    assert "retry-on conn-failure empty-response" in haproxy.RETRY_POLICY[-1]
+    # The analyzer resends only idempotent POSTs after they reached a worker.
+    assert (
+        "    http-request disable-l7-retry if METH_POST !{ path /v1/batches }"
+        in texts[0].splitlines()
+    )
+    assert "disable-l7-retry" not in "".join(texts[1:])  # shuffler routes: all resendable
+    _skip_without_haproxy()
+    assert haproxy.write_config(tmp_path / "haproxy.cfg", frontends).exists()
