@@ -18,8 +18,9 @@ DELETION = {"eps_cr": 1.0, "delta_cr": 1e-6}
 #:
 #: Domain sizes are what the demo can afford: every fragment costs one HPKE seal on the device
 #: and one open at the analyzer (~0.19 ms of CPU together), and a k-RAPPOR report holds
-#: 1 + (k − 1)/(1 + e^ε) fragments on average (ESA-revisited Algorithm 1). At k = 256 and 1,024
-#: the four histogram channels sent ~177 fragments per device; at k = 64 and 16×16 pixels ~50,
+#: (1 − p) + (k − 1)·p fragments on average, p = 1/(1 + e^ε) (ESA-revisited Algorithm 1).
+#: At k = 256 and 1,024 the four histogram channels sent ~177 fragments per device; at k = 64
+#: and 16×16 pixels ~52,
 #: which keeps ``esa demo``'s 15,000 devices within a few minutes on 2 cores. Central ε per
 #: attribute does not depend on k (the blanket bound of Lemma II.6 is per bit).
 DEFAULT_CHANNELS = [
@@ -40,7 +41,7 @@ DEFAULT_CHANNELS = [
         params={"k": 64, "eps_b": 3.0, "eps_f": 2.5, "tau": 3},
         min_crowd=50,
         **DELETION,
-        max_fragments=32,
+        max_fragments=72,  # all τ rows in one contribution when a deployment runs 1 shuffler
         delta=1e-8,
     ),
     ChannelConfig(

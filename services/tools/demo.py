@@ -307,12 +307,15 @@ def population(config: ChannelConfig, devices: int, rng: np.random.Generator) ->
     if config.display == "image" and config.image_shape is not None:
         pixels = _ring(config.image_shape).ravel()
         counts = populations.rescale(np.round(1000 * pixels).astype(np.int64), devices)
-    elif k > populations.HEAVY_HITTERS:
-        counts = populations.heavy_hitters(devices, k, seed=int(rng.integers(2**31))).counts
-    else:
+    elif config.mechanism == "zsum":
         # Balcer–Cheu's analyzer only reports bins holding more than about n·(1 − p) users
         # (MECHANISMS.md §4), a large share at demo scale: one dominant bin shows it at work.
         weights = 0.25 ** np.arange(k)
+        counts = rng.multinomial(devices, weights / weights.sum())
+    elif k > populations.HEAVY_HITTERS:
+        counts = populations.heavy_hitters(devices, k, seed=int(rng.integers(2**31))).counts
+    else:  # a small domain: Zipf's law over its k values, a few heavy hitters and a tail
+        weights = 1.0 / np.arange(1, k + 1)
         counts = rng.multinomial(devices, weights / weights.sum())
     values: IntArray = rng.permutation(np.repeat(np.arange(k), counts)).astype(np.int64)
     return Truth(config, np.asarray(counts, dtype=np.int64), values=values)
