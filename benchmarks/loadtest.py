@@ -28,7 +28,8 @@ medians. Then (c) the run phase at a fixed rate of ``--over`` × the measured ca
 
 ``--soak-minutes M --soak-rate R``: ``esa up`` with the homepage channel at
 ``--soak-epoch-seconds`` epochs, then ``esa loadtest`` itself at ``--rate R`` for M minutes
-with verification (close, drain, conservation, estimates); prints its summary.
+with verification (close, drain, conservation, estimates epoch by epoch); prints its summary
+(``--out``: where ``esa loadtest`` writes loadtest.json and loadtest.html).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import argparse
 import asyncio
 import base64
 import csv
+import functools
 import os
 import pickle
 import subprocess
@@ -324,7 +326,7 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
                                channels=[DEFAULT_CHANNELS[0]])  # fmt: skip
         try:
             urls = [s.url for s in services[1:]]
-            fresh = lambda n: bodies(var, urls, n, 31, 72)  # noqa: E731
+            fresh = functools.partial(bodies, var, urls, fragments=31, size=72)
             results["body_bytes"] = len(fresh(1)[0].body)
             raw, ours = [], []
             for _ in range(args.rounds):
@@ -377,6 +379,11 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             results["load_during"] = [min(loads), max(loads)] if loads else None
             results["run"] = {k: v for k, v in summary["run"].items() if k != "per_shuffler"}
             results["verification"] = summary.get("verification", {}).get("conservation")
+            results["estimates"] = {
+                cid: {k: row.get(k) for k in ("inside", "n", "central_eps", "delta", "method")}
+                | {"checked": len(row["checked"]), "epochs": len(row.get("per_epoch", {}))}
+                for cid, row in summary.get("verification", {}).get("channels", {}).items()
+            }
             results["problems"] = summary.get("verification", {}).get("problems")
         finally:
             launcher.stop(services)

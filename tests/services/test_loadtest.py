@@ -1,7 +1,8 @@
 """``esa loadtest`` against a real local deployment (1 analyzer + 3 shufflers as processes):
-a run that verifies (conservation, estimates, certified ε), a longitudinal channel driven
-through its periods (each in its own epoch) and verified, and a run that must fail because
-other devices contributed to the same epoch while it ran."""
+a run that verifies (conservation, estimates, certified ε), a run over several short epochs
+whose estimates are verified epoch by epoch, a longitudinal channel driven through its periods
+(each in its own epoch) and verified, and a run that must fail because other devices
+contributed to the same epoch while it ran."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS, DELETION
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
 from services.tools.loadtest.prepare import Plan, spec_for
+from services.tools.loadtest.verify import channel_problems
 from tests.support import TEST_SHUFFLER_SETTINGS
 
 HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
@@ -39,6 +41,8 @@ PAGES = ChannelConfig(
     max_fragments=4,
     delta=1e-8,
 )
+#: A k-RR channel of 3-second epochs: a 12-second run spans 4-5 of them.
+TICKS = PAGES.model_copy(update={"id": "ticks", "epoch_seconds": 3})
 #: A longitudinal channel of 4 periods of 4-second epochs: the phase lasts ~16 s.
 ABROAD = ChannelConfig(
     id="abroad",
@@ -55,12 +59,12 @@ ABROAD = ChannelConfig(
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(analyzer URL, pinned key) of a deployment with the pages, features and abroad
+    """(analyzer URL, pinned key) of a deployment with the pages, ticks, features and abroad
     channels."""
     var = tmp_path_factory.mktemp("deployment")
     base = launcher.free_base_port(4)
     specs = launcher.prepare(
-        var, 3, base, channels=[PAGES, FEATURES, ABROAD], overrides=TEST_SHUFFLER_SETTINGS
+        var, 3, base, channels=[PAGES, TICKS, FEATURES, ABROAD], overrides=TEST_SHUFFLER_SETTINGS
     )
     services = launcher.start_all(specs, var / "logs")
     try:
@@ -103,6 +107,39 @@ def test_loadtest_verifies_conservation_and_estimates(
     assert "pages: " in done.stdout and "certified ε" in done.stdout
     page = (tmp_path / "loadtest.html").read_text()
     assert page.count("data:image/png;base64,") >= 3  # throughput, latency, errors
+
+
+def test_loadtest_verifies_estimates_epoch_by_epoch_over_a_multi_epoch_run(
+    deployment: tuple[str, str], tmp_path: Path
+) -> None:
+    # Every epoch holds one contribution of each device (its memoized report again, in a new
+    # envelope), cut off where the rate leaves the epoch's end: summed over 4-5 epochs and
+    # held against one contribution per device, the estimates were ~4x their target and
+    # outside intervals that treated the repeated reports as independent (the issue-14 soak).
+    url, key = deployment
+    args = ["--channel", "ticks", "--devices", "1500", "--population", "ticks=uniform"]
+    args += ["--rate", "400", "--duration", "12"]
+    done = subprocess.run(
+        _command(url, key, tmp_path, *args), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    check = json.loads((tmp_path / "loadtest.json").read_text())["verification"]
+    assert check["conservation"]["totals"]["lost"] == 0 and check["problems"] == []
+    row = check["channels"]["ticks"]
+    per_epoch = row["per_epoch"]
+    assert len(per_epoch) >= 3, per_epoch.keys()  # several epochs, each checked
+    assert sum(e["received"] for e in per_epoch.values()) == row["received"]
+    assert all(0 < e["kept"] <= 1 and e["prepared"] == 1500 for e in per_epoch.values())
+    kept = sum(e["kept"] for e in per_epoch.values())
+    assert len(row["checked"]) == 10
+    for combined in row["checked"]:
+        assert combined["epochs"] == len(per_epoch) and combined["truth"] > 50
+        assert combined["expected"] == pytest.approx(combined["truth"] * kept)
+    # Each combined interval covers its target with probability >= 95%, independently per
+    # bin: fewer than 4 of 10 inside has probability < 1e-7 (a sum against one device's
+    # truth lands ~(E - 1) x 94 away, far outside).
+    assert row["inside"] >= 4, row["checked"]
+    assert "verification: PASS" in done.stdout
 
 
 def test_loadtest_drives_a_longitudinal_channel_through_its_periods(
@@ -239,3 +276,15 @@ def test_pace_ramps_linearly() -> None:
     pace = loadgen.Pace(100, 300)
     assert pace.at(5, 10) == 200 and pace.planned(10, 10) == pytest.approx(2000)
     assert pace.planned(12, 10) == pytest.approx(2600)  # the end rate after the ramp
+
+
+def test_estimates_that_could_not_be_checked_fail_the_run() -> None:
+    """An epoch whose release could not be read (the analyzer failed the per-epoch query) or a
+    channel with contributions but no checked row is a problem, not a pass on nothing."""
+    row = {"acknowledged": 30, "received": 30, "checked": [{"inside": 1.0}], "inside": 1}
+    whole = {"1": {"received": 10}, "2": {"received": 20}}
+    assert channel_problems({"c": {**row, "per_epoch": whole}}) == []
+    short = channel_problems({"c": {**row, "per_epoch": {"1": {"received": 10}}}})
+    assert len(short) == 1 and "10 contributions, the run's release 30" in short[0]
+    empty = channel_problems({"c": {**row, "checked": [], "inside": 0, "per_epoch": {}}})
+    assert any("no estimate checked" in problem for problem in empty)

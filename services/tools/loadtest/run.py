@@ -41,24 +41,33 @@ def _row(
     epochs: list[int],
     sent: int,
     received: int | None,
+    prepared: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """One channel's release over ``epochs``, its estimates checked and its certified ε;
-    ``received`` None: the release's batch crowds (histogram channels)."""
-    found = verify.release(options.plan.analyzer_url, cid, epochs, population.k)
+    ``received`` None: the release's batch crowds (histogram channels). With ``prepared`` (per
+    epoch, the contributions prepared for it: a histogram channel) the estimates are checked
+    epoch by epoch and combined (:func:`verify.check_epochs`); without, the release over
+    ``epochs`` is checked as one (a longitudinal phase: every period is a bin of its own)."""
+    url = options.plan.analyzer_url
+    found = verify.release(url, cid, epochs, population.k)
     row: dict[str, Any] = {"acknowledged": sent, "n": 0, "received": received or 0}
     row |= {"checked": [], "inside": 0, "central_eps": None, "delta": None, "method": None}
     row |= {"population": population.spec, "epochs": [min(epochs), max(epochs)]}
     if found is None:
         return row
     got = verify.received_contributions(found) if received is None else received
-    checked = verify.check_estimates(target, population, found, got / sent if sent else 0.0)
+    if prepared is None:
+        checked = verify.check_estimates(target, population, found, got / sent if sent else 0.0)
+    else:
+        checked, per_epoch = verify.check_epochs(url, target, population, prepared)
+        row["per_epoch"] = {str(e): v for e, v in per_epoch.items()}
     certificate = found["certificate"]
     eps = certificate["eps"]
     return row | {
         "n": int(found["n"]),
         "received": got,
         "checked": checked,
-        "inside": sum(1 for r in checked if r["lo"] <= r["expected"] <= r["hi"]),
+        "inside": verify.inside(checked),
         "central_eps": None if eps is None or not math.isfinite(eps) else float(eps),
         "delta": certificate["delta"],
         "method": certificate["method"],
@@ -91,6 +100,7 @@ def verification(
             prepared.epochs[cid],
             stats.accepted_by_tag.get(index, 0),
             None,
+            {e: verify.requests_in(paths) for e, paths in prepared.files[cid].items()},
         )
         for index, (cid, target) in enumerate(prepared.targets.items())
     }

@@ -10,9 +10,23 @@ gauges ``esa_shuffler_queue_depth`` and the counters ``esa_shuffler_contribution
 so other traffic on the deployment during the run shows as a mismatch, never as a pass.
 
 Estimates: for the channel's largest true bins, the release against what the estimator
-targets for ``truth × kept`` (``kept``: the share that survived deletion), with a 95% interval
-widened by the deletion's binomial sampling noise (as ``esa demo`` checks); the run fails if
-fewer land inside than a coverage of :data:`COVERAGE` allows with probability 1e-6.
+targets for ``truth × kept`` (``kept``: the share that survived), with a 95% interval widened by
+the binomial sampling noise of what was kept (as ``esa demo`` checks). A histogram channel's run
+spans several epochs, and every epoch holds one contribution of each prepared device (in a
+random order; the epoch's end cuts off what was not sent), so each epoch is checked on its own
+(:func:`check_epochs`): that epoch's release against the population's truth × the epoch's kept
+share (received at the analyzer / prepared for the epoch: whatever was not sent, deleted
+(ESA-revisited Algorithm 3) or held is a uniformly random subset, whose count per bin varies
+at most as a binomial thinning). A sum over epochs against one contribution per device would be
+the wrong truth, and the epochs are not independent of one another: a device re-sends its
+memoized report (RAPPOR's permanent randomized response, rfrag's backstop) in every epoch, so
+the noise of one epoch recurs in the next. Per bin the epochs are therefore combined as the sum
+of their residuals with the sum of their standard deviations as its scale (:func:`combine`):
+``sd(Σ X_e) ≤ Σ sd(X_e)`` whatever the correlation between epochs (Minkowski), so each combined
+95% interval covers its target with probability ≥ 95%; tight when every device re-sends the
+same report in every epoch, conservative by up to √E for independent ones. The run fails if
+fewer combined intervals hold their target than a coverage of :data:`COVERAGE` allows with
+probability :data:`FALSE_ALARM` (binomial over the bins of every channel, as for one epoch).
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -164,8 +179,10 @@ def received_contributions(found: Mapping[str, Any]) -> int:
 def check_estimates(
     target: loadgen.Target, population: Population, found: Mapping[str, Any], kept: float
 ) -> list[dict[str, float]]:
-    """The largest true bins (every period of a longitudinal channel): truth, what the
-    estimator targets for ``truth × kept``, the estimate, its interval."""
+    """The largest true bins (every period of a longitudinal channel) of one release: truth,
+    what the estimator targets for ``truth × kept``, the estimate, the standard deviation of
+    estimate − target (``spread``: the release's standard error and the binomial noise of
+    what was kept) and the 95% interval."""
     values = dict(zip(found["bins"], found["values"], strict=True))
     errors = dict(zip(found["bins"], found["std_errors"], strict=True))
     n = int(found["n"])
@@ -185,11 +202,80 @@ def check_estimates(
                 "truth": float(truth[b]),
                 "expected": float(targets[b]),
                 "estimate": estimate,
+                "spread": spread,
                 "lo": estimate - Z95 * spread,
                 "hi": estimate + Z95 * spread,
             }
         )
     return rows
+
+
+def check_epochs(
+    analyzer_url: str,
+    target: loadgen.Target,
+    population: Population,
+    prepared: Mapping[int, int],
+) -> tuple[list[dict[str, float]], dict[int, dict[str, Any]]]:
+    """A histogram channel's estimates epoch by epoch (see module): each epoch's release
+    against the population's truth × that epoch's kept share (received / ``prepared[epoch]``,
+    the contributions prepared for it), then :func:`combine`. Returns the combined rows and,
+    per epoch released, its received, prepared, kept share and rows (epochs the analyzer
+    released nothing for are left out)."""
+    per_epoch: dict[int, dict[str, Any]] = {}
+    for epoch, count in sorted(prepared.items()):
+        found = release(analyzer_url, target.channel.id, [epoch], population.k)
+        if found is None or count <= 0:
+            continue
+        got = received_contributions(found)
+        rows = check_estimates(target, population, found, got / count)
+        per_epoch[epoch] = {"received": got, "prepared": count, "kept": got / count}
+        per_epoch[epoch] |= {"checked": rows, "inside": inside(rows)}
+    return combine([e["checked"] for e in per_epoch.values()]), per_epoch
+
+
+def combine(epochs: Sequence[Sequence[Mapping[str, float]]]) -> list[dict[str, float]]:
+    """Per bin, the epochs' rows as one: expected and estimate summed, the spread the sum of
+    the epochs' spreads (an upper bound on the standard deviation of the summed residual
+    whatever the epochs' correlation: the triangle inequality for standard deviations), the
+    95% interval on it; ``truth`` stays one device's count and ``epochs`` counts the rows."""
+    by_bin: dict[int, list[Mapping[str, float]]] = {}
+    for rows in epochs:
+        for row in rows:
+            by_bin.setdefault(int(row["bin"]), []).append(row)
+    combined = []
+    for b, rows in by_bin.items():
+        estimate = math.fsum(r["estimate"] for r in rows)
+        spread = math.fsum(r["spread"] for r in rows)
+        combined.append(
+            {
+                "bin": b,
+                "truth": rows[0]["truth"],
+                "expected": math.fsum(r["expected"] for r in rows),
+                "estimate": estimate,
+                "spread": spread,
+                "lo": estimate - Z95 * spread,
+                "hi": estimate + Z95 * spread,
+                "epochs": len(rows),
+            }
+        )
+    return combined
+
+
+def inside(rows: Sequence[Mapping[str, float]]) -> int:
+    """How many rows' 95% intervals hold what the estimator targets."""
+    return sum(1 for r in rows if r["lo"] <= r["expected"] <= r["hi"])
+
+
+def requests_in(paths: Sequence[Path]) -> int:
+    """The requests in prepared request files (loadgen's records, read header by header)."""
+    count = 0
+    for path in paths:
+        with path.open("rb") as handle:
+            while head := handle.read(loadgen.RECORD.size):
+                _, token_length, body_length = loadgen.RECORD.unpack(head)
+                handle.seek(token_length + body_length, 1)
+                count += 1
+    return count
 
 
 def fewest_inside(checked: int) -> int:
@@ -250,8 +336,8 @@ def conservation_problems(check: Mapping[str, Any]) -> list[str]:
 
 
 def channel_problems(channels: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Channels that received more than acknowledged, and too few estimates inside their
-    intervals over all channels together."""
+    """Channels that received more than acknowledged, whose estimates could not all be
+    checked, and too few estimates inside their intervals over all channels together."""
     problems = []
     for cid, row in channels.items():
         if row["received"] > row["acknowledged"]:
@@ -259,6 +345,7 @@ def channel_problems(channels: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 f"{cid}: the analyzer received {row['received']:,} contributions, this run had "
                 f"{row['acknowledged']:,} acknowledged"
             )
+        problems += unchecked(cid, row)
     checked = sum(len(r["checked"]) for r in channels.values())
     inside = sum(r["inside"] for r in channels.values())
     if inside < fewest_inside(checked):
@@ -266,6 +353,25 @@ def channel_problems(channels: Mapping[str, Mapping[str, Any]]) -> list[str]:
             f"only {inside} of {checked} estimates inside their 95% interval (at least "
             f"{fewest_inside(checked)} expected)"
         )
+    return problems
+
+
+def unchecked(cid: str, row: Mapping[str, Any]) -> list[str]:
+    """A channel whose received contributions were not all under a checked estimate: every
+    epoch's release must be readable (the epochs' counts add up to the run's release) and a
+    channel that received anything must have checked rows — an analyzer that fails the
+    per-epoch query must not make the estimate check pass on nothing."""
+    problems = []
+    per_epoch = row.get("per_epoch")
+    if per_epoch is not None:
+        counted = sum(int(epoch["received"]) for epoch in per_epoch.values())
+        if counted != row["received"]:
+            problems.append(
+                f"{cid}: the epochs' releases hold {counted:,} contributions, the run's release "
+                f"{row['received']:,}: an epoch's estimates could not be read and checked"
+            )
+    if row["received"] > 0 and not row["checked"]:
+        problems.append(f"{cid}: {row['received']:,} contributions received, no estimate checked")
     return problems
 
 
