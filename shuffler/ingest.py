@@ -170,6 +170,8 @@ class Ingest:
 
     async def __call__(self, raw_headers: Headers, receive: Any) -> Answer:
         try:
+            if sum(name == b"authorization" for name, _ in raw_headers) > 1:
+                raise BadTokenError("send one Authorization header")
             receipt = await self._accept(dict(raw_headers), receive)
         except ShufflerError as error:
             self.service.events.count(f"rejected_{error.code}")
@@ -190,7 +192,9 @@ class Ingest:
         if not authorization.startswith(b"Bearer "):
             raise BadTokenError("Authorization: Bearer <client token> required")
         intake = self.service.intake
-        client_id = intake.tokens.verify(authorization[7:].strip().decode("latin-1"))
+        # Exactly "Bearer <token>": a load balancer hashes the header as sent to pick the
+        # replica, so padding it must not reach another replica's rate-limit bucket.
+        client_id = intake.tokens.verify(authorization[7:].decode("latin-1"))
         intake.contributions.check(client_id, time.monotonic(), "slow down")
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:

@@ -144,6 +144,8 @@ def refusal(conflict: Conflict) -> ShufflerError:
         return ReplayedNonceError("nonce already used")
     if conflict is Conflict.REVOKED:
         return RevokedTokenError("client token has been revoked")
+    if conflict is Conflict.CLOSED:
+        return EpochNotOpenError("the contribution's epoch has been closed")
     return QuotaExceededError("one contribution per (client, channel, epoch) already received")
 
 

@@ -25,6 +25,7 @@ class Conflict(StrEnum):
     REPLAYED_NONCE = "replayed_nonce"
     OVER_QUOTA = "over_quota"
     REVOKED = "revoked"  # revoked at another replica since this one loaded its revocations
+    CLOSED = "closed"  # its epoch closed at another replica (admin close) since this one checked
 
 
 @dataclass(frozen=True, slots=True, order=True)

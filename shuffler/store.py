@@ -65,6 +65,7 @@ _COLUMNS = (
 )
 _NONCE, _RECEIPT = _COLUMNS.index("nonce"), _COLUMNS.index("receipt")
 _CLIENT = _COLUMNS.index("client_id")
+_CHANNEL, _EPOCH = _COLUMNS.index("channel_id"), _COLUMNS.index("epoch")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
 _IDS_PER_DELETE = 10_000
 #: How long a staged part may wait for its evaluation to commit before retention deletes it as
@@ -154,7 +155,11 @@ class ContributionStore(ABC):
         c = storage.contributions.c
         with self.engine.begin() as conn:
             revoked = _revoked_among(conn, {p.client_id for p in pending})
-            kept = [row for row in rows if row[_CLIENT] not in revoked]
+            closed = _closed_among(conn, {p.contribution.channel_id for p in pending})
+            refused = {
+                row[_RECEIPT] for row in rows if row[_CLIENT] in revoked or _late(row, closed)
+            }
+            kept = [row for row in rows if row[_RECEIPT] not in refused]
             if self._insert_rows(conn, kept) == len(kept):
                 landed, taken = {row[_RECEIPT] for row in kept}, set()
             else:
@@ -162,7 +167,7 @@ class ContributionStore(ABC):
                 landed = set(found.scalars())
                 missing = [row[_NONCE] for row in kept if row[_RECEIPT] not in landed]
                 taken = set(conn.execute(select(c.nonce).where(c.nonce.in_(missing))).scalars())
-        return [_landing(row, landed, taken, revoked) for row in rows]
+        return [_landing(row, landed, taken, revoked, closed) for row in rows]
 
     def _insert_rows(self, conn: Connection, rows: list[Row]) -> int:
         """Rows inserted, or -1 when the driver cannot tell (the caller then looks up)."""
@@ -540,9 +545,13 @@ def _delete_orphans(conn: Connection, before: float) -> None:
     conn.execute(delete(storage.batch_parts).where(p.status == "staged", p.created_at < before))
 
 
-def _landing(row: Row, landed: set[str], taken: set[bytes], revoked: set[str]) -> str | Conflict:
+def _landing(
+    row: Row, landed: set[str], taken: set[bytes], revoked: set[str], closed: dict[str, int]
+) -> str | Conflict:
     if row[_CLIENT] in revoked:
         return Conflict.REVOKED
+    if _late(row, closed):
+        return Conflict.CLOSED
     if row[_RECEIPT] in landed:
         return str(row[_RECEIPT])
     return Conflict.REPLAYED_NONCE if row[_NONCE] in taken else Conflict.OVER_QUOTA
@@ -555,6 +564,24 @@ def _revoked_among(conn: Connection, clients: set[str]) -> set[str]:
     a revocation answered by any replica must hold at every replica from then on."""
     r = storage.revoked.c
     return set(conn.execute(select(r.client_id).where(r.client_id.in_(clients))).scalars())
+
+
+def _closed_among(conn: Connection, channels: set[str]) -> dict[str, int]:
+    """The latest closed epoch of each of ``channels``, read just before the insert: an admin
+    close answered by one replica of the trust domain persists it, and from then on no replica
+    may acknowledge a contribution for that epoch (the group is evaluated once; a later one would
+    only be deleted as late, after its 202)."""
+    e = storage.closed_epochs.c
+    query = (
+        select(e.channel_id, func.max(e.epoch))
+        .where(e.channel_id.in_(channels))
+        .group_by(e.channel_id)
+    )
+    return {channel: int(epoch) for channel, epoch in conn.execute(query)}
+
+
+def _late(row: Row, closed: dict[str, int]) -> bool:
+    return bool(row[_EPOCH] <= closed.get(row[_CHANNEL], -1))
 
 
 def _group_rows(conn: Connection, key: GroupKey, lock: bool) -> tuple[Ids, Ids]:

@@ -43,6 +43,7 @@ it reached a process.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -67,6 +68,37 @@ RETRY_POLICY = (
     "    retries 3",
     "    retry-on conn-failure empty-response",
 )
+#: The answers HAProxy writes itself (a request it cannot parse or that timed out, no live
+#: process): the services' ``{"error", "detail"}`` JSON instead of HAProxy's HTML pages, which
+#: would break the documented error contract and tell a client it met the balancer. 503 asks to
+#: come back later, like the services' own 503s. Not covered: a request HAProxy's HTTP/1 parser
+#: rejects before it is a request (a header block over ``tune.bufsize``, invalid framing) still
+#: gets HAProxy's built-in 400 page; that needs ``errorfile`` files beside the configuration.
+ERROR_ANSWERS = (
+    (400, "malformed", "the request is not valid HTTP"),
+    (403, "forbidden", "the request was refused"),
+    (408, "timeout", "the request did not arrive in time"),
+    (500, "internal", "the load balancer failed"),
+    (501, "not_implemented", "the request method or encoding is not supported"),
+    (502, "bad_gateway", "the service closed the connection without a valid answer"),
+    (503, "unavailable", "no process of the service is available; retry later"),
+    (504, "timeout", "the service did not answer in time"),
+)
+
+
+def error_lines() -> list[str]:
+    """``http-error`` lines (``defaults``) answering :data:`ERROR_ANSWERS` as JSON."""
+    lines = []
+    for status, code, detail in ERROR_ANSWERS:
+        assert "'" not in detail, detail  # inside HAProxy's single quotes
+        body = json.dumps({"error": code, "detail": detail}, separators=(",", ":"))
+        retry = ' hdr Retry-After "1"' if status == 503 else ""
+        lines.append(
+            f"    http-error status {status} content-type application/json string '{body}'{retry}"
+        )
+    return lines
+
+
 #: Analyzer POSTs that may be resent after reaching a process (idempotent); any other POST
 #: is resent only on a refused connection.
 ANALYZER_RESENDABLE = ("/v1/batches",)
@@ -128,6 +160,7 @@ def render(frontends: Sequence[Frontend]) -> str:
         "    mode http",
         "    option forwardfor",
         *RETRY_POLICY,
+        *error_lines(),
         "    timeout connect 2s",
         f"    timeout check {CHECK_TIMEOUT}",
         "    timeout client 120s",

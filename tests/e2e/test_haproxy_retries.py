@@ -250,3 +250,32 @@ def test_esa_up_and_compose_carry_one_retry_policy(tmp_path: Path) -> None:
     assert "disable-l7-retry" not in "".join(texts[1:])  # shuffler routes: all resendable
     _skip_without_haproxy()
     assert haproxy.write_config(tmp_path / "haproxy.cfg", frontends).exists()
+
+
+def test_answers_haproxy_writes_itself_are_the_services_json(tmp_path: Path) -> None:
+    """With no live process behind it, HAProxy answers 503 itself: the ``{"error", "detail"}``
+    JSON every route documents, with ``Retry-After``, not its HTML page (an outside attack
+    found the HTML, which also told the client it met the balancer)."""
+    _skip_without_haproxy()
+    base = launcher.free_base_port(3)
+    config = haproxy.write_config(
+        tmp_path / "haproxy.cfg", [haproxy.Frontend(SID, base, (base + 1, base + 2), True)]
+    )
+    process = haproxy.start(config, tmp_path / "haproxy.log")
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{base}/readyz", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "haproxy did not start"
+                time.sleep(0.1)
+        assert answer.status_code == 503
+        assert answer.headers["content-type"] == "application/json"
+        assert answer.headers["retry-after"] == "1"
+        assert set(answer.json()) == {"error", "detail"} and answer.json()["error"] == "unavailable"
+        assert "<html" not in answer.text.lower()
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=10)

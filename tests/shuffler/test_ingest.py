@@ -88,6 +88,36 @@ def test_ingest_answers_receipts_and_refusals(tmp_path: Path) -> None:
     assert service.events.get("rejected_quota_exceeded") == 1
 
 
+def test_only_an_exact_single_bearer_header_is_a_client(tmp_path: Path) -> None:
+    """A load balancer picks the replica from the Authorization header as sent, so a padded
+    token or a second Authorization header (the balancer hashing one, the service reading
+    another) must not be accepted: it would reach another replica's rate-limit bucket with the
+    same client (an outside attack through HAProxy got R times the per-client rate so)."""
+    service, clock = make_service(f"sqlite:///{tmp_path / 'test.db'}", tmp_path)
+    token = service.tokens.issue().encode()
+
+    async def post(authorizations: list[bytes]) -> tuple[int, str]:
+        writer = CommitQueue(service, max_batch=8)
+        writer.start()
+        headers = [(b"authorization", value) for value in authorizations]
+        headers.append((b"content-type", b"application/octet-stream"))
+        body = sealed(service, clock.epoch)
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        try:
+            status, data, _ = await Ingest(service, writer)(headers, receive)
+        finally:
+            await asyncio.to_thread(writer.stop)
+        return status, json.loads(data).get("error", "")
+
+    for padded in (b"Bearer  " + token, b"Bearer " + token + b" ", b"Bearer \t" + token):
+        assert asyncio.run(post([padded])) == (401, "bad_token")
+    assert asyncio.run(post([b"junk", b"Bearer " + token])) == (401, "bad_token")
+    assert asyncio.run(post([b"Bearer " + token]))[0] == 202
+
+
 class _Monotonic:
     """A settable monotonic clock for the rate limiters (the code under test reads
     ``time.monotonic()`` of its own module)."""

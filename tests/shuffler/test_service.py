@@ -160,15 +160,18 @@ def test_overlapping_batching_runs_release_each_group_once(
 def test_contributions_reaching_an_evaluated_group_are_purged_never_a_second_part(
     database_url: str, tmp_path: Path
 ) -> None:
-    """A contribution validated before the close and committed after it (or stored by a replica
-    that had not seen an admin close) reaches a group already evaluated: it is purged and
-    recorded, never evaluated as a second part with fresh noise (PROTOCOL.md)."""
+    """A contribution validated before its epoch ended and committed after the group was
+    evaluated (the epoch closed by the clock meanwhile) reaches a group already evaluated: it
+    is purged and recorded, never evaluated as a second part with fresh noise (PROTOCOL.md).
+    After an admin close the commit itself refuses it (epoch_not_open), not even a purge."""
     service, clock = make_service(database_url, tmp_path, rng=SeededSource(3))
-    fill(service, clock.epoch, 40)
-    late = [pending(service, service.tokens.issue(), clock.epoch) for _ in range(25)]
-    assert service.close("homepage", clock.epoch) == 1
+    epoch = clock.epoch
+    fill(service, epoch, 40)
+    late = [pending(service, service.tokens.issue(), epoch) for _ in range(25)]
+    clock.now = (epoch + 1) * EPOCH_SECONDS + 60.0  # past the end and its grace
+    assert service.run_batching() == 1
     before = service.ledger()
-    service.commit(late)
+    assert all(stored.receipt for stored in service.commit(late))
     assert service.run_batching() == 0
     after = service.ledger()
     assert after["purged"] == before["purged"] + 25

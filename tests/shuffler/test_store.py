@@ -23,7 +23,12 @@ from common.wire import Batch, ChannelPolicy
 from shuffler import storage
 from shuffler import store as store_module
 from shuffler.batcher import Batcher, Deletion, Evaluation, Release
-from shuffler.errors import QuotaExceededError, ReplayedNonceError, RevokedTokenError
+from shuffler.errors import (
+    EpochNotOpenError,
+    QuotaExceededError,
+    ReplayedNonceError,
+    RevokedTokenError,
+)
 from shuffler.records import Conflict, GroupKey, SealedPart
 from shuffler.service import ShufflerService
 from shuffler.store import (
@@ -73,6 +78,24 @@ def test_a_revocation_by_another_replica_holds_at_once(database_url: str, tmp_pa
     refused, landed = service.commit(waiting)
     assert isinstance(refused.refusal, RevokedTokenError) and refused.receipt is None
     assert landed.receipt is not None and landed.refusal is None
+    assert service.store.ledger()["pending"] == 1
+
+
+def test_an_admin_close_by_another_replica_holds_at_once(database_url: str, tmp_path: Path) -> None:
+    """An admin close answered by one replica persists the closed epoch; another replica,
+    whose in-memory ``closed_upto`` has not seen it, must not acknowledge a contribution for
+    that epoch (it would only be deleted as late after its 202): the insert reads the closed
+    epochs and refuses it with ``epoch_not_open``; what landed before the close stays."""
+    service, clock = make_service(database_url, tmp_path)
+    early, late = service.tokens.issue(), service.tokens.issue()
+    assert contribute(service, early, clock.epoch).receipt
+    waiting = pending(service, late, clock.epoch)
+    service.store.close_epoch(POLICY.id, clock.epoch, clock())  # as the other replica does
+    assert service.intake.closed_upto.get(POLICY.id, -1) < clock.epoch
+    assert service.store.insert([waiting]) == [Conflict.CLOSED]
+    refused = service.commit([waiting])[0]
+    assert isinstance(refused.refusal, EpochNotOpenError) and refused.receipt is None
+    assert refused.refusal.code == "epoch_not_open"
     assert service.store.ledger()["pending"] == 1
 
 
