@@ -70,23 +70,7 @@ PID = os.getpid()
 # --- pinning and CPU accounting (Linux /proc) ---------------------------------------------
 
 
-def tree(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop()
-        if current in parents:
-            found.append(current)
-            frontier += [child for child, parent in parents.items() if parent == current]
-    return found
+tree = loadgen.process_tree
 
 
 def pin(pids: Iterable[int], core: int) -> int:

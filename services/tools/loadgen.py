@@ -911,9 +911,8 @@ class Usage:
     processes: int
 
 
-def process_usage(pid: int) -> Usage:
-    """:class:`Usage` of ``pid`` and every process below it (Linux ``/proc``); zeros once it
-    is gone."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux ``/proc``); empty once it is gone."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -928,6 +927,13 @@ def process_usage(pid: int) -> Usage:
         if current in parents:
             tree.append(current)
             frontier += [child for child, parent in parents.items() if parent == current]
+    return tree
+
+
+def process_usage(pid: int) -> Usage:
+    """:class:`Usage` of ``pid`` and every process below it (Linux ``/proc``); zeros once it
+    is gone."""
+    tree = process_tree(pid)
     rss = fds = 0
     for member in tree:
         try:
