@@ -202,10 +202,8 @@ class ContributionStore(ABC):
 
     def closed_epochs(self) -> dict[str, int]:
         """The latest closed epoch of each channel."""
-        e = storage.closed_epochs.c
         with self.engine.connect() as conn:
-            rows = conn.execute(select(e.channel_id, func.max(e.epoch)).group_by(e.channel_id))
-            return {channel: int(epoch) for channel, epoch in rows}
+            return _closed_among(conn)
 
     # --- batching -------------------------------------------------------------------------
 
@@ -566,17 +564,15 @@ def _revoked_among(conn: Connection, clients: set[str]) -> set[str]:
     return set(conn.execute(select(r.client_id).where(r.client_id.in_(clients))).scalars())
 
 
-def _closed_among(conn: Connection, channels: set[str]) -> dict[str, int]:
-    """The latest closed epoch of each of ``channels``, read just before the insert: an admin
-    close answered by one replica of the trust domain persists it, and from then on no replica
-    may acknowledge a contribution for that epoch (the group is evaluated once; a later one would
-    only be deleted as late, after its 202)."""
+def _closed_among(conn: Connection, channels: set[str] | None = None) -> dict[str, int]:
+    """The latest closed epoch of each of ``channels`` (default: every channel). The insert
+    reads it just before writing: an admin close answered by one replica of the trust domain
+    persists it, and from then on no replica may acknowledge a contribution for that epoch (the
+    group is evaluated once; a later one would only be deleted as late, after its 202)."""
     e = storage.closed_epochs.c
-    query = (
-        select(e.channel_id, func.max(e.epoch))
-        .where(e.channel_id.in_(channels))
-        .group_by(e.channel_id)
-    )
+    query = select(e.channel_id, func.max(e.epoch)).group_by(e.channel_id)
+    if channels is not None:
+        query = query.where(e.channel_id.in_(channels))
     return {channel: int(epoch) for channel, epoch in conn.execute(query)}
 
 

@@ -43,12 +43,13 @@ it reached a process.
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.runtime.http import error_body
 
 #: Where Debian's package puts the binary (``/usr/sbin`` is not on every user's PATH).
 DEBIAN_BINARY = Path("/usr/sbin/haproxy")
@@ -91,7 +92,7 @@ def error_lines() -> list[str]:
     lines = []
     for status, code, detail in ERROR_ANSWERS:
         assert "'" not in detail, detail  # inside HAProxy's single quotes
-        body = json.dumps({"error": code, "detail": detail}, separators=(",", ":"))
+        body = error_body(code, detail).decode()
         retry = ' hdr Retry-After "1"' if status == 503 else ""
         lines.append(
             f"    http-error status {status} content-type application/json string '{body}'{retry}"

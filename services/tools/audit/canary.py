@@ -41,6 +41,16 @@ MIN_PAYLOAD = MARKER.size + 2
 CONTRIBUTION_TYPE = "application/octet-stream"
 
 
+def retry_after(response: httpx.Response) -> float:
+    """A 429's ``Retry-After`` in seconds, within [0.1, 60]; 1 when it is not a number (the
+    audited shuffler is another party's: its header is not trusted to be sane)."""
+    try:
+        seconds = float(response.headers.get("retry-after", "1"))
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 0.1), 60.0) if seconds == seconds else 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class Marker:
     """What one canary fragment says about itself."""
@@ -129,7 +139,7 @@ class CanaryFleet:
         for _ in range(100):
             response = self.client.post(self.url + "/v1/enroll")
             if response.status_code == 429:
-                time.sleep(float(response.headers.get("retry-after", "1")))
+                time.sleep(retry_after(response))
                 continue
             response.raise_for_status()
             return str(response.json()["client_token"])
@@ -154,7 +164,7 @@ class CanaryFleet:
             )
             if response.status_code != 429:
                 return response
-            time.sleep(float(response.headers.get("retry-after", "1")))
+            time.sleep(retry_after(response))
         return response
 
     def send(

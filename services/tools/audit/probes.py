@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 
 from common.envelope import Contribution, new_nonce, outer_info, seal
-from services.tools.audit.canary import CONTRIBUTION_TYPE, CanaryFleet, Sent
+from services.tools.audit.canary import CONTRIBUTION_TYPE, CanaryFleet, Sent, retry_after
 from services.tools.audit.checks import Finding
 
 #: Long runs of hex or base64 characters with a digit among them: random tokens, receipts,
@@ -80,15 +80,6 @@ def snapshot(client: httpx.Client, url: str) -> dict[str, str]:
     return answers
 
 
-def _retry_after(response: httpx.Response) -> float:
-    """The answer's ``Retry-After`` in seconds, within [0.1, 60]; 1 when it is not a number."""
-    try:
-        seconds = float(response.headers.get("retry-after", "1"))
-    except ValueError:
-        seconds = 1.0
-    return min(max(seconds, 0.1), 60.0) if seconds == seconds else 1.0
-
-
 def _ask(client: httpx.Client, url: str, probe: Probe) -> httpx.Response:
     """``probe``'s answer; for the enrolment probe alone (the one route with a documented
     per-address limit) after waiting out up to :data:`RATE_LIMIT_RETRIES` 429s. Any other
@@ -100,7 +91,7 @@ def _ask(client: httpx.Client, url: str, probe: Probe) -> httpx.Response:
     for _ in range(RATE_LIMIT_RETRIES if probe.name == ENROLL_PROBE else 0):
         if response.status_code != 429:
             break
-        time.sleep(_retry_after(response))
+        time.sleep(retry_after(response))
         response = client.request(probe.method, target, content=probe.body, headers=headers)
     return response
 
