@@ -26,6 +26,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,10 @@ CONNECTIONS = 32
 #: period (measured ~6,500 per core on a quiet machine; this allows for a busy one).
 OUTER_SEALS_PER_S = 2000.0
 
+
+#: Niceness of the sealing workers: sealing the histogram devices ahead runs while a
+#: longitudinal channel's periods are sent, which must end within their short epochs.
+SEALER_NICENESS = 10
 
 #: How long a simulated device keeps retrying a contribution (transport errors, 429, 503), as
 #: the SDK's outbox does: long enough for a crashed shuffler to be restarted.
@@ -350,6 +355,20 @@ class _Delivery:
                 self.refused[key] = self.refused.get(key, 0) + count
         self.unsent += driver.stats.given_up + skipped
 
+    def check(self) -> None:
+        """Raises DemoError if any contribution was refused or never sent."""
+        if self.refused:
+            raise DemoError(
+                f"the shufflers refused contributions (by status: {self.refused}; late for "
+                "their epoch, or 400/413: see the shufflers' logs and "
+                "esa_shuffler_contributions_rejected_total)"
+            )
+        if self.unsent:
+            raise DemoError(
+                f"{self.unsent} contributions could not be delivered (the epoch ended, or "
+                "the shufflers kept answering 429 or broke connections: see their logs)"
+            )
+
 
 def _replay(
     urls: list[str],
@@ -386,6 +405,14 @@ def _seal_histograms(
             assert values is not None
             pool.add_devices(columns, values[part.start : part.stop].tolist(), cid)
         run.progress("devices", len(part))
+    return _seal_current(run, pool, channels)
+
+
+def _seal_current(
+    run: DemoRun, pool: loadgen.SealerPool, channels: list[str]
+) -> dict[str, dict[int, list[Path]]]:
+    """One contribution per histogram device and channel, in outer envelopes for the
+    channel's current epoch (the devices' sealed reports are kept)."""
     files: dict[str, dict[int, list[Path]]] = {}
     for cid in channels:
         epoch = int(time.time() // run.config(cid).epoch_seconds)
@@ -396,27 +423,68 @@ def _seal_histograms(
     return files
 
 
-def _run_series(
-    run: DemoRun, pool: loadgen.SealerPool, tokens: list[list[str]], config: ChannelConfig
-) -> tuple[_Delivery, tuple[int, int]]:
-    """A longitudinal channel: every device runs its tree through the channel's periods
-    (Erlingsson et al. 2019, Algorithm 1), sealed ahead of time; period t is sent during
-    epoch ``first + t - 1`` of the channel's short epochs. Returns what was delivered and
-    the (first, last) epoch."""
-    truth = run.truths[config.id]
-    assert truth.changes is not None
-    changes: list[list[int]] = [[] for _ in range(run.devices)]
-    for user, period in zip(truth.changes.user, truth.changes.period, strict=True):
-        changes[int(user)].append(int(period))
-    timing = pool.add_series(tokens, changes, config.id)
-    # The outer envelopes name the epoch: start far enough ahead to seal them all first.
-    ahead = 1.0 + 2.0 * timing.items / OUTER_SEALS_PER_S
-    first = int((time.time() + ahead) // config.epoch_seconds) + 1
-    files, _ = pool.seal_series(first, run.workdir / "requests" / config.id, config.id)
-    delivery = _Delivery()
-    for t, epoch in enumerate(sorted(files), start=1):
+def _current(run: DemoRun, files: dict[str, dict[int, list[Path]]]) -> bool:
+    """Whether every channel's requests are for the epoch that is open now."""
+    now = time.time()
+    return all(int(now // run.config(cid).epoch_seconds) in f for cid, f in files.items())
+
+
+@dataclass
+class _Series:
+    """A longitudinal channel's requests, sealed ahead: period t in epoch ``first + t - 1``."""
+
+    config: ChannelConfig
+    files: dict[int, list[Path]]
+
+    @property
+    def first(self) -> int:
+        return min(self.files)
+
+    @property
+    def ends(self) -> float:
+        """Unix time at which its last period's epoch ends."""
+        return (max(self.files) + 1) * self.config.epoch_seconds
+
+
+def _seal_series(
+    run: DemoRun, pool: loadgen.SealerPool, tokens: list[list[str]], configs: list[ChannelConfig]
+) -> list[_Series]:
+    """Every longitudinal device runs its tree through each channel's periods (Erlingsson
+    et al. 2019, Algorithm 1), encoded and sealed ahead of time; the channels' periods then
+    follow one another. The outer envelopes name the epoch, so the first one starts after
+    the outer sealing, which is planned at the inner sealing's pace (no slower) and done
+    again, later, if it took longer."""
+    if not configs:
+        return []
+    started, items = time.monotonic(), 0
+    for config in configs:
+        truth = run.truths[config.id]
+        assert truth.changes is not None
+        changes: list[list[int]] = [[] for _ in range(run.devices)]
+        for user, period in zip(truth.changes.user, truth.changes.period, strict=True):
+            changes[int(user)].append(int(period))
+        items += pool.add_series(tokens, changes, config.id).items
+    ahead = 2.0 + 1.5 * (time.monotonic() - started)
+    for _ in range(3):
+        found, start = [], time.time() + ahead
+        for config in configs:
+            first = int(start // config.epoch_seconds) + 1
+            where = run.workdir / "requests" / config.id
+            found.append(_Series(config, pool.seal_series(first, where, config.id)[0]))
+            start = found[-1].ends
+        if time.time() < found[0].first * found[0].config.epoch_seconds:
+            return found
+        ahead *= 2  # sealing took longer than planned: the first period is already open
+    raise DemoError(f"could not seal {items} longitudinal reports ahead of their periods")
+
+
+def _send_series(run: DemoRun, series: _Series) -> _Delivery:
+    """Period t of a longitudinal channel is sent during epoch ``first + t - 1``."""
+    config, delivery = series.config, _Delivery()
+    for t, epoch in enumerate(sorted(series.files), start=1):
         time.sleep(max(0.0, epoch * config.epoch_seconds + 0.05 - time.time()))
-        driver, skipped = _replay(pool.target.shuffler_urls, {config.id: {epoch: files[epoch]}},
+        driver, skipped = _replay(run.target.shuffler_urls,
+                                  {config.id: {epoch: series.files[epoch]}},
                                   {config.id: config.epoch_seconds}, run.rate)  # fmt: skip
         if skipped:  # the epoch ended before all of its requests were sent
             raise DemoError(
@@ -426,7 +494,7 @@ def _run_series(
             )
         delivery.add([config.id], driver, skipped)
         run.progress(config.id, 1)
-    return delivery, (first, first + len(files) - 1)
+    return delivery
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -558,7 +626,8 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     every shuffler over HTTP (its own tokens), encodes its value with the OS CSPRNG and
     seals it in a worker process; the requests are replayed over keep-alive connections.
     ``run.progress`` is told ``("devices", k)`` as devices have sealed their reports and
-    ``(channel_id, 1)`` as each longitudinal period ends.
+    ``(channel_id, 1)`` as each longitudinal period ends; the phases overlap as
+    :func:`_drive` says.
 
     Raises:
         DemoError: enrolment or sealing failed, or contributions were refused or not sent.
@@ -566,51 +635,74 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     target, rng = run.target, np.random.default_rng(run.seed)
     channels = selected(target, run.only)
     run.truths = {c.id: population(c, run.devices, rng) for c in channels}
-    histograms = [c.id for c in channels if _kind(c) is not ValueKind.STATE]
-    series = [c for c in channels if _kind(c) is ValueKind.STATE]
-    urls = target.shuffler_urls
-    epochs: dict[str, tuple[int, int]] = {}
-    delivery = _Delivery()
-    closed: set[str] = set()
+    seen = _Seen()
     first = loadgen.Target(target.config, channels[0])
     try:
-        with loadgen.SealerPool(first, run.workers, loadgen.ZipfValues(2)) as pool:
-            tokens = asyncio.run(loadgen.enroll(urls, run.devices))
+        with loadgen.SealerPool(
+            first, run.workers, loadgen.ZipfValues(2), niceness=SEALER_NICENESS
+        ) as pool:
+            tokens = asyncio.run(loadgen.enroll(target.shuffler_urls, run.devices))
             pool.ready()
             try:
-                if histograms:
-                    files = _seal_histograms(run, pool, tokens, histograms)
-                    seconds = {cid: run.config(cid).epoch_seconds for cid in histograms}
-                    driver, skipped = _replay(urls, files, seconds, run.rate)
-                    delivery.add(histograms, driver, skipped)
-                    epochs |= {cid: (min(f), max(f)) for cid, f in files.items()}
-                    # Closed now, the analyzer opens their batches during the periods below.
-                    for cid in histograms:
-                        _close(target, cid, epochs[cid][1])
-                        closed.add(cid)
-                for config in series:
-                    found, epochs[config.id] = _run_series(run, pool, tokens, config)
-                    delivery.merge(found)
+                _drive(run, pool, tokens, channels, seen)
             finally:
                 # Close what this run used even when it failed, so a later run never merges.
-                for cid, (_, last) in epochs.items():
-                    if cid not in closed:
+                for cid, (_, last) in seen.epochs.items():
+                    if cid not in seen.closed:
                         _close(target, cid, last)
                 _wait_forwarded(target)
     except loadgen.LoadError as error:
         raise DemoError(f"the simulated devices could not report: {error}") from error
-    if delivery.refused:
-        raise DemoError(
-            f"the shufflers refused contributions (by status: {delivery.refused}; late for "
-            "their epoch, or 400/413: see the shufflers' logs and "
-            "esa_shuffler_contributions_rejected_total)"
-        )
-    if delivery.unsent:
-        raise DemoError(
-            f"{delivery.unsent} contributions could not be delivered (the epoch ended, or "
-            "the shufflers kept answering 429 or broke connections: see their logs)"
-        )
-    return {cid: (run.devices, delivery.accepted.get(cid, 0), *epochs[cid]) for cid in run.truths}
+    seen.delivery.check()
+    accepted = seen.delivery.accepted
+    return {cid: (run.devices, accepted.get(cid, 0), *seen.epochs[cid]) for cid in run.truths}
+
+
+@dataclass
+class _Seen:
+    """What a run delivered, the (first, last) epoch of each channel, what it closed."""
+
+    delivery: _Delivery = field(default_factory=_Delivery)
+    epochs: dict[str, tuple[int, int]] = field(default_factory=dict)
+    closed: set[str] = field(default_factory=set)
+
+    def close(self, target: Target, channel_id: str) -> None:
+        """Close the channel's last epoch at every shuffler: the analyzer opens its
+        batches while the run goes on."""
+        _close(target, channel_id, self.epochs[channel_id][1])
+        self.closed.add(channel_id)
+
+
+def _drive(
+    run: DemoRun,
+    pool: loadgen.SealerPool,
+    tokens: list[list[str]],
+    channels: list[ChannelConfig],
+    seen: _Seen,
+) -> None:
+    """Longitudinal channels are sealed first; while their periods are sent (a few requests
+    per short epoch), the histogram devices encode and seal in the pool's workers, at a
+    lower priority (:data:`SEALER_NICENESS`); then the histogram requests are replayed (sealed
+    again if their epoch ended meanwhile). Each channel is closed once it is sent."""
+    histograms = [c.id for c in channels if _kind(c) is not ValueKind.STATE]
+    series = _seal_series(run, pool, tokens, [c for c in channels if _kind(c) is ValueKind.STATE])
+    seen.epochs |= {s.config.id: (s.first, max(s.files)) for s in series}
+    with ThreadPoolExecutor(1, thread_name_prefix="esa-demo-sealing") as background:
+        sealing = background.submit(_seal_histograms, run, pool, tokens, histograms)
+        for found in series:
+            seen.delivery.merge(_send_series(run, found))
+            seen.close(run.target, found.config.id)
+        files = sealing.result()
+    if not histograms:
+        return
+    if not _current(run, files):
+        files = _seal_current(run, pool, histograms)
+    seconds = {cid: run.config(cid).epoch_seconds for cid in histograms}
+    driver, skipped = _replay(run.target.shuffler_urls, files, seconds, run.rate)
+    seen.delivery.add(histograms, driver, skipped)
+    seen.epochs |= {cid: (min(f), max(f)) for cid, f in files.items()}
+    for cid in histograms:
+        seen.close(run.target, cid)
 
 
 def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[ChannelResult]:

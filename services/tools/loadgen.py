@@ -398,10 +398,17 @@ class _Sealer:
 
 
 def _sealer_main(
-    connection: Connection, config: dict[str, Any], channel_id: str, values: ZipfValues
+    connection: Connection,
+    config: dict[str, Any],
+    channel_id: str,
+    values: ZipfValues,
+    niceness: int = 0,
 ) -> None:
     """A sealing worker: answers (command, channel, args) messages until ``None``; it keeps
-    one :class:`_Sealer` (devices and keys) per channel of the config."""
+    one :class:`_Sealer` (devices and keys) per channel of the config. ``niceness`` > 0
+    yields the CPU to the processes sending and serving requests on the same machine."""
+    if niceness:
+        os.nice(niceness)
     sealers = {channel_id: _Sealer(config, channel_id, values)}
     while (message := connection.recv()) is not None:
         command, channel, args = message
@@ -448,9 +455,17 @@ class SealTiming:
 
 
 class SealerPool:
-    """Worker processes that each hold a shard of devices and seal their requests."""
+    """Worker processes that each hold a shard of devices and seal their requests
+    (``niceness``: scheduling priority given up, as ``nice``, so that sealing ahead runs on
+    the CPU that sending and serving leave)."""
 
-    def __init__(self, target: Target, workers: int = 2, values: ZipfValues | None = None):
+    def __init__(
+        self,
+        target: Target,
+        workers: int = 2,
+        values: ZipfValues | None = None,
+        niceness: int = 0,
+    ):
         context = multiprocessing.get_context("spawn")
         values = values or ZipfValues(domain_of(target.channel))
         config = target.config.model_dump(mode="json")
@@ -462,7 +477,9 @@ class SealerPool:
         for _ in range(workers):
             parent, child = context.Pipe()
             process = context.Process(
-                target=_sealer_main, args=(child, config, target.channel.id, values), daemon=True
+                target=_sealer_main,
+                args=(child, config, target.channel.id, values, niceness),
+                daemon=True,
             )
             process.start()
             self._pipes.append(parent)
