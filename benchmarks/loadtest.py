@@ -52,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import trivial_app
 from _report import machine
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
@@ -232,24 +233,12 @@ def ceiling(
     tmp: Path, requests: list[loadgen.Request], seconds: float, connections: int
 ) -> dict[str, Any]:
     """Both generators against the trivial app (it keeps nothing: the same bodies again)."""
-    import httpx
-
     port = launcher.free_base_port(1)
-    app = subprocess.Popen([sys.executable, str(HERE / "trivial_app.py"), str(port)])
     url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                httpx.get(url + "/healthz", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with trivial_app.running(port):
         same = [loadgen.Request(0, r.token, r.body) for r in requests]
         ours = driver_run([url], Cycle(same), seconds, connections)
         theirs = locust_run(tmp, [url], same, seconds, connections, cycle=True)
-    finally:
-        app.terminate()
-        app.wait()
     return {"driver": ours, "locust": theirs}
 
 

@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import trivial_app
 from _report import machine
 from loadtest import Cycle, bodies, driver_run, run_phase
 
@@ -61,7 +61,6 @@ from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 
-HERE = Path(__file__).resolve().parent
 DEPLOYMENT_CORE, DRIVER_CORE = 0, 1
 TICK = os.sysconf("SC_CLK_TCK")
 PID = os.getpid()
@@ -227,27 +226,15 @@ def overload(
 
 def control(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The Driver as fast as answered against the trivial app on DEPLOYMENT_CORE."""
-    import httpx
-
     port = launcher.free_base_port(1)
     os.sched_setaffinity(0, {DEPLOYMENT_CORE})
-    app = subprocess.Popen([sys.executable, str(HERE / "trivial_app.py"), str(port)])
-    pin([os.getpid()], DRIVER_CORE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                httpx.get(url + "/healthz", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with trivial_app.running(port) as app:
+        pin([os.getpid()], DRIVER_CORE)
         pin(tree(app.pid), DEPLOYMENT_CORE)
+        url = f"http://127.0.0.1:{port}"
         fake = [loadgen.Request(0, "x" * 43, os.urandom(2390)) for _ in range(200)]
         with Meter({"trivial_app": tree(app.pid)}) as meter:
             found = driver_run([url], Cycle(fake), args.seconds, args.connections)
-    finally:
-        app.terminate()
-        app.wait()
     return {**found, "cpu": meter.summary()}
 
 

@@ -15,7 +15,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.deploy.stack import PORTS, Stack, compose_command, free, prepare_engine
+from tests.deploy.stack import (
+    PORTS,
+    SECRET_NAMES,
+    Stack,
+    compose_command,
+    free,
+    prepare_engine,
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,16 +34,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
     images = prepare_engine()
-    secret = {
-        name: secrets.token_urlsafe(24)
-        for name in (
-            "POSTGRES_PASSWORD",
-            "ESA_ADMIN_TOKEN",
-            "ESA_SHUFFLER_1_TOKEN_SECRET",
-            "ESA_SHUFFLER_2_TOKEN_SECRET",
-            "ESA_SHUFFLER_3_TOKEN_SECRET",
-        )
-    }
+    secret = {name: secrets.token_urlsafe(24) for name in SECRET_NAMES}
     env = {**os.environ, **images, **secret, "ESA_ENROLL_PER_MINUTE": "120000"}
     for inherited in ("COMPOSE_PROJECT_NAME", "COMPOSE_PROFILES", "ESA_SHUFFLER_URL_TEMPLATE"):
         env.pop(inherited, None)

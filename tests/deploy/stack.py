@@ -23,6 +23,14 @@ SERVED = ("postgres", *PORTS)
 PROFILES = ("loadgen", "monitoring", "replicas")
 #: The base images deploy/engine.sh --base-images exports (official, or the stand-ins).
 IMAGES = {"PYTHON_IMAGE", "POSTGRES_IMAGE", "PROMETHEUS_IMAGE", "HAPROXY_IMAGE"}
+#: The secrets docker-compose.yml interpolates (compose refuses to run without each).
+SECRET_NAMES = (
+    "POSTGRES_PASSWORD",
+    "ESA_ADMIN_TOKEN",
+    "ESA_SHUFFLER_1_TOKEN_SECRET",
+    "ESA_SHUFFLER_2_TOKEN_SECRET",
+    "ESA_SHUFFLER_3_TOKEN_SECRET",
+)
 
 
 def rule_metrics() -> set[str]:

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from tests.deploy.stack import rule_metrics
+from tests.deploy.stack import SECRET_NAMES, rule_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -96,16 +96,7 @@ def test_haproxy_configs_are_generated_from_esa_ups_and_valid() -> None:
 # --- deploy/compose.audit.yml ---------------------------------------------------------------
 
 #: Placeholder secrets: ``config`` only interpolates them (compose refuses a missing one).
-SECRETS = {
-    name: "x" * 24
-    for name in (
-        "POSTGRES_PASSWORD",
-        "ESA_ADMIN_TOKEN",
-        "ESA_SHUFFLER_1_TOKEN_SECRET",
-        "ESA_SHUFFLER_2_TOKEN_SECRET",
-        "ESA_SHUFFLER_3_TOKEN_SECRET",
-    )
-}
+SECRETS = {name: "x" * 24 for name in SECRET_NAMES}
 
 
 def _compose() -> list[str]:
