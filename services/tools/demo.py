@@ -52,9 +52,6 @@ CHUNK = 500
 SHOWN = 5
 #: Keep-alive connections per shuffler while replaying.
 CONNECTIONS = 32
-#: Outer envelopes sealed per second assumed when planning a longitudinal channel's first
-#: period (measured ~6,500 per core on a quiet machine; this allows for a busy one).
-OUTER_SEALS_PER_S = 2000.0
 
 
 #: Niceness of the sealing workers: sealing the histogram devices ahead runs while a

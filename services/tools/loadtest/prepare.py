@@ -36,8 +36,12 @@ from common.wire import ChannelConfig, CollectionConfig
 from services.tools import loadgen
 from services.tools.loadtest.population import Population, draw, draw_changes, is_changes
 
-#: Outer seals per second assumed when planning when the run may start (measured: ~2,500/s).
+#: Outer seals per second assumed when planning a longitudinal phase (measured: ~2,500/s).
 OUTER_SEALS_PER_S = 1500.0
+#: Contributions sealed to measure the pool's pace before the run's start is planned.
+CALIBRATION = 2000
+#: The run's planned start leaves this multiple of the measured sealing time.
+PACE_MARGIN = 1.5
 #: Longest a longitudinal channel's phase may take (d periods of epoch_seconds each) for it to
 #: be driven; longer ones are left out (named in the log), or refused when named with --channel.
 SERIES_MOST_SECONDS = 900
@@ -249,12 +253,54 @@ def _seal_run(
     say: Callable[[str], None],
 ) -> tuple[dict[str, dict[int, list[Path]]], tuple[int, float, float]]:
     """Each channel's contributions for every epoch the run touches; (files, (sealed, wall
-    seconds, CPU seconds))."""
+    seconds, CPU seconds)).
+
+    The envelopes name their epoch, so the run's start is planned before sealing: at the
+    pace the pool just sealed a sample at (:func:`_pace`), with :data:`PACE_MARGIN`. When
+    the sealing still ends after the planned start (the machine got busy), it is done again
+    for later epochs, with twice the margin."""
+    if not targets:
+        return {}, (0, 1e-9, 1e-9)
     directory = plan.workdir / "requests"
     directory.mkdir(parents=True, exist_ok=True)
-    # Every epoch the run may touch is sealed first: start once they are all sealed.
-    epochs = sum(2 + math.ceil(plan.duration / t.channel.epoch_seconds) for t in targets.values())
-    start = time.time() + 2.0 + epochs * plan.devices / OUTER_SEALS_PER_S
+    count = sum(2 + math.ceil(plan.duration / t.channel.epoch_seconds) for t in targets.values())
+    per_s = _pace(plan, targets, pool, directory)
+    margin = PACE_MARGIN
+    for _ in range(3):
+        start = time.time() + 2.0 + margin * count * plan.devices / per_s
+        files, sealed = _seal_epochs(plan, targets, pool, directory, start)
+        if time.time() < start:
+            say(f"sealed {sealed[0]:,} contributions ({sealed[0] / sealed[1]:,.0f}/s)")
+            return files, sealed
+        say("sealing took longer than planned: sealing again for later epochs")
+        margin *= 2
+    raise loadgen.LoadError("could not seal the run's contributions ahead of its start")
+
+
+def _pace(
+    plan: Plan, targets: dict[str, loadgen.Target], pool: loadgen.SealerPool, directory: Path
+) -> float:
+    """Contributions the pool seals per wall second, from a sample of up to
+    :data:`CALIBRATION` (sealed to a file that is then deleted)."""
+    cid, target = next(iter(targets.items()))
+    where = directory / "calibration"
+    where.mkdir(exist_ok=True)
+    count = min(plan.devices, CALIBRATION)
+    paths, timing = pool.seal_epoch(target.epoch(time.time()), count, where, channel=cid)
+    for path in paths:
+        path.unlink(missing_ok=True)
+    where.rmdir()
+    return max(timing.rate, 1.0)
+
+
+def _seal_epochs(
+    plan: Plan,
+    targets: dict[str, loadgen.Target],
+    pool: loadgen.SealerPool,
+    directory: Path,
+    start: float,
+) -> tuple[dict[str, dict[int, list[Path]]], tuple[int, float, float]]:
+    """Every channel's files for the epochs a run from ``start`` touches."""
     files: dict[str, dict[int, list[Path]]] = {}
     written, seconds, cpu = 0, 0.0, 0.0
     for cid, target in targets.items():
@@ -266,8 +312,6 @@ def _seal_run(
             files[cid][epoch] = paths
             written, seconds = written + timing.items, seconds + timing.seconds
             cpu += timing.cpu_seconds
-    if targets:
-        say(f"sealed {written:,} contributions ({written / max(seconds, 1e-9):,.0f}/s)")
     return files, (written, max(seconds, 1e-9), max(cpu, 1e-9))
 
 
