@@ -57,6 +57,9 @@ CONNECTIONS = 32
 #: Niceness of the sealing workers: sealing the histogram devices ahead runs while a
 #: longitudinal channel's periods are sent, which must end within their short epochs.
 SEALER_NICENESS = 10
+#: Contributions per second a busy machine replays at least (~3,600 on an idle one): how long
+#: before its epoch ends the histogram replay does not start (:func:`_replay_guard`).
+SLOW_REPLAY_PER_S = 2000.0
 
 #: How long a simulated device keeps retrying a contribution (transport errors, 429, 503), as
 #: the SDK's outbox does: long enough for a crashed shuffler to be restarted.
@@ -426,6 +429,28 @@ def _current(run: DemoRun, files: dict[str, dict[int, list[Path]]]) -> bool:
     return all(int(now // run.config(cid).epoch_seconds) in f for cid, f in files.items())
 
 
+def _in_time(
+    run: DemoRun, pool: loadgen.SealerPool, files: dict[str, dict[int, list[Path]]]
+) -> dict[str, dict[int, list[Path]]]:
+    """The histogram requests, sealed for epochs that stay open while they are replayed: when
+    a channel's epoch ends within :func:`_replay_guard` seconds the demo waits for the next
+    one (a request left over at the boundary would be refused as late), and requests sealed
+    for an epoch that has ended are sealed again."""
+    now, channels = time.time(), list(files)
+    guard = _replay_guard(run, channels)
+    ends = min((int(now // s) + 1) * s for s in (run.config(c).epoch_seconds for c in channels))
+    if ends - now < guard:
+        time.sleep(ends - now + 0.1)
+    return files if _current(run, files) else _seal_current(run, pool, channels)
+
+
+def _replay_guard(run: DemoRun, channels: list[str]) -> float:
+    """Seconds the histogram replay may take on a busy machine: every device's contributions
+    (up to one per shuffler on each channel) at :data:`SLOW_REPLAY_PER_S`."""
+    requests = run.devices * len(channels) * len(run.target.shuffler_urls)
+    return 10.0 + requests / SLOW_REPLAY_PER_S
+
+
 @dataclass
 class _Series:
     """A longitudinal channel's requests, sealed ahead: period t in epoch ``first + t - 1``."""
@@ -692,8 +717,7 @@ def _drive(
         files = sealing.result()
     if not histograms:
         return
-    if not _current(run, files):
-        files = _seal_current(run, pool, histograms)
+    files = _in_time(run, pool, files)
     seconds = {cid: run.config(cid).epoch_seconds for cid in histograms}
     driver, skipped = _replay(run.target.shuffler_urls, files, seconds, run.rate)
     seen.delivery.add(histograms, driver, skipped)

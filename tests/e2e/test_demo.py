@@ -148,6 +148,38 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
         up.wait(30)
 
 
+def test_demo_replays_histograms_inside_one_epoch(tmp_path: Path) -> None:
+    """A histogram channel whose epoch (10 s) is shorter than the replay guard: the demo waits
+    for the next epoch, seals its devices' envelopes again for it and sends all of them inside
+    it (a request left over at an epoch boundary would be refused as late)."""
+    base = _base_port()
+    var = tmp_path / "var"
+    command = [sys.executable, "-m", "services.cli", "up", "--var", str(var)]
+    command += ["--base-port", str(base)]
+    subprocess.run([*command, "--prepare-only"], check=True, capture_output=True, timeout=120)
+    channels = json.loads((var / "channels.json").read_text())
+    for channel in channels:
+        channel["epoch_seconds"] = 10 if channel["id"] == "homepage" else channel["epoch_seconds"]
+    (var / "channels.json").write_text(json.dumps(channels))
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert up.stdout is not None
+        while "dashboard" not in (line := up.stdout.readline()):
+            assert line, "esa up exited"
+        done = _demo(
+            "--devices", "500", "--analyzer-url", f"http://127.0.0.1:{base}",
+            "--var", str(var), "--channel", "homepage",
+            "--report", str(tmp_path / "r.html"), "--json", str(tmp_path / "r.json"),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        (homepage,) = json.loads((tmp_path / "r.json").read_text())["channels"]
+        assert homepage["delivered"] == 500, homepage
+        assert len(homepage["epochs"]) == 1, homepage["epochs"]  # one epoch: the one it waited for
+    finally:
+        up.terminate()
+        up.wait(30)
+
+
 # --- after the report: keep the deployment up for a person at a terminal (issue 20) ---------
 
 #: What ``esa demo`` does once its report is printed, on a deployment started the way the demo
