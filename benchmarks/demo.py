@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._report import machine, write_section
+from _report import machine, write_section
+
 from services.cli.launcher import port_free
 from tests.support import free_port
 
@@ -89,10 +91,11 @@ def main() -> None:
     body = f"""
 Command: `flock /tmp/esa-bench.lock .venv/bin/python benchmarks/demo.py` (runs `esa demo` at its
 default size, 15,000 devices, {ROUNDS} times; each run starts its own analyzer + 3 shufflers on
-SQLite, enrolls every device at every shuffler, encodes and seals in 2 worker processes,
-replays the requests, runs the longitudinal channel's 4 ten-second periods, closes the epochs,
-reads every release and writes the HTML report). Machine: {machine(pinned=False)} (services,
-devices and the demo share the 2 cores). CPU: every process of the run, user + system.
+SQLite, enrolls every device at every shuffler, seals the longitudinal channel's reports, sends
+its 4 ten-second periods while 2 worker processes (niceness 10) encode and seal the histogram
+devices, replays the histogram requests inside one epoch, closes each channel once sent, reads
+every release and writes the HTML report). Machine: {machine(pinned=False)} (services, devices
+and the demo share the 2 cores). CPU: every process of the run, user + system.
 
 Wall time per run (sorted): {each}. Median **{median_time:.0f} s** (target < 180 s).
 

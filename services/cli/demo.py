@@ -339,6 +339,7 @@ def _simulate(
             options.only,
             rate=options.rate,
             progress=lambda name, done: progress.advance(tasks[name], done),
+            say=progress.console.print,
         )
         sent = simulate(run)
     elapsed = time.monotonic() - started

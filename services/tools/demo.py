@@ -24,6 +24,7 @@ import base64
 import functools
 import math
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -394,12 +395,19 @@ def _pieces(columns: list[list[str]], size: int) -> Iterator[tuple[range, list[l
 
 
 def _seal_histograms(
-    run: DemoRun, pool: loadgen.SealerPool, tokens: list[list[str]], channels: list[str]
+    run: DemoRun,
+    pool: loadgen.SealerPool,
+    tokens: list[list[str]],
+    channels: list[str],
+    stop: threading.Event | None = None,
 ) -> dict[str, dict[int, list[Path]]]:
     """Every histogram device encodes its value (CSPRNG) and seals its report in a worker,
     piece by piece (the progress bar), then one contribution per device and channel is
-    sealed for the channel's current epoch. Returns the request files per channel."""
+    sealed for the channel's current epoch. Returns the request files per channel; gives up
+    (DemoError) between pieces once ``stop`` is set."""
     for part, columns in _pieces(tokens, CHUNK):
+        if stop is not None and stop.is_set():
+            raise DemoError("sealing stopped: the run failed")
         for cid in channels:
             values = run.truths[cid].values
             assert values is not None
@@ -418,8 +426,9 @@ def _seal_current(
         epoch = int(time.time() // run.config(cid).epoch_seconds)
         where = run.workdir / "requests" / cid
         where.mkdir(parents=True, exist_ok=True)
-        paths, _ = pool.seal_epoch(epoch, run.devices, where, channel=cid)
+        paths, timing = pool.seal_epoch(epoch, run.devices, where, channel=cid)
         files[cid] = {epoch: paths}
+        run.requests[cid] = timing.items
     return files
 
 
@@ -435,20 +444,44 @@ def _in_time(
     """The histogram requests, sealed for epochs that stay open while they are replayed: when
     a channel's epoch ends within :func:`_replay_guard` seconds the demo waits for the next
     one (a request left over at the boundary would be refused as late), and requests sealed
-    for an epoch that has ended are sealed again."""
-    now, channels = time.time(), list(files)
+    for an epoch that has ended are sealed again (then checked again: sealing takes time).
+
+    Raises:
+        DemoError: a channel's epoch is shorter than its replay may take.
+    """
+    channels = list(files)
     guard = _replay_guard(run, channels)
-    ends = min((int(now // s) + 1) * s for s in (run.config(c).epoch_seconds for c in channels))
-    if ends - now < guard:
-        time.sleep(ends - now + 0.1)
-    return files if _current(run, files) else _seal_current(run, pool, channels)
+    seconds = [run.config(c).epoch_seconds for c in channels]
+    if min(seconds) <= guard:
+        raise DemoError(
+            f"the histogram channels' epochs ({min(seconds)} s) are shorter than sending "
+            f"{sum(run.requests.values()):,} requests may take ({guard:.0f} s): use fewer "
+            "--devices, or --channel to leave the channel with the short epoch out"
+        )
+    for _ in range(3):
+        wait = seconds_to_wait(time.time(), seconds, guard)
+        if wait > 0:
+            run.say(f"waiting {wait:.0f} s for the next epoch: the replay must not cross one")
+            time.sleep(wait)
+        if _current(run, files) and seconds_to_wait(time.time(), seconds, guard) == 0:
+            return files
+        files = _seal_current(run, pool, channels)
+    raise DemoError("could not seal the histogram requests inside one epoch (machine too busy)")
+
+
+def seconds_to_wait(now: float, epoch_seconds: list[int], guard: float) -> float:
+    """How long to wait at unix time ``now`` so that ``guard`` seconds fit before the end of
+    the current epoch of every length in ``epoch_seconds``: 0 when they fit now, else until
+    just after the first of them ends."""
+    ends = min((int(now // s) + 1) * s for s in epoch_seconds)
+    return 0.0 if ends - now >= guard else ends - now + 0.1
 
 
 def _replay_guard(run: DemoRun, channels: list[str]) -> float:
-    """Seconds the histogram replay may take on a busy machine: every device's contributions
-    (up to one per shuffler on each channel) at :data:`SLOW_REPLAY_PER_S`."""
-    requests = run.devices * len(channels) * len(run.target.shuffler_urls)
-    return 10.0 + requests / SLOW_REPLAY_PER_S
+    """Seconds the histogram replay may take on a busy machine: the sealed requests at
+    :data:`SLOW_REPLAY_PER_S`, and a few seconds to start."""
+    requests = sum(run.requests.get(c, run.devices) for c in channels)
+    return 3.0 + requests / SLOW_REPLAY_PER_S
 
 
 @dataclass
@@ -500,11 +533,13 @@ def _seal_series(
     raise DemoError(f"could not seal {items} longitudinal reports ahead of their periods")
 
 
-def _send_series(run: DemoRun, series: _Series) -> _Delivery:
-    """Period t of a longitudinal channel is sent during epoch ``first + t - 1``."""
+def _send_series(run: DemoRun, series: _Series, seen: _Seen) -> _Delivery:
+    """Period t of a longitudinal channel is sent during epoch ``first + t - 1``; ``seen``
+    holds the epochs that have started (what to close if the run fails)."""
     config, delivery = series.config, _Delivery()
     for t, epoch in enumerate(sorted(series.files), start=1):
         time.sleep(max(0.0, epoch * config.epoch_seconds + 0.05 - time.time()))
+        seen.epochs[config.id] = (series.first, epoch)
         driver, skipped = _replay(run.target.shuffler_urls,
                                   {config.id: {epoch: series.files[epoch]}},
                                   {config.id: config.epoch_seconds}, run.rate)  # fmt: skip
@@ -534,7 +569,11 @@ class DemoRun:
     only: tuple[str, ...] = ()
     rate: float | None = None
     progress: Callable[[str, int], None] = lambda _, __: None
+    #: Where a line for the person watching goes (the CLI prints it above the progress bars).
+    say: Callable[[str], None] = lambda _: None
     truths: dict[str, Truth] = field(default_factory=dict)
+    #: Requests sealed per histogram channel (its devices' routes), once sealed.
+    requests: dict[str, int] = field(default_factory=dict)
 
     def config(self, channel_id: str) -> ChannelConfig:
         """The channel of the collection config named ``channel_id``."""
@@ -667,17 +706,29 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
             pool.ready()
             try:
                 _drive(run, pool, tokens, channels, seen)
-            finally:
-                # Close what this run used even when it failed, so a later run never merges.
-                for cid, (_, last) in seen.epochs.items():
-                    if cid not in seen.closed:
-                        _close(target, cid, last)
-                _wait_forwarded(target)
+            except BaseException:
+                _close_all(run.target, seen, failing=True)
+                raise
+            _close_all(run.target, seen, failing=False)
     except loadgen.LoadError as error:
         raise DemoError(f"the simulated devices could not report: {error}") from error
     seen.delivery.check()
     accepted = seen.delivery.accepted
     return {cid: (run.devices, accepted.get(cid, 0), *seen.epochs[cid]) for cid in run.truths}
+
+
+def _close_all(target: Target, seen: _Seen, failing: bool) -> None:
+    """Close every epoch the run used that is not closed yet, even when it failed (so that
+    a later run never merges with it), then wait until the analyzer has opened everything.
+    While an error is on its way (``failing``), a failure here is not raised in its place."""
+    try:
+        for cid, (_, last) in seen.epochs.items():
+            if cid not in seen.closed:
+                _close(target, cid, last)
+        _wait_forwarded(target)
+    except (DemoError, httpx.HTTPError):
+        if not failing:
+            raise
 
 
 @dataclass
@@ -695,6 +746,14 @@ class _Seen:
         self.closed.add(channel_id)
 
 
+def _send_all(run: DemoRun, series: list[_Series], seen: _Seen) -> None:
+    """Every longitudinal channel's periods, one channel after the other, each closed once
+    its last period is sent."""
+    for found in series:
+        seen.delivery.merge(_send_series(run, found, seen))
+        seen.close(run.target, found.config.id)
+
+
 def _drive(
     run: DemoRun,
     pool: loadgen.SealerPool,
@@ -702,21 +761,25 @@ def _drive(
     channels: list[ChannelConfig],
     seen: _Seen,
 ) -> None:
-    """Longitudinal channels are sealed first; while their periods are sent (a few requests
-    per short epoch), the histogram devices encode and seal in the pool's workers, at a
-    lower priority (:data:`SEALER_NICENESS`); then the histogram requests are replayed (sealed
-    again if their epoch ended meanwhile). Each channel is closed once it is sent."""
+    """Longitudinal channels are sealed first; while their periods are sent (at most one
+    request per device in each 10-second epoch, far below what the shufflers accept), the
+    histogram devices encode and seal in the pool's workers, at a lower priority
+    (:data:`SEALER_NICENESS`, for the workers' whole life); then the histogram requests are
+    replayed inside one epoch (:func:`_in_time`). Each channel is closed once it is sent."""
     histograms = [c.id for c in channels if _kind(c) is not ValueKind.STATE]
     series = _seal_series(run, pool, tokens, [c for c in channels if _kind(c) is ValueKind.STATE])
-    seen.epochs |= {s.config.id: (s.first, max(s.files)) for s in series}
-    with ThreadPoolExecutor(1, thread_name_prefix="esa-demo-sealing") as background:
-        sealing = background.submit(_seal_histograms, run, pool, tokens, histograms)
-        for found in series:
-            seen.delivery.merge(_send_series(run, found))
-            seen.close(run.target, found.config.id)
-        files = sealing.result()
     if not histograms:
+        _send_all(run, series, seen)
         return
+    stop = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="esa-demo-sealing") as background:
+        sealing = background.submit(_seal_histograms, run, pool, tokens, histograms, stop)
+        try:
+            _send_all(run, series, seen)
+        except BaseException:
+            stop.set()  # the sealing gives up at its next piece
+            raise
+        files = sealing.result()
     files = _in_time(run, pool, files)
     seconds = {cid: run.config(cid).epoch_seconds for cid in histograms}
     driver, skipped = _replay(run.target.shuffler_urls, files, seconds, run.rate)

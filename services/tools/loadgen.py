@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import bisect
+import contextlib
 import itertools
 import json
 import math
@@ -482,6 +483,7 @@ class SealerPool:
                 daemon=True,
             )
             process.start()
+            child.close()  # the worker's end: a dead worker then reads as EOF, never a hang
             self._pipes.append(parent)
             self._processes.append(process)
 
@@ -502,11 +504,19 @@ class SealerPool:
         return time.perf_counter() - start
 
     def _all(self, messages: list[tuple[str, str, Any]]) -> list[Any]:
-        for pipe, message in zip(self._pipes, messages, strict=True):
-            pipe.send(message)
+        """Each worker's answer to its message.
+
+        Raises:
+            LoadError: a worker failed, or died (its pipe closed).
+        """
         results = []
-        for pipe in self._pipes:
-            status, result = pipe.recv()
+        try:
+            for pipe, message in zip(self._pipes, messages, strict=True):
+                pipe.send(message)
+            answers = [pipe.recv() for pipe in self._pipes]
+        except (EOFError, OSError) as error:
+            raise LoadError(f"a sealing worker died ({type(error).__name__})") from error
+        for status, result in answers:
             if status != "ok":
                 raise LoadError(f"sealing worker failed: {result}")
             results.append(result)
@@ -615,7 +625,8 @@ class SealerPool:
         """Stop the workers (again: nothing)."""
         pipes, self._pipes = self._pipes, []
         for pipe in pipes:
-            pipe.send(None)
+            with contextlib.suppress(OSError):  # a worker that died has closed its end
+                pipe.send(None)
         for process in self._processes:
             process.join(10)
             if process.is_alive():

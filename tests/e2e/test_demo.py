@@ -149,9 +149,9 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
 
 
 def test_demo_replays_histograms_inside_one_epoch(tmp_path: Path) -> None:
-    """A histogram channel whose epoch (10 s) is shorter than the replay guard: the demo waits
-    for the next epoch, seals its devices' envelopes again for it and sends all of them inside
-    it (a request left over at an epoch boundary would be refused as late)."""
+    """A histogram channel with 10-second epochs: the demo sends all of its requests inside
+    one epoch (when the current one would end during the replay it waits for the next and
+    seals the envelopes again), since a request left over at a boundary would be late."""
     base = _base_port()
     var = tmp_path / "var"
     command = [sys.executable, "-m", "services.cli", "up", "--var", str(var)]
@@ -174,7 +174,7 @@ def test_demo_replays_histograms_inside_one_epoch(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         (homepage,) = json.loads((tmp_path / "r.json").read_text())["channels"]
         assert homepage["delivered"] == 500, homepage
-        assert len(homepage["epochs"]) == 1, homepage["epochs"]  # one epoch: the one it waited for
+        assert len(homepage["epochs"]) == 1, homepage["epochs"]
     finally:
         up.terminate()
         up.wait(30)

@@ -5,15 +5,19 @@ contribution acknowledged and counted where it went."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from common.wire import CollectionConfig, SignedConfig
 from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
-from tests.support import TEST_SHUFFLER_SETTINGS
+from tests.support import TEST_SHUFFLER_SETTINGS, offline_config
 
 DEVICES = 30
 
@@ -111,3 +115,33 @@ def test_a_replayed_nonce_means_an_earlier_attempt_landed() -> None:
     assert not _replayed(answer(b'{"error": "quota_exceeded", "detail": "one per epoch"}'))
     assert not _replayed(answer(b"<html>conflict</html>"))
     assert not _replayed(answer(b"[1, 2]"))
+
+
+def test_a_sealing_worker_that_dies_fails_the_pool_instead_of_hanging(tmp_path: Path) -> None:
+    """A worker killed while it seals (out of memory, a crash) closes its pipe: the step
+    raises LoadError instead of waiting forever for its answer (the parent keeps no copy of
+    the worker's end of the pipe)."""
+    homepage = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
+    offline = offline_config(tmp_path, [homepage])
+    signed = SignedConfig.model_validate_json(offline.path.read_text())
+    target = loadgen.Target(CollectionConfig.model_validate(signed.config), homepage)
+    failures: list[BaseException] = []
+
+    def seal_many(pool: loadgen.SealerPool) -> None:
+        try:
+            pool.add_devices([["token"] * 8_000])  # a few seconds of sealing per worker
+        except BaseException as error:
+            failures.append(error)
+
+    with loadgen.SealerPool(target, workers=2) as pool:
+        pool.ready()
+        sealing = threading.Thread(target=seal_many, args=(pool,), daemon=True)
+        sealing.start()
+        time.sleep(1.0)  # both workers are busy sealing
+        victim = pool._processes[1]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        sealing.join(60)
+        assert not sealing.is_alive(), "the pool still waits for the dead worker"
+    assert len(failures) == 1 and isinstance(failures[0], loadgen.LoadError), failures
+    assert "sealing worker died" in str(failures[0])

@@ -38,8 +38,9 @@ from services.tools.loadtest.population import Population, draw, draw_changes, i
 
 #: Outer seals per second assumed when planning a longitudinal phase (measured: ~2,500/s).
 OUTER_SEALS_PER_S = 1500.0
-#: Contributions sealed to measure the pool's pace before the run's start is planned.
-CALIBRATION = 2000
+#: Devices per channel whose contributions are sealed to measure the pool's pace before the
+#: run's start is planned.
+CALIBRATION = 1000
 #: The run's planned start leaves this multiple of the measured sealing time.
 PACE_MARGIN = 1.5
 #: Longest a longitudinal channel's phase may take (d periods of epoch_seconds each) for it to
@@ -256,41 +257,50 @@ def _seal_run(
     seconds, CPU seconds)).
 
     The envelopes name their epoch, so the run's start is planned before sealing: at the
-    pace the pool just sealed a sample at (:func:`_pace`), with :data:`PACE_MARGIN`. When
-    the sealing still ends after the planned start (the machine got busy), it is done again
-    for later epochs, with twice the margin."""
+    pace the pool just sealed a sample of each channel at (:func:`_pace`), with
+    :data:`PACE_MARGIN`. When the sealing still ends after the planned start (the machine got
+    busy), its files are deleted and it is done again for later epochs, with twice the
+    margin."""
     if not targets:
         return {}, (0, 1e-9, 1e-9)
     directory = plan.workdir / "requests"
     directory.mkdir(parents=True, exist_ok=True)
-    count = sum(2 + math.ceil(plan.duration / t.channel.epoch_seconds) for t in targets.values())
-    per_s = _pace(plan, targets, pool, directory)
+    per_device = _pace(plan, targets, pool, directory)
+    needed = sum(
+        (2 + math.ceil(plan.duration / t.channel.epoch_seconds)) * plan.devices * per_device[c]
+        for c, t in targets.items()
+    )
     margin = PACE_MARGIN
     for _ in range(3):
-        start = time.time() + 2.0 + margin * count * plan.devices / per_s
+        start = time.time() + 2.0 + margin * needed
         files, sealed = _seal_epochs(plan, targets, pool, directory, start)
         if time.time() < start:
             say(f"sealed {sealed[0]:,} contributions ({sealed[0] / sealed[1]:,.0f}/s)")
             return files, sealed
         say("sealing took longer than planned: sealing again for later epochs")
+        for path in (p for by_epoch in files.values() for ps in by_epoch.values() for p in ps):
+            path.unlink(missing_ok=True)
         margin *= 2
     raise loadgen.LoadError("could not seal the run's contributions ahead of its start")
 
 
 def _pace(
     plan: Plan, targets: dict[str, loadgen.Target], pool: loadgen.SealerPool, directory: Path
-) -> float:
-    """Contributions the pool seals per wall second, from a sample of up to
-    :data:`CALIBRATION` (sealed to a file that is then deleted)."""
-    cid, target = next(iter(targets.items()))
+) -> dict[str, float]:
+    """Wall seconds the pool takes per device's contribution(s) of each channel (a report of
+    several routes is several requests), from a sample of up to :data:`CALIBRATION` devices
+    per channel, sealed to files that are then deleted."""
     where = directory / "calibration"
     where.mkdir(exist_ok=True)
     count = min(plan.devices, CALIBRATION)
-    paths, timing = pool.seal_epoch(target.epoch(time.time()), count, where, channel=cid)
-    for path in paths:
-        path.unlink(missing_ok=True)
+    found = {}
+    for cid, target in targets.items():
+        paths, timing = pool.seal_epoch(target.epoch(time.time()), count, where, channel=cid)
+        for path in paths:
+            path.unlink(missing_ok=True)
+        found[cid] = timing.seconds / count
     where.rmdir()
-    return max(timing.rate, 1.0)
+    return found
 
 
 def _seal_epochs(
