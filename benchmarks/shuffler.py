@@ -25,6 +25,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import trivial_app
 from _report import machine, write_section
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
@@ -105,18 +106,8 @@ def _cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_ready(port: int) -> None:
-    for _ in range(100):
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-
-
 def _ingest(tmp: Path) -> dict[str, Any]:
     """Alternate rounds of ingest, trivial POST and GET /healthz; report medians."""
-    import subprocess
 
     service = shuffler_process(
         tmp,
@@ -129,52 +120,52 @@ def _ingest(tmp: Path) -> dict[str, Any]:
         forward_interval_seconds="1.0",
     ).start()
     trivial_port = free_port()
-    trivial = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "trivial_app.py"), str(trivial_port)]
-    )
-    rates: dict[str, list[float]] = {"ingest": [], "post": [], "healthz": []}
-    cpu: dict[str, list[float]] = {"ingest": [], "post": [], "client_ingest": [], "client_post": []}
-    latencies: dict[str, list[float]] = {"ingest": [], "post": [], "healthz": []}
-    try:
-        _wait_ready(trivial_port)
-        config = httpx.get(service.url + "/v1/config").json()
-        public = load_x25519_public(base64.b64decode(config["public_key"]))
-        tokens = TokenAuthority(b"development")
-        epoch = int(time.time() // 3600)
-        fragment = bytes(72)
-        rounds = [
-            [
-                _post(
-                    tokens.issue(),
-                    seal_contribution(
-                        Contribution("bench", "", epoch, new_nonce(), (fragment,) * 6),
-                        "shuffler-1",
-                        public,
-                    ),
-                )
-                for _ in range(REQUESTS)
+    with trivial_app.running(trivial_port) as trivial:
+        rates: dict[str, list[float]] = {"ingest": [], "post": [], "healthz": []}
+        cpu: dict[str, list[float]] = {
+            "ingest": [],
+            "post": [],
+            "client_ingest": [],
+            "client_post": [],
+        }
+        latencies: dict[str, list[float]] = {"ingest": [], "post": [], "healthz": []}
+        try:
+            config = httpx.get(service.url + "/v1/config").json()
+            public = load_x25519_public(base64.b64decode(config["public_key"]))
+            tokens = TokenAuthority(b"development")
+            epoch = int(time.time() // 3600)
+            fragment = bytes(72)
+            rounds = [
+                [
+                    _post(
+                        tokens.issue(),
+                        seal_contribution(
+                            Contribution("bench", "", epoch, new_nonce(), (fragment,) * 6),
+                            "shuffler-1",
+                            public,
+                        ),
+                    )
+                    for _ in range(REQUESTS)
+                ]
+                for _ in range(ROUNDS)
             ]
-            for _ in range(ROUNDS)
-        ]
-        asyncio.run(_load(service.spec.port, [TRIVIAL] * 2_000))
-        asyncio.run(_load(trivial_port, rounds[0][:2_000]))
-        for requests in rounds:
-            for name, port, pid, load in (
-                ("post", trivial_port, trivial.pid, requests),
-                ("ingest", service.spec.port, service.service.process.pid, requests),  # type: ignore[union-attr]
-                ("healthz", service.spec.port, None, [TRIVIAL] * REQUESTS),
-            ):
-                server, client = _cpu_seconds(pid) if pid else 0.0, _cpu_seconds()
-                seconds, lat = asyncio.run(_load(port, load))
-                rates[name].append(REQUESTS / seconds)
-                latencies[name].extend(lat)
-                if pid:
-                    cpu[name].append((_cpu_seconds(pid) - server) / REQUESTS * 1e6)
-                    cpu[f"client_{name}"].append((_cpu_seconds() - client) / REQUESTS * 1e6)
-    finally:
-        service.stop()
-        trivial.terminate()
-        trivial.wait()
+            asyncio.run(_load(service.spec.port, [TRIVIAL] * 2_000))
+            asyncio.run(_load(trivial_port, rounds[0][:2_000]))
+            for requests in rounds:
+                for name, port, pid, load in (
+                    ("post", trivial_port, trivial.pid, requests),
+                    ("ingest", service.spec.port, service.service.process.pid, requests),  # type: ignore[union-attr]
+                    ("healthz", service.spec.port, None, [TRIVIAL] * REQUESTS),
+                ):
+                    server, client = _cpu_seconds(pid) if pid else 0.0, _cpu_seconds()
+                    seconds, lat = asyncio.run(_load(port, load))
+                    rates[name].append(REQUESTS / seconds)
+                    latencies[name].extend(lat)
+                    if pid:
+                        cpu[name].append((_cpu_seconds(pid) - server) / REQUESTS * 1e6)
+                        cpu[f"client_{name}"].append((_cpu_seconds() - client) / REQUESTS * 1e6)
+        finally:
+            service.stop()
     quantiles = {k: statistics.quantiles(v, n=100) for k, v in latencies.items()}
     return {
         "ingest_rate": statistics.median(rates["ingest"]),
