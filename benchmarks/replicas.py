@@ -22,7 +22,10 @@ script creates and drops its own databases (``esa_rb_*``, prefix ``ESA_BENCH_DB_
    contributions over its seconds, all rounds), and the ratio within each adjacent pair.
    Also the services' CPU (``/proc``: the shuffler and analyzer processes, HAProxy, their
    PostgreSQL backends) per accepted contribution, which other work on the machine disturbs
-   far less than the rate, and the cores they used.
+   far less than the rate, and the cores they used; and the transactions committed in each
+   shuffler's database (``pg_stat_database.xact_commit`` once the round's processes exited:
+   group commits, background polls, start-up). ``--opening-rounds 0`` stops after the ingest
+   rounds and prints their numbers (a quick look, no markdown).
 3. A stored epoch: after the last round the analyzer is stopped, the epoch is closed at every
    shuffler (admin close through HAProxy), and once every group is evaluated and its batch
    parts are built, the shuffler databases are copied (``CREATE DATABASE ... TEMPLATE``) with
@@ -185,6 +188,19 @@ def stored_contributions() -> dict[str, int]:
         finally:
             engine.dispose()
     return counts
+
+
+def transactions() -> dict[str, int]:
+    """Transactions committed in each shuffler's database so far (``pg_stat_database``; exact
+    once the services' backends have exited, which flush their counts)."""
+    names = [f"{PREFIX}_{service}" for service in SERVICES[1:]]
+    user, hostport = POSTGRES.split("@")
+    host, port = hostport.split(":")
+    with psycopg.connect(host=host, port=port, user=user, dbname="postgres") as c:
+        rows = c.execute(
+            "SELECT datname, xact_commit FROM pg_stat_database WHERE datname = ANY(%s)", (names,)
+        ).fetchall()
+    return {str(name).removeprefix(f"{PREFIX}_"): int(count) for name, count in rows}
 
 
 def cpu_seconds(pids: set[int]) -> dict[int, float]:
@@ -424,6 +440,14 @@ def cpu_per(rounds: list[dict[str, Any]], replicas: int, kind: str | None = None
     return float(used * 1e3 / sum(r["accepted"] for r in chosen))
 
 
+def transactions_per(rounds: list[dict[str, Any]], replicas: int) -> float:
+    """Transactions committed in the shuffler databases per 1,000 accepted contributions, over
+    the rounds at ``replicas`` that counted them (not the last: it stays up for the epoch)."""
+    chosen = [r for r in rounds if r["replicas"] == replicas and "transactions" in r]
+    committed = sum(sum(r["transactions"].values()) for r in chosen)
+    return float(committed * 1e3 / max(1, sum(r["accepted"] for r in chosen)))
+
+
 def cores(rounds: list[dict[str, Any]], replicas: int) -> float:
     """Cores the services used on average over the rounds at ``replicas``."""
     chosen = [r for r in rounds if r["replicas"] == replicas]
@@ -495,7 +519,9 @@ def section(summary: dict[str, Any]) -> str:
             f"{kind} {cpu_per(ingest, 1, kind):.2f} vs {cpu_per(ingest, 2, kind):.2f}"
             for kind in ("shuffler", "postgres", "haproxy", "analyzer")
         )
-        + ".",
+        + ". Transactions committed in the shuffler databases per 1,000 contributions (group "
+        f"commits, background polls, start-up): {transactions_per(ingest, 1):.0f} vs "
+        f"{transactions_per(ingest, 2):.0f}.",
         "",
         f"**Opening**, one stored epoch: {summary['stored']['parts']:,} batch parts, "
         f"{opening[0]['fragments']:,} fragments, {summary['stored']['released']:,}",
@@ -552,13 +578,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for n, replicas in enumerate(order):
             result, services, base = await ingest_round(var, replicas, load, args)
             summary["warmup" if n < args.warmup else "ingest"].append(result)
-            if n < len(order) - 1:
+            if n < len(order) - 1 or not args.opening_rounds:
                 launcher.stop(services)
-        summary["stored"] = await store_epoch(services, base, load["epoch"])
-        summary["opening"] = [
-            await opening_round(var, workers, summary["stored"])
-            for workers in balanced_order(args.opening_rounds)
-        ]
+                # Every transaction of the round (ingest, background polls, start-up).
+                result["transactions"] = transactions()
+        summary["opening"] = []
+        if args.opening_rounds:
+            summary["stored"] = await store_epoch(services, base, load["epoch"])
+            summary["opening"] = [
+                await opening_round(var, workers, summary["stored"])
+                for workers in balanced_order(args.opening_rounds)
+            ]
     finally:
         if not args.keep:
             drop_all()
@@ -596,6 +626,9 @@ def main() -> None:
     out = Path(args.out)
     summary.pop("load_files", None)
     (out / "replicas.json").write_text(json.dumps(summary, indent=1, default=str))
+    if not summary["opening"]:  # a quick ingest-only run (--opening-rounds 0): the numbers
+        print(json.dumps(summary["ingest"], indent=1))
+        return
     text_section = section(summary)
     (out / "replicas.md").write_text(text_section + "\n")
     print(text_section)

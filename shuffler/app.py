@@ -104,6 +104,7 @@ def _lifespan(
                 task.cancel()
             await asyncio.to_thread(writer.stop)
             http.close()
+            service.store.close()
             engine.dispose()
 
     return lifespan

@@ -6,16 +6,17 @@ supply what differs (the insert-ignore construct, the driver's placeholder, conn
 :func:`make_store` picks one for an engine; nothing else in the shuffler looks at the dialect.
 
 Durability (PROTOCOL.md, "Delivery guarantees"): :meth:`~ContributionStore.insert` returns
-receipts only after its transaction committed. :meth:`~ContributionStore.evaluate_group` deals
-and signs a group's batch without the write lock, storing each part ``staged`` (never sent);
-then one short transaction under the write lock (SQLite's ``BEGIN IMMEDIATE``, PostgreSQL's
-``SELECT ... FOR UPDATE`` on the group's rows) checks the group is unchanged, turns its parts
-``pending``, removes its contributions and records the group as evaluated, whose primary key
-lets exactly one evaluation commit across workers; so ingest is never blocked for longer than
-that step, and a concurrent retention purge can neither delete a row the batch contains nor
-count one the evaluation removed. A part is sent by exactly one
-forwarder at a time: :meth:`~ContributionStore.claim` takes its lease with one conditional
-``UPDATE`` (atomic in SQLite and PostgreSQL alike).
+receipts only after its transaction committed (on PostgreSQL one statement in autocommit that
+also reads the revocations and closed epochs, so a group commit is one round trip).
+:meth:`~ContributionStore.evaluate_group` deals and signs a group's batch without the write
+lock, storing each part ``staged`` (never sent); then one short transaction under the write lock
+(SQLite's ``BEGIN IMMEDIATE``, PostgreSQL's ``SELECT ... FOR UPDATE`` on the group's rows)
+checks the group is unchanged, turns its parts ``pending``, removes its contributions and
+records the group as evaluated, whose primary key lets exactly one evaluation commit across
+workers; so ingest is never blocked for longer than that step, and a concurrent retention purge
+can neither delete a row the batch contains nor count one the evaluation removed. A part is sent
+by exactly one forwarder at a time: :meth:`~ContributionStore.claim` takes its lease with one
+conditional ``UPDATE`` (atomic in SQLite and PostgreSQL alike).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import secrets
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -67,6 +69,9 @@ _NONCE, _RECEIPT = _COLUMNS.index("nonce"), _COLUMNS.index("receipt")
 _CLIENT = _COLUMNS.index("client_id")
 _CHANNEL, _EPOCH = _COLUMNS.index("channel_id"), _COLUMNS.index("epoch")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
+#: A connection held for inserts is used again without the pool's ping while it was used less
+#: than this long ago (a busy writer); after that it goes back through the pool, which pings it.
+HELD_IDLE_SECONDS = 1.0
 _IDS_PER_DELETE = 10_000
 #: How long a staged part may wait for its evaluation to commit before retention deletes it as
 #: left behind by a crash (far above the 334 s an epoch of 10^6 contributions took to close).
@@ -82,6 +87,9 @@ FORWARD_ROUND = 32
 
 Row = tuple[Any, ...]
 Ids = npt.NDArray[np.int64]
+#: What one group-commit transaction found: (revoked clients among the rows, latest closed
+#: epoch of their channels, receipts of the rows that landed, nonces that were already taken).
+Landings = tuple[set[str], dict[str, int], set[str], set[bytes]]
 
 
 def new_receipts(count: int) -> list[str]:
@@ -106,6 +114,34 @@ def _insert_sql(mark: str, rows: int) -> str:
         f"INSERT INTO {storage.contributions.name} ({', '.join(_COLUMNS)}) "
         f"VALUES {', '.join([values] * rows)} ON CONFLICT DO NOTHING"
     )
+
+
+#: The group commit on PostgreSQL, one statement (so one transaction, in autocommit): the rows
+#: as nine arrays in :data:`_COLUMNS` order; reads the revoked clients and the latest closed
+#: epoch of each channel among them (``r``, ``e``), inserts the rows neither revoked nor late
+#: and returns the receipts that landed (``i``). One snapshot for the reads and the insert.
+_PG_INSERT = f"""
+WITH v AS (
+  SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::text[], %s::bytea[],
+                       %s::bytea[], %s::integer[], %s::float8[], %s::text[])
+    AS v({", ".join(_COLUMNS)})
+), r AS (
+  SELECT client_id FROM {storage.revoked.name} WHERE client_id IN (SELECT client_id FROM v)
+), e AS (
+  SELECT channel_id, max(epoch) AS epoch FROM {storage.closed_epochs.name}
+  WHERE channel_id IN (SELECT channel_id FROM v) GROUP BY channel_id
+), i AS (
+  INSERT INTO {storage.contributions.name} ({", ".join(_COLUMNS)})
+  SELECT {", ".join(_COLUMNS)} FROM v
+  WHERE v.client_id NOT IN (SELECT client_id FROM r)
+    AND v.epoch > COALESCE((SELECT e.epoch FROM e WHERE e.channel_id = v.channel_id), -1)
+  ON CONFLICT DO NOTHING
+  RETURNING receipt
+)
+SELECT 'r', client_id, NULL::bigint FROM r
+UNION ALL SELECT 'e', channel_id, epoch FROM e
+UNION ALL SELECT 'i', receipt, NULL::bigint FROM i
+"""
 
 
 def _row(pending: Pending, receipt: str) -> Row:
@@ -140,34 +176,45 @@ class ContributionStore(ABC):
 
     def insert(self, pending: Sequence[Pending]) -> list[str | Conflict]:
         """Commit contributions in ONE transaction (group commit): a receipt per row that
-        landed, else which unique constraint it hit (the nonce, or the quota).
+        landed, else why not (the client is revoked, the epoch closed, or which unique
+        constraint it hit: the nonce, or the quota).
 
-        One multi-row ``INSERT ... ON CONFLICT DO NOTHING`` per (up to) 100 rows, written once
-        per row count and sent as is: per-row SQLAlchemy compilation costs more than the insert
-        itself. When the database reports every row inserted (the common case) that is the
-        whole transaction; otherwise the rows that landed are the receipts found afterwards.
+        The revocations and closed epochs are read in the same transaction as the insert
+        (:meth:`_insert_checked`): a replica of the same trust domain may have revoked a client
+        or closed an epoch since this process loaded them, and what any replica answered must
+        hold at every replica from then on.
 
         Raises:
             sqlalchemy.exc.SQLAlchemyError: if the database is unavailable (nothing stored).
         """
         receipts = new_receipts(len(pending))
         rows = [_row(p, r) for p, r in zip(pending, receipts, strict=True)]
+        revoked, closed, landed, taken = self._insert_checked(rows)
+        return [_landing(row, landed, taken, revoked, closed) for row in rows]
+
+    def _insert_checked(self, rows: list[Row]) -> Landings:
+        """One transaction: read which clients are revoked and which epochs closed, insert the
+        other rows; (revoked, closed, receipts landed, nonces already taken).
+
+        One multi-row ``INSERT ... ON CONFLICT DO NOTHING`` per (up to) 100 rows, written once
+        per row count and sent as is: per-row SQLAlchemy compilation costs more than the insert
+        itself. When the database reports every row inserted (the common case) that is the
+        whole transaction; otherwise the rows that landed are the receipts found afterwards.
+        """
         c = storage.contributions.c
         with self.engine.begin() as conn:
-            revoked = _revoked_among(conn, {p.client_id for p in pending})
-            closed = _closed_among(conn, {p.contribution.channel_id for p in pending})
-            refused = {
-                row[_RECEIPT] for row in rows if row[_CLIENT] in revoked or _late(row, closed)
-            }
-            kept = [row for row in rows if row[_RECEIPT] not in refused]
+            revoked = _revoked_among(conn, {row[_CLIENT] for row in rows})
+            closed = _closed_among(conn, {row[_CHANNEL] for row in rows})
+            kept = _admitted(rows, revoked, closed)
             if self._insert_rows(conn, kept) == len(kept):
-                landed, taken = {row[_RECEIPT] for row in kept}, set()
-            else:
-                found = conn.execute(select(c.receipt).where(c.receipt.in_(receipts)))
-                landed = set(found.scalars())
-                missing = [row[_NONCE] for row in kept if row[_RECEIPT] not in landed]
-                taken = set(conn.execute(select(c.nonce).where(c.nonce.in_(missing))).scalars())
-        return [_landing(row, landed, taken, revoked, closed) for row in rows]
+                return revoked, closed, {row[_RECEIPT] for row in kept}, set()
+            found = conn.execute(
+                select(c.receipt).where(c.receipt.in_([r[_RECEIPT] for r in rows]))
+            )
+            landed = set(found.scalars())
+            missing = [row[_NONCE] for row in kept if row[_RECEIPT] not in landed]
+            taken = set(conn.execute(select(c.nonce).where(c.nonce.in_(missing))).scalars())
+        return revoked, closed, landed, taken
 
     def _insert_rows(self, conn: Connection, rows: list[Row]) -> int:
         """Rows inserted, or -1 when the driver cannot tell (the caller then looks up)."""
@@ -181,6 +228,9 @@ class ContributionStore(ABC):
                 return -1
             inserted += result.rowcount
         return inserted
+
+    def close(self) -> None:  # noqa: B027 (a hook: only PostgreSQL holds a connection)
+        """Give back any connection the store holds (before the engine is disposed)."""
 
     def revoke(self, client_id: str, now: float) -> None:
         """Persist a revocation (idempotent)."""
@@ -556,10 +606,10 @@ def _landing(
 
 
 def _revoked_among(conn: Connection, clients: set[str]) -> set[str]:
-    """Which of ``clients`` are revoked, read just before the insert (in its transaction on
-    PostgreSQL; SQLite has one process, whose own set already refused them): a replica of
-    the same trust domain may have revoked one since this process loaded its revocations, and
-    a revocation answered by any replica must hold at every replica from then on."""
+    """Which of ``clients`` are revoked, read in the insert's transaction (SQLite; PostgreSQL
+    reads them in the insert statement itself, :data:`_PG_INSERT`): a replica of the same trust
+    domain may have revoked one since this process loaded its revocations, and a revocation
+    answered by any replica must hold at every replica from then on."""
     r = storage.revoked.c
     return set(conn.execute(select(r.client_id).where(r.client_id.in_(clients))).scalars())
 
@@ -578,6 +628,11 @@ def _closed_among(conn: Connection, channels: set[str] | None = None) -> dict[st
 
 def _late(row: Row, closed: dict[str, int]) -> bool:
     return bool(row[_EPOCH] <= closed.get(row[_CHANNEL], -1))
+
+
+def _admitted(rows: list[Row], revoked: set[str], closed: dict[str, int]) -> list[Row]:
+    """The rows neither from a revoked client nor for a closed epoch."""
+    return [row for row in rows if row[_CLIENT] not in revoked and not _late(row, closed)]
 
 
 def _group_rows(conn: Connection, key: GroupKey, lock: bool) -> tuple[Ids, Ids]:
@@ -776,9 +831,72 @@ class SqliteContributionStore(ContributionStore):
 
 
 class PostgresContributionStore(ContributionStore):
-    """PostgreSQL (psycopg): ``%s`` placeholders."""
+    """PostgreSQL (psycopg): ``%s`` placeholders; the group commit is one statement
+    (:data:`_PG_INSERT`) on a connection the writer keeps while it is busy."""
 
     mark = "%s"
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self._held: tuple[Connection, float] | None = None
+        self._held_lock = threading.Lock()
+
+    def _insert_checked(self, rows: list[Row]) -> Landings:
+        """One statement, so one transaction in one round trip (autocommit): it reads the
+        revoked clients and closed epochs among the rows, inserts the others and returns what
+        it read and the receipts that landed (:data:`_PG_INSERT`). Its nine array parameters
+        make it one prepared statement whatever the batch size; per transaction this replaced
+        a pool check-out with its ping, ``BEGIN``, two reads, the insert and ``COMMIT``, which
+        cost more than the rows themselves at the batch sizes of a loaded replica."""
+        if not rows:
+            return set(), {}, set(), set()
+        columns = tuple(list(column) for column in zip(*rows, strict=True))
+        with self._autocommit() as conn:
+            found = conn.exec_driver_sql(_PG_INSERT, columns).all()
+        revoked = {str(value) for kind, value, _ in found if kind == "r"}
+        closed = {str(value): int(epoch) for kind, value, epoch in found if kind == "e"}
+        landed = {str(value) for kind, value, _ in found if kind == "i"}
+        kept = _admitted(rows, revoked, closed)
+        missing = [row[_NONCE] for row in kept if row[_RECEIPT] not in landed]
+        if not missing:
+            return revoked, closed, landed, set()
+        # A unique constraint refused these (rare: a replay, or over quota). The statement has
+        # committed: a nonce it hit is in the table (or in an evaluated group's batch since).
+        c = storage.contributions.c
+        with self.engine.connect() as conn:
+            taken = set(conn.execute(select(c.nonce).where(c.nonce.in_(missing))).scalars())
+        return revoked, closed, landed, taken
+
+    @contextlib.contextmanager
+    def _autocommit(self) -> Iterator[Connection]:
+        """An autocommit connection: the one the last insert used if it is free and was used
+        less than :data:`HELD_IDLE_SECONDS` ago (no pool check-out, no ping), else one from the
+        pool (pinged). Given back to be held only after a success: a connection that failed
+        returns to the pool, which tests it before anyone uses it again."""
+        with self._held_lock:
+            held, self._held = self._held, None
+        conn = held[0] if held and time.monotonic() - held[1] < HELD_IDLE_SECONDS else None
+        if held and conn is None:
+            held[0].close()
+        if conn is None:
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        with self._held_lock:
+            if self._held is None:
+                self._held, conn = (conn, time.monotonic()), None
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        """Give back the connection held for inserts (before the engine is disposed)."""
+        with self._held_lock:
+            held, self._held = self._held, None
+        if held:
+            held[0].close()
 
     def insert_ignore(self, table: Table) -> Insert:
         return pg_insert(table).on_conflict_do_nothing()

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, select
+from sqlalchemy.exc import DBAPIError
 
 from common.envelope import new_nonce
 from common.randomness import SeededSource
@@ -126,6 +127,42 @@ def test_group_commit_sorts_out_conflicts_inside_one_batch(
     )
     receipts = [s.receipt for s in everyone_new]
     assert all(receipts) and len(set(receipts)) == 150 and service.ledger()["pending"] == 152
+
+
+def _drop_other_connections(url: str) -> int:
+    """Terminate every other backend of the test database (a restart, a failover)."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            terminated = conn.exec_driver_sql(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    return int(terminated)
+
+
+def test_a_dropped_insert_connection_costs_at_most_one_refused_commit(
+    postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: the writer keeps its autocommit connection while busy (no pool ping per
+    commit). If the database drops it, that one commit fails and stores nothing (the writer
+    answers 503), and the next commit lands on a fresh connection; a connection idle for
+    longer than ``HELD_IDLE_SECONDS`` goes back through the pool's ping, so no commit fails."""
+    service, clock = make_service(postgres_url, tmp_path)
+    assert contribute(service, service.tokens.issue(), clock.epoch).receipt
+    assert _drop_other_connections(postgres_url) >= 1
+    with pytest.raises(DBAPIError):
+        contribute(service, service.tokens.issue(), clock.epoch)
+    assert service.store.ledger()["pending"] == 1
+    assert contribute(service, service.tokens.issue(), clock.epoch).receipt
+    monkeypatch.setattr(store_module, "HELD_IDLE_SECONDS", 0.0)
+    assert _drop_other_connections(postgres_url) >= 1
+    assert contribute(service, service.tokens.issue(), clock.epoch).receipt
+    assert service.store.ledger()["pending"] == 3
+    service.store.close()
+    service.store.engine.dispose()
 
 
 def test_revocations_and_closed_epochs_survive_a_restart(database_url: str, tmp_path: Path) -> None:
