@@ -116,7 +116,9 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
     settings = settings or ShufflerSettings()
     logs.configure(settings.log_level)
     service = build_service(settings)
-    writer = CommitQueue(service, settings.commit_batch)
+    writer = CommitQueue(
+        service, settings.commit_batch, settings.commit_fill, settings.commit_wait_seconds
+    )
     http = httpx.Client(timeout=ANALYZER_TIMEOUT)
     app = FastAPI(
         title=f"ESA shuffler {settings.shuffler_id}",

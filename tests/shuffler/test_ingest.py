@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -168,3 +169,39 @@ def test_per_client_state_of_the_ingest_path_expires(
     service.enroll("10.9.9.9")
     assert len(service.intake.contributions) == 1
     assert len(service.intake.enrolments) == 1
+
+
+def _queue_with(items: Sequence[object], fill: int, wait: float, busy: bool) -> CommitQueue:
+    writer = CommitQueue(None, max_batch=8, fill=fill, wait=wait)  # type: ignore[arg-type]
+    writer._busy = busy
+    for item in items:
+        writer._inbox.put(item)  # type: ignore[arg-type]
+    return writer
+
+
+def test_under_load_a_small_batch_waits_for_more_until_it_is_full() -> None:
+    """The commit window: after a batch of several requests, the next one waits (here up to
+    60 s, so only reaching ``fill`` can end it) for the requests still on their way."""
+    writer = _queue_with(["a", "b"], fill=4, wait=60.0, busy=True)
+
+    def arrive() -> None:
+        for item in "cd":
+            writer._inbox.put(item)  # type: ignore[arg-type]
+
+    late = threading.Timer(0.05, arrive)
+    late.start()
+    items, stopping = writer._take()
+    late.join()
+    assert items == ["a", "b", "c", "d"] and not stopping
+    assert writer._busy
+
+
+def test_an_idle_writer_commits_a_lone_request_at_once_and_stops_when_told() -> None:
+    writer = _queue_with(["a"], fill=4, wait=60.0, busy=False)
+    assert writer._take() == (["a"], False) and not writer._busy
+    writer = _queue_with(["a", "b", "c", "d", "e"], fill=4, wait=60.0, busy=True)
+    assert writer._take() == (["a", "b", "c", "d", "e"], False)  # past fill: no wait
+    writer = _queue_with(["a"], fill=4, wait=0.01, busy=True)
+    assert writer._take() == (["a"], False)  # the window closed: committed anyway
+    writer = _queue_with(["a", None], fill=4, wait=60.0, busy=True)
+    assert writer._take() == (["a"], True)  # stop() during the window: commit, then stop
