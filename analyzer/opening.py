@@ -51,6 +51,10 @@ OPEN_ATTEMPTS = 5
 #: How often a pool worker checks that the analyzer that started it is still there.
 PARENT_CHECK_SECONDS = 1.0
 
+#: How long :meth:`FragmentOpener.warm` waits for every worker process to have started.
+WARM_TIMEOUT_SECONDS = 60.0
+WARM_TASK_SECONDS = 0.05
+
 #: The key ring of a pool worker process (set once by :func:`_start_worker`).
 _worker_ring: KeyRing | None = None
 
@@ -85,6 +89,13 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
+def _worker_pid() -> int:
+    """A pool worker's process id, after a short pause so that one worker cannot answer every
+    call of :meth:`FragmentOpener.warm` alone."""
+    time.sleep(WARM_TASK_SECONDS)
+    return os.getpid()
+
+
 def _open_in_worker(channel_id: str, texts: Sequence[str]) -> list[bytes]:
     if _worker_ring is None:
         raise RuntimeError("pool worker started without its key ring")
@@ -111,6 +122,24 @@ class FragmentOpener:
             initializer=_start_worker,
             initargs=(keys, os.getpid()),
         )
+
+    def warm(self, timeout: float = WARM_TIMEOUT_SECONDS) -> int:
+        """Start every worker process now and return once each has loaded its key ring (or
+        after ``timeout`` seconds, or if a worker died: then :meth:`open` starts the pool
+        afresh); how many answered. Without it the pool starts its processes at the first
+        part, whose opening then waits for them: ~2–4 s on a loaded 2-core machine, more than
+        opening the part (docs/benchmarks.md, "Replicas and analyzer workers")."""
+        if self._pool is None:
+            return 1
+        deadline, answered = time.monotonic() + timeout, set[int]()
+        try:
+            while len(answered) < self.processes and time.monotonic() < deadline:
+                calls = [self._pool.submit(_worker_pid) for _ in range(self.processes)]
+                for call in calls:
+                    answered.add(call.result(timeout=max(0.0, deadline - time.monotonic())))
+        except (TimeoutError, BrokenProcessPool) as error:
+            log.warning("opening processes not all started", extra={"error": type(error).__name__})
+        return len(answered)
 
     def open(self, channel_id: str, texts: Sequence[str]) -> list[bytes]:
         """The opened fragments, in order (undecryptable ones left out).

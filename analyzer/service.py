@@ -104,10 +104,12 @@ class AnalyzerService:
         db.wait_for(self.store.engine)
         db.upgrade(self.store.engine, MIGRATIONS)
         charged = self.ledger.charge_missing()
+        processes = self.opener.opener.warm()
         self.opener.start(self.settings.opening_poll_seconds)
         log.info(
             "analyzer ready",
             extra={
+                "opening_processes": processes,
                 "channels": [c.id for c in self.settings.channels],
                 "shufflers": [s.id for s in self.settings.shufflers],
                 "epochs_charged": charged,

@@ -14,6 +14,7 @@ durability costs one sync per batch of requests rather than per request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -42,6 +43,8 @@ JSON_HEADERS = (b"content-type", b"application/json")
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, bytes, Headers]
 Item = tuple[Pending, "asyncio.Future[Stored]"]
+#: How many recent takes the commit window learns the batch size to wait for from.
+RECENT = 16
 
 
 class CommitQueue:
@@ -54,12 +57,12 @@ class CommitQueue:
     batch's futures with one callback on the loop. Nothing is acknowledged before its commit;
     a failed commit stores nothing and refuses every request of the batch (503).
 
-    Under load (the previous batch held more than one request) a batch smaller than
-    ``fill`` waits up to ``wait`` seconds from its first request for more: each transaction
-    costs a fixed ~0.2 ms in this process and ~0.4 ms in PostgreSQL, and without the wait the
-    number of transactions follows how often the writer gets the CPU, not the load, so it
-    doubles with the replicas on a machine (docs/benchmarks.md, "Replicas"). A lone request
-    on an idle service is committed at once.
+    Under load a batch may wait up to ``wait`` seconds for the requests that usually come with
+    it (:meth:`_take`): each transaction costs a fixed ~0.2 ms in this process and ~0.4 ms in
+    PostgreSQL, and without the wait the number of transactions follows how often the writer
+    gets the CPU, not the load, so it doubles with the replicas on a machine
+    (docs/benchmarks.md, "Replicas and analyzer workers"). A request on an idle service is
+    committed at once.
     """
 
     def __init__(
@@ -69,6 +72,11 @@ class CommitQueue:
         self.max_batch = max_batch
         self.fill, self.wait = min(fill, max_batch), wait
         self._busy = False  # the previous batch held more than one request
+        self._filled = threading.Event()  # set by _put once a batch of ``fill`` is queued
+        self._stopping = False
+        self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
+        self._want = 1  # the batch size the writer waits for (see _take)
+        self._ended = 0.0  # when the last commit ended (monotonic)
         self._inbox: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -82,7 +90,7 @@ class CommitQueue:
     def stop(self, timeout: float = 30.0) -> None:
         """Commit what is queued, then stop the writer thread (blocking)."""
         if self._thread is not None:
-            self._inbox.put(None)
+            self._put(None)
             self._thread.join(timeout)
             self._thread = None
 
@@ -91,7 +99,7 @@ class CommitQueue:
         if self._loop is None:
             raise RuntimeError("the commit queue is not running")
         future: asyncio.Future[Stored] = self._loop.create_future()
-        self._inbox.put((pending, future))
+        self._put((pending, future))
         return future
 
     def _run(self) -> None:
@@ -101,6 +109,7 @@ class CommitQueue:
             if not items:
                 return
             results = self._commit([pending for pending, _ in items])
+            self._ended = time.monotonic()
             try:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(_resolve, items, results)
@@ -108,31 +117,47 @@ class CommitQueue:
                 return
 
     def _take(self) -> tuple[list[Item], bool]:
-        """Block for one item, then take what else is queued: (items, stop after these)."""
+        """Block for one item, then take what else is queued: (items, stop after these).
+
+        Under load (the previous batch held several requests and ended less than ``wait``
+        ago) first wait, up to ``wait``, until as many are queued as in the largest of the
+        last :data:`RECENT` batches (at most ``fill``): clients that keep c requests in flight
+        make batches of c at most, so they wait for those c only, never for a fill that
+        cannot come. :meth:`_put` wakes the writer once the batch is there, not at every
+        arrival."""
         first = self._inbox.get()
         if first is None:
             return [], True
+        self._want = min(self.fill, max(self._recent, default=1))
+        if self._busy and time.monotonic() - self._ended < self.wait:
+            self._filled.clear()
+            if not self._full_or_stopping():  # nothing arrived between the check and the clear
+                self._filled.wait(self.wait)
         items = [first]
-        deadline = time.monotonic() + self.wait if self._busy else 0.0
         while len(items) < self.max_batch:
             try:
-                item = self._next(deadline if len(items) < self.fill else 0.0)
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if item is None:
                 return items, True
             items.append(item)
         self._busy = len(items) > 1
+        self._recent.append(len(items))
         return items, False
 
-    def _next(self, deadline: float) -> Item | None:
-        """The next queued item, waiting until ``deadline`` (monotonic) at most.
+    def _full_or_stopping(self) -> bool:
+        """Whether to commit without waiting: the batch the writer waits for is queued, or
+        stop() was called."""
+        return self._stopping or self._inbox.qsize() + 1 >= self._want
 
-        Raises:
-            queue.Empty: nothing arrived in time.
-        """
-        left = deadline - time.monotonic()
-        return self._inbox.get(timeout=left) if left > 0 else self._inbox.get_nowait()
+    def _put(self, item: Item | None) -> None:
+        """Queue an item (``None``: stop), waking a writer that waits to fill its batch once
+        the batch is there."""
+        self._stopping = self._stopping or item is None
+        self._inbox.put(item)
+        if self._full_or_stopping():
+            self._filled.set()
 
     def _commit(self, pending: list[Pending]) -> list[Stored]:
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import secrets
 import threading
 import time
@@ -37,7 +38,7 @@ from sqlalchemy import Table, delete, event, exists, func, insert, or_, select, 
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.sql.dml import Insert
 
 from common.wire import ChannelPolicy
@@ -90,6 +91,8 @@ Ids = npt.NDArray[np.int64]
 #: What one group-commit transaction found: (revoked clients among the rows, latest closed
 #: epoch of their channels, receipts of the rows that landed, nonces that were already taken).
 Landings = tuple[set[str], dict[str, int], set[str], set[bytes]]
+
+log = logging.getLogger("esa.shuffler")
 
 
 def new_receipts(count: int) -> list[str]:
@@ -605,6 +608,20 @@ def _landing(
     return Conflict.REPLAYED_NONCE if row[_NONCE] in taken else Conflict.OVER_QUOTA
 
 
+def _pg_landings(found: Sequence[Row]) -> Landings:
+    """What :data:`_PG_INSERT` returned, as (revoked, closed, landed, no nonces known yet)."""
+    revoked = {str(value) for kind, value, _ in found if kind == "r"}
+    closed = {str(value): int(epoch) for kind, value, epoch in found if kind == "e"}
+    return revoked, closed, {str(value) for kind, value, _ in found if kind == "i"}, set()
+
+
+def _nonces_among(conn: Connection, nonces: list[bytes]) -> set[bytes]:
+    """Which of ``nonces`` are stored (after the insert committed: a nonce it hit is in the
+    table, or in an evaluated group's batch since, and then reads as over quota; both 409)."""
+    c = storage.contributions.c
+    return set(conn.execute(select(c.nonce).where(c.nonce.in_(nonces))).scalars())
+
+
 def _revoked_among(conn: Connection, clients: set[str]) -> set[str]:
     """Which of ``clients`` are revoked, read in the insert's transaction (SQLite; PostgreSQL
     reads them in the insert statement itself, :data:`_PG_INSERT`): a replica of the same trust
@@ -616,7 +633,8 @@ def _revoked_among(conn: Connection, clients: set[str]) -> set[str]:
 
 def _closed_among(conn: Connection, channels: set[str] | None = None) -> dict[str, int]:
     """The latest closed epoch of each of ``channels`` (default: every channel). The insert
-    reads it just before writing: an admin close answered by one replica of the trust domain
+    reads it in its transaction (SQLite; PostgreSQL in the insert statement itself,
+    :data:`_PG_INSERT`): an admin close answered by one replica of the trust domain
     persists it, and from then on no replica may acknowledge a contribution for that epoch (the
     group is evaluated once; a later one would only be deleted as late, after its 202)."""
     e = storage.closed_epochs.c
@@ -847,25 +865,51 @@ class PostgresContributionStore(ContributionStore):
         it read and the receipts that landed (:data:`_PG_INSERT`). Its nine array parameters
         make it one prepared statement whatever the batch size; per transaction this replaced
         a pool check-out with its ping, ``BEGIN``, two reads, the insert and ``COMMIT``, which
-        cost more than the rows themselves at the batch sizes of a loaded replica."""
+        cost more than the rows themselves at the batch sizes of a loaded replica. Only when a
+        unique constraint refused rows does a second statement, on the same connection, look
+        up which nonces were taken; if that fails the rows that landed keep their receipts
+        (the others are conflicts either way)."""
         if not rows:
             return set(), {}, set(), set()
         columns = tuple(list(column) for column in zip(*rows, strict=True))
-        with self._autocommit() as conn:
-            found = conn.exec_driver_sql(_PG_INSERT, columns).all()
-        revoked = {str(value) for kind, value, _ in found if kind == "r"}
-        closed = {str(value): int(epoch) for kind, value, epoch in found if kind == "e"}
-        landed = {str(value) for kind, value, _ in found if kind == "i"}
-        kept = _admitted(rows, revoked, closed)
-        missing = [row[_NONCE] for row in kept if row[_RECEIPT] not in landed]
-        if not missing:
-            return revoked, closed, landed, set()
-        # A unique constraint refused these (rare: a replay, or over quota). The statement has
-        # committed: a nonce it hit is in the table (or in an evaluated group's batch since).
-        c = storage.contributions.c
-        with self.engine.connect() as conn:
-            taken = set(conn.execute(select(c.nonce).where(c.nonce.in_(missing))).scalars())
-        return revoked, closed, landed, taken
+        landings: Landings | None = None
+        try:
+            with self._autocommit() as conn:
+                landings = _pg_landings(conn.exec_driver_sql(_PG_INSERT, columns).all())
+                revoked, closed, landed, _ = landings
+                missing = [
+                    r[_NONCE] for r in _admitted(rows, revoked, closed) if r[_RECEIPT] not in landed
+                ]
+                if missing:  # a unique constraint refused these (rare: a replay, or over quota)
+                    landings = (revoked, closed, landed, _nonces_among(conn, missing))
+        except SQLAlchemyError as error:
+            if landings is None:
+                raise  # the statement did not commit: nothing stored
+            # It committed; only which constraint each refused row hit is unknown (both 409).
+            log.warning("conflict look-up failed", extra={"error": type(error).__name__})
+        return landings
+
+    def revoke(self, client_id: str, now: float) -> None:
+        """Persist a revocation, then wait for the inserts already running (:meth:`_barrier`)."""
+        super().revoke(client_id, now)
+        self._barrier()
+
+    def close_epoch(self, channel_id: str, epoch: int, now: float) -> None:
+        """Persist the close, then wait for the inserts already running (:meth:`_barrier`)
+        before the caller evaluates the group."""
+        super().close_epoch(channel_id, epoch, now)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        """Wait until every insert that may have read the revocations and closed epochs before
+        the last change committed has ended, at any replica: ``SHARE`` mode conflicts with the
+        ``ROW EXCLUSIVE`` lock each insert holds to its end, and an insert that asks for it
+        afterwards reads the change (its snapshot is taken after its locks). Without it, an
+        insert that read the epoch open but was slow to finish (waiting on another replica's
+        row with the same nonce) committed after the group's evaluation: acknowledged, then
+        purged as late."""
+        with self.engine.begin() as conn:
+            conn.exec_driver_sql(f"LOCK TABLE {storage.contributions.name} IN SHARE MODE")
 
     @contextlib.contextmanager
     def _autocommit(self) -> Iterator[Connection]:

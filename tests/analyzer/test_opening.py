@@ -179,6 +179,25 @@ def test_a_dead_pool_worker_fails_one_opening_and_the_pool_starts_again() -> Non
         opener.close()
 
 
+def test_warming_starts_every_pool_worker_before_the_first_part() -> None:
+    """The analyzer warms its pool at start-up: every worker process is running (its key
+    ring loaded) before any part arrives, and opening then uses those same processes."""
+    key = X25519PrivateKey.generate()
+    opener = FragmentOpener(KeyRing.of(key), 2, 10)
+    try:
+        assert opener.warm() == 2
+        pool = opener._pool
+        assert pool is not None
+        started = set(pool._processes)  # type: ignore[attr-defined]
+        assert len(started) == 2 and all(_alive(pid) for pid in started)
+        texts = [b64(seal_fragment(b"x" * 8, CHANNEL.id, 16, key.public_key())) for _ in range(40)]
+        assert len(opener.open(CHANNEL.id, texts)) == 40
+        assert set(pool._processes) == started  # type: ignore[attr-defined]
+    finally:
+        opener.close()
+    assert FragmentOpener(KeyRing.of(key), 1, 10).warm() == 1  # no pool: opens in-process
+
+
 def test_migration_turns_the_opened_flag_into_a_status(database_url: str) -> None:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))

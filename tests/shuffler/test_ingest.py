@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -171,37 +172,57 @@ def test_per_client_state_of_the_ingest_path_expires(
     assert len(service.intake.enrolments) == 1
 
 
-def _queue_with(items: Sequence[object], fill: int, wait: float, busy: bool) -> CommitQueue:
-    writer = CommitQueue(None, max_batch=8, fill=fill, wait=wait)  # type: ignore[arg-type]
-    writer._busy = busy
+def _queue_with(
+    items: Sequence[object], recent: int = 0, busy: bool = True, fill: int = 32
+) -> CommitQueue:
+    """A writer (not started) whose last commit just ended; ``recent``: the size of its
+    recent batches; ``busy``: the last one held several requests."""
+    writer = CommitQueue(None, max_batch=64, fill=fill, wait=60.0)  # type: ignore[arg-type]
+    writer._busy, writer._ended = busy, time.monotonic()
+    if recent:
+        writer._recent.append(recent)
     for item in items:
-        writer._inbox.put(item)  # type: ignore[arg-type]
+        writer._put(item)  # type: ignore[arg-type]
     return writer
 
 
-def test_under_load_a_small_batch_waits_for_more_until_it_is_full() -> None:
-    """The commit window: after a batch of several requests, the next one waits (here up to
-    60 s, so only reaching ``fill`` can end it) for the requests still on their way."""
-    writer = _queue_with(["a", "b"], fill=4, wait=60.0, busy=True)
-
+def _arrive_later(writer: CommitQueue, items: Sequence[object]) -> threading.Timer:
     def arrive() -> None:
-        for item in "cd":
-            writer._inbox.put(item)  # type: ignore[arg-type]
+        for item in items:
+            writer._put(item)  # type: ignore[arg-type]
 
     late = threading.Timer(0.05, arrive)
     late.start()
+    return late
+
+
+def test_under_load_a_batch_waits_for_the_requests_that_usually_come_with_it() -> None:
+    """The commit window (here up to 60 s, so only the awaited batch can end it): after
+    batches of 4, a take that finds 2 requests queued waits for 2 more."""
+    writer = _queue_with(["a", "b"], recent=4)
+    late = _arrive_later(writer, "cd")
     items, stopping = writer._take()
     late.join()
-    assert items == ["a", "b", "c", "d"] and not stopping
-    assert writer._busy
+    assert items == ["a", "b", "c", "d"] and not stopping and writer._busy
+    writer = _queue_with(["a", "b"], recent=40, fill=3)
+    late = _arrive_later(writer, "c")
+    assert writer._take() == (["a", "b", "c"], False)  # never waits for more than ``fill``
+    late.join()
 
 
-def test_an_idle_writer_commits_a_lone_request_at_once_and_stops_when_told() -> None:
-    writer = _queue_with(["a"], fill=4, wait=60.0, busy=False)
+def test_no_wait_for_requests_that_are_not_coming() -> None:
+    """A client keeping 2 requests in flight is not held for a larger batch; an idle writer
+    (last commit long ago, or a lone request last) commits at once; stop() ends a wait."""
+    writer = _queue_with(["a", "b"], recent=2)
+    assert writer._take() == (["a", "b"], False)
+    writer = _queue_with(["a"], recent=4, busy=False)
     assert writer._take() == (["a"], False) and not writer._busy
-    writer = _queue_with(["a", "b", "c", "d", "e"], fill=4, wait=60.0, busy=True)
-    assert writer._take() == (["a", "b", "c", "d", "e"], False)  # past fill: no wait
-    writer = _queue_with(["a"], fill=4, wait=0.01, busy=True)
-    assert writer._take() == (["a"], False)  # the window closed: committed anyway
-    writer = _queue_with(["a", None], fill=4, wait=60.0, busy=True)
-    assert writer._take() == (["a"], True)  # stop() during the window: commit, then stop
+    writer = _queue_with(["a"], recent=4)
+    writer._ended -= 61.0
+    assert writer._take() == (["a"], False)
+    writer = _queue_with(["a", None], recent=4)
+    assert writer._take() == (["a"], True)  # stop() before the take: commit, then stop
+    writer = _queue_with(["a"], recent=4)
+    late = _arrive_later(writer, [None])
+    assert writer._take() == (["a"], True)  # stop() wakes a writer waiting to fill
+    late.join()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, select
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from common.envelope import new_nonce
 from common.randomness import SeededSource
@@ -129,6 +129,103 @@ def test_group_commit_sorts_out_conflicts_inside_one_batch(
     assert all(receipts) and len(set(receipts)) == 150 and service.ledger()["pending"] == 152
 
 
+def test_a_failed_conflict_look_up_keeps_the_receipts_that_landed(
+    postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: the insert has committed when the look-up of taken nonces runs. If that
+    look-up fails (the database drops the connection just then: caused here by making it
+    raise), the fresh row keeps its receipt and the refused one is still a conflict, instead
+    of the whole batch answering "nothing was stored"."""
+    service, clock = make_service(postgres_url, tmp_path)
+    nonce = new_nonce()
+    assert isinstance(
+        service.store.insert([pending(service, service.tokens.issue(), clock.epoch, nonce=nonce)])[
+            0
+        ],
+        str,
+    )
+
+    def dropped(*_: object) -> set[bytes]:
+        raise OperationalError("SELECT", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(store_module, "_nonces_among", dropped)
+    landings = service.store.insert(
+        [
+            pending(service, service.tokens.issue(), clock.epoch, nonce=nonce),
+            pending(service, service.tokens.issue(), clock.epoch),
+        ]
+    )
+    assert isinstance(landings[0], Conflict) and isinstance(landings[1], str)
+    assert service.store.ledger()["pending"] == 2
+    service.store.close()
+    service.store.engine.dispose()
+
+
+def _lock_waits(url: str, at_least: int) -> bool:
+    """Whether ``at_least`` backends of the test database wait on a lock (polled up to 10 s)."""
+    probe = create_engine(url)
+    try:
+        for _ in range(500):
+            with probe.connect() as conn:
+                waiting = conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                ).scalar_one()
+            if waiting >= at_least:
+                return True
+            time.sleep(0.02)
+        return False
+    finally:
+        probe.dispose()
+
+
+def test_a_close_waits_for_inserts_that_read_the_epoch_open(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """Two replicas on one PostgreSQL. Replica A's group commit read the epoch open and then
+    waits on replica B's uncommitted row with the same nonce; meanwhile B is told to close
+    the epoch. The close waits for A's insert before evaluating the group, so A's fresh
+    contribution, acknowledged, is in the evaluated group: not purged as late afterwards."""
+    a, clock = make_service(postgres_url, tmp_path / "a")
+    b, _ = make_service(postgres_url, tmp_path / "b")
+    epoch, nonce = clock.epoch, new_nonce()
+    fill(a, epoch, 10)
+    held, release = threading.Event(), threading.Event()
+
+    def uncommitted_at_b() -> None:
+        with b.store.engine.begin() as conn:
+            row = store_module._row(pending(a, a.tokens.issue(), epoch, nonce=nonce), "r" * 32)
+            b.store._insert_rows(conn, [row])
+            held.set()
+            release.wait(30)
+
+    landings: list[str | Conflict] = []
+    batch = [pending(a, a.tokens.issue(), epoch, nonce=nonce), pending(a, a.tokens.issue(), epoch)]
+    threads = [
+        threading.Thread(target=uncommitted_at_b),
+        threading.Thread(target=lambda: landings.extend(a.store.insert(batch))),
+        threading.Thread(target=b.close, args=(POLICY.id, epoch)),
+    ]
+    threads[0].start()
+    assert held.wait(10)
+    threads[1].start()
+    assert _lock_waits(postgres_url, 1)  # A's insert waits on B's row
+    threads[2].start()
+    close_waited = _lock_waits(postgres_url, 2)  # the close waits on A's insert
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert landings[0] == Conflict.REPLAYED_NONCE and isinstance(landings[1], str)
+    b.run_batching()  # a row that came after the evaluation would be purged here as late
+    ledger = a.ledger()
+    assert ledger["pending"] == 0 and ledger["purged"] == 0
+    assert sum(ledger.values()) == 12  # 10 + B's row + A's fresh one, all in the evaluated group
+    assert close_waited
+    for service in (a, b):
+        service.store.close()
+        service.store.engine.dispose()
+
+
 def _drop_other_connections(url: str) -> int:
     """Terminate every other backend of the test database (a restart, a failover)."""
     engine = create_engine(url)
@@ -151,6 +248,7 @@ def test_a_dropped_insert_connection_costs_at_most_one_refused_commit(
     answers 503), and the next commit lands on a fresh connection; a connection idle for
     longer than ``HELD_IDLE_SECONDS`` goes back through the pool's ping, so no commit fails."""
     service, clock = make_service(postgres_url, tmp_path)
+    monkeypatch.setattr(store_module, "HELD_IDLE_SECONDS", 600.0)  # no ping on a slow machine
     assert contribute(service, service.tokens.issue(), clock.epoch).receipt
     assert _drop_other_connections(postgres_url) >= 1
     with pytest.raises(DBAPIError):
