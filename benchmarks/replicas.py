@@ -530,8 +530,8 @@ def section(summary: dict[str, Any]) -> str:
         "(each with its default 2 opening processes) on one PostgreSQL database. Parts of",
         f"{PART_FRAGMENTS:,} fragments (`ESA_SHUFFLER_PART_FRAGMENTS`), so workers open different",
         "parts at once. Times from the release of the parts; fragments opened/s = fragments /",
-        "time to all opened (includes starting the opening pools), and from the first part",
-        "opened to the last.",
+        "time to all opened (each analyzer starts its opening processes before it reports",
+        "ready), and from the first part opened to the last.",
         "",
         "| round | analyzer workers | all parts stored (s) | all opened (s) | fragments opened/s "
         "| after the first part | every part opened once, received = released |",
