@@ -206,6 +206,7 @@ class ContributionStore(ABC):
         """
         c = storage.contributions.c
         with self.engine.begin() as conn:
+            self.begin_writing(conn)  # SQLite: no close commits between these reads and the insert
             revoked = _revoked_among(conn, {row[_CLIENT] for row in rows})
             closed = _closed_among(conn, {row[_CHANNEL] for row in rows})
             kept = _admitted(rows, revoked, closed)

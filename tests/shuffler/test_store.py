@@ -226,6 +226,35 @@ def test_a_close_waits_for_inserts_that_read_the_epoch_open(
         service.store.engine.dispose()
 
 
+def test_sqlite_a_close_cannot_commit_between_the_inserts_reads_and_its_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: the group commit takes the write lock before it reads the closed epochs, so a
+    close arriving right after that read (made to arrive there) waits for the insert, and the
+    acknowledged row is in the evaluated group rather than purged as late."""
+    service, clock = make_service(f"sqlite:///{tmp_path / 'test.db'}", tmp_path)
+    epoch = clock.epoch
+    fill(service, epoch, 10)
+    writer, closing = threading.current_thread(), []
+    read = store_module._closed_among
+
+    def a_close_arrives_after_the_read(conn: Any, channels: Any = None) -> dict[str, int]:
+        result = read(conn, channels)
+        if threading.current_thread() is writer and not closing:
+            closing.append(threading.Thread(target=service.close, args=(POLICY.id, epoch)))
+            closing[0].start()
+            time.sleep(0.3)  # without the lock, the close commits and evaluates here
+        return result
+
+    monkeypatch.setattr(store_module, "_closed_among", a_close_arrives_after_the_read)
+    stored = service.commit([pending(service, service.tokens.issue(), epoch)])
+    closing[0].join(30)
+    assert stored[0].receipt
+    service.run_batching()  # a row that came after the evaluation would be purged here as late
+    ledger = service.ledger()
+    assert ledger["pending"] == 0 and ledger["purged"] == 0 and sum(ledger.values()) == 11
+
+
 def _drop_other_connections(url: str) -> int:
     """Terminate every other backend of the test database (a restart, a failover)."""
     engine = create_engine(url)
