@@ -58,9 +58,9 @@ class ShufflerSettings(BaseSettings):
     backoff_cap_seconds: float = Field(60.0, gt=0)
     retention_seconds: float = Field(7 * 24 * 3600.0, gt=0)
     commit_batch: int = Field(64, ge=1)
-    #: Under load, a group commit smaller than ``commit_fill`` waits up to
-    #: ``commit_wait_seconds`` for more requests (fewer, larger transactions; see
-    #: :class:`shuffler.ingest.CommitQueue`). An idle service commits a lone request at once.
+    #: Under load, a group commit waits up to ``commit_wait_seconds`` until as many requests
+    #: are queued as in its recent batches, at most ``commit_fill`` (fewer, larger
+    #: transactions; :class:`shuffler.ingest.CommitQueue`). An idle service commits at once.
     commit_fill: int = Field(32, ge=1)
     commit_wait_seconds: float = Field(0.010, ge=0, le=1)
     #: How long an ingest commit waits for SQLite's write lock before answering 503: longer
