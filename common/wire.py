@@ -319,7 +319,9 @@ class RevokeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    client_id: str = Field(min_length=1, max_length=128)
+    #: Printable ASCII (client ids are hex); a control character is refused 400 here rather
+    #: than failing in the database.
+    client_id: str = Field(min_length=1, max_length=128, pattern=r"^[!-~]+$")
 
 
 class RevokeResult(BaseModel):

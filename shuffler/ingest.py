@@ -43,8 +43,11 @@ JSON_HEADERS = (b"content-type", b"application/json")
 Headers = list[tuple[bytes, bytes]]
 Answer = tuple[int, bytes, Headers]
 Item = tuple[Pending, "asyncio.Future[Stored]"]
-#: How many recent takes the commit window learns the batch size to wait for from.
+#: How many recent takes the commit window learns the batch size to wait for from, and for
+#: how long it remembers them across an idle writer (a client probing the window's delay
+#: must not learn the size of a burst from long ago).
 RECENT = 16
+RECENT_SECONDS = 1.0
 
 
 class CommitQueue:
@@ -128,6 +131,8 @@ class CommitQueue:
         first = self._inbox.get()
         if first is None:
             return [], True
+        if time.monotonic() - self._ended > RECENT_SECONDS:
+            self._recent.clear()  # idle since: what earlier batches held is not kept
         self._want = min(self.fill, max(self._recent, default=1))
         if self._busy and time.monotonic() - self._ended < self.wait:
             self._filled.clear()

@@ -156,6 +156,11 @@ class ShufflerService:
         policy = self.settings.channel(key.channel_id)
         if policy is None:
             return None
+        # Persist the close first, also for an epoch that ended by time: no replica acknowledges
+        # a contribution for it from then on, and on PostgreSQL the inserts already running end
+        # before the group is read (else one validated just before the end could land after
+        # the evaluation: acknowledged, then purged as late).
+        self.store.close_epoch(key.channel_id, key.epoch, self.clock())
         outcome = self.store.evaluate_group(key, self.batcher, policy, self.clock())
         if outcome is None:
             return None

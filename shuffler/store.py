@@ -70,6 +70,9 @@ _NONCE, _RECEIPT = _COLUMNS.index("nonce"), _COLUMNS.index("receipt")
 _CLIENT = _COLUMNS.index("client_id")
 _CHANNEL, _EPOCH = _COLUMNS.index("channel_id"), _COLUMNS.index("epoch")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
+#: How long a close or revocation waits for the running inserts before it gives up (ingest
+#: queues behind it meanwhile): :meth:`PostgresContributionStore._barrier`.
+BARRIER_TIMEOUT_MS = 2_000
 #: A connection held for inserts is used again without the pool's ping while it was used less
 #: than this long ago (a busy writer); after that it goes back through the pool, which pings it.
 HELD_IDLE_SECONDS = 1.0
@@ -908,8 +911,15 @@ class PostgresContributionStore(ContributionStore):
         afterwards reads the change (its snapshot is taken after its locks). Without it, an
         insert that read the epoch open but was slow to finish (waiting on another replica's
         row with the same nonce) committed after the group's evaluation: acknowledged, then
-        purged as late."""
+        purged as late. While it waits, new inserts queue behind it; so it gives up after
+        :data:`BARRIER_TIMEOUT_MS` (a vacuum or a long transaction holds a conflicting lock):
+        the close stays persisted, the caller answers 503 or retries the evaluation next round.
+
+        Raises:
+            sqlalchemy.exc.OperationalError: the lock was not granted in time.
+        """
         with self.engine.begin() as conn:
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{BARRIER_TIMEOUT_MS}ms'")
             conn.exec_driver_sql(f"LOCK TABLE {storage.contributions.name} IN SHARE MODE")
 
     @contextlib.contextmanager

@@ -220,6 +220,9 @@ def test_no_wait_for_requests_that_are_not_coming() -> None:
     writer = _queue_with(["a"], recent=4)
     writer._ended -= 61.0
     assert writer._take() == (["a"], False)
+    writer = _queue_with(["a"], recent=4)
+    writer._ended -= 2.0  # idle for 2 s: the sizes of earlier batches are forgotten
+    assert writer._take() == (["a"], False)
     writer = _queue_with(["a", None], recent=4)
     assert writer._take() == (["a"], True)  # stop() before the take: commit, then stop
     writer = _queue_with(["a"], recent=4)

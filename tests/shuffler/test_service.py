@@ -157,13 +157,13 @@ def test_overlapping_batching_runs_release_each_group_once(
         assert len(conn.execute(select(storage.groups)).all()) == 1
 
 
-def test_contributions_reaching_an_evaluated_group_are_purged_never_a_second_part(
+def test_contributions_reaching_an_evaluated_group_are_refused_never_acknowledged(
     database_url: str, tmp_path: Path
 ) -> None:
     """A contribution validated before its epoch ended and committed after the group was
-    evaluated (the epoch closed by the clock meanwhile) reaches a group already evaluated: it
-    is purged and recorded, never evaluated as a second part with fresh noise (PROTOCOL.md).
-    After an admin close the commit itself refuses it (epoch_not_open), not even a purge."""
+    evaluated (the epoch closed by the clock meanwhile): the evaluation persisted the close
+    first, so the commit refuses it (epoch_not_open) rather than acknowledging a contribution
+    that could only be purged as late; the group stays evaluated once (one part)."""
     service, clock = make_service(database_url, tmp_path, rng=SeededSource(3))
     epoch = clock.epoch
     fill(service, epoch, 40)
@@ -171,11 +171,10 @@ def test_contributions_reaching_an_evaluated_group_are_purged_never_a_second_par
     clock.now = (epoch + 1) * EPOCH_SECONDS + 60.0  # past the end and its grace
     assert service.run_batching() == 1
     before = service.ledger()
-    assert all(stored.receipt for stored in service.commit(late))
+    refusals = {stored.refusal.code for stored in service.commit(late) if stored.refusal}
+    assert refusals == {"epoch_not_open"}
     assert service.run_batching() == 0
-    after = service.ledger()
-    assert after["purged"] == before["purged"] + 25
-    assert after["in_batches_unforwarded"] == before["in_batches_unforwarded"]
+    assert service.ledger() == before
     with service.store.engine.connect() as conn:
         groups = conn.execute(select(storage.groups.c.part)).scalars().all()
     assert groups == [0]

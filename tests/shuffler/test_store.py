@@ -39,7 +39,7 @@ from shuffler.store import (
     new_receipts,
 )
 
-from .factory import POLICY, contribute, fill, make_service, open_files, pending
+from .factory import EPOCH_SECONDS, POLICY, contribute, fill, make_service, open_files, pending
 
 
 def test_one_implementation_per_dialect(tmp_path: Path) -> None:
@@ -253,6 +253,33 @@ def test_sqlite_a_close_cannot_commit_between_the_inserts_reads_and_its_write(
     service.run_batching()  # a row that came after the evaluation would be purged here as late
     ledger = service.ledger()
     assert ledger["pending"] == 0 and ledger["purged"] == 0 and sum(ledger.values()) == 11
+
+
+def test_a_close_gives_up_waiting_for_a_conflicting_lock_and_is_retried(
+    postgres_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: while a vacuum-like lock on the contributions table keeps the close's
+    barrier waiting (and ingest queued behind it), the barrier gives up after
+    ``BARRIER_TIMEOUT_MS``: the close stays persisted (no new contribution is acknowledged for
+    the epoch), the group is not evaluated that round, and the next round evaluates it."""
+    monkeypatch.setattr(store_module, "BARRIER_TIMEOUT_MS", 200)
+    service, clock = make_service(postgres_url, tmp_path)
+    epoch = clock.epoch
+    fill(service, epoch, 10)
+    holder = create_engine(postgres_url)
+    with holder.connect() as conn:
+        conn.exec_driver_sql("LOCK TABLE contributions IN SHARE UPDATE EXCLUSIVE MODE")
+        with pytest.raises(OperationalError):
+            service.store.close_epoch(POLICY.id, epoch, clock.now)
+        assert service.store.closed_epochs() == {POLICY.id: epoch}
+        clock.now = (epoch + 1) * EPOCH_SECONDS + 60.0
+        assert service.run_batching() == 0  # the evaluation's barrier gave up too
+        conn.rollback()
+    holder.dispose()
+    assert service.run_batching() == 1
+    assert service.ledger()["pending"] == 0
+    service.store.close()
+    service.store.engine.dispose()
 
 
 def _drop_other_connections(url: str) -> int:
