@@ -188,5 +188,9 @@ class Batcher:
 def due(policy: ChannelPolicy, epoch: int, now: float, grace: float, closed_upto: int) -> bool:
     """Whether a group is evaluated now: only once its epoch closed (``grace`` seconds after its
     end, or closed by an admin), and then whole, however many contributions it has."""
-    closes_at = (epoch + 1) * policy.epoch_seconds + grace
-    return now >= closes_at or epoch <= closed_upto
+    return now >= closes_at(policy, epoch, grace) or epoch <= closed_upto
+
+
+def closes_at(policy: ChannelPolicy, epoch: int, grace: float) -> float:
+    """When an epoch closes by the clock: ``grace`` seconds after its end."""
+    return (epoch + 1) * policy.epoch_seconds + grace

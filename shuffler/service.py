@@ -25,7 +25,7 @@ from common.randomness import RandomSource
 from common.retry import Backoff
 from common.wire import ShufflerConfig
 from services.runtime import db
-from shuffler.batcher import Batcher, Deletion, GroupStatus, due
+from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, due
 from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
 from shuffler.forwarder import Forwarder
 from shuffler.intake import Intake, TokenAuthority, refusal
@@ -156,11 +156,14 @@ class ShufflerService:
         policy = self.settings.channel(key.channel_id)
         if policy is None:
             return None
-        # Persist the close first, also for an epoch that ended by time: no replica acknowledges
-        # a contribution for it from then on, and on PostgreSQL the inserts already running end
-        # before the group is read (else one validated just before the end could land after
-        # the evaluation: acknowledged, then purged as late).
-        self.store.close_epoch(key.channel_id, key.epoch, self.clock())
+        # Persist the close first, also for an epoch that ended by the clock: no replica
+        # acknowledges a contribution for it from then on, and on PostgreSQL the inserts already
+        # running end before the group is read (else one validated just before the end could
+        # land after the evaluation: acknowledged, then purged as late).
+        now, grace = self.clock(), self.settings.epoch_grace_seconds
+        closed = self.intake.closed_upto.get(key.channel_id, -1)
+        if now >= closes_at(policy, key.epoch, grace) or key.epoch <= closed:
+            self.store.close_epoch(key.channel_id, key.epoch, now)
         outcome = self.store.evaluate_group(key, self.batcher, policy, self.clock())
         if outcome is None:
             return None
