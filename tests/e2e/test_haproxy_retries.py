@@ -202,14 +202,14 @@ def test_a_replica_killed_under_load_costs_its_clients_nothing(
         thread.start()
     try:
         time.sleep(1.5)
+        first_kill = time.monotonic()  # before kill(), which also waits for the exit
         domain[f"{SID}.r1"].kill()  # in flight, then refused until the check takes it out
-        first_kill = time.monotonic()
         time.sleep(2.0)
         stopped = domain[f"{SID}.r2"].process.pid
         os.kill(stopped, signal.SIGSTOP)  # what HAProxy sends it now hangs unanswered
         time.sleep(STOPPED_SECONDS)
-        domain[f"{SID}.r2"].kill()  # the hung requests: connection closed, no answer
         second_kill = time.monotonic()
+        domain[f"{SID}.r2"].kill()  # the hung requests: connection closed, no answer
         time.sleep(1.5)
     finally:
         stop.set()
