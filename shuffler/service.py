@@ -164,7 +164,7 @@ class ShufflerService:
         closed = self.intake.closed_upto.get(key.channel_id, -1)
         if now >= closes_at(policy, key.epoch, grace) or key.epoch <= closed:
             self.store.close_epoch(key.channel_id, key.epoch, now)
-        outcome = self.store.evaluate_group(key, self.batcher, policy, self.clock())
+        outcome = self.store.evaluate_group(key, self.batcher, policy, now)
         if outcome is None:
             return None
         self._count_evaluation(key, outcome.deletion, released=outcome.batch is not None)

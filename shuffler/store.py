@@ -219,8 +219,7 @@ class ContributionStore(ABC):
                 select(c.receipt).where(c.receipt.in_([r[_RECEIPT] for r in rows]))
             )
             landed = set(found.scalars())
-            missing = [row[_NONCE] for row in kept if row[_RECEIPT] not in landed]
-            taken = set(conn.execute(select(c.nonce).where(c.nonce.in_(missing))).scalars())
+            taken = _nonces_among(conn, _refused_nonces(rows, revoked, closed, landed))
         return revoked, closed, landed, taken
 
     def _insert_rows(self, conn: Connection, rows: list[Row]) -> int:
@@ -657,6 +656,13 @@ def _admitted(rows: list[Row], revoked: set[str], closed: dict[str, int]) -> lis
     return [row for row in rows if row[_CLIENT] not in revoked and not _late(row, closed)]
 
 
+def _refused_nonces(
+    rows: list[Row], revoked: set[str], closed: dict[str, int], landed: set[str]
+) -> list[bytes]:
+    """The nonces of the admitted rows that did not land: a unique constraint refused them."""
+    return [r[_NONCE] for r in _admitted(rows, revoked, closed) if r[_RECEIPT] not in landed]
+
+
 def _group_rows(conn: Connection, key: GroupKey, lock: bool) -> tuple[Ids, Ids]:
     """The group's waiting contributions as (ids, fragment counts) in id order, blobs unread;
     with ``lock`` every row is locked until the transaction ends (``FOR UPDATE``; SQLite
@@ -881,9 +887,7 @@ class PostgresContributionStore(ContributionStore):
             with self._autocommit() as conn:
                 landings = _pg_landings(conn.exec_driver_sql(_PG_INSERT, columns).all())
                 revoked, closed, landed, _ = landings
-                missing = [
-                    r[_NONCE] for r in _admitted(rows, revoked, closed) if r[_RECEIPT] not in landed
-                ]
+                missing = _refused_nonces(rows, revoked, closed, landed)
                 if missing:  # a unique constraint refused these (rare: a replay, or over quota)
                     landings = (revoked, closed, landed, _nonces_among(conn, missing))
         except SQLAlchemyError as error:
