@@ -128,8 +128,8 @@ def _insert_sql(mark: str, rows: int) -> str:
 #: and returns the receipts that landed (``i``). One snapshot for the reads and the insert.
 _PG_INSERT = f"""
 WITH v AS (
-  SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::text[], %s::bytea[],
-                       %s::bytea[], %s::integer[], %s::float8[], %s::text[])
+  SELECT * FROM unnest(%b::text[], %b::text[], %b::bigint[], %b::text[], %b::bytea[],
+                       %b::bytea[], %b::integer[], %b::float8[], %b::text[])
     AS v({", ".join(_COLUMNS)})
 ), r AS (
   SELECT client_id FROM {storage.revoked.name} WHERE client_id IN (SELECT client_id FROM v)
