@@ -4,10 +4,20 @@ estimates against the population's truth, and the certified ε per channel.
 Conservation (ESA-revisited Algorithm 3 removes whole contributions before the analyzer sees
 them): every contribution this run had acknowledged (202) is either received at the analyzer
 (the ``n`` of the channel's release over the run's epochs), removed by randomized deletion (or
-another deletion the shuffler counts: abort, retention), or still held at a shuffler. The
-shuffler side is read from each shuffler's ``/metrics`` before and after the run (the ledger
-gauges ``esa_shuffler_queue_depth`` and the counters ``esa_shuffler_contributions_deleted``),
-so other traffic on the deployment during the run shows as a mismatch, never as a pass.
+another deletion the shuffler records: abort, retention), or still held at a shuffler. The
+shuffler side is read from each trust domain's ``/metrics`` (one URL per shuffler, whatever
+answers it) before and after the run, from the gauges the shuffler reads from its database:
+the trust domain's ledger (``esa_shuffler_ledger_contributions{state}``, whose sum is every
+contribution the trust domain ever acknowledged, so its change is what it acknowledged during
+the run) and its deletions by cause (``esa_shuffler_ledger_deleted{cause}``). Every replica of
+a trust domain shares the database, so the scrape sees the whole domain whichever replica
+answers it (behind HAProxy always the same one): the per-process counters
+(``esa_shuffler_contributions_received_total``, ``…_deleted_total``) would see only that
+replica's share. They are read only from a shuffler without the ledger gauges (an older
+version; then one process per trust domain is verifiable). Contributions purged as ``late``
+(acknowledged, then reached a group already evaluated) are reported but, as before, not
+accounted for: they count as lost. Other traffic on the deployment during the run shows as a
+mismatch, never as a pass.
 
 Estimates: for the channel's largest true bins, the release against what the estimator
 targets for ``truth × kept`` (``kept``: the share that survived), with a 95% interval widened by
@@ -56,6 +66,12 @@ COVERAGE = 0.85
 #: Probability of failing a correct deployment on the estimates.
 FALSE_ALARM = 1e-6
 _METRIC = re.compile(r"^(esa_[a-z_]+)(\{[^}]*\})? (\S+)$", re.MULTILINE)
+#: The shuffler's gauge of its database ledger (every state; absent from older shufflers).
+_LEDGER = "esa_shuffler_ledger_contributions"
+#: The deletions conservation accounts for (a ``late`` purge is not one of them: lost).
+DELETIONS = ("randomized_deletion", "abort", "retention")
+#: The queues read from ``esa_shuffler_queue_depth``.
+QUEUES = ("pending", "held", "in_batches_unforwarded")
 
 
 class VerifyError(RuntimeError):
@@ -69,31 +85,55 @@ def scrape(url: str, token: str | None) -> dict[str, float]:
         response = httpx.get(url + "/metrics", headers=headers, timeout=30).raise_for_status()
     except httpx.HTTPError as error:
         raise VerifyError(f"metrics of {url}: {error}") from error
-    return {
-        m.group(1) + (m.group(2) or ""): float(m.group(3)) for m in _METRIC.finditer(response.text)
-    }
+    return parse_metrics(response.text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition's ``esa_*`` samples as {name{labels}: value}."""
+    return {m.group(1) + (m.group(2) or ""): float(m.group(3)) for m in _METRIC.finditer(text)}
 
 
 def shuffler_state(urls: Sequence[str], token: str) -> dict[str, dict[str, float]]:
-    """Per shuffler: acknowledged so far, deletions by cause, and its queues."""
+    """Per shuffler (trust domain): acknowledged so far, deletions by cause and its queues
+    (:func:`domain_state`; :func:`process_state` from a shuffler without the ledger gauges),
+    and ``domain_wide`` (1: read from the database, 0: one process's counters)."""
     with ThreadPoolExecutor(len(urls)) as pool:
         scraped = list(pool.map(lambda url: scrape(url, token), urls))
     found = {}
     for url, metrics in zip(urls, scraped, strict=True):
-        found[url] = {
-            "received": metrics.get("esa_shuffler_contributions_received_total", 0.0),
-            **{
-                f"deleted_{cause}": metrics.get(
-                    f'esa_shuffler_contributions_deleted_total{{cause="{cause}"}}', 0.0
-                )
-                for cause in ("randomized_deletion", "abort", "retention")
-            },
-            **{
-                state: metrics.get(f'esa_shuffler_queue_depth{{state="{state}"}}', 0.0)
-                for state in ("pending", "held", "in_batches_unforwarded")
-            },
-        }
+        domain = any(name.startswith(_LEDGER + "{") for name in metrics)
+        state = domain_state(metrics) if domain else process_state(metrics)
+        queues = {q: metrics.get(f'esa_shuffler_queue_depth{{state="{q}"}}', 0.0) for q in QUEUES}
+        found[url] = state | queues | {"domain_wide": float(domain)}
     return found
+
+
+def domain_state(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The trust domain's ledger as read from its database: acknowledged = the sum of every
+    ledger state, deletions by cause (``late``: purged after reaching an evaluated group)."""
+    states = [v for name, v in metrics.items() if name.startswith(_LEDGER + "{")]
+    return {
+        "received": math.fsum(states),
+        **{
+            f"deleted_{cause}": metrics.get(f'esa_shuffler_ledger_deleted{{cause="{cause}"}}', 0.0)
+            for cause in (*DELETIONS, "late")
+        },
+    }
+
+
+def process_state(metrics: Mapping[str, float]) -> dict[str, float]:
+    """One process's counters (a shuffler without the ledger gauges): acknowledged and
+    deletions by cause since it started; ``late`` purges are not counted there."""
+    return {
+        "received": metrics.get("esa_shuffler_contributions_received_total", 0.0),
+        **{
+            f"deleted_{cause}": metrics.get(
+                f'esa_shuffler_contributions_deleted_total{{cause="{cause}"}}', 0.0
+            )
+            for cause in DELETIONS
+        },
+        "deleted_late": 0.0,
+    }
 
 
 def close_epochs(urls: Sequence[str], token: str, epochs: Mapping[str, Sequence[int]]) -> None:
@@ -289,12 +329,24 @@ def conservation(
     acknowledged: int,
     received: int,
 ) -> dict[str, Any]:
-    """Acknowledged (this run's 202s) against received + deleted + held (shuffler deltas)."""
+    """Acknowledged (this run's 202s) against received + deleted + held (shuffler deltas,
+    :func:`shuffler_state`); ``purged_late`` is reported, not accounted for.
+
+    Raises:
+        VerifyError: a shuffler's state was read from its database once and from one
+            process's counters the other time (the deltas would mean nothing).
+    """
+    changed = [u for u in after if before[u]["domain_wide"] != after[u]["domain_wide"]]
+    if changed:
+        raise VerifyError(
+            f"the ledger gauges of {', '.join(changed)} appeared or vanished during the run "
+            "(a shuffler upgraded, or its database unreadable at one scrape)"
+        )
 
     def delta(key: str) -> int:
         return int(sum(after[u][key] - before[u][key] for u in after))
 
-    deleted = {c: delta(f"deleted_{c}") for c in ("randomized_deletion", "abort", "retention")}
+    deleted = {c: delta(f"deleted_{c}") for c in DELETIONS}
     held, pending = delta("held"), delta("pending")
     accounted = received + sum(deleted.values()) + held + pending
     return {
@@ -302,11 +354,13 @@ def conservation(
         "shufflers_acknowledged": delta("received"),
         "received_at_analyzer": received,
         "deleted": deleted,
+        "purged_late": delta("deleted_late"),
         "held": held,
         "pending": pending,
         "lost": acknowledged - accounted,
         "per_shuffler": {
-            url: {k: int(after[url][k] - before[url][k]) for k in after[url]} for url in after
+            url: {k: int(after[url][k] - before[url][k]) for k in after[url] if k != "domain_wide"}
+            for url in after
         },
     }
 
@@ -321,6 +375,11 @@ def conservation_problems(check: Mapping[str, Any]) -> list[str]:
     problems = []
     if check["lost"] > 0:
         problems.append(f"{check['lost']:,} acknowledged contributions are nowhere (lost)")
+    if check.get("purged_late", 0) > 0:
+        problems.append(
+            f"{check['purged_late']:,} acknowledged contributions were purged as late (they "
+            "reached a group after its evaluation)"
+        )
     if check["lost"] < 0:
         problems.append(
             f"{-check['lost']:,} more contributions reached the analyzer or the shufflers' "
