@@ -62,7 +62,10 @@ def compose_config(domain: str, port: int, hosts: Sequence[str]) -> str:
     text = _sub(rf"^    bind 127\.0\.0\.1:{port}$", f"    bind :{port}", text, 1)
     for index, host in enumerate(hosts, start=1):
         line = f"    server {host} {host}:{port} check"
-        text = _sub(rf"^    server p{index} 127\.0\.0\.1:{index} check$", line, text, 2)
+        text = _sub(rf"^    server p{index} 127\.0\.0\.1:{index} check$", line, text, 1)
+        tracked = rf"^    server p{index} 127\.0\.0\.1:{index} track ({domain}-replicas)/p{index}$"
+        line = f"    server {host} {host}:{port} track \\1/{host}"
+        text = _sub(tracked, line, text, 1)
     text = _sub(
         r"^(    default-server .*)$", r"\1 resolvers docker init-addr last,libc,none", text, 2
     )

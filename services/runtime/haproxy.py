@@ -137,7 +137,11 @@ def binary() -> Path:
     )
 
 
-def _backend(name: str, balance: str, ports: Sequence[int]) -> list[str]:
+def _backend(name: str, balance: str, ports: Sequence[int], track: str | None = None) -> list[str]:
+    """One backend over ``ports``, each server health-checked on ``/readyz``, or with ``track``
+    (another backend's name) following that backend's checks of the same process instead of
+    checking it again: the enrolment backend of a trust domain tracks its replicas backend, so
+    each process answers one check per interval, not two."""
     lines = [
         f"backend {name}",
         f"    balance {balance}",
@@ -147,7 +151,8 @@ def _backend(name: str, balance: str, ports: Sequence[int]) -> list[str]:
         "    http-check expect status 200",
         f"    default-server inter {CHECK_INTERVAL} fall 2 rise 2",
     ]
-    lines += [f"    server p{port} 127.0.0.1:{port} check" for port in ports]
+    how = (lambda port: "check") if track is None else (lambda port: f"track {track}/p{port}")
+    lines += [f"    server p{port} 127.0.0.1:{port} {how(port)}" for port in ports]
     return lines
 
 
@@ -177,7 +182,7 @@ def render(frontends: Sequence[Frontend]) -> str:
                 "",
                 *_backend(f"{f.name}-replicas", "hdr(Authorization)", f.backends),
                 "",
-                *_backend(f"{f.name}-enroll", "source", f.backends),
+                *_backend(f"{f.name}-enroll", "source", f.backends, f"{f.name}-replicas"),
             ]
         else:
             resendable = " ".join(ANALYZER_RESENDABLE)
