@@ -29,7 +29,18 @@ from common.wire import (
     b64,
 )
 from services.cli import launcher
+from services.tools.catalogue import DELETION
 
+#: A k-RR channel for load tests: one sealed fragment per report keeps the prepare phase short.
+LOADTEST_PAGES = ChannelConfig(
+    id="pages",
+    mechanism="krr",
+    params={"k": 16, "eps": 2.0},
+    min_crowd=20,
+    **DELETION,
+    max_fragments=4,
+    delta=1e-8,
+)
 #: A k-RAPPOR channel whose epochs last 10^8 s, so a test never straddles an epoch boundary.
 LONG_EPOCH_CHANNEL = ChannelConfig(
     id="homepage",

@@ -151,8 +151,9 @@ def _backend(name: str, balance: str, ports: Sequence[int], track: str | None = 
         "    http-check expect status 200",
         f"    default-server inter {CHECK_INTERVAL} fall 2 rise 2",
     ]
-    how = (lambda port: "check") if track is None else (lambda port: f"track {track}/p{port}")
-    lines += [f"    server p{port} 127.0.0.1:{port} {how(port)}" for port in ports]
+    for port in ports:
+        how = "check" if track is None else f"track {track}/p{port}"
+        lines.append(f"    server p{port} 127.0.0.1:{port} {how}")
     return lines
 
 

@@ -19,22 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from common.wire import ChannelConfig
 from services.cli import launcher
-from services.tools.catalogue import DELETION
 from services.tools.loadtest import verify
+from tests.support import LOADTEST_PAGES as PAGES
 from tests.support import TEST_SHUFFLER_SETTINGS
 
-#: A k-RR channel: one sealed fragment per report keeps the prepare phase short.
-PAGES = ChannelConfig(
-    id="pages",
-    mechanism="krr",
-    params={"k": 16, "eps": 2.0},
-    min_crowd=20,
-    **DELETION,
-    max_fragments=4,
-    delta=1e-8,
-)
 DEVICES = 300
 TOKEN = "development"
 

@@ -27,20 +27,11 @@ from services.tools.catalogue import DEFAULT_CHANNELS, DELETION
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
 from services.tools.loadtest.prepare import Plan, spec_for
 from services.tools.loadtest.verify import channel_problems
+from tests.support import LOADTEST_PAGES as PAGES
 from tests.support import TEST_SHUFFLER_SETTINGS
 
 HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
 FEATURES = next(c for c in DEFAULT_CHANNELS if c.id == "features")
-#: A k-RR channel: one sealed fragment per report keeps the prepare phase short.
-PAGES = ChannelConfig(
-    id="pages",
-    mechanism="krr",
-    params={"k": 16, "eps": 2.0},
-    min_crowd=20,
-    **DELETION,
-    max_fragments=4,
-    delta=1e-8,
-)
 #: A k-RR channel of 3-second epochs: a 12-second run spans 4-5 of them.
 TICKS = PAGES.model_copy(update={"id": "ticks", "epoch_seconds": 3})
 #: A longitudinal channel of 4 periods of 4-second epochs: the phase lasts ~16 s.
