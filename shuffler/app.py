@@ -29,7 +29,7 @@ from services.runtime.http import (
 from services.runtime.server import HEAD_LIMIT
 from shuffler import routes
 from shuffler.ingest import CommitQueue, Ingest, IngestFastPath
-from shuffler.metrics import ShufflerCollector, deletions_by_cause
+from shuffler.metrics import ShufflerCollector
 from shuffler.service import ShufflerService, build_service
 from shuffler.settings import ShufflerSettings
 
@@ -132,8 +132,7 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
     app.include_router(routes.public)
     app.include_router(routes.admin)
     registry = CollectorRegistry(auto_describe=True)
-    deletions = functools.partial(deletions_by_cause, service.store.engine)
-    registry.register(ShufflerCollector(service.events, service.ledger, deletions))
+    registry.register(ShufflerCollector(service.events, service.store.ledger_by_cause))
     token = settings.metrics_token or settings.admin_token
     add_operational_routes(app, service.store.engine, registry, token.get_secret_value())
     return app

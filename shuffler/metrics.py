@@ -20,12 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from sqlalchemy import func, select
-from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
-
-from shuffler import storage
-from shuffler.batcher import GroupStatus
 
 COUNTERS = {
     "contributions_received": "contributions acknowledged (202)",
@@ -36,9 +31,9 @@ COUNTERS = {
 }
 DELETION_CAUSES = ("randomized_deletion", "abort", "retention")
 QUEUE_STATES = ("pending", "held", "in_batches_unforwarded")
-#: The database's deletions by cause (``late``: reached a group after its evaluation).
-LEDGER_DELETION_CAUSES = ("randomized_deletion", "abort", "retention", "late")
 REJECTED = "rejected_"
+#: The ledger's states and its deletions by cause, as read in one snapshot.
+Ledger = tuple[dict[str, int], dict[str, int]]
 
 
 class Events:
@@ -63,85 +58,53 @@ class Events:
         return self.counts.get(event, 0)
 
 
-def deletions_by_cause(engine: Engine) -> dict[str, int]:
-    """The contributions the database records as deleted, by cause (read only): Algorithm 3's
-    randomized deletion and aborts (``groups.deleted`` by ``groups.status``; a held group
-    deleted nothing) and purges by ``purges.reason`` (``retention``, ``late``); every cause of
-    :data:`LEDGER_DELETION_CAUSES` is present, a purge reason not listed there keeps its name.
-    The causes add up to the ledger's ``deleted_by_algorithm_3 + purged``."""
-    g, p = storage.groups.c, storage.purges.c
-    by_status = select(g.status, func.sum(g.deleted)).group_by(g.status)
-    by_reason = select(p.reason, func.sum(p.contributions)).group_by(p.reason)
-    with engine.connect() as conn:
-        groups = {str(status): int(n or 0) for status, n in conn.execute(by_status)}
-        purges = {str(reason): int(n or 0) for reason, n in conn.execute(by_reason)}
-    found = dict.fromkeys(LEDGER_DELETION_CAUSES, 0)
-    found["abort"] = groups.pop(str(GroupStatus.ABORTED), 0)
-    found["randomized_deletion"] = sum(groups.values())
-    for reason, n in purges.items():
-        found[reason] = found.get(reason, 0) + n
-    return found
-
-
 class ShufflerCollector:
     """Prometheus metrics read at scrape time from the counters (this process's) and the
-    database (the trust domain's): the ledger, and with ``deletions`` (:func:`deletions_by_cause`
-    over the store's engine) its deletions by cause."""
+    database (the trust domain's): ``ledger`` returns the ledger and its deletions by cause,
+    read in one snapshot (:meth:`shuffler.store.ContributionStore.ledger_by_cause`)."""
 
-    def __init__(
-        self,
-        events: Events,
-        ledger: Callable[[], dict[str, int]],
-        deletions: Callable[[], dict[str, int]] | None = None,
-    ) -> None:
+    def __init__(self, events: Events, ledger: Callable[[], Ledger]) -> None:
         self.events = events
         self.ledger = ledger
-        self.deletions = deletions
 
     def describe(self) -> Iterator[Any]:
         """The metric names, without reading the store: registration runs before the
         migrations, and ``collect`` would query tables that do not exist yet."""
         yield from self._counters()
-        yield from self._gauges({}, None)
+        yield from self._gauges(({}, {}))
 
     def collect(self) -> Iterator[Any]:
         """The counters, then the database's gauges (none while the store cannot be read)."""
         yield from self._counters()
         try:
             ledger = self.ledger()
-            deletions = None if self.deletions is None else self.deletions()
         except SQLAlchemyError:
             return
-        yield from self._gauges(ledger, deletions)
+        yield from self._gauges(ledger)
 
-    def _gauges(
-        self, ledger: dict[str, int], deletions: dict[str, int] | None
-    ) -> Iterator[GaugeMetricFamily]:
+    def _gauges(self, ledger: Ledger) -> Iterator[GaugeMetricFamily]:
         """The trust domain's gauges from the ledger (empty: the families alone, to describe)."""
+        states, causes = ledger
         depth = GaugeMetricFamily(
             "esa_shuffler_queue_depth", "contributions by state", labels=["state"]
         )
-        states = GaugeMetricFamily(
+        where = GaugeMetricFamily(
             "esa_shuffler_ledger_contributions",
             "every contribution the trust domain acknowledged, by where it is now (database)",
             labels=["state"],
         )
-        for state in QUEUE_STATES if ledger else ():
-            depth.add_metric([state], ledger[state])
-        for state, value in ledger.items():  # every key: disjoint states, summing to all
-            states.add_metric([state], value)
-        yield depth
-        yield states
-        if self.deletions is None:
-            return
         deleted = GaugeMetricFamily(
             "esa_shuffler_ledger_deleted",
             "contributions the trust domain deleted, by cause (database)",
             labels=["cause"],
         )
-        for cause, value in (deletions or {}).items():
+        for state in QUEUE_STATES if states else ():
+            depth.add_metric([state], states[state])
+        for state, value in states.items():  # every key: disjoint states, summing to all
+            where.add_metric([state], value)
+        for cause, value in causes.items():
             deleted.add_metric([cause], value)
-        yield deleted
+        yield from (depth, where, deleted)
 
     def _counters(self) -> Iterator[Any]:
         for name, help_text in COUNTERS.items():

@@ -122,6 +122,10 @@ def _insert_sql(mark: str, rows: int) -> str:
     )
 
 
+#: The causes of deletion the ledger reports (:meth:`ContributionStore.ledger_by_cause`):
+#: Algorithm 3's randomized deletion and aborts, and the retention and late purges.
+LEDGER_CAUSES = ("randomized_deletion", "abort", "retention", "late")
+
 #: The group commit on PostgreSQL, one statement (so one transaction, in autocommit): the rows
 #: as nine arrays in :data:`_COLUMNS` order; reads the revoked clients and the latest closed
 #: epoch of each channel among them (``r``, ``e``), inserts the rows neither revoked nor late
@@ -170,6 +174,8 @@ class ContributionStore(ABC):
 
     #: The DB-API placeholder of the dialect's driver.
     mark: ClassVar[str]
+    #: The statement that opens a read transaction with one snapshot for all its reads.
+    snapshot_sql: ClassVar[str]
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -552,22 +558,46 @@ class ContributionStore(ABC):
 
     def ledger(self) -> dict[str, int]:
         """Where every acknowledged contribution went (for audits, metrics and tests)."""
-        c, b, g = storage.contributions.c, storage.batches.c, storage.groups.c
+        return self.ledger_by_cause()[0]
+
+    def ledger_by_cause(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The ledger (disjoint states: pending, held, in batches forwarded or not, deleted by
+        Algorithm 3, purged; their sum is every contribution ever acknowledged) and its
+        deletions by cause (:data:`LEDGER_CAUSES`: ``groups.deleted`` by status, purges by
+        reason; a purge reason not listed keeps its name), read in ONE snapshot
+        (:meth:`_snapshot`): a batch forwarded or a group evaluated between separate reads
+        would be counted twice or not at all."""
+        c, b, g, p = (t.c for t in (storage.contributions, storage.batches, storage.groups,
+                                    storage.purges))  # fmt: skip
         count = select(func.count()).select_from(storage.contributions)
+        in_batches = select(func.sum(b.n_contributions))
         queries = {
             "pending": count.where(c.held_part.is_(None)),
             "held": count.where(c.held_part.is_not(None)),
-            "in_batches_forwarded": select(func.sum(b.n_contributions)).where(
-                b.status == "forwarded"
-            ),
-            "in_batches_unforwarded": select(func.sum(b.n_contributions)).where(
-                b.status != "forwarded"
-            ),
-            "deleted_by_algorithm_3": select(func.sum(g.deleted)),
-            "purged": select(func.sum(storage.purges.c.contributions)),
+            "in_batches_forwarded": in_batches.where(b.status == "forwarded"),
+            "in_batches_unforwarded": in_batches.where(b.status != "forwarded"),
         }
+        with self._snapshot() as conn:
+            found = {name: int(conn.execute(q).scalar_one() or 0) for name, q in queries.items()}
+            query = select(g.status, func.sum(g.deleted)).group_by(g.status)
+            groups = {str(status): int(n or 0) for status, n in conn.execute(query)}
+            query = select(p.reason, func.sum(p.contributions)).group_by(p.reason)
+            purges = {str(reason): int(n or 0) for reason, n in conn.execute(query)}
+        found["deleted_by_algorithm_3"] = sum(groups.values())
+        found["purged"] = sum(purges.values())
+        causes = dict.fromkeys(LEDGER_CAUSES, 0)
+        causes["abort"] = groups.pop(str(GroupStatus.ABORTED), 0)
+        causes["randomized_deletion"] = sum(groups.values())
+        for reason, n in purges.items():
+            causes[reason] = causes.get(reason, 0) + n
+        return found, causes
+
+    @contextlib.contextmanager
+    def _snapshot(self) -> Iterator[Connection]:
+        """A connection whose reads all see one snapshot of the database (until it closes)."""
         with self.engine.connect() as conn:
-            return {name: int(conn.execute(q).scalar_one() or 0) for name, q in queries.items()}
+            conn.exec_driver_sql(self.snapshot_sql)
+            yield conn
 
 
 def _stale_batches(
@@ -838,6 +868,8 @@ class SqliteContributionStore(ContributionStore):
     """SQLite (one file, write-ahead log): ``?`` placeholders, less frequent checkpoints."""
 
     mark = "?"
+    #: Deferred: the snapshot is taken at the first read (WAL) and kept to the end.
+    snapshot_sql = "BEGIN"
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
@@ -860,9 +892,13 @@ class SqliteContributionStore(ContributionStore):
 
 class PostgresContributionStore(ContributionStore):
     """PostgreSQL (psycopg): ``%s`` placeholders; the group commit is one statement
-    (:data:`_PG_INSERT`) on a connection the writer keeps while it is busy."""
+    (:data:`_PG_INSERT`, its array parameters in the binary format: ``%b``) on a connection
+    the writer keeps while it is busy."""
 
     mark = "%s"
+    #: The first statement of the transaction the driver began (read committed would give each
+    #: statement its own snapshot).
+    snapshot_sql = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)

@@ -374,6 +374,6 @@ def _add_metrics_route(
             request.headers.get("authorization"), metrics_token
         ):
             raise MetricsTokenError("/metrics needs Authorization: Bearer <metrics token>")
-        return PlainTextResponse(
-            generate_latest(registry).decode(), media_type="text/plain; version=0.0.4"
-        )
+        # In a thread: collectors read the database, which must not stall the event loop.
+        body = await asyncio.to_thread(generate_latest, registry)
+        return PlainTextResponse(body.decode(), media_type="text/plain; version=0.0.4")

@@ -7,7 +7,6 @@ own counters (the independent record of the same events); the existing metrics s
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from common.randomness import SeededSource
 from common.wire import ChannelPolicy
 from services.tools.loadtest import verify
 from shuffler import storage
-from shuffler.metrics import ShufflerCollector, deletions_by_cause
+from shuffler.metrics import ShufflerCollector
 from shuffler.service import ShufflerService
 
 from .factory import EPOCH_SECONDS, fill, make_service
@@ -50,8 +49,7 @@ STATES = {
 def _registry(service: ShufflerService) -> CollectorRegistry:
     """The collector wired as ``shuffler.app`` wires it."""
     registry = CollectorRegistry(auto_describe=True)
-    deletions = functools.partial(deletions_by_cause, service.store.engine)
-    registry.register(ShufflerCollector(service.events, service.ledger, deletions))
+    registry.register(ShufflerCollector(service.events, service.store.ledger_by_cause))
     return registry
 
 
@@ -143,3 +141,20 @@ def test_verify_reads_the_gauges_and_falls_back_to_the_counters(tmp_path: Path) 
     mixed = verify.process_state(old) | queues | {"domain_wide": 0.0}
     with pytest.raises(verify.VerifyError, match="appeared or vanished"):
         verify.conservation({"s": start}, {"s": mixed}, 30, kept)
+
+
+def test_the_ledger_is_read_in_one_snapshot(database_url: str, tmp_path: Path) -> None:
+    """A change committed while the ledger is being read (here a purge, between the first read
+    and the last) is not seen by the reads after it: on PostgreSQL read committed would give
+    every statement its own snapshot, and a batch forwarded between two of the ledger's reads
+    was counted in neither (a reviewer's reproduction)."""
+    service, _ = make_service(database_url, tmp_path, policy=POLICY)
+    p = storage.purges
+    count = select(p.c.contributions).select_from(p)
+    with service.store._snapshot() as reading:
+        assert reading.execute(count).all() == []  # the snapshot starts at this read
+        with service.store.engine.begin() as writing:
+            writing.execute(p.insert().values(reason="retention", contributions=5, purged_at=1.0))
+        assert reading.execute(count).all() == []
+    ledger, causes = service.store.ledger_by_cause()
+    assert ledger["purged"] == causes["retention"] == 5
