@@ -229,10 +229,13 @@ def _framework_detail(exc: StarletteHTTPException) -> str:
 
 
 def bearer_matches(header: str | None, secret: str) -> bool:
-    """True when ``header`` is ``Bearer <secret>`` (constant time; any bytes are just wrong)."""
-    expected = f"Bearer {secret}".encode()
-    supplied = (header or "").encode("utf-8", "surrogateescape")
-    return bool(secret) and hmac.compare_digest(supplied, expected)
+    """True when ``header`` is ``Bearer <secret>``: the scheme in any case, then one or more
+    spaces (RFC 9110 §11.4, ``credentials = auth-scheme [ 1*SP token68 ]``; RFC 6750 §2.1),
+    the secret compared in constant time (any bytes are just wrong, never an error)."""
+    scheme, _, credentials = (header or "").partition(" ")
+    supplied = credentials.lstrip(" ").encode("utf-8", "surrogateescape")
+    bearer = scheme.lower() == "bearer"
+    return bool(secret) and hmac.compare_digest(supplied, secret.encode()) and bearer
 
 
 #: A check on a request before FastAPI reads its body; raises a :class:`DomainError` to refuse.

@@ -172,6 +172,18 @@ def test_health_readiness_config_and_metrics(service: ServiceProcess) -> None:
     ):
         refused = httpx.post(service.url + "/v1/admin/close", json=body, headers=admin)
         _error(refused, status, code)  # and nothing is closed: later epochs stay open
+    for scheme in ("bearer", "BEARER ", "Bearer"):  # RFC 9110 §11.1: any case, 1*SP
+        authorization = {"Authorization": f"{scheme} development"}
+        assert httpx.get(service.url + "/metrics", headers=authorization).status_code == 200
+        future = {"channel_id": CHANNEL["id"], "epoch": 2**40}  # past the check: nothing closed
+        close = httpx.post(service.url + "/v1/admin/close", json=future, headers=authorization)
+        _error(close, 422, "epoch_not_started")
+    for malformed in ("Basic development", "Bearerdevelopment", "Bearer  developmen"):
+        _error(
+            httpx.get(service.url + "/metrics", headers={"Authorization": malformed}),
+            401,
+            "bad_metrics_token",
+        )
     metrics = httpx.get(service.url + "/metrics", headers={"Authorization": "Bearer development"})
     assert metrics.headers["content-type"].startswith("text/plain")
     for name in (
