@@ -188,9 +188,13 @@ class Intake:
             )
         now = self.clock()
         epochs = open_epochs(policy, now, self.settings.epoch_grace_seconds)
-        if contribution.epoch not in epochs or contribution.epoch <= self.closed_upto.get(
-            policy.id, -1
-        ):
+        closed = self.closed_upto.get(policy.id, -1)
+        if contribution.epoch <= closed:
+            raise EpochNotOpenError(
+                f"epoch {contribution.epoch} is closed (an admin closed every epoch up to "
+                f"{closed}; current {max(epochs)})"
+            )
+        if contribution.epoch not in epochs:
             raise EpochNotOpenError(
                 f"epoch {contribution.epoch} is not open (current {max(epochs)})"
             )

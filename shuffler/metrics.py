@@ -22,6 +22,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
+from services.runtime.ledger import DELETION_CAUSES, LEDGER_CONTRIBUTIONS, LEDGER_DELETED
+
 COUNTERS = {
     "contributions_received": "contributions acknowledged (202)",
     "batches_released": "batches created by Algorithm 3",
@@ -29,7 +31,6 @@ COUNTERS = {
     "batches_retried": "forwarding attempts of a part that will be retried",
     "batches_failed": "batch parts whose content the analyzer refused (kept until retention)",
 }
-DELETION_CAUSES = ("randomized_deletion", "abort", "retention")
 QUEUE_STATES = ("pending", "held", "in_batches_unforwarded")
 REJECTED = "rejected_"
 #: The ledger's states and its deletions by cause, as read in one snapshot.
@@ -89,12 +90,12 @@ class ShufflerCollector:
             "esa_shuffler_queue_depth", "contributions by state", labels=["state"]
         )
         where = GaugeMetricFamily(
-            "esa_shuffler_ledger_contributions",
+            LEDGER_CONTRIBUTIONS,
             "every contribution the trust domain acknowledged, by where it is now (database)",
             labels=["state"],
         )
         deleted = GaugeMetricFamily(
-            "esa_shuffler_ledger_deleted",
+            LEDGER_DELETED,
             "contributions the trust domain deleted, by cause (database)",
             labels=["cause"],
         )

@@ -43,6 +43,7 @@ from sqlalchemy.sql.dml import Insert
 
 from common.wire import ChannelPolicy
 from services.runtime import db
+from services.runtime.ledger import LEDGER_CAUSES
 from shuffler import storage
 from shuffler.batcher import Batcher, Deletion, Evaluation, GroupStatus, Release, ReleasedBatch
 from shuffler.records import (
@@ -121,10 +122,6 @@ def _insert_sql(mark: str, rows: int) -> str:
         f"VALUES {', '.join([values] * rows)} ON CONFLICT DO NOTHING"
     )
 
-
-#: The causes of deletion the ledger reports (:meth:`ContributionStore.ledger_by_cause`):
-#: Algorithm 3's randomized deletion and aborts, and the retention and late purges.
-LEDGER_CAUSES = ("randomized_deletion", "abort", "retention", "late")
 
 #: The group commit on PostgreSQL, one statement (so one transaction, in autocommit): the rows
 #: as nine arrays in :data:`_COLUMNS` order; reads the revoked clients and the latest closed

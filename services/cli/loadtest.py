@@ -197,6 +197,9 @@ def loadtest(
        check acknowledged = received at the analyzer + removed by randomized deletion +
        held, estimates against the population's truth, and print the certified ε per
        channel. Exit status 1 if anything was lost, counted twice or estimated wrong.
+    Verification closes the run's epochs: a second run within the same epoch is refused by the
+    shufflers (epoch_not_open) and stops before the load, unverified, with exit status 1 (wait
+    for the next epoch, or use --up).
     Writes <out>/loadtest.json and <out>/loadtest.html (throughput, latency, errors, RSS).
     """
     _main(dict(locals()))

@@ -737,6 +737,8 @@ class Stats:
     by_shuffler: dict[int, Counter[int]] = field(default_factory=dict)
     #: Acknowledged (202) requests by :attr:`Request.tag`.
     accepted_by_tag: Counter[int] = field(default_factory=Counter)
+    #: Refusals (4xx/5xx answers recorded) by their JSON ``error`` code (``?``: no code).
+    refusals: Counter[str] = field(default_factory=Counter)
     _window: list[float] = field(default_factory=list)
 
     @property
@@ -899,6 +901,8 @@ class Driver:
                 await asyncio.sleep(retry_after_seconds(response.headers) or self._backoff(attempt))
                 continue
             self.stats.record(status, time.perf_counter() - start, request.shuffler, request.tag)
+            if status >= 400:
+                self.stats.refusals[_error_code(response)] += 1
             if status != 429:
                 return
             if not self._again(attempt, deadline):
@@ -921,10 +925,16 @@ def _replayed(response: Response) -> bool:
     attempt of it was committed, e.g. by a replica that died before answering, and a load
     balancer resent it (every nonce is sent by one logical request only, as a device's
     outbox re-sends only its own queued contribution: PROTOCOL.md)."""
+    return _error_code(response) == "replayed_nonce"
+
+
+def _error_code(response: Response) -> str:
+    """A refusal's JSON ``error`` code (PROTOCOL.md's error body); ``?`` when there is none."""
     try:
-        return bool(json.loads(response.body).get("error") == "replayed_nonce")
+        code = json.loads(response.body).get("error")
     except (ValueError, AttributeError):
-        return False
+        return "?"
+    return code if isinstance(code, str) else "?"
 
 
 # --- the services' processes --------------------------------------------------------------

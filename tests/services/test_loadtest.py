@@ -1,8 +1,10 @@
 """``esa loadtest`` against a real local deployment (1 analyzer + 3 shufflers as processes):
 a run that verifies (conservation, estimates, certified ε), a run over several short epochs
 whose estimates are verified epoch by epoch, a longitudinal channel driven through its periods
-(each in its own epoch) and verified, and a run that must fail because other devices
-contributed to the same epoch while it ran."""
+(each in its own epoch) and verified, a run that must fail because other devices
+contributed to the same epoch while it ran, and runs whose epoch a shuffler had already closed
+(a second run in the epoch an earlier run's verification closed; a shuffler that refused every
+contribution) that must stop with a clear error instead of verifying."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -24,8 +27,10 @@ from services.cli import launcher
 from services.cli.loadtest import loadtest
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS, DELETION
+from services.tools.loadtest import verify
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
 from services.tools.loadtest.prepare import Plan, spec_for
+from services.tools.loadtest.refusals import RefusedError, check_answers
 from services.tools.loadtest.verify import channel_problems
 from tests.support import LOADTEST_PAGES as PAGES
 from tests.support import TEST_SHUFFLER_SETTINGS
@@ -46,17 +51,20 @@ ABROAD = ChannelConfig(
     delta=1e-8,
     display="series",
 )
+#: k-RR channels (hourly epochs) of the closed-epoch tests, each closing its current epoch:
+#: no other test may send to them.
+AGAIN = PAGES.model_copy(update={"id": "again"})
+SHUT = PAGES.model_copy(update={"id": "shut"})
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(analyzer URL, pinned key) of a deployment with the pages, ticks, features and abroad
-    channels."""
+    """(analyzer URL, pinned key) of a deployment with the pages, ticks, features, abroad,
+    again and shut channels."""
     var = tmp_path_factory.mktemp("deployment")
     base = launcher.free_base_port(4)
-    specs = launcher.prepare(
-        var, 3, base, channels=[PAGES, TICKS, FEATURES, ABROAD], overrides=TEST_SHUFFLER_SETTINGS
-    )
+    channels = [PAGES, TICKS, FEATURES, ABROAD, AGAIN, SHUT]
+    specs = launcher.prepare(var, 3, base, channels=channels, overrides=TEST_SHUFFLER_SETTINGS)
     services = launcher.start_all(specs, var / "logs")
     try:
         yield services[0].url, (var / "analyzer.pub").read_text().strip()
@@ -182,26 +190,31 @@ def test_state_populations_and_specs() -> None:
     assert spec_for(plan, "homepage") == "zipf" and spec_for(plan, "abroad", True) == "changes:0.2"
 
 
-def _foreign_contributions(url: str, key: str, count: int, out: Path) -> loadgen.EpochSource:
-    """``count`` contributions from other devices to this epoch's features channel (enrolled
-    and sealed in this process, as loadgen's sealing workers do)."""
-    target = loadgen.fetch_target(url, key, "features")
+def _foreign_contributions(
+    url: str, key: str, count: int, out: Path, channel: str = "features"
+) -> loadgen.EpochSource:
+    """``count`` contributions from other devices to this epoch of ``channel`` (enrolled and
+    sealed in this process, as loadgen's sealing workers do)."""
+    target = loadgen.fetch_target(url, key, channel)
     tokens = asyncio.run(loadgen.enroll(target.shuffler_urls, count, 4))
     epoch = target.epoch(time.time())
-    sealer = loadgen._Sealer(
-        target.config.model_dump(mode="json"), "features", loadgen.ZipfValues(8)
-    )
+    sealer = loadgen._Sealer(target.config.model_dump(mode="json"), channel, loadgen.ZipfValues(8))
     sealer.add(list(zip(*tokens, strict=True)))
     sealer.seal_epoch(epoch, count, str(out / "foreign.bin"), fresh=False)
     return loadgen.EpochSource({epoch: [out / "foreign.bin"]}, target.channel.epoch_seconds)
+
+
+def _within_one_epoch(seconds: float) -> None:
+    """Sleep into the next hourly epoch unless ``seconds`` are left of the current one."""
+    if time.time() % 3600 > 3600 - seconds:
+        time.sleep(3600 - time.time() % 3600 + 1)
 
 
 def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
     deployment: tuple[str, str], tmp_path: Path
 ) -> None:
     url, key = deployment
-    if time.time() % 3600 > 3300:  # the extra traffic must land in the run's (hourly) epoch
-        time.sleep(3600 - time.time() % 3600 + 1)
+    _within_one_epoch(300)  # the extra traffic must land in the run's (hourly) epoch
     foreign = _foreign_contributions(url, key, 40, tmp_path)
     args = ["--channel", "features", "--devices", "200", "--rate", "50", "--duration", "30"]
     process = subprocess.Popen(
@@ -235,6 +248,77 @@ def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
     assert "verification: FAIL" in stdout, stdout + text
     assert "the shufflers acknowledged 240 contributions, this run saw 200" in text, text
     assert "more contributions reached the analyzer" in text, text
+
+
+def _refused(urls: list[str]) -> float:
+    """Contributions the shufflers refused ``epoch_not_open`` so far (their processes')."""
+    key = 'esa_shuffler_contributions_rejected_total{reason="epoch_not_open"}'
+    return sum(verify.scrape(u, "development").get(key, 0.0) for u in urls)
+
+
+def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
+    deployment: tuple[str, str], tmp_path: Path
+) -> None:
+    """The first run's verification closes its epoch at every shuffler; a second run in the
+    same (hourly) epoch is refused ``epoch_not_open``. It used to carry on and verify against
+    the analyzer's release of that epoch, which holds the first run's data: a FAIL with bogus
+    conservation numbers ("lost -1,083"). It must stop after one refused contribution, before
+    the load, and say which epoch is closed and what to do."""
+    url, key = deployment
+    _within_one_epoch(600)
+    args = ("--channel", "again", "--devices", "300", "--max")
+    first = subprocess.run(
+        _command(url, key, tmp_path / "first", *args), capture_output=True, text=True, timeout=240
+    )
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "verification: PASS" in first.stdout
+    urls = loadgen.fetch_target(url, key, "again").shuffler_urls
+    acknowledged = sum(s["received"] for s in verify.shuffler_state(urls, "development").values())
+    refused = _refused(urls)
+    epoch = int(time.time() // 3600)
+    second = subprocess.run(
+        _command(url, key, tmp_path / "second", *args), capture_output=True, text=True, timeout=240
+    )
+    message = " ".join(second.stderr.split())
+    assert second.returncode == 1, second.stdout + message
+    assert "verification" not in second.stdout and "lost" not in message, second.stdout
+    assert f"epoch {epoch} of channel 'again' is closed" in message, message
+    assert "earlier run's verification" in message and "wait for the next epoch" in message
+    assert not (tmp_path / "second" / "loadtest.json").exists()
+    # One contribution sent alone and refused: the load never went out.
+    assert _refused(urls) == refused + 1
+    after = verify.shuffler_state(urls, "development")
+    assert sum(s["received"] for s in after.values()) == acknowledged
+
+
+def test_a_shuffler_that_refused_every_contribution_stops_the_run(
+    deployment: tuple[str, str], tmp_path: Path
+) -> None:
+    """An epoch closed at one shuffler only (an earlier verification that stopped part way):
+    after a phase, a shuffler that refused (400) most of what it was sent stops the run before
+    its verification, named with the run's epochs."""
+    url, key = deployment
+    _within_one_epoch(120)
+    target = loadgen.fetch_target(url, key, "shut")
+    epoch, closed = target.epoch(time.time()), target.shuffler_urls[0]
+    httpx.post(
+        closed + "/v1/admin/close",
+        json={"channel_id": "shut", "epoch": epoch},
+        headers={"Authorization": "Bearer development"},
+        timeout=60,
+    ).raise_for_status()
+    driver = loadgen.Driver(target.shuffler_urls, 2)
+    source = _foreign_contributions(url, key, 60, tmp_path, "shut")
+    asyncio.run(driver.run(source, None, 30, until_empty=True))
+    answers = driver.stats.by_shuffler
+    assert set(answers[0]) == {400} and all(set(answers[i]) == {202} for i in (1, 2)), answers
+    with pytest.raises(RefusedError) as caught:
+        check_answers(driver.stats, target.shuffler_urls, {"shut": [epoch]})
+    message = str(caught.value)
+    assert f"{closed} refused {answers[0][400]} of the {answers[0][400]} contributions" in message
+    assert f"shut: epoch {epoch}" in message and "wait for the next epoch" in message
+    assert f"refusals by code: epoch_not_open {answers[0][400]}" in message
+    assert target.shuffler_urls[1] not in message
 
 
 def test_populations_add_up_to_the_devices(tmp_path: Path) -> None:

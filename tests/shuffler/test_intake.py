@@ -83,7 +83,7 @@ def test_validation_refuses_each_problem_with_its_code(database_url: str, tmp_pa
     with pytest.raises(BadTokenError):
         pending(service, token.split(".")[0] + ".forged", epoch)
     service.intake.close("homepage", epoch)
-    with pytest.raises(EpochNotOpenError):
+    with pytest.raises(EpochNotOpenError, match=f"epoch {epoch} is closed .*up to {epoch}"):
         pending(service, token, epoch)
 
 

@@ -106,10 +106,10 @@ def test_ledger_gauges_account_for_every_contribution_by_state_and_cause(
     assert depth == {s: states[s] for s in ("pending", "held", "in_batches_unforwarded")}
 
 
-def test_verify_reads_the_gauges_and_falls_back_to_the_counters(tmp_path: Path) -> None:
+def test_verify_reads_the_gauges_and_refuses_a_shuffler_without_them(tmp_path: Path) -> None:
     """What ``esa loadtest`` verification reads from a scrape: acknowledged = the sum of the
-    ledger's states and deletions by cause; from a shuffler without the ledger gauges (an
-    older version), the process's counters; a mix of the two is refused."""
+    ledger's states and deletions by cause; a shuffler without the ledger gauges (older than
+    them) is refused, named, rather than read from its process's counters."""
     service, clock = make_service(
         f"sqlite:///{tmp_path / 'shuffler.db'}", tmp_path, rng=SeededSource(SEED), policy=POLICY
     )
@@ -121,7 +121,7 @@ def test_verify_reads_the_gauges_and_falls_back_to_the_counters(tmp_path: Path) 
     assert service.run_batching() == 1
     after = verify.parse_metrics(generate_latest(registry).decode())
     kept = service.ledger()["in_batches_unforwarded"]
-    state = verify.domain_state(after)
+    state = verify.domain_state(after, "http://s")
     assert state == {
         "received": 30,
         "deleted_randomized_deletion": 30 - kept,
@@ -130,17 +130,15 @@ def test_verify_reads_the_gauges_and_falls_back_to_the_counters(tmp_path: Path) 
         "deleted_late": 0,
     }
     queues = {"held": 0.0, "pending": 0.0}
-    start = verify.domain_state(before) | queues | {"domain_wide": 1.0}
-    check = verify.conservation(
-        {"s": start}, {"s": state | queues | {"domain_wide": 1.0}}, 30, kept
-    )
+    start = verify.domain_state(before, "http://s") | queues
+    check = verify.conservation({"s": start}, {"s": state | queues}, 30, kept)
     assert check["lost"] == 0 and check["shufflers_acknowledged"] == 30
     assert verify.conservation_problems(check) == []
     old = {k: v for k, v in after.items() if not k.startswith("esa_shuffler_ledger_")}
-    assert verify.process_state(old) == state  # one process: the counters agree
-    mixed = verify.process_state(old) | queues | {"domain_wide": 0.0}
-    with pytest.raises(verify.VerifyError, match="appeared or vanished"):
-        verify.conservation({"s": start}, {"s": mixed}, 30, kept)
+    assert old["esa_shuffler_contributions_received_total"] == 30  # the counters are there
+    too_old = r"http://s/metrics has no ledger gauges .*shuffler too old"
+    with pytest.raises(verify.VerifyError, match=too_old):
+        verify.domain_state(old, "http://s")
 
 
 def test_the_ledger_is_read_in_one_snapshot(database_url: str, tmp_path: Path) -> None:

@@ -5,6 +5,8 @@
   processes, contributions for the run's epochs written to files ahead of the run
   (services/tools/loadgen.py);
 * :mod:`.live` — the run: replay at a rate, a ramp or as fast as answered, with a rich live view;
+* :mod:`.refusals` — a run whose epoch the shufflers closed (an earlier run's verification):
+  stopped with a clear error before the load or before verification, never verified;
 * :mod:`.verify` — close the epochs, wait for every batch, conservation and estimates vs truth;
 * :mod:`.report` — JSON and HTML report with plots.
 

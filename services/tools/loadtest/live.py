@@ -33,7 +33,16 @@ class ChannelSource:
         self, files: Mapping[str, Mapping[int, Sequence[Path]]], epochs: Mapping[str, int]
     ):
         self.sources = [loadgen.EpochSource(f, epochs[cid]) for cid, f in files.items()]
+        #: The channels in :attr:`sources`' order (a request's tag is its channel's index).
+        self.channels = list(files)
         self._turn = 0
+
+    def next_of(self, tag: int, now: float) -> loadgen.Request | None:
+        """The next request of the channel of index ``tag`` alone (None if it has none now)."""
+        found = self.sources[tag].next(now)
+        if found is None:
+            return None
+        return loadgen.Request(found.shuffler, found.token, found.body, tag)
 
     def next(self, now: float) -> loadgen.Request | None:
         """The next request of the next channel that has one now."""

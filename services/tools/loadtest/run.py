@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 
 from services.tools import loadgen
-from services.tools.loadtest import live, report, verify
+from services.tools.loadtest import live, refusals, report, verify
 from services.tools.loadtest.population import Population
 from services.tools.loadtest.prepare import Plan, Prepared, prepare, seal_series
 
@@ -122,7 +122,8 @@ def series_phase(
     """A longitudinal channel on its own: its devices' reports of period t sent during the
     t-th epoch of the phase (each period in its own epoch, Erlingsson et al. 2019), then with
     the admin token: close, drain, conservation (received = the analyzer's fragments opened
-    meanwhile: one per contribution) and every period's estimate against the truth. Returns
+    meanwhile: one per contribution) and every period's estimate against the truth (not if a
+    shuffler refused most of what it was sent: :func:`refusals.check_answers` raises). Returns
     the phase's run summary and its verification."""
     target, token = prepared.series[cid], options.admin_token
     urls, analyzer = prepared.shuffler_urls, options.plan.analyzer_url
@@ -143,6 +144,7 @@ def series_phase(
     run = live.summary(monitor, spent) | {"periods": len(files), "skipped": skipped}
     run |= {"epochs": [min(files), max(files)], "samples": report.public(monitor.samples)}
     console.log(f"{cid}: {driver.stats.accepted:,} accepted over {len(files)} periods")
+    refusals.check_answers(driver.stats, urls, {cid: sorted(files)})
     if token is None:
         return run, None
     stats = (driver.stats.accepted, skipped)
@@ -184,7 +186,9 @@ def _series_verification(
 def _histograms(
     options: Options, prepared: Prepared, console: Console
 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-    """The histogram channels' run: its summary, samples and verification."""
+    """The histogram channels' run: its summary, samples and verification; the first request
+    of each channel goes alone before the load, and the run stops unverified if a shuffler
+    refused most of what it was sent (:mod:`.refusals`: a closed epoch)."""
     plan, urls, say = options.plan, prepared.shuffler_urls, console.log
     before = verify.shuffler_state(urls, options.admin_token) if options.admin_token else {}
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
@@ -194,6 +198,7 @@ def _histograms(
     start = min(min(e) * epochs[c] for c, e in prepared.epochs.items())
     time.sleep(max(0.0, start - time.time()))
     say(f"run: {prepared.count:,} contributions prepared, {len(prepared.targets)} channels")
+    refusals.preflight(driver, source)
     seconds = asyncio.run(
         live.replay(monitor, source, options.rate, plan.duration, console, options.live)
     )
@@ -201,6 +206,7 @@ def _histograms(
     run["prepared_not_sent"] = prepared.count - driver.sent
     rate = run["accepted_per_s"]
     say(f"run finished: {run['accepted']:,} accepted in {seconds:.1f} s ({rate:,}/s)")
+    refusals.check_answers(driver.stats, urls, prepared.epochs)
     checked = None
     if options.admin_token:
         checked = verification(options, prepared, before, driver.stats, say)
@@ -213,6 +219,8 @@ def execute(options: Options, console: Console) -> dict[str, Any]:
 
     Raises:
         loadgen.LoadError, PopulationError: nothing could be prepared.
+        refusals.RefusedError: the shufflers refused the run's contributions (a closed
+            epoch, most likely by an earlier run's verification); nothing was verified.
         verify.VerifyError: verification could not complete.
     """
     plan = options.plan

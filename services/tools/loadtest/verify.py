@@ -9,15 +9,16 @@ shuffler side is read from each trust domain's ``/metrics`` (one URL per shuffle
 answers it) before and after the run, from the gauges the shuffler reads from its database:
 the trust domain's ledger (``esa_shuffler_ledger_contributions{state}``, whose sum is every
 contribution the trust domain ever acknowledged, so its change is what it acknowledged during
-the run) and its deletions by cause (``esa_shuffler_ledger_deleted{cause}``). Every replica of
-a trust domain shares the database, so the scrape sees the whole domain whichever replica
-answers it (behind HAProxy always the same one): the per-process counters
+the run) and its deletions by cause (``esa_shuffler_ledger_deleted{cause}``); the names are
+the shuffler's metrics contract, :mod:`services.runtime.ledger`. Every replica of a trust
+domain shares the database, so the scrape sees the whole domain whichever replica answers it
+(behind HAProxy always the same one): the per-process counters
 (``esa_shuffler_contributions_received_total``, ``…_deleted_total``) would see only that
-replica's share. They are read only from a shuffler without the ledger gauges (an older
-version; then one process per trust domain is verifiable). Contributions purged as ``late``
-(acknowledged, then reached a group already evaluated) are reported but, as before, not
-accounted for: they count as lost. Other traffic on the deployment during the run shows as a
-mismatch, never as a pass.
+replica's share, and are never read. A shuffler without the ledger gauges (older than them, or
+its database unreadable at that scrape) cannot be verified: :class:`VerifyError`.
+Contributions purged as ``late`` (acknowledged, then reached a group already evaluated) are
+reported but, as before, not accounted for: they count as lost. Other traffic on the
+deployment during the run shows as a mismatch, never as a pass.
 
 Estimates: for the channel's largest true bins, the release against what the estimator
 targets for ``truth × kept`` (``kept``: the share that survived), with a 95% interval widened by
@@ -54,6 +55,7 @@ import numpy as np
 from scipy import stats
 
 from common.mechanisms import get as get_mechanism
+from services.runtime.ledger import DELETION_CAUSES, LATE, LEDGER_CONTRIBUTIONS, LEDGER_DELETED
 from services.tools import loadgen
 from services.tools.loadtest.population import Population
 
@@ -66,10 +68,6 @@ COVERAGE = 0.85
 #: Probability of failing a correct deployment on the estimates.
 FALSE_ALARM = 1e-6
 _METRIC = re.compile(r"^(esa_[a-z_]+)(\{[^}]*\})? (\S+)$", re.MULTILINE)
-#: The shuffler's gauge of its database ledger (every state; absent from older shufflers).
-_LEDGER = "esa_shuffler_ledger_contributions"
-#: The deletions conservation accounts for (a ``late`` purge is not one of them: lost).
-DELETIONS = ("randomized_deletion", "abort", "retention")
 #: The queues read from ``esa_shuffler_queue_depth``.
 QUEUES = ("pending", "held", "in_batches_unforwarded")
 
@@ -94,45 +92,41 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def shuffler_state(urls: Sequence[str], token: str) -> dict[str, dict[str, float]]:
-    """Per shuffler (trust domain): acknowledged so far, deletions by cause and its queues
-    (:func:`domain_state`; :func:`process_state` from a shuffler without the ledger gauges),
-    and ``domain_wide`` (1: read from the database, 0: one process's counters)."""
+    """Per shuffler (trust domain): acknowledged so far, deletions by cause
+    (:func:`domain_state`) and its queues.
+
+    Raises:
+        VerifyError: a shuffler unreachable, or without the ledger gauges.
+    """
     with ThreadPoolExecutor(len(urls)) as pool:
         scraped = list(pool.map(lambda url: scrape(url, token), urls))
     found = {}
     for url, metrics in zip(urls, scraped, strict=True):
-        domain = any(name.startswith(_LEDGER + "{") for name in metrics)
-        state = domain_state(metrics) if domain else process_state(metrics)
         queues = {q: metrics.get(f'esa_shuffler_queue_depth{{state="{q}"}}', 0.0) for q in QUEUES}
-        found[url] = state | queues | {"domain_wide": float(domain)}
+        found[url] = domain_state(metrics, url) | queues
     return found
 
 
-def domain_state(metrics: Mapping[str, float]) -> dict[str, float]:
-    """The trust domain's ledger as read from its database: acknowledged = the sum of every
-    ledger state, deletions by cause (``late``: purged after reaching an evaluated group)."""
-    states = [v for name, v in metrics.items() if name.startswith(_LEDGER + "{")]
+def domain_state(metrics: Mapping[str, float], url: str) -> dict[str, float]:
+    """The trust domain's ledger as read from its database (the ``/metrics`` of ``url``):
+    acknowledged = the sum of every ledger state, deletions by cause (``late``: purged after
+    reaching an evaluated group).
+
+    Raises:
+        VerifyError: no ledger gauge in ``metrics``.
+    """
+    states = [v for name, v in metrics.items() if name.startswith(LEDGER_CONTRIBUTIONS + "{")]
+    if not states:
+        raise VerifyError(
+            f"{url}/metrics has no ledger gauges ({LEDGER_CONTRIBUTIONS}): shuffler too old "
+            "to verify (or its database unreadable at this scrape)"
+        )
     return {
         "received": math.fsum(states),
         **{
-            f"deleted_{cause}": metrics.get(f'esa_shuffler_ledger_deleted{{cause="{cause}"}}', 0.0)
-            for cause in (*DELETIONS, "late")
+            f"deleted_{cause}": metrics.get(f'{LEDGER_DELETED}{{cause="{cause}"}}', 0.0)
+            for cause in (*DELETION_CAUSES, LATE)
         },
-    }
-
-
-def process_state(metrics: Mapping[str, float]) -> dict[str, float]:
-    """One process's counters (a shuffler without the ledger gauges): acknowledged and
-    deletions by cause since it started; ``late`` purges are not counted there."""
-    return {
-        "received": metrics.get("esa_shuffler_contributions_received_total", 0.0),
-        **{
-            f"deleted_{cause}": metrics.get(
-                f'esa_shuffler_contributions_deleted_total{{cause="{cause}"}}', 0.0
-            )
-            for cause in DELETIONS
-        },
-        "deleted_late": 0.0,
     }
 
 
@@ -330,23 +324,12 @@ def conservation(
     received: int,
 ) -> dict[str, Any]:
     """Acknowledged (this run's 202s) against received + deleted + held (shuffler deltas,
-    :func:`shuffler_state`); ``purged_late`` is reported, not accounted for.
-
-    Raises:
-        VerifyError: a shuffler's state was read from its database once and from one
-            process's counters the other time (the deltas would mean nothing).
-    """
-    changed = [u for u in after if before[u]["domain_wide"] != after[u]["domain_wide"]]
-    if changed:
-        raise VerifyError(
-            f"the ledger gauges of {', '.join(changed)} appeared or vanished during the run "
-            "(a shuffler upgraded, or its database unreadable at one scrape)"
-        )
+    :func:`shuffler_state`); ``purged_late`` is reported, not accounted for."""
 
     def delta(key: str) -> int:
         return int(sum(after[u][key] - before[u][key] for u in after))
 
-    deleted = {c: delta(f"deleted_{c}") for c in DELETIONS}
+    deleted = {c: delta(f"deleted_{c}") for c in DELETION_CAUSES}
     held, pending = delta("held"), delta("pending")
     accounted = received + sum(deleted.values()) + held + pending
     return {
@@ -359,8 +342,7 @@ def conservation(
         "pending": pending,
         "lost": acknowledged - accounted,
         "per_shuffler": {
-            url: {k: int(after[url][k] - before[url][k]) for k in after[url] if k != "domain_wide"}
-            for url in after
+            url: {k: int(after[url][k] - before[url][k]) for k in after[url]} for url in after
         },
     }
 

@@ -1,0 +1,125 @@
+"""A run whose epoch the shufflers have closed: stop with a clear error, never verify it.
+
+A shuffler refuses every contribution to an epoch an admin has closed (``400
+epoch_not_open``) until the epoch is over, and ``esa loadtest``'s verification closes its run's
+epochs at every shuffler: a second run within the same epoch (an hour, by default) is refused
+whole. Verifying it would read the analyzer's release of that epoch, which holds the earlier
+run's contributions, and report conservation numbers that mean nothing (a FAIL such as
+"lost -1,083", or a PASS on nothing). So the run stops with :class:`RefusedError`:
+
+* before the load (:func:`preflight`): the first request of each channel is sent alone by the
+  run's own driver (its answer counts as the run's); a refusal ``epoch_not_open`` (the
+  driver counts refusals by error code) stops the run, naming the channel, the epoch and when
+  the next one starts;
+* after each phase, before its verification (:func:`check_answers`): a shuffler that refused
+  (400) more of the contributions sent to it than it acknowledged, e.g. an epoch closed at
+  some shufflers only (an earlier verification that stopped part way); the message gives
+  the phase's refusals by error code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+
+from services.tools import loadgen
+from services.tools.loadtest.live import ChannelSource
+
+#: The shuffler's error code for a contribution to an epoch that is not open (closed by an
+#: admin, or past): ``shuffler.errors.EpochNotOpenError.code``.
+EPOCH_NOT_OPEN = "epoch_not_open"
+#: What to do about a closed epoch (the end of every message).
+ADVICE = (
+    "a closed epoch stays closed until it ends: wait for the next epoch and run again, or "
+    "load-test a fresh deployment (esa loadtest --up)"
+)
+
+
+class RefusedError(loadgen.LoadError):
+    """The shufflers refused the run's contributions (a closed epoch): not verified."""
+
+
+class _One:
+    """A source of one request."""
+
+    def __init__(self, request: loadgen.Request) -> None:
+        self.request: loadgen.Request | None = request
+
+    def next(self, now: float) -> loadgen.Request | None:
+        """The request, once."""
+        found, self.request = self.request, None
+        return found
+
+
+def preflight(driver: loadgen.Driver, source: ChannelSource) -> None:
+    """Send the next request of each channel of ``source`` alone (through ``driver``: it is
+    the run's, counted in its stats) before the load; a channel with no request now (its
+    first epoch has not started, so it cannot have been closed) is left to the run.
+
+    Raises:
+        RefusedError: a shuffler refused one as ``epoch_not_open``, naming every such channel.
+    """
+    closed = []
+    for tag, channel in enumerate(source.channels):
+        now = time.time()
+        request = source.next_of(tag, now)
+        if request is None:
+            continue
+        refused = driver.stats.refusals[EPOCH_NOT_OPEN]
+        asyncio.run(driver.run(_One(request), None, 60, until_empty=True))
+        if driver.stats.refusals[EPOCH_NOT_OPEN] > refused:
+            seconds = source.sources[tag].epoch_seconds
+            epoch = int(now // seconds)
+            closed.append(
+                f"epoch {epoch} of channel '{channel}' is closed "
+                f"({driver.urls[request.shuffler]} refused the run's first contribution: "
+                f"400 {EPOCH_NOT_OPEN}; the next epoch starts {_when((epoch + 1) * seconds)})"
+            )
+    if closed:
+        raise RefusedError(
+            "; ".join(closed) + ". Most likely an earlier run's verification closed it (esa "
+            "loadtest --admin-token closes its run's epochs at every shuffler). Stopped before "
+            f"the load, nothing verified; {ADVICE}"
+        )
+
+
+def check_answers(
+    stats: loadgen.Stats, urls: Sequence[str], epochs: Mapping[str, Sequence[int]]
+) -> None:
+    """After a phase: stop if a shuffler refused (400) more of the contributions sent to it
+    than it acknowledged (202); ``epochs``: the phase's, per channel, to name them.
+
+    Raises:
+        RefusedError: naming every such shuffler.
+    """
+    refusing = []
+    for index, answers in sorted(stats.by_shuffler.items()):
+        refused, acknowledged = answers[400], answers[202]
+        if refused > acknowledged:
+            refusing.append(
+                f"{urls[index]} refused {refused:,} of the {answers.total():,} contributions "
+                f"sent to it (400) and acknowledged {acknowledged:,}"
+            )
+    if refusing:
+        named = ", ".join(f"{cid}: {_epochs(numbers)}" for cid, numbers in epochs.items())
+        codes = ", ".join(f"{code} {n:,}" for code, n in stats.refusals.most_common())
+        raise RefusedError(
+            "; ".join(refusing) + f" (refusals by code: {codes}). With {EPOCH_NOT_OPEN}, the "
+            f"run's epochs ({named}) are closed there, e.g. by an earlier run's verification; "
+            "not verified (the analyzer's release of a closed epoch holds an earlier run's "
+            f"data); {ADVICE}"
+        )
+
+
+def _epochs(numbers: Sequence[int]) -> str:
+    """``epoch 7`` or ``epochs 7-9``."""
+    first, last = min(numbers), max(numbers)
+    return f"epoch {first}" if first == last else f"epochs {first}-{last}"
+
+
+def _when(at: float) -> str:
+    """``at 14:00:00 UTC (in 23 min)``."""
+    left = max(0.0, at - time.time())
+    wait = f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min"
+    return f"at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(at))} (in {wait})"
