@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -324,6 +325,9 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
     for router in (batches, channels, admin, pages):
         app.include_router(router)
     metrics = CollectorRegistry(auto_describe=True)
-    metrics.register(EventsCollector(service.events, service.store.unopened_parts))
+    ledger = functools.partial(
+        service.store.fragment_ledger, [c.id for c in service.settings.channels]
+    )
+    metrics.register(EventsCollector(service.events, service.store.unopened_parts, ledger))
     add_operational_routes(app, service.store.engine, metrics)
     return app

@@ -1,14 +1,26 @@
-"""The analyzer's event counters and gauges, and their Prometheus view (read at scrape time)."""
+"""The analyzer's event counters and gauges, and their Prometheus view (read at scrape time).
+
+Two kinds of numbers, as at the shuffler: the counters (``esa_analyzer_*_total``) are this
+PROCESS's events since it started, so with several analyzer workers on one database a scrape
+sees one worker's share; the gauges are read from the database at scrape time, the same at every
+worker. :data:`LEDGER` (``esa_analyzer_ledger_fragments{channel, state}``) is the database's
+count of the fragments in every part opened so far, per configured channel: ``opened`` (the sum
+of every worker's ``esa_analyzer_fragments_opened_total``) and ``invalid`` (of their
+``esa_analyzer_fragments_invalid_total``), so a load test reads what all the workers together
+opened from whichever one answers. Labels are channel ids of the collection config only.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
+
+from services.runtime.ledger import ANALYZER_FRAGMENTS
 
 log = logging.getLogger("esa.analyzer")
 
@@ -29,6 +41,14 @@ GAUGES = {
     "their error, never accumulated: their batches stay incomplete)",
 }
 REJECTED = "rejected_"
+#: The fragment ledger's gauge (read from the database: every worker's parts together).
+LEDGER = ANALYZER_FRAGMENTS
+LEDGER_HELP = (
+    "fragments in every part opened by any analyzer worker sharing the database, per channel: "
+    "opened (decrypted) and invalid (failed to open or parse)"
+)
+#: Per configured channel, its fragments in opened parts: (opened, invalid).
+FragmentLedger = Callable[[], Mapping[str, tuple[int, int]]]
 
 
 class Events:
@@ -67,11 +87,16 @@ class Events:
 
 
 class EventsCollector:
-    """Prometheus collector over :class:`Events`, and the intake backlog read at scrape time."""
+    """Prometheus collector over :class:`Events`, and the intake backlog and the fragment
+    ledger (:meth:`analyzer.store.AnalyzerStore.fragment_ledger`; none when not given) read
+    at scrape time."""
 
-    def __init__(self, events: Events, backlog: Callable[[], int]) -> None:
+    def __init__(
+        self, events: Events, backlog: Callable[[], int], ledger: FragmentLedger | None = None
+    ) -> None:
         self.events = events
         self.backlog = backlog
+        self.ledger = ledger
 
     def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """The metric names, without reading the database (registration runs before the
@@ -79,12 +104,14 @@ class EventsCollector:
         yield GaugeMetricFamily("esa_analyzer_parts_unopened", "stored batch parts not yet opened")
         for name, help_text in GAUGES.items():
             yield GaugeMetricFamily(f"esa_analyzer_{name}", help_text)
+        yield GaugeMetricFamily(LEDGER, LEDGER_HELP, labels=["channel", "state"])
         yield from self._counters()
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """``esa_analyzer_<counter>``, ``esa_analyzer_batches_rejected{reason}``,
-        ``esa_analyzer_parts_unopened`` (stored parts the opener has not accumulated yet) and
-        ``esa_analyzer_parts_quarantined``; a gauge the database cannot answer now is NaN."""
+        ``esa_analyzer_parts_unopened`` (stored parts the opener has not accumulated yet),
+        ``esa_analyzer_parts_quarantined`` and :data:`LEDGER`; a gauge the database cannot
+        answer now is NaN (the ledger then has no sample)."""
         yield GaugeMetricFamily(
             "esa_analyzer_parts_unopened",
             "stored batch parts not yet opened",
@@ -95,7 +122,24 @@ class EventsCollector:
             read = reads.get(name)
             value = 0.0 if read is None else _read(read)
             yield GaugeMetricFamily(f"esa_analyzer_{name}", help_text, value=value)
+        yield self._ledger()
         yield from self._counters()
+
+    def _ledger(self) -> GaugeMetricFamily:
+        """:data:`LEDGER`: two samples per configured channel, none without a ledger or while
+        the database is unavailable (a scrape never fails because of it)."""
+        family = GaugeMetricFamily(LEDGER, LEDGER_HELP, labels=["channel", "state"])
+        if self.ledger is None:
+            return family
+        try:
+            counts = self.ledger()
+        except SQLAlchemyError:
+            log.warning("metrics: database unavailable for the fragment ledger")
+            return family
+        for channel, (opened, invalid) in sorted(counts.items()):
+            family.add_metric([channel, "opened"], opened)
+            family.add_metric([channel, "invalid"], invalid)
+        return family
 
     def _counters(self) -> Iterator[CounterMetricFamily]:
         counts = self.events.snapshot()

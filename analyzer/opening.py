@@ -248,7 +248,9 @@ class PartOpener:
             os.kill(os.getpid(), signal.SIGKILL)
         invalid: list[int] = []
         fold = _folder(runtime, header, opened, undecryptable, invalid)
-        folded = self.store.fold_part(header, fold, _merger(runtime), runtime.charge)
+        folded = self.store.fold_part(
+            header, fold, _merger(runtime), runtime.charge, n_opened=len(opened)
+        )
         if folded is None:
             return False
         self.events.count("parts_opened")

@@ -5,9 +5,10 @@ Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
 * ``batch_parts``: one row per stored part (idempotency by (``batch_id``, ``part``)): the raw
   signed body until it is opened, then only its counts (issue 11: acknowledged once stored,
   opened in the background). ``status`` is ``stored`` (waiting for the opener), ``opened``
-  (folded in) or ``quarantined`` (its opening failed :data:`analyzer.opening.OPEN_ATTEMPTS`
-  times: kept with its body, ``attempts`` and ``last_error`` for an operator, never folded in,
-  so its batch stays incomplete).
+  (folded in: ``invalid`` of its fragments failed to open or parse, ``n_opened`` opened, NULL
+  for parts opened before migration 0006) or ``quarantined`` (its opening failed
+  :data:`analyzer.opening.OPEN_ATTEMPTS` times: kept with its body, ``attempts`` and
+  ``last_error`` for an operator, never folded in, so its batch stays incomplete).
 * ``open_batches``: the statistics of a batch whose parts are not all opened yet, folded part
   by part in the same transaction that marks each part opened (nothing opened twice).
 * ``receipts``: one row per complete batch (all its parts opened), with its crowd size and how
@@ -33,7 +34,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, NamedTuple
@@ -137,6 +138,7 @@ batch_parts = Table(
     Column("last_error", Text, nullable=True),
     Column("invalid", Integer, nullable=False),
     Column("received_at", Float, nullable=False),
+    Column("n_opened", Integer, nullable=True),
 )
 
 #: ``batch_parts.status``: waiting for the opener, folded in, or set aside after failed openings.
@@ -199,6 +201,14 @@ class BatchProgress(NamedTuple):
     opened: int
     parts: int
     quarantined: int = 0
+
+
+class FragmentCounts(NamedTuple):
+    """A channel's fragments in opened parts: opened (decrypted), and failed to open or parse
+    (``invalid``; a fragment that opened but did not parse is in both)."""
+
+    opened: int
+    invalid: int
 
 
 class Folded(Enum):
@@ -363,6 +373,28 @@ class AnalyzerStore:
         """How many parts were set aside after failed openings."""
         return self._parts_with(QUARANTINED)
 
+    def fragment_ledger(self, channel_ids: Collection[str]) -> dict[str, FragmentCounts]:
+        """Per channel of ``channel_ids`` (the collection config: nothing else becomes a
+        label), its fragments in every part opened so far, by whichever analyzer worker:
+        opened, and failed to open or parse. One statement, so one snapshot on both databases
+        (a part folded meanwhile counts in both sums or in neither). It is the sum of
+        ``fragments_opened`` and ``fragments_invalid`` of every process that ever opened a part
+        of the database (:class:`analyzer.metrics.Events`); a part opened before migration 0006
+        counts ``n_fragments - invalid`` as opened (its undecryptable fragments were not kept
+        apart from its unparsable ones). Parts waiting or quarantined count nowhere."""
+        p = batch_parts.c
+        opened = func.coalesce(p.n_opened, p.n_fragments - p.invalid)
+        query = (
+            select(p.channel_id, func.sum(opened), func.sum(p.invalid))
+            .where(p.status == OPENED, p.channel_id.in_(sorted(channel_ids)))
+            .group_by(p.channel_id)
+        )
+        found = dict.fromkeys(channel_ids, FragmentCounts(0, 0))
+        with self.engine.connect() as conn:
+            for channel_id, n_opened, invalid in conn.execute(query):
+                found[channel_id] = FragmentCounts(int(n_opened or 0), int(invalid or 0))
+        return found
+
     def _parts_with(self, status: str) -> int:
         query = select(func.count()).select_from(batch_parts).where(batch_parts.c.status == status)
         with self.engine.connect() as conn:
@@ -412,13 +444,14 @@ class AnalyzerStore:
         return quarantined
 
     def fold_part(
-        self, header: PartHeader, fold: Fold, merge: Merge, charge: Charge
+        self, header: PartHeader, fold: Fold, merge: Merge, charge: Charge, *, n_opened: int
     ) -> Folded | None:
-        """Fold an opened part into its batch's statistics and mark it opened, in one
-        transaction; when it is the batch's last part, the batch joins its accumulator, gets
-        its receipt and its epoch is recharged in the same transaction (so a batch counts once,
-        whole, or not at all). Returns None if the part is no longer waiting (opened by
-        another opener, or quarantined).
+        """Fold an opened part (``n_opened`` of its fragments decrypted) into its batch's
+        statistics and mark it opened with its fragment counts, in one transaction; when it is
+        the batch's last part, the batch joins its accumulator, gets its receipt and its epoch
+        is recharged in the same transaction (so a batch counts once, whole, or not at all).
+        Returns None if the part is no longer waiting (opened by another opener, or
+        quarantined).
 
         Raises:
             StorageConflictError: if concurrent writers kept colliding.
@@ -426,7 +459,7 @@ class AnalyzerStore:
         for _ in range(STORE_ATTEMPTS):
             try:
                 with self._storing, self.engine.begin() as conn:
-                    return _fold_part(conn, header, fold, merge, charge, self.clock())
+                    return _fold_part(conn, header, fold, merge, charge, n_opened, self.clock())
             except IntegrityError:
                 continue
         raise StorageConflictError("could not fold the part; retry later")
@@ -612,7 +645,13 @@ _HEADER = tuple(
 
 
 def _fold_part(
-    conn: Connection, header: PartHeader, fold: Fold, merge: Merge, charge: Charge, now: float
+    conn: Connection,
+    header: PartHeader,
+    fold: Fold,
+    merge: Merge,
+    charge: Charge,
+    n_opened: int,
+    now: float,
 ) -> Folded | None:
     p, o = batch_parts.c, open_batches.c
     part_key = (p.batch_id == header.batch_id, p.part == header.part, p.status == STORED)
@@ -627,8 +666,12 @@ def _fold_part(
         )
     ).first()
     state, invalid = fold(None if row is None else bytes(row.state))
+    # Marked opened with its counts in one statement, under the row lock taken above while it
+    # was still stored: the part counts once in the fragment ledger, whoever folds it.
     conn.execute(
-        update(batch_parts).where(*part_key).values(status=OPENED, body=None, invalid=invalid)
+        update(batch_parts)
+        .where(*part_key)
+        .values(status=OPENED, body=None, invalid=invalid, n_opened=n_opened)
     )
     opened = 1 + (0 if row is None else int(row.opened))
     fragments = header.n_fragments + (0 if row is None else int(row.n_fragments))

@@ -1,11 +1,12 @@
-"""The shuffler's ledger metrics: the contract between the shuffler's ``/metrics`` and
-``esa loadtest``'s verification.
+"""The ledger metrics: the contract between the services' ``/metrics`` and ``esa loadtest``'s
+verification.
 
 The shuffler (``shuffler.metrics``, ``shuffler.store``) reads its trust domain's ledger from the
-database at scrape time and exposes it under these names; the load test's verification
-(``services.tools.loadtest.verify``) reads the same names to check conservation. Both import
-them from here (the load test may not import the shuffler), so neither can rename a gauge or a
-cause alone.
+database at scrape time and exposes it under these names, and the analyzer its fragments in
+opened parts (``analyzer.metrics``); the load test's verification
+(``services.tools.loadtest.verify``) reads the same names to check conservation. All import
+them from here (the load test may not import a service), so none can rename a gauge or a
+cause alone. Read from the database, they are the same at every replica or worker.
 """
 
 from __future__ import annotations
@@ -24,3 +25,8 @@ DELETION_CAUSES = ("randomized_deletion", "abort", "retention")
 LATE = "late"
 #: Every cause of :data:`LEDGER_DELETED`.
 LEDGER_CAUSES = (*DELETION_CAUSES, LATE)
+#: The analyzer's fragments in every part opened by any of its workers (labels ``channel``,
+#: ``state``: :data:`FRAGMENT_STATES`).
+ANALYZER_FRAGMENTS = "esa_analyzer_ledger_fragments"
+#: ``opened``: decrypted; ``invalid``: failed to open or parse.
+FRAGMENT_STATES = ("opened", "invalid")

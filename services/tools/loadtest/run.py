@@ -129,7 +129,7 @@ def series_phase(
     urls, analyzer = prepared.shuffler_urls, options.plan.analyzer_url
     files, sealed = seal_series(prepared, cid, options.out)
     before = verify.shuffler_state(urls, token) if token else {}
-    opened = verify.analyzer_fragments(analyzer, token) if token else {}
+    opened = verify.analyzer_fragments(analyzer, token, cid) if token else {}
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
     monitor = live.Monitor(driver, urls, options.local)
     rate = options.rate if isinstance(options.rate, int | float) else None
@@ -163,7 +163,7 @@ def _series_verification(
     (acknowledged, skipped), seconds = sent, prepared.series[cid].channel.epoch_seconds
     verify.close_epochs(urls, token, {cid: [max(epochs)]})  # closes every epoch up to it
     drained = verify.drain(analyzer, urls, token, options.drain_timeout)
-    after, now = verify.shuffler_state(urls, token), verify.analyzer_fragments(analyzer, token)
+    after, now = verify.shuffler_state(urls, token), verify.analyzer_fragments(analyzer, token, cid)
     received = int(now["opened"] - opened["opened"])
     population = prepared.populations[cid]
     row = _row(options, cid, prepared.series[cid], population, epochs, acknowledged, received)

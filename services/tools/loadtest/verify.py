@@ -55,7 +55,14 @@ import numpy as np
 from scipy import stats
 
 from common.mechanisms import get as get_mechanism
-from services.runtime.ledger import DELETION_CAUSES, LATE, LEDGER_CONTRIBUTIONS, LEDGER_DELETED
+from services.runtime.ledger import (
+    ANALYZER_FRAGMENTS,
+    DELETION_CAUSES,
+    FRAGMENT_STATES,
+    LATE,
+    LEDGER_CONTRIBUTIONS,
+    LEDGER_DELETED,
+)
 from services.tools import loadgen
 from services.tools.loadtest.population import Population
 
@@ -188,20 +195,30 @@ def release(
     return found
 
 
-def analyzer_fragments(url: str, token: str | None) -> dict[str, float]:
-    """The analyzer's fragment counters (``/metrics``): opened, and failed to open or parse.
+def analyzer_fragments(url: str, token: str | None, channel_id: str) -> dict[str, float]:
+    """``channel_id``'s fragments in every part the analyzer opened so far, by any of its
+    workers (``esa_analyzer_ledger_fragments``, read from its database: the same whichever
+    worker answers): opened, and failed to open or parse (``invalid``).
 
-    A longitudinal contribution carries exactly one fragment, so during a phase in which only
-    one longitudinal channel sends, fragments opened = its contributions received (its
-    release counts only the reports at each level's first node, and its crowds are tree
-    nodes). The counters are the analyzer process's own: with several analyzer workers behind
-    a load balancer a scrape sees one of them.
+    A longitudinal contribution carries exactly one fragment, so over a phase in which the
+    channel alone sends, the change of ``opened`` is its contributions received (its release
+    counts only the reports at each level's first node, and its crowds are tree nodes).
+
+    Raises:
+        VerifyError: no ledger sample for ``channel_id`` (an analyzer older than the gauge,
+            the channel not configured there, or its database unreadable at this scrape).
     """
     metrics = scrape(url, token)
-    return {
-        name: metrics.get(f"esa_analyzer_fragments_{name}_total", 0.0)
-        for name in ("opened", "invalid")
+    keys = {
+        state: f'{ANALYZER_FRAGMENTS}{{channel="{channel_id}",state="{state}"}}'
+        for state in FRAGMENT_STATES
     }
+    if any(key not in metrics for key in keys.values()):
+        raise VerifyError(
+            f"{url}/metrics has no {ANALYZER_FRAGMENTS} for channel {channel_id!r}: analyzer "
+            "too old to verify, the channel not configured there, or its database unreadable"
+        )
+    return {state: metrics[key] for state, key in keys.items()}
 
 
 def received_contributions(found: Mapping[str, Any]) -> int:
