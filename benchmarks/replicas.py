@@ -5,8 +5,12 @@ Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/replicas.py`` (``--
 PostgreSQL at ``ESA_BENCH_POSTGRES`` (default ``postgres@127.0.0.1:5432``, trust auth); the
 script creates and drops its own databases (``esa_rb_*``, prefix ``ESA_BENCH_DB_PREFIX``).
 
-1. Devices (services/tools/loadgen.py): ``--devices`` devices enroll over HTTP at each of the 3
-   shufflers, encode and seal a k-RAPPOR ``homepage`` report (~31 fragments) in worker
+``--shufflers`` trust domains (default 3, the pipeline's; all share the 2 cores, so a second
+replica per domain doubles the shuffler processes on them; with 1, the second replica has the
+machine's spare core, as on a trust domain's own host).
+
+1. Devices (services/tools/loadgen.py): ``--devices`` devices enroll over HTTP at each of the
+   ``--shufflers`` shufflers, encode and seal a k-RAPPOR ``homepage`` report (~31 fragments) in worker
    processes, and one sealed contribution each is written to disk ahead of the run. Client
    tokens are HMACs under each shuffler's secret (kept under the var folder), so the very same
    requests (same bodies, same sizes) are replayed in every round against fresh databases.
@@ -74,6 +78,7 @@ from shuffler.store import make_store
 
 POSTGRES = os.environ.get("ESA_BENCH_POSTGRES", "postgres@127.0.0.1:5432")
 PREFIX = os.environ.get("ESA_BENCH_DB_PREFIX", "esa_rb")
+#: Trust domains (``--shufflers``; :func:`use_shufflers`) and every service's database name.
 SHUFFLERS = 3
 SERVICES = ["analyzer", *(f"shuffler_{i}" for i in range(1, SHUFFLERS + 1))]
 CHANNEL_ID = "homepage"
@@ -90,6 +95,14 @@ OVERRIDES = {
     "ESA_SHUFFLER_PART_FRAGMENTS": str(PART_FRAGMENTS),
 }
 console = Console(stderr=True)
+
+
+def use_shufflers(count: int) -> None:
+    """Run with ``count`` trust domains (the default 3 share the 2 cores; 1 measures a replica
+    against the machine's spare core, as on a trust domain's own host)."""
+    global SHUFFLERS, SERVICES
+    SHUFFLERS = count
+    SERVICES = ["analyzer", *(f"shuffler_{i}" for i in range(1, count + 1))]
 
 
 def template() -> str:
@@ -159,7 +172,7 @@ async def prepare_load(var: Path, out: Path, args: argparse.Namespace) -> dict[s
         with loadgen.SealerPool(target, args.workers) as pool:
             pool.ready()
             start = time.perf_counter()
-            tokens = await loadgen.enroll(fronts(base), args.devices, args.concurrency // 3)
+            tokens = await loadgen.enroll(fronts(base), args.devices, args.concurrency // SHUFFLERS)
             enrolled = time.perf_counter() - start
             reports = await asyncio.to_thread(pool.add_devices, tokens)
             epoch = target.epoch(time.time())
@@ -232,9 +245,9 @@ async def ingest_round(
     source = loadgen.EpochSource({load["epoch"]: load["files"]}, EPOCH_SECONDS)
     pids = {s.process.pid for s in services}
     try:
-        before = cpu_seconds(pids)
+        before, driving = cpu_seconds(pids), time.process_time()
         seconds = await driver.run(source, None, args.max_seconds, True)
-        after = cpu_seconds(pids)
+        after, driving = cpu_seconds(pids), time.process_time() - driving
     except BaseException:
         launcher.stop(services)
         raise
@@ -266,6 +279,8 @@ async def ingest_round(
         "cpu_ms_per_contribution": round(cpu * 1e3 / max(1, stats.accepted), 3),
         "cores_used": round(cpu / seconds, 2),
         "cpu_s_by": {kind: round(value, 2) for kind, value in sorted(by_kind.items())},
+        # The load generator (this process): what is left of the 2 cores for the services.
+        "loadgen_cores": round(driving / seconds, 2),
     }
     console.log(f"ingest R={replicas}: {result}")
     if stats.accepted != args.devices or not result["stored_match"]:
@@ -454,6 +469,13 @@ def cores(rounds: list[dict[str, Any]], replicas: int) -> float:
     return float(sum(r["cpu_s"] for r in chosen) / sum(r["seconds"] for r in chosen))
 
 
+def loadgen_cores(rounds: list[dict[str, Any]], replicas: int) -> float:
+    """Cores the load generator used on average over the rounds at ``replicas``."""
+    chosen = [r for r in rounds if r["replicas"] == replicas]
+    used = sum(r["loadgen_cores"] * r["seconds"] for r in chosen)
+    return float(used / sum(r["seconds"] for r in chosen))
+
+
 def pair_ratios(rounds: list[dict[str, Any]]) -> list[float]:
     """Rate at 2 over rate at 1 within each adjacent pair of rounds (1, 2) or (2, 1)."""
     ratios = []
@@ -479,7 +501,8 @@ def section(summary: dict[str, Any]) -> str:
         f"{min(summary['loads']):.1f}–{max(summary['loads']):.1f} at the end of the rounds);",
         "PostgreSQL 15 on the same machine, HAProxy in front of every service in every round.",
         "",
-        f"**Ingest**, 3 shufflers: the same {summary['devices']:,} sealed contributions (k-RAPPOR",
+        f"**Ingest**, {summary['shufflers']} shuffler(s): the same {summary['devices']:,} "
+        "sealed contributions (k-RAPPOR",
         f"`homepage`, ~{summary['request_bytes'] / 1024:.1f} KB per request, distinct devices",
         "enrolled over HTTP, services/tools/loadgen.py) replayed in each round against fresh",
         f"databases over {summary['concurrency']} keep-alive connections, as fast as the "
@@ -513,7 +536,8 @@ def section(summary: dict[str, Any]) -> str:
         "PostgreSQL backends; CPU seconds over accepted contributions, all rounds of the layout):",
         f"1 replica **{cpu_per(ingest, 1):.2f} ms**, 2 replicas **{cpu_per(ingest, 2):.2f} ms** "
         f"(ratio {cpu_per(ingest, 2) / cpu_per(ingest, 1):.2f}); cores the services used on "
-        f"average: {cores(ingest, 1):.2f} vs {cores(ingest, 2):.2f} of 2. By part (ms per "
+        f"average: {cores(ingest, 1):.2f} vs {cores(ingest, 2):.2f} of 2, the load generator "
+        f"{loadgen_cores(ingest, 1):.2f} vs {loadgen_cores(ingest, 2):.2f}. By part (ms per "
         "contribution, 1 vs 2 replicas): "
         + ", ".join(
             f"{kind} {cpu_per(ingest, 1, kind):.2f} vs {cpu_per(ingest, 2, kind):.2f}"
@@ -525,7 +549,8 @@ def section(summary: dict[str, Any]) -> str:
         "",
         f"**Opening**, one stored epoch: {summary['stored']['parts']:,} batch parts, "
         f"{opening[0]['fragments']:,} fragments, {summary['stored']['released']:,}",
-        "contributions released by the 3 shufflers (copied databases, parts held back until",
+        f"contributions released by the {summary['shufflers']} shuffler(s) (copied databases, "
+        "parts held back until",
         "the analyzer processes are ready), delivered through HAProxy to W analyzer processes",
         "(each with its default 2 opening processes) on one PostgreSQL database. Parts of",
         f"{PART_FRAGMENTS:,} fragments (`ESA_SHUFFLER_PART_FRAGMENTS`), so workers open different",
@@ -568,6 +593,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine(pinned=False),
         "load_before": os.getloadavg()[0],
         "devices": args.devices,
+        "shufflers": SHUFFLERS,
         "concurrency": args.concurrency // SHUFFLERS * SHUFFLERS,
     }
     try:
@@ -617,11 +643,18 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=2, help="sealing processes")
     parser.add_argument(
+        "--shufflers",
+        type=int,
+        default=3,
+        help="trust domains (3 share the 2 cores; 1: a replica gets the spare core)",
+    )
+    parser.add_argument(
         "--max-seconds", type=float, default=600, help="longest ingest round (seconds)"
     )
     parser.add_argument("--out", default="/tmp/esa-replicas", help="folder for results and var")
     parser.add_argument("--keep", action="store_true", help="keep the databases afterwards")
     args = parser.parse_args()
+    use_shufflers(args.shufflers)
     summary = asyncio.run(run(args))
     out = Path(args.out)
     summary.pop("load_files", None)
