@@ -41,6 +41,18 @@ LOADTEST_PAGES = ChannelConfig(
     max_fragments=4,
     delta=1e-8,
 )
+#: A longitudinal channel of 4 periods of 4-second epochs: the phase lasts ~16 s.
+LOADTEST_SERIES = ChannelConfig(
+    id="abroad",
+    mechanism="longitudinal",
+    params={"d": 4, "k": 2, "eps": 4.0},
+    epoch_seconds=4,
+    min_crowd=5,
+    **DELETION,
+    max_fragments=1,
+    delta=1e-8,
+    display="series",
+)
 #: A k-RAPPOR channel whose epochs last 10^8 s, so a test never straddles an epoch boundary.
 LONG_EPOCH_CHANNEL = ChannelConfig(
     id="homepage",

@@ -22,35 +22,23 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from common.wire import ChannelConfig
 from services.cli import launcher
 from services.cli.loadtest import loadtest
 from services.tools import loadgen
-from services.tools.catalogue import DEFAULT_CHANNELS, DELETION
+from services.tools.catalogue import DEFAULT_CHANNELS
 from services.tools.loadtest import verify
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
 from services.tools.loadtest.prepare import Plan, spec_for
 from services.tools.loadtest.refusals import RefusedError, check_answers
 from services.tools.loadtest.verify import channel_problems
 from tests.support import LOADTEST_PAGES as PAGES
+from tests.support import LOADTEST_SERIES as ABROAD
 from tests.support import TEST_SHUFFLER_SETTINGS
 
 HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
 FEATURES = next(c for c in DEFAULT_CHANNELS if c.id == "features")
 #: A k-RR channel of 3-second epochs: a 12-second run spans 4-5 of them.
 TICKS = PAGES.model_copy(update={"id": "ticks", "epoch_seconds": 3})
-#: A longitudinal channel of 4 periods of 4-second epochs: the phase lasts ~16 s.
-ABROAD = ChannelConfig(
-    id="abroad",
-    mechanism="longitudinal",
-    params={"d": 4, "k": 2, "eps": 4.0},
-    epoch_seconds=4,
-    min_crowd=5,
-    **DELETION,
-    max_fragments=1,
-    delta=1e-8,
-    display="series",
-)
 #: k-RR channels (hourly epochs) of the closed-epoch tests, each closing its current epoch:
 #: no other test may send to them.
 AGAIN = PAGES.model_copy(update={"id": "again"})
