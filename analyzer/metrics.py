@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
-from services.runtime.ledger import ANALYZER_FRAGMENTS
+from services.runtime.ledger import ANALYZER_FRAGMENTS, FRAGMENT_STATES
 
 log = logging.getLogger("esa.analyzer")
 
@@ -136,9 +136,9 @@ class EventsCollector:
         except SQLAlchemyError:
             log.warning("metrics: database unavailable for the fragment ledger")
             return family
-        for channel, (opened, invalid) in sorted(counts.items()):
-            family.add_metric([channel, "opened"], opened)
-            family.add_metric([channel, "invalid"], invalid)
+        for channel, found in sorted(counts.items()):
+            for state, value in zip(FRAGMENT_STATES, found, strict=True):  # (opened, invalid)
+                family.add_metric([channel, state], value)
         return family
 
     def _counters(self) -> Iterator[CounterMetricFamily]:

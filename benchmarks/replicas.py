@@ -9,8 +9,8 @@ script creates and drops its own databases (``esa_rb_*``, prefix ``ESA_BENCH_DB_
 replica per domain doubles the shuffler processes on them; with 1, the second replica has the
 machine's spare core, as on a trust domain's own host).
 
-1. Devices (services/tools/loadgen.py): ``--devices`` devices enroll over HTTP at each of the
-   ``--shufflers`` shufflers, encode and seal a k-RAPPOR ``homepage`` report (~31 fragments) in worker
+1. Devices (services/tools/loadgen.py): ``--devices`` devices enroll over HTTP at each
+   shuffler, encode and seal a k-RAPPOR ``homepage`` report (~31 fragments) in worker
    processes, and one sealed contribution each is written to disk ahead of the run. Client
    tokens are HMACs under each shuffler's secret (kept under the var folder), so the very same
    requests (same bodies, same sizes) are replayed in every round against fresh databases.
@@ -279,7 +279,7 @@ async def ingest_round(
         "cpu_ms_per_contribution": round(cpu * 1e3 / max(1, stats.accepted), 3),
         "cores_used": round(cpu / seconds, 2),
         "cpu_s_by": {kind: round(value, 2) for kind, value in sorted(by_kind.items())},
-        # The load generator (this process): what is left of the 2 cores for the services.
+        # The load generator (this process): what it leaves of the machine to the services.
         "loadgen_cores": round(driving / seconds, 2),
     }
     console.log(f"ingest R={replicas}: {result}")
@@ -654,6 +654,8 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/esa-replicas", help="folder for results and var")
     parser.add_argument("--keep", action="store_true", help="keep the databases afterwards")
     args = parser.parse_args()
+    if not 1 <= args.shufflers <= args.concurrency:
+        parser.error(f"--shufflers {args.shufflers}: from 1 to --concurrency")
     use_shufflers(args.shufflers)
     summary = asyncio.run(run(args))
     out = Path(args.out)

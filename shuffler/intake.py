@@ -188,16 +188,12 @@ class Intake:
             )
         now = self.clock()
         epochs = open_epochs(policy, now, self.settings.epoch_grace_seconds)
-        closed = self.closed_upto.get(policy.id, -1)
-        if contribution.epoch <= closed:
-            raise EpochNotOpenError(
-                f"epoch {contribution.epoch} is closed (an admin closed every epoch up to "
-                f"{closed}; current {max(epochs)})"
-            )
         if contribution.epoch not in epochs:
             raise EpochNotOpenError(
                 f"epoch {contribution.epoch} is not open (current {max(epochs)})"
             )
+        if contribution.epoch <= self.closed_upto.get(policy.id, -1):  # said only of open ones
+            raise EpochNotOpenError(f"epoch {contribution.epoch} is closed (by an admin)")
         return Pending(client_id, contribution, now)
 
     def close(self, channel_id: str, epoch: int) -> None:

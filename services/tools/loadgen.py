@@ -735,6 +735,8 @@ class Stats:
     latencies: array[float] = field(default_factory=lambda: array("d"))
     #: Answers by shuffler index, then status.
     by_shuffler: dict[int, Counter[int]] = field(default_factory=dict)
+    #: Answers by (shuffler index, :attr:`Request.tag`), then status.
+    by_shuffler_tag: dict[tuple[int, int], Counter[int]] = field(default_factory=dict)
     #: Acknowledged (202) requests by :attr:`Request.tag`.
     accepted_by_tag: Counter[int] = field(default_factory=Counter)
     #: Refusals (4xx/5xx answers recorded) by their JSON ``error`` code (``?``: no code).
@@ -758,6 +760,7 @@ class Stats:
         if status == 202:
             self.accepted_by_tag[tag] += 1
         self.by_shuffler.setdefault(shuffler, Counter())[status] += 1
+        self.by_shuffler_tag.setdefault((shuffler, tag), Counter())[status] += 1
         self.latencies.append(seconds)
         self._window.append(seconds)
 

@@ -83,8 +83,10 @@ def test_validation_refuses_each_problem_with_its_code(database_url: str, tmp_pa
     with pytest.raises(BadTokenError):
         pending(service, token.split(".")[0] + ".forged", epoch)
     service.intake.close("homepage", epoch)
-    with pytest.raises(EpochNotOpenError, match=f"epoch {epoch} is closed .*up to {epoch}"):
+    with pytest.raises(EpochNotOpenError, match=rf"^epoch {epoch} is closed \(by an admin\)$"):
         pending(service, token, epoch)
+    with pytest.raises(EpochNotOpenError, match=f"epoch {epoch - 5} is not open"):
+        pending(service, token, epoch - 5)  # an old epoch: nothing said of the admin's close
 
 
 def test_enrolment_is_rate_limited_per_address(database_url: str, tmp_path: Path) -> None:

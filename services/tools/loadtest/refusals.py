@@ -9,12 +9,13 @@ run's contributions, and report conservation numbers that mean nothing (a FAIL s
 
 * before the load (:func:`preflight`): the first request of each channel is sent alone by the
   run's own driver (its answer counts as the run's); a refusal ``epoch_not_open`` (the
-  driver counts refusals by error code) stops the run, naming the channel, the epoch and when
-  the next one starts;
-* after each phase, before its verification (:func:`check_answers`): a shuffler that refused
-  (400) more of the contributions sent to it than it acknowledged, e.g. an epoch closed at
-  some shufflers only (an earlier verification that stopped part way); the message gives
-  the phase's refusals by error code.
+  driver counts refusals by error code; sent again while within :data:`BOUNDARY_SECONDS` of
+  the epoch's start, where it may be the shuffler's clock a little behind) stops the run,
+  naming the channel, the epoch and when the next one starts;
+* after each phase, before its verification (:func:`check_answers`, with the admin token): a
+  shuffler that refused (400) more of one channel's contributions sent to it than it
+  acknowledged, e.g. an epoch closed at some shufflers only (an earlier verification that
+  stopped part way); the message gives the phase's refusals by error code.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from services.tools.loadtest.live import ChannelSource
 #: The shuffler's error code for a contribution to an epoch that is not open (closed by an
 #: admin, or past): ``shuffler.errors.EpochNotOpenError.code``.
 EPOCH_NOT_OPEN = "epoch_not_open"
+#: Seconds after an epoch's start in which ``epoch_not_open`` may be clock skew (the
+#: shuffler still in the previous epoch), not a closed epoch.
+BOUNDARY_SECONDS = 5.0
 #: What to do about a closed epoch (the end of every message).
 ADVICE = (
     "a closed epoch stays closed until it ends: wait for the next epoch and run again, or "
@@ -64,11 +68,7 @@ def preflight(driver: loadgen.Driver, source: ChannelSource) -> None:
     for tag, channel in enumerate(source.channels):
         now = time.time()
         request = source.next_of(tag, now)
-        if request is None:
-            continue
-        refused = driver.stats.refusals[EPOCH_NOT_OPEN]
-        asyncio.run(driver.run(_One(request), None, 60, until_empty=True))
-        if driver.stats.refusals[EPOCH_NOT_OPEN] > refused:
+        if request is not None and _refused(driver, request, source.sources[tag].epoch_seconds):
             seconds = source.sources[tag].epoch_seconds
             epoch = int(now // seconds)
             closed.append(
@@ -84,31 +84,50 @@ def preflight(driver: loadgen.Driver, source: ChannelSource) -> None:
         )
 
 
+def _refused(driver: loadgen.Driver, request: loadgen.Request, seconds: float) -> bool:
+    """Whether ``request`` (of a channel with epochs of ``seconds``) is refused
+    ``epoch_not_open`` for good: within :data:`BOUNDARY_SECONDS` of its epoch's start a
+    shuffler whose clock is a little behind ours still refuses it as a future epoch, so it
+    is sent again each second until then (a refused contribution was not stored)."""
+    while True:
+        refused = driver.stats.refusals[EPOCH_NOT_OPEN]
+        asyncio.run(driver.run(_One(request), None, 60, until_empty=True))
+        if driver.stats.refusals[EPOCH_NOT_OPEN] == refused:
+            return False
+        if time.time() % seconds > BOUNDARY_SECONDS:
+            return True
+        time.sleep(1.0)
+
+
 def check_answers(
-    stats: loadgen.Stats, urls: Sequence[str], epochs: Mapping[str, Sequence[int]]
+    stats: loadgen.Stats,
+    urls: Sequence[str],
+    channels: Sequence[str],
+    epochs: Mapping[str, Sequence[int]],
 ) -> None:
-    """After a phase: stop if a shuffler refused (400) more of the contributions sent to it
-    than it acknowledged (202); ``epochs``: the phase's, per channel, to name them.
+    """After a phase: stop if a shuffler refused (400) more of a channel's contributions sent
+    to it than it acknowledged (202); ``channels`` by request tag, ``epochs``: the phase's,
+    per channel, to name them.
 
     Raises:
-        RefusedError: naming every such shuffler.
+        RefusedError: naming every such shuffler and channel.
     """
     refusing = []
-    for index, answers in sorted(stats.by_shuffler.items()):
+    for (index, tag), answers in sorted(stats.by_shuffler_tag.items()):
         refused, acknowledged = answers[400], answers[202]
         if refused > acknowledged:
+            cid = channels[tag]
             refusing.append(
                 f"{urls[index]} refused {refused:,} of the {answers.total():,} contributions "
-                f"sent to it (400) and acknowledged {acknowledged:,}"
+                f"of {cid} ({_epochs(epochs[cid])}) sent to it (400) and acknowledged "
+                f"{acknowledged:,}"
             )
     if refusing:
-        named = ", ".join(f"{cid}: {_epochs(numbers)}" for cid, numbers in epochs.items())
         codes = ", ".join(f"{code} {n:,}" for code, n in stats.refusals.most_common())
         raise RefusedError(
-            "; ".join(refusing) + f" (refusals by code: {codes}). With {EPOCH_NOT_OPEN}, the "
-            f"run's epochs ({named}) are closed there, e.g. by an earlier run's verification; "
-            "not verified (the analyzer's release of a closed epoch holds an earlier run's "
-            f"data); {ADVICE}"
+            "; ".join(refusing) + f" (refusals by code: {codes}). With {EPOCH_NOT_OPEN}, those "
+            "epochs are closed there, e.g. by an earlier run's verification; not verified (the "
+            f"analyzer's release of a closed epoch holds an earlier run's data); {ADVICE}"
         )
 
 

@@ -123,7 +123,7 @@ def series_phase(
     t-th epoch of the phase (each period in its own epoch, Erlingsson et al. 2019), then with
     the admin token: close, drain, conservation (received = the analyzer's fragments opened
     meanwhile: one per contribution) and every period's estimate against the truth (not if a
-    shuffler refused most of what it was sent: :func:`refusals.check_answers` raises). Returns
+    shuffler refused more than it acknowledged: :func:`refusals.check_answers` raises). Returns
     the phase's run summary and its verification."""
     target, token = prepared.series[cid], options.admin_token
     urls, analyzer = prepared.shuffler_urls, options.plan.analyzer_url
@@ -144,9 +144,9 @@ def series_phase(
     run = live.summary(monitor, spent) | {"periods": len(files), "skipped": skipped}
     run |= {"epochs": [min(files), max(files)], "samples": report.public(monitor.samples)}
     console.log(f"{cid}: {driver.stats.accepted:,} accepted over {len(files)} periods")
-    refusals.check_answers(driver.stats, urls, {cid: sorted(files)})
     if token is None:
         return run, None
+    refusals.check_answers(driver.stats, urls, [cid], {cid: sorted(files)})
     stats = (driver.stats.accepted, skipped)
     return run, _series_verification(options, prepared, cid, sorted(files), before, opened, stats)
 
@@ -188,7 +188,7 @@ def _histograms(
 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
     """The histogram channels' run: its summary, samples and verification; the first request
     of each channel goes alone before the load, and the run stops unverified if a shuffler
-    refused most of what it was sent (:mod:`.refusals`: a closed epoch)."""
+    refused more of a channel than it acknowledged (:mod:`.refusals`: a closed epoch)."""
     plan, urls, say = options.plan, prepared.shuffler_urls, console.log
     before = verify.shuffler_state(urls, options.admin_token) if options.admin_token else {}
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
@@ -206,9 +206,9 @@ def _histograms(
     run["prepared_not_sent"] = prepared.count - driver.sent
     rate = run["accepted_per_s"]
     say(f"run finished: {run['accepted']:,} accepted in {seconds:.1f} s ({rate:,}/s)")
-    refusals.check_answers(driver.stats, urls, prepared.epochs)
     checked = None
     if options.admin_token:
+        refusals.check_answers(driver.stats, urls, source.channels, prepared.epochs)
         checked = verification(options, prepared, before, driver.stats, say)
     return run, report.public(monitor.samples), checked
 
