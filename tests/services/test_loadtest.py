@@ -4,12 +4,14 @@ whose estimates are verified epoch by epoch, a longitudinal channel driven throu
 (each in its own epoch) and verified, a run that must fail because other devices
 contributed to the same epoch while it ran, and runs whose epoch a shuffler had already closed
 (a second run in the epoch an earlier run's verification closed; a shuffler that refused every
-contribution) that must stop with a clear error instead of verifying."""
+contribution; an epoch an admin closed at one shuffler while the load ran) that must stop with
+a clear error instead of verifying."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -43,15 +45,16 @@ TICKS = PAGES.model_copy(update={"id": "ticks", "epoch_seconds": 3})
 #: send to them. Their epochs last 10^8 s, so no test waits for an epoch boundary.
 AGAIN = PAGES.model_copy(update={"id": "again", "epoch_seconds": 10**8})
 SHUT = PAGES.model_copy(update={"id": "shut", "epoch_seconds": 10**8})
+MIDWAY = PAGES.model_copy(update={"id": "midway", "epoch_seconds": 10**8})
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(analyzer URL, pinned key) of a deployment with the pages, ticks, features, abroad,
-    again and shut channels."""
+    again, shut and midway channels."""
     var = tmp_path_factory.mktemp("deployment")
     base = launcher.free_base_port(4)
-    channels = [PAGES, TICKS, FEATURES, ABROAD, AGAIN, SHUT]
+    channels = [PAGES, TICKS, FEATURES, ABROAD, AGAIN, SHUT, MIDWAY]
     specs = launcher.prepare(var, 3, base, channels=channels, overrides=TEST_SHUFFLER_SETTINGS)
     services = launcher.start_all(specs, var / "logs")
     try:
@@ -307,6 +310,70 @@ def test_a_shuffler_that_refused_every_contribution_stops_the_run(
     assert f"(epoch {epoch}) sent to it" in message and "wait for the next epoch" in message
     assert f"refusals by code: epoch_not_open {answers[0][400]}" in message
     assert target.shuffler_urls[1] not in message
+
+
+def _acknowledged(urls: list[str]) -> float:
+    """Contributions the shufflers' ledgers hold so far (every channel's)."""
+    return sum(s["received"] for s in verify.shuffler_state(urls, "development").values())
+
+
+def test_an_epoch_closed_at_one_shuffler_while_the_load_runs_stops_the_run(
+    deployment: tuple[str, str], tmp_path: Path
+) -> None:
+    """An admin closes the run's epoch at one shuffler once the load is going (after the first
+    contribution, sent alone, was acknowledged): that shuffler refuses the rest of its share,
+    and ``esa loadtest`` must stop after the load, before its verification, naming the
+    shuffler and the channel (without that check it verifies a release missing that share)."""
+    url, key = deployment
+    target = loadgen.fetch_target(url, key, "midway")
+    urls, closed = target.shuffler_urls, target.shuffler_urls[0]
+    acknowledged, refused = _acknowledged(urls), _refused([closed])
+    args = ["--channel", "midway", "--devices", "400", "--rate", "50", "--duration", "8"]
+    process = subprocess.Popen(
+        _command(url, key, tmp_path / "out", *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []  # stderr
+    started = threading.Event()
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if "run: " in line:
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(180), "".join(lines)
+    # The preflight sends one contribution alone: a third acknowledged is the load's.
+    while _acknowledged(urls) < acknowledged + 3:
+        assert process.poll() is None, "".join(lines)
+        time.sleep(0.05)
+    epoch, auth = target.epoch(time.time()), {"Authorization": "Bearer development"}
+    body = {"channel_id": "midway", "epoch": epoch}
+    httpx.post(closed + "/v1/admin/close", json=body, headers=auth, timeout=60).raise_for_status()
+    assert process.stdout is not None
+    stdout = process.stdout.read()
+    process.wait(180)
+    reader.join(10)
+    text = " ".join("".join(lines).split())
+    assert process.returncode == 1, stdout + text
+    assert "verification:" not in stdout, stdout
+    assert not (tmp_path / "out" / "loadtest.json").exists()
+    found = re.search(
+        rf"Error: {re.escape(closed)} refused ([\d,]+) of the ([\d,]+) contributions of midway "
+        rf"\(epoch {epoch}\) sent to it \(400\) and acknowledged ([\d,]+)",
+        text,
+    )
+    assert found is not None, text
+    no, total, yes = (int(n.replace(",", "")) for n in found.groups())
+    assert no + yes == total and no > yes, text
+    assert no == _refused([closed]) - refused  # every refusal of its share, as the shuffler saw
+    assert "refusals by code: epoch_not_open" in text and "wait for the next epoch" in text
+    assert all(other not in text for other in urls[1:]), text
 
 
 def test_populations_add_up_to_the_devices(tmp_path: Path) -> None:
