@@ -207,6 +207,8 @@ def loadtest(
 
 def _main(kw: dict[str, Any]) -> None:
     """``esa loadtest`` with its options by name: prepare, run, verify, report, exit status."""
+    import httpx
+
     from services.cli import launcher
     from services.tools.loadgen import LoadError
     from services.tools.loadtest import verify
@@ -245,6 +247,8 @@ def _main(kw: dict[str, Any]) -> None:
         summary = execute(options, console)
     except (LoadError, PopulationError, verify.VerifyError, launcher.LaunchError) as error:
         raise click.ClickException(str(error)) from error
+    except httpx.HTTPError as error:  # a service went away where no step said what it was doing
+        raise click.ClickException(f"lost the deployment: {error}") from error
     finally:
         if services:
             launcher.stop(services)

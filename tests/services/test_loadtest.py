@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from services.tools.catalogue import DEFAULT_CHANNELS
 from services.tools.loadtest import verify
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
 from services.tools.loadtest.prepare import Plan, spec_for
-from services.tools.loadtest.refusals import RefusedError, check_answers
+from services.tools.loadtest.refusals import RefusedError, check_answers, unexpected
 from services.tools.loadtest.verify import channel_problems
 from tests.support import LOADTEST_PAGES as PAGES
 from tests.support import LOADTEST_SERIES as ABROAD
@@ -418,3 +419,24 @@ def test_estimates_that_could_not_be_checked_fail_the_run() -> None:
     assert len(short) == 1 and "10 contributions, the run's release 30" in short[0]
     empty = channel_problems({"c": {**row, "checked": [], "inside": 0, "per_epoch": {}}})
     assert any("no estimate checked" in problem for problem in empty)
+
+
+def test_refusals_other_than_the_rate_limit_fail_the_verification() -> None:
+    """A run that conserves what was acknowledged but had part of its contributions refused
+    is not a pass: every refusal but the rate limit's (retried) is a problem."""
+    assert unexpected(Counter({"rate_limited": 7})) == []
+    assert unexpected(Counter()) == []
+    found = unexpected(Counter({"epoch_not_open": 132, "rate_limited": 3, "malformed": 1}))
+    assert found == [
+        "133 contributions refused by the deployment (epoch_not_open 132, malformed 1)"
+    ]
+
+
+def test_a_deployment_gone_before_verification_is_a_clear_error() -> None:
+    """A shuffler or the analyzer that stopped answering (the deployment went away during the
+    run) is a VerifyError naming what verification was doing, never a traceback."""
+    url = f"http://127.0.0.1:{launcher.free_base_port(1)}"  # nothing listens there
+    with pytest.raises(verify.VerifyError, match=f"closing pages epoch 7 at {url}"):
+        verify.close_epochs([url], "development", {"pages": [7]})
+    with pytest.raises(verify.VerifyError, match=f"the release of pages at {url}"):
+        verify.release(url, "pages", [7], 16)

@@ -15,13 +15,16 @@ run's contributions, and report conservation numbers that mean nothing (a FAIL s
 * after each phase, before its verification (:func:`check_answers`, with the admin token): a
   shuffler that refused (400) more of one channel's contributions sent to it than it
   acknowledged, e.g. an epoch closed at some shufflers only (an earlier verification that
-  stopped part way); the message gives the phase's refusals by error code.
+  stopped part way); the message gives the phase's refusals by error code;
+* in the verification (:func:`unexpected`): any refusal but the rate limit's is a problem
+  (a run that passes conservation with a third of its contributions refused is not a pass).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from services.tools import loadgen
@@ -33,6 +36,8 @@ EPOCH_NOT_OPEN = "epoch_not_open"
 #: Seconds after an epoch's start in which ``epoch_not_open`` may be clock skew (the
 #: shuffler still in the previous epoch), not a closed epoch.
 BOUNDARY_SECONDS = 5.0
+#: Refusals the driver retries (the per-client rate limit): not a problem of the run.
+RETRIED = frozenset({"rate_limited"})
 #: What to do about a closed epoch (the end of every message).
 ADVICE = (
     "a closed epoch stays closed until it ends: wait for the next epoch and run again, or "
@@ -80,7 +85,8 @@ def preflight(driver: loadgen.Driver, source: ChannelSource) -> None:
         raise RefusedError(
             "; ".join(closed) + ". Most likely an earlier run's verification closed it (esa "
             "loadtest --admin-token closes its run's epochs at every shuffler). Stopped before "
-            f"the load, nothing verified; {ADVICE}"
+            "the load (only the first contribution of each channel was sent), nothing "
+            f"verified; {ADVICE}"
         )
 
 
@@ -129,6 +135,18 @@ def check_answers(
             "epochs are closed there, e.g. by an earlier run's verification; not verified (the "
             f"analyzer's release of a closed epoch holds an earlier run's data); {ADVICE}"
         )
+
+
+def unexpected(refused: Counter[str]) -> list[str]:
+    """A phase's refusals (by error code) as verification problems, but for the rate limit's
+    (``rate_limited``: the driver waits and sends again): the run's contributions are
+    well-formed, so any other refusal is the deployment refusing part of the run, which a
+    conservation of the acknowledged ones alone would not show."""
+    found = {code: n for code, n in refused.most_common() if code not in RETRIED and n > 0}
+    if not found:
+        return []
+    codes = ", ".join(f"{code} {n:,}" for code, n in found.items())
+    return [f"{sum(found.values()):,} contributions refused by the deployment ({codes})"]
 
 
 def _epochs(numbers: Sequence[int]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,7 +149,9 @@ def series_phase(
         return run, None
     refusals.check_answers(driver.stats, urls, [cid], {cid: sorted(files)})
     stats = (driver.stats.accepted, skipped)
-    return run, _series_verification(options, prepared, cid, sorted(files), before, opened, stats)
+    checked = _series_verification(options, prepared, cid, sorted(files), before, opened, stats)
+    checked["problems"] += refusals.unexpected(driver.stats.refusals)
+    return run, checked
 
 
 def _series_verification(
@@ -199,6 +202,7 @@ def _histograms(
     time.sleep(max(0.0, start - time.time()))
     say(f"run: {prepared.count:,} contributions prepared, {len(prepared.targets)} channels")
     refusals.preflight(driver, source)
+    after_preflight = Counter(driver.stats.refusals)  # a refusal at the epoch's start, retried
     seconds = asyncio.run(
         live.replay(monitor, source, options.rate, plan.duration, console, options.live)
     )
@@ -210,6 +214,7 @@ def _histograms(
     if options.admin_token:
         refusals.check_answers(driver.stats, urls, source.channels, prepared.epochs)
         checked = verification(options, prepared, before, driver.stats, say)
+        checked["problems"] += refusals.unexpected(driver.stats.refusals - after_preflight)
     return run, report.public(monitor.samples), checked
 
 

@@ -141,17 +141,21 @@ def close_epochs(urls: Sequence[str], token: str, epochs: Mapping[str, Sequence[
     """Close every run epoch of every channel at every shuffler (admin close).
 
     Raises:
-        VerifyError: a shuffler refused.
+        VerifyError: a shuffler refused or did not answer.
     """
     for channel_id, numbers in epochs.items():
         for epoch in numbers:
             for url in urls:
-                response = httpx.post(
-                    url + "/v1/admin/close",
-                    json={"channel_id": channel_id, "epoch": epoch},
-                    headers={"Authorization": f"Bearer {token}"},
-                    timeout=300,
-                )
+                try:
+                    response = httpx.post(
+                        url + "/v1/admin/close",
+                        json={"channel_id": channel_id, "epoch": epoch},
+                        headers={"Authorization": f"Bearer {token}"},
+                        timeout=300,
+                    )
+                except httpx.HTTPError as error:
+                    message = f"closing {channel_id} epoch {epoch} at {url}: {error}"
+                    raise VerifyError(message) from error
                 if response.status_code != 200:
                     raise VerifyError(
                         f"closing {channel_id} epoch {epoch} at {url}: {response.text}"
@@ -183,12 +187,19 @@ def drain(analyzer_url: str, urls: Sequence[str], token: str, timeout: float) ->
 def release(
     analyzer_url: str, channel_id: str, epochs: Sequence[int], k: int
 ) -> dict[str, Any] | None:
-    """The channel's release over the run's epochs (None if the analyzer released nothing)."""
-    response = httpx.get(
-        f"{analyzer_url}/v1/channels/{channel_id}/estimate",
-        params={"epoch_from": min(epochs), "epoch_to": max(epochs), "top": k},
-        timeout=300,
-    )
+    """The channel's release over the run's epochs (None if the analyzer released nothing).
+
+    Raises:
+        VerifyError: the analyzer did not answer.
+    """
+    try:
+        response = httpx.get(
+            f"{analyzer_url}/v1/channels/{channel_id}/estimate",
+            params={"epoch_from": min(epochs), "epoch_to": max(epochs), "top": k},
+            timeout=300,
+        )
+    except httpx.HTTPError as error:
+        raise VerifyError(f"the release of {channel_id} at {analyzer_url}: {error}") from error
     if response.status_code != 200:
         return None
     found: dict[str, Any] = response.json()
