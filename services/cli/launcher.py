@@ -4,24 +4,29 @@ On first run it creates ``<var>/keys/...`` (PEM, 0600; each shuffler also gets i
 token secret there: every shuffler is its own trust domain) and writes the channel set and the
 shuffler registry under ``<var>``; every service keeps its SQLite file under ``<var>``. It
 refuses to start when a port is taken, waits until every service is ready, prints the URLs,
-and on Ctrl-C / SIGTERM stops every process it started.
+and on Ctrl-C / SIGTERM stops every process it started; meanwhile it restarts a process behind
+HAProxy that dies (:func:`serve_forever`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import click
 import httpx
 
 from common.envelope import (
@@ -279,14 +284,14 @@ def prepare(
 def start(spec: ServiceSpec, log: Path) -> Service:
     """Spawn ``esa <spec.command>`` with its environment, logging to ``log`` (not yet ready)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    handle = log.open("ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *spec.command],
-        env={**os.environ, **spec.env},
-        stdout=handle,
-        stderr=handle,
-        start_new_session=True,
-    )
+    with log.open("ab") as handle:  # the child keeps its own copy (a restart leaks no file)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *spec.command],
+            env={**os.environ, **spec.env},
+            stdout=handle,
+            stderr=handle,
+            start_new_session=True,
+        )
     return Service(spec.name, spec.url, process, log, spec)
 
 
@@ -525,8 +530,133 @@ def start_scaled(
     return started
 
 
-def serve_forever(services: list[Service]) -> None:
-    """Block until Ctrl-C / SIGTERM or a service dies, then stop everything."""
+#: A process behind HAProxy that dies more often than this within :data:`CRASH_WINDOW` seconds
+#: is crash-looping: :func:`serve_forever` gives up and stops everything.
+MAX_DEATHS = 5
+CRASH_WINDOW = 60.0
+#: How long a restarted process may take to answer ``/readyz`` (as long as at start). It
+#: restarts in a thread of its own, so the others stay supervised meanwhile.
+RESTART_TIMEOUT = 60.0
+#: The processes :func:`scale` starts: ``analyzer.w<n>`` and ``shuffler-<i>.r<n>``.
+_SCALED_NAME = re.compile(r"^(?P<service>analyzer|shuffler-\d+)\.[rw]\d+$")
+
+
+def say(message: str) -> None:
+    """One line of supervision news on stderr, with the time of day (``esa up``'s console)."""
+    click.echo(f"{time.strftime('%H:%M:%S')} {message}", err=True)
+
+
+def siblings(service: Service, services: Sequence[Service]) -> list[Service]:
+    """The other processes serving what ``service`` serves behind HAProxy (the other replicas
+    of its shuffler, the other analyzer workers); empty when it is the only one, outside a
+    scaled layout, or HAProxy itself."""
+    mine = _SCALED_NAME.match(service.name)
+    if mine is None:
+        return []
+    return [
+        other
+        for other in services
+        if other is not service
+        and (match := _SCALED_NAME.match(other.name)) is not None
+        and match["service"] == mine["service"]
+    ]
+
+
+@dataclass
+class Supervisor:
+    """Restarts a process that has siblings behind HAProxy when it dies (in a thread: one slow
+    restart hides no other death) and decides when restarting cannot help: HAProxy or a process
+    without siblings died, a process crash-loops, or a restart did not become ready."""
+
+    services: list[Service]
+    report: Callable[[str], None] = say
+    max_deaths: int = MAX_DEATHS
+    window: float = CRASH_WINDOW
+    restart_timeout: float = RESTART_TIMEOUT
+    deaths: dict[str, deque[float]] = field(default_factory=dict)
+    restarting: dict[str, threading.Thread] = field(default_factory=dict)
+    #: Why a restart failed, by process name (written by the restart threads).
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """One look at every process: restart the dead ones that can be restarted.
+
+        Raises:
+            LaunchError: a death that a restart cannot help (nothing is stopped here).
+        """
+        self._finished_restarts()
+        for service in self.services:
+            if service.name not in self.restarting and service.process.poll() is not None:
+                self._died(service)
+
+    def join(self) -> None:
+        """Wait for the restarts under way (each ends once its process is stopped or ready)."""
+        for thread in self.restarting.values():
+            thread.join(self.restart_timeout + 15)
+
+    def _died(self, service: Service) -> None:
+        code, others = service.process.returncode, siblings(service, self.services)
+        if not others or service.spec is None:
+            raise LaunchError(
+                f"{service.name} stopped unexpectedly (exit code {code}); the end of its "
+                f"log:\n{service.log_tail()}"
+            )
+        now, times = time.monotonic(), self.deaths.setdefault(service.name, deque())
+        times.append(now)
+        while times[0] < now - self.window:
+            times.popleft()
+        if len(times) > self.max_deaths:
+            raise LaunchError(
+                f"{service.name} died {len(times)} times within {self.window:.0f} s (a crash "
+                f"loop; last exit code {code}); the end of its log:\n{service.log_tail()}"
+            )
+        meanwhile = (
+            "HAProxy sends its requests to the others meanwhile"
+            if any(o.name not in self.restarting and o.process.poll() is None for o in others)
+            else "none of the others is up either: HAProxy answers 503 until one is"
+        )
+        self.report(f"{service.name} exited (code {code}); restarting it ({meanwhile})")
+        thread = threading.Thread(
+            target=self._restart, args=(service,), name=f"restart {service.name}", daemon=True
+        )
+        self.restarting[service.name] = thread
+        thread.start()
+
+    def _restart(self, service: Service) -> None:
+        """In a restart thread: :meth:`Service.restart`, its failure kept for :meth:`check`."""
+        try:
+            service.restart(self.restart_timeout)
+        except LaunchError as error:
+            self.failures[service.name] = str(error)
+
+    def _finished_restarts(self) -> None:
+        """Report the restarts that ended; one that failed with its process still running (not
+        ready in time) cannot be helped, one whose process exited again is a death."""
+        for name, thread in list(self.restarting.items()):
+            if thread.is_alive():
+                continue
+            del self.restarting[name]
+            service = next(s for s in self.services if s.name == name)
+            failure = self.failures.pop(name, None)
+            if failure is None:
+                self.report(f"{name} is ready again ({service.url})")
+            elif service.process.poll() is None:
+                raise LaunchError(f"{name} did not come back after a restart: {failure}")
+
+
+def serve_forever(services: list[Service], report: Callable[[str], None] = say) -> None:
+    """Block until Ctrl-C / SIGTERM or a death a restart cannot help, then stop everything.
+
+    A process with siblings behind HAProxy (a shuffler replica ``shuffler-<i>.r<n>``, an
+    analyzer worker ``analyzer.w<n>``) that dies is restarted on its port (HAProxy sends its
+    requests to the others meanwhile; ``report`` tells of it). HAProxy dying, a process
+    without siblings dying (every single-process layout), a process dying more than
+    :data:`MAX_DEATHS` times within :data:`CRASH_WINDOW` seconds, or a restarted process not
+    ready within :data:`RESTART_TIMEOUT` seconds stops everything.
+
+    Raises:
+        LaunchError: what died and why restarting it did not help.
+    """
     stopping = {"flag": False}
 
     def _handler(signum: int, _: Any) -> None:
@@ -534,11 +664,12 @@ def serve_forever(services: list[Service]) -> None:
 
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
+    supervisor = Supervisor(services, report)
     try:
         while not stopping["flag"]:
-            dead = [s for s in services if s.process.poll() is not None]
-            if dead:
-                raise LaunchError(f"{dead[0].name} stopped unexpectedly")
+            supervisor.check()
             time.sleep(0.2)
     finally:
+        stop(services)
+        supervisor.join()  # a restart may have started its process after that stop
         stop(services)

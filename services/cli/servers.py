@@ -147,7 +147,10 @@ def up_command(
     mechanism) on first run, waits until all services are ready, prints their URLs, and stops
     them all on Ctrl-C or SIGTERM (the local profile: a raised per-address enrolment limit).
     With --replicas R or --analyzer-workers W above 1 (PostgreSQL only), R processes per
-    shuffler and W analyzer processes run behind HAProxy, which takes the usual ports.
+    shuffler and W analyzer processes run behind HAProxy, which takes the usual ports; one of
+    them that dies is restarted on its port (HAProxy sends its requests to the others
+    meanwhile). HAProxy dying, a process with no sibling dying, or one dying more than 5 times
+    in 60 s stops everything.
     """
     from services.cli.launcher import LaunchError, prepare, serve_forever, up
 
