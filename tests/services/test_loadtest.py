@@ -202,20 +202,13 @@ def _within_one_epoch(seconds: float) -> None:
         time.sleep(3600 - time.time() % 3600 + 1)
 
 
-def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
-    deployment: tuple[str, str], tmp_path: Path
-) -> None:
-    url, key = deployment
-    _within_one_epoch(300)  # the extra traffic must land in the run's (hourly) epoch
-    foreign = _foreign_contributions(url, key, 40, tmp_path)
-    args = ["--channel", "features", "--devices", "200", "--rate", "50", "--duration", "30"]
-    process = subprocess.Popen(
-        _command(url, key, tmp_path / "out", *args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []  # stderr
+def _started(
+    command: list[str],
+) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
+    """``esa loadtest`` in a subprocess, returned once its load starts (its ``run: `` line):
+    the process, its stderr lines so far (a thread keeps reading them) and that thread."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
     started = threading.Event()
 
     def read() -> None:
@@ -228,13 +221,30 @@ def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert started.wait(180), "".join(lines)
-    driver = loadgen.Driver(loadgen.fetch_target(url, key, "features").shuffler_urls, 2)
-    asyncio.run(driver.run(foreign, None, 30, until_empty=True))
-    assert driver.stats.accepted == 40, driver.stats.errors
+    return process, lines, reader
+
+
+def _finished(process: subprocess.Popen[str], reader: threading.Thread) -> str:
+    """Wait for a :func:`_started` load test to end; its stdout."""
     assert process.stdout is not None
     stdout = process.stdout.read()
     process.wait(180)
     reader.join(10)
+    return stdout
+
+
+def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
+    deployment: tuple[str, str], tmp_path: Path
+) -> None:
+    url, key = deployment
+    _within_one_epoch(300)  # the extra traffic must land in the run's (hourly) epoch
+    foreign = _foreign_contributions(url, key, 40, tmp_path)
+    args = ["--channel", "features", "--devices", "200", "--rate", "50", "--duration", "30"]
+    process, lines, reader = _started(_command(url, key, tmp_path / "out", *args))
+    driver = loadgen.Driver(loadgen.fetch_target(url, key, "features").shuffler_urls, 2)
+    asyncio.run(driver.run(foreign, None, 30, until_empty=True))
+    assert driver.stats.accepted == 40, driver.stats.errors
+    stdout = _finished(process, reader)
     assert process.returncode == 1, stdout + "".join(lines)
     text = "".join(lines).replace("\n", " ")
     assert "verification: FAIL" in stdout, stdout + text
@@ -330,25 +340,7 @@ def test_an_epoch_closed_at_one_shuffler_while_the_load_runs_stops_the_run(
     urls, closed = target.shuffler_urls, target.shuffler_urls[0]
     acknowledged, refused = _acknowledged(urls), _refused([closed])
     args = ["--channel", "midway", "--devices", "400", "--rate", "50", "--duration", "8"]
-    process = subprocess.Popen(
-        _command(url, key, tmp_path / "out", *args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []  # stderr
-    started = threading.Event()
-
-    def read() -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            lines.append(line)
-            if "run: " in line:
-                started.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    assert started.wait(180), "".join(lines)
+    process, lines, reader = _started(_command(url, key, tmp_path / "out", *args))
     # The preflight sends one contribution alone: a third acknowledged is the load's.
     while _acknowledged(urls) < acknowledged + 3:
         assert process.poll() is None, "".join(lines)
@@ -356,10 +348,7 @@ def test_an_epoch_closed_at_one_shuffler_while_the_load_runs_stops_the_run(
     epoch, auth = target.epoch(time.time()), {"Authorization": "Bearer development"}
     body = {"channel_id": "midway", "epoch": epoch}
     httpx.post(closed + "/v1/admin/close", json=body, headers=auth, timeout=60).raise_for_status()
-    assert process.stdout is not None
-    stdout = process.stdout.read()
-    process.wait(180)
-    reader.join(10)
+    stdout = _finished(process, reader)
     text = " ".join("".join(lines).split())
     assert process.returncode == 1, stdout + text
     assert "verification:" not in stdout, stdout
