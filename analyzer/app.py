@@ -14,11 +14,12 @@ pure read), ``POST /v1/channels/{id}/releases`` (admin: publish and record a rel
 (:mod:`services.runtime.http`), and the OpenAPI document states every status each route can
 answer, with that shape (issue 12: a fuzzer checks it).
 
-Cheap refusals come before expensive work (issue 12): a batch whose declared
-``Content-Length`` is over ``max_batch_bytes``, with a non-JSON ``Content-Type`` or without a
-well-formed ``ESA-Signature`` is refused before its body is read, and the body is streamed
-with the cap (413 as soon as it is exceeded, never buffered beyond it); admin routes check the
-bearer token before their body is read or validated (401 before 400).
+Cheap refusals come before expensive work: a batch from a shuffler the ``ESA-Shuffler``
+header does not name among the registered ones, without a well-formed ``ESA-Signature``, whose
+declared ``Content-Length`` is over the cap (the largest legal part) or with a non-JSON
+``Content-Type`` is refused before its body is read; the body is streamed with the cap (413 as
+soon as it is exceeded, never buffered beyond it) and its signature verified before it is
+parsed; admin routes check the bearer token before their body is read or validated.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from analyzer.service import AnalyzerService
 from analyzer.settings import AnalyzerSettings
 from analyzer.training import StepResult, Trainer, TrainingBody, step_result, training_body
 from common.wire import (
+    IDENTIFIER,
     MAX_INT,
     Batch,
     BatchAck,
@@ -89,6 +91,14 @@ SIGNATURE_PATTERN = r"^[A-Za-z0-9+/]{86}==$"
 #: bytes), so the OpenAPI document states it by hand.
 BATCH_REQUEST: dict[str, Any] = {
     "parameters": [
+        {
+            "name": "ESA-Shuffler",
+            "in": "header",
+            "required": True,
+            "description": "the id of the registered shuffler that signed the body (its key is "
+            "looked up, and the body refused unread if it is unknown)",
+            "schema": {"type": "string", "pattern": IDENTIFIER.pattern},
+        },
         {
             "name": "ESA-Signature",
             "in": "header",
@@ -190,22 +200,26 @@ pages = APIRouter(tags=["dashboard"])
     openapi_extra=BATCH_REQUEST,
 )
 async def post_batch(request: Request, response: Response, service: Service) -> BatchAck:
-    """Store one signed part of a batch from a registered shuffler (opened later)."""
-    signature = request.headers.get("esa-signature")
+    """Store one signed part of a batch from a registered shuffler (opened later): the sender
+    and the signature's form are checked before the body is read, the signature before it is
+    parsed."""
+    sender, signature = request.headers.get("esa-shuffler"), request.headers.get("esa-signature")
+    service.intake.sender(sender)
+    signature_bytes(signature)
     cap = service.intake.policy.max_batch_bytes
     check_declared_length(request, cap)
     require_json(request.headers.get("content-type"))
-    signature_bytes(signature)
     body = await capped_body(request, cap)
-    ack = await asyncio.to_thread(service.accept, body, signature)
+    ack = await asyncio.to_thread(service.accept, body, signature, sender)
     if ack.duplicate:
         response.status_code = 200
     return ack
 
 
-@batches.get("/v1/config", response_model=SignedConfig)
+@batches.get("/v1/config", response_model=SignedConfig, responses=error_responses(503))
 async def get_config(service: Service) -> SignedConfig:
-    """The signed collection config devices fetch."""
+    """The signed collection config devices fetch (503 ``shufflers_unavailable`` until every
+    registered shuffler's own signed descriptor is known)."""
     return service.config()
 
 

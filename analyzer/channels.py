@@ -16,6 +16,7 @@ from analyzer.store import ReceivedRange
 from common.mechanisms import (
     BatchContext,
     Estimate,
+    FragmentCount,
     LocalPrivacy,
     Mechanism,
     NoDataError,
@@ -58,6 +59,16 @@ class ChannelRuntime:
     def source(self, shuffler_id: str) -> BatchContext:
         """Where a registered shuffler sits among the K shufflers."""
         return BatchContext(self.shuffler_ids.index(shuffler_id), len(self.shuffler_ids))
+
+    def fragment_count(self, shuffler_id: str) -> FragmentCount:
+        """What one contribution to ``shuffler_id`` carries: the mechanism's count, capped by
+        the channel's ``max_fragments`` (shufflers refuse more; the law is then truncated, so
+        only the bounds are kept)."""
+        count = self.mechanism.fragment_count(self.params, self.source(shuffler_id))
+        if count.maximum <= self.config.max_fragments:
+            return count
+        most = self.config.max_fragments
+        return FragmentCount(min(count.minimum, most), most)
 
     def new_accumulator(self) -> Accumulator:
         """Empty sufficient statistics."""

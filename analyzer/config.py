@@ -2,8 +2,9 @@
 "Collection config").
 
 The config names the live HPKE keys newest first (the current key, then ``hpke-previous.pem``
-while a rotation is under way, so fragments sealed to either still open) and is signed with the
-analyzer's Ed25519 key over its canonical bytes (:func:`common.collection.sign_config`).
+while a rotation is under way, so fragments sealed to either still open), carries each
+shuffler's own signed descriptor unchanged, and is signed with the analyzer's Ed25519 key over
+its canonical bytes (:func:`common.collection.sign_config`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from common.envelope import (
 )
 from common.wire import (
     AnalyzerInfo,
-    AnalyzerKey,
     ChannelConfig,
     CollectionConfig,
+    HpkeKey,
     SignedConfig,
+    SignedDescriptor,
     b64,
 )
 
@@ -58,14 +60,16 @@ def collection_config(
     settings: AnalyzerSettings,
     keys: AnalyzerKeys,
     now: int,
+    shufflers: list[SignedDescriptor],
     channels: list[ChannelConfig] | None = None,
 ) -> CollectionConfig:
-    """The config devices need, valid for ``config_ttl_seconds`` from ``now`` (``channels``:
-    the channels as published, e.g. with a training channel's current model)."""
+    """The config devices need, valid for ``config_ttl_seconds`` from ``now``: the shufflers'
+    own signed descriptors, and ``channels`` as published (e.g. with a training channel's
+    current model)."""
     analyzer = AnalyzerInfo(
         url=settings.url,
         keys=[
-            AnalyzerKey(
+            HpkeKey(
                 key_id=key_id(k.public_key()).hex(), public_key=b64(public_bytes(k.public_key()))
             )
             for k in keys.hpke
@@ -76,7 +80,7 @@ def collection_config(
         issued_at=now,
         expires_at=now + settings.config_ttl_seconds,
         analyzer=analyzer,
-        shufflers=list(settings.shufflers),
+        shufflers=shufflers,
         channels=list(settings.channels) if channels is None else channels,
         device_budget=settings.device_budget,
     )
@@ -86,7 +90,8 @@ def signed_config(
     settings: AnalyzerSettings,
     keys: AnalyzerKeys,
     now: int,
+    shufflers: list[SignedDescriptor],
     channels: list[ChannelConfig] | None = None,
 ) -> SignedConfig:
     """``GET /v1/config``: the collection config signed with the analyzer's Ed25519 key."""
-    return sign_config(collection_config(settings, keys, now, channels), keys.signing)
+    return sign_config(collection_config(settings, keys, now, shufflers, channels), keys.signing)

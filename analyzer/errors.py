@@ -19,10 +19,13 @@ a status at the edge. Callers catch :class:`AnalyzerError`::
         │   ├── BatchForUnknownChannelError unknown_channel
         │   ├── BelowMinCrowdError       below_min_crowd
         │   ├── UnknownCrowdError        unknown_crowd    a crowd the channel does not declare
-        │   └── InconsistentCountsError  inconsistent_counts
+        │   ├── InconsistentCountsError  inconsistent_counts
+        │   └── DuplicateGroupError      duplicate_group  a second batch for one group
         ├── UnknownChannelError          unknown_channel  404: asked about an unconfigured channel
         ├── NothingReceivedError         no_data          404: nothing received for the release
         │   └── IncompleteBatchesError   incomplete       404: only batches with parts missing
+        ├── ShufflersUnavailableError    shufflers_unavailable 503: a shuffler's descriptor is
+        │                                                 not known yet (or expired)
         └── StorageConflictError         storage_conflict 503: concurrent writers kept colliding
 """
 
@@ -111,9 +114,17 @@ class UnknownCrowdError(InconsistentBatchError):
 
 
 class InconsistentCountsError(InconsistentBatchError):
-    """More fragments than the batch's contributions can carry."""
+    """Fragments the batch's contributions cannot carry: more than they can, or, once every
+    part is in, fewer than they must (:meth:`common.mechanisms.Mechanism.fragment_count`)."""
 
     code = "inconsistent_counts"
+
+
+class DuplicateGroupError(InconsistentBatchError):
+    """A second batch for a (shuffler, channel, crowd, epoch) whose batch was already received:
+    a shuffler evaluates each group once, so a second one could only count its users twice."""
+
+    code = "duplicate_group"
 
 
 class UnknownChannelError(AnalyzerError):
@@ -135,6 +146,14 @@ class IncompleteBatchesError(NothingReceivedError):
     release never uses a batch with missing parts)."""
 
     code = "incomplete"
+
+
+class ShufflersUnavailableError(AnalyzerError):
+    """The collection config cannot be served yet: a registered shuffler's signed descriptor
+    has not been fetched (or expired), and devices only use keys a shuffler vouched for."""
+
+    code = "shufflers_unavailable"
+    kind = Kind.UNAVAILABLE
 
 
 class StorageConflictError(AnalyzerError):

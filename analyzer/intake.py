@@ -1,18 +1,17 @@
-"""Batch part intake (PROTOCOL.md, ``POST /v1/batches``; issues 11 and 12): verify and store.
+"""Batch part intake (PROTOCOL.md, ``POST /v1/batches``): verify, check, store.
 
-The Ed25519 signature over the exact body must verify against the registered key of the
-shuffler the body names, and it is checked before the body is validated as a batch: an
-ill-formed ``ESA-Signature`` is refused before anything is read (:func:`signature_bytes`, also
-called by the HTTP edge before it streams the body), and only the ``shuffler_id`` is read from
-an unverified body. Parts below the channel's minimum crowd, for unknown channels, that name a
-crowd the channel does not declare, disagree with their batch's stored parts, or whose batch
-carries more fragments than its contributions can are inconsistent; numbers beyond what the
-tables hold are malformed (the same answer on SQLite and PostgreSQL); a known (``batch_id``,
-``part``) is acknowledged again but counted once. The raw body is stored durably and
-acknowledged right after the commit, whatever the batch's size; :mod:`analyzer.opening` opens
-and accumulates it in the background (every fragment opened with any live analyzer key and
-parsed by the channel's mechanism; fragments that fail either are chaff, counted and never
-fatal).
+A part names its sender in the ``ESA-Shuffler`` header, and the Ed25519 signature over the
+exact body must verify with the key the analyzer pins for that shuffler before anything of the
+body is parsed: an unknown sender or an ill-formed ``ESA-Signature`` is refused before the body
+is read (the HTTP edge), and a body is read only up to the largest legal part. A verified part
+must name its signer, and is refused when its channel cannot hold it: an unknown channel or
+crowd, a crowd below ``min_crowd``, parts of one batch that disagree, a second batch for a
+group that already sent one (each group is evaluated once), or fragments its contributions
+cannot carry (:meth:`ChannelRuntime.fragment_count`: more than their maximum at any part; once
+every part is in, fewer than their minimum, or for a fixed count anything but exactly n times
+it). Numbers beyond what the tables hold are malformed. A known (``batch_id``, ``part``) is
+acknowledged again but counted once. The raw body is stored durably and acknowledged right
+after the commit; :mod:`analyzer.opening` opens and accumulates it in the background.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import (
@@ -32,13 +31,14 @@ from analyzer.errors import (
     BatchForUnknownChannelError,
     BatchTooLargeError,
     BelowMinCrowdError,
+    DuplicateGroupError,
     InconsistentCountsError,
     MalformedBatchError,
     UnknownCrowdError,
     UnknownShufflerError,
 )
 from analyzer.metrics import Events
-from analyzer.store import AnalyzerStore, PartHeader
+from analyzer.store import AnalyzerStore, PartHeader, StoredBatch
 from common.envelope import KeyRing, verify
 from common.wire import Batch
 
@@ -49,14 +49,6 @@ SIGNATURE_BYTES = 64
 #: Largest ``part``, ``parts`` and ``n_contributions``: those columns are 32-bit ``Integer``
 #: on PostgreSQL (a larger value would be a storage error there and silently stored on SQLite).
 MAX_STORED_INT = 2**31 - 1
-
-
-class _Signer(BaseModel):
-    """The one field read from a body before its signature is verified."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    shuffler_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,23 +78,43 @@ class BatchIntake:
         self.policy = policy
         self.events = events
 
-    def accept(self, body: bytes, signature: str | None) -> Intake:
+    def sender(self, shuffler_id: str | None) -> Ed25519PublicKey:
+        """The key pinned for the shuffler an ``ESA-Shuffler`` header names (checked before
+        the body is read).
+
+        Raises:
+            UnknownShufflerError: no header, or a shuffler that is not registered.
+        """
+        if not shuffler_id:
+            raise UnknownShufflerError("ESA-Shuffler header required (the sending shuffler's id)")
+        key = self.policy.shufflers.get(shuffler_id)
+        if key is None:
+            raise UnknownShufflerError(f"shuffler {shuffler_id[:64]!r} is not registered")
+        return key
+
+    def accept(self, body: bytes, signature: str | None, shuffler_id: str | None) -> Intake:
         """Verify one part and store it durably (idempotent by (``batch_id``, ``part``)).
 
         Raises:
             BatchTooLargeError: body over ``max_batch_bytes``.
-            BadSignatureError: ``signature`` missing, ill-formed or not verifying.
-            MalformedBatchError, UnknownShufflerError: not a verified part.
+            UnknownShufflerError, BadSignatureError: not signed by the registered shuffler the
+                ``ESA-Shuffler`` header names.
+            MalformedBatchError: not a batch part (or it names another shuffler).
             InconsistentBatchError: a part its channel, or its batch's other parts, cannot hold.
         """
+        key = self.sender(shuffler_id)
         if len(body) > self.policy.max_batch_bytes:
             raise BatchTooLargeError(f"batch part exceeds {self.policy.max_batch_bytes} bytes")
-        batch = self._verified(body, signature_bytes(signature))
+        if not verify(body, signature_bytes(signature), key):
+            raise BadSignatureError("signature does not verify for this shuffler")
+        batch = _parsed(body)
+        if batch.shuffler_id != shuffler_id:
+            raise MalformedBatchError("a batch part must name the shuffler that signs it")
         runtime = self._runtime(batch)
         header = _header(batch)
         del batch
         if not self.store.store_part(
-            header, body, lambda others: _consistent(runtime, header, others)
+            header, body, lambda stored: _consistent(runtime, header, stored)
         ):
             self.events.count("batches_duplicate")
             return Intake(header.batch_id, header.part, True)
@@ -119,25 +131,6 @@ class BatchIntake:
             },
         )
         return Intake(header.batch_id, header.part, False)
-
-    def _verified(self, body: bytes, signature: bytes) -> Batch:
-        """The batch, once the signature of the shuffler it names verifies (only
-        ``shuffler_id`` is read before that)."""
-        try:
-            shuffler_id = _Signer.model_validate_json(body).shuffler_id
-        except ValidationError as error:
-            raise MalformedBatchError(f"not a batch: {_problems(error)}") from error
-        key = self.policy.shufflers.get(shuffler_id)
-        if key is None:
-            raise UnknownShufflerError(f"shuffler {shuffler_id[:64]!r} is not registered")
-        if not verify(body, signature, key):
-            raise BadSignatureError("signature does not verify for this shuffler")
-        try:
-            batch = Batch.model_validate_json(body)
-        except ValidationError as error:
-            raise MalformedBatchError(f"not a batch: {_problems(error)}") from error
-        _check_bounds(batch)
-        return batch
 
     def _runtime(self, batch: Batch) -> ChannelRuntime:
         runtime = self.policy.channels.get(batch.channel_id)
@@ -175,6 +168,20 @@ def signature_bytes(header: str | None) -> bytes:
     return raw
 
 
+def _parsed(body: bytes) -> Batch:
+    """A verified body as a batch part.
+
+    Raises:
+        MalformedBatchError: naming the first problems.
+    """
+    try:
+        batch = Batch.model_validate_json(body)
+    except ValidationError as error:
+        raise MalformedBatchError(f"not a batch: {_problems(error)}") from error
+    _check_bounds(batch)
+    return batch
+
+
 def _check_bounds(batch: Batch) -> None:
     """Refuse numbers the tables cannot hold (the same answer on every database; strings are
     bounded by the configuration: registered shufflers, configured channels, declared
@@ -209,20 +216,36 @@ def _batch_fields(header: PartHeader) -> tuple[object, ...]:
     )
 
 
-def _consistent(runtime: ChannelRuntime, header: PartHeader, others: Sequence[PartHeader]) -> None:
-    """A part must say what its batch's stored parts say, and all parts together may not carry
-    more fragments than the group's contributions can (PROTOCOL.md, ``POST /v1/batches``)."""
+def _consistent(runtime: ChannelRuntime, header: PartHeader, stored: StoredBatch) -> None:
+    """A part must say what its batch's stored parts say, be its group's only batch, and all
+    parts together must carry what the group's contributions can (PROTOCOL.md, ``POST
+    /v1/batches``; "Who vouches for what")."""
+    others = stored.parts
     if others and _batch_fields(header) != _batch_fields(others[0]):
         raise InconsistentCountsError(
             f"part {header.part} of batch {header.batch_id} disagrees with its stored parts "
             "on parts, shuffler, channel, crowd, epoch or n_contributions"
         )
+    if stored.rival is not None:
+        raise DuplicateGroupError(
+            f"{header.shuffler_id} already sent batch {stored.rival} for channel "
+            f"{header.channel_id!r}, crowd {header.crowd_id!r}, epoch {header.epoch}: a group is "
+            "evaluated once"
+        )
+    count = runtime.fragment_count(header.shuffler_id)
     total = header.n_fragments + sum(o.n_fragments for o in others)
-    most = header.n_contributions * runtime.config.max_fragments
-    if total > most:
+    n = header.n_contributions
+    if total > n * count.maximum:
         raise InconsistentCountsError(
-            f"{total} fragments cannot come from {header.n_contributions} contributions of at "
-            f"most {runtime.config.max_fragments} fragments"
+            f"{total} fragments cannot come from {n} contributions of at most "
+            f"{count.maximum} fragments"
+        )
+    complete = len({o.part for o in others} | {header.part}) == header.parts
+    if complete and total < n * count.minimum:
+        exactly = f"exactly {count.minimum}" if count.fixed else f"at least {count.minimum}"
+        raise InconsistentCountsError(
+            f"{total} fragments cannot come from {n} contributions of {exactly} fragments "
+            f"each ({runtime.config.mechanism}): the claimed crowd is not backed by fragments"
         )
 
 

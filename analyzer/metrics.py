@@ -33,6 +33,10 @@ COUNTERS = {
     "fragments_opened": "fragments opened",
     "fragments_invalid": "fragments that failed to open or parse (chaff)",
     "part_open_failures": "failed openings of stored parts (retried, then quarantined)",
+    "batches_short_crowd": "complete batches whose fragments verify fewer contributions than "
+    "their shuffler claimed (certified at the verified crowd)",
+    "crowd_shortfall": "contributions claimed by shufflers that their batches' fragments do "
+    "not verify",
     "releases": "estimates released (ledger entries)",
 }
 #: Gauges read from the database at scrape time (registered with :meth:`Events.gauge`).

@@ -38,8 +38,8 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import StorageConflictError
 from analyzer.metrics import Events
-from analyzer.store import AnalyzerStore, Fold, Folded, Merge, PartHeader
-from common.envelope import EnvelopeError, KeyRing, open_fragment
+from analyzer.store import AnalyzerStore, Complete, Fold, Folded, Merge, PartHeader
+from common.envelope import EnvelopeError, FragmentContext, KeyRing, open_fragment
 from common.wire import Batch
 
 log = logging.getLogger("esa.analyzer")
@@ -59,13 +59,14 @@ WARM_TASK_SECONDS = 0.05
 _worker_ring: KeyRing | None = None
 
 
-def open_chunk(ring: KeyRing, channel_id: str, texts: Sequence[str]) -> list[bytes]:
-    """Open base64 sealed fragments of ``channel_id``; the ones that fail are left out (chaff,
-    counted by the caller as the difference)."""
+def open_chunk(ring: KeyRing, info: bytes, texts: Sequence[str]) -> list[bytes]:
+    """Open base64 sealed fragments bound to ``info`` (their batch's channel, epoch and crowd:
+    :meth:`FragmentContext.info`); the ones that fail are left out (chaff, or fragments sealed
+    for another epoch or crowd, counted by the caller as the difference)."""
     opened = []
     for text in texts:
         try:
-            opened.append(open_fragment(base64.b64decode(text), channel_id, ring))
+            opened.append(open_fragment(base64.b64decode(text), info, ring))
         except (EnvelopeError, binascii.Error, ValueError):
             continue
     return opened
@@ -96,10 +97,10 @@ def _worker_pid() -> int:
     return os.getpid()
 
 
-def _open_in_worker(channel_id: str, texts: Sequence[str]) -> list[bytes]:
+def _open_in_worker(info: bytes, texts: Sequence[str]) -> list[bytes]:
     if _worker_ring is None:
         raise RuntimeError("pool worker started without its key ring")
-    return open_chunk(_worker_ring, channel_id, texts)
+    return open_chunk(_worker_ring, info, texts)
 
 
 class FragmentOpener:
@@ -141,17 +142,18 @@ class FragmentOpener:
             log.warning("opening processes not all started", extra={"error": type(error).__name__})
         return len(answered)
 
-    def open(self, channel_id: str, texts: Sequence[str]) -> list[bytes]:
-        """The opened fragments, in order (undecryptable ones left out).
+    def open(self, context: FragmentContext, texts: Sequence[str]) -> list[bytes]:
+        """The opened fragments, in order (those that do not open for ``context`` left out).
 
         Raises:
             BrokenProcessPool: if a worker died; the pool is started afresh for the next call.
         """
+        info = context.info()
         if self._pool is None:
-            return open_chunk(self.ring, channel_id, texts)
+            return open_chunk(self.ring, info, texts)
         try:
             futures = [
-                self._pool.submit(_open_in_worker, channel_id, texts[i : i + self.chunk])
+                self._pool.submit(_open_in_worker, info, texts[i : i + self.chunk])
                 for i in range(0, len(texts), self.chunk)
             ]
             return [fragment for future in futures for fragment in future.result()]
@@ -241,16 +243,17 @@ class PartOpener:
             return False
         fragments = Batch.model_validate_json(body).fragments
         del body
-        opened = self.opener.open(header.channel_id, fragments)
+        context = FragmentContext(header.channel_id, header.epoch, header.crowd_id)
+        opened = self.opener.open(context, fragments)
         undecryptable = len(fragments) - len(opened)
         del fragments
         if self.fault_while_opening == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         invalid: list[int] = []
         fold = _folder(runtime, header, opened, undecryptable, invalid)
-        folded = self.store.fold_part(
-            header, fold, _merger(runtime), runtime.charge, n_opened=len(opened)
-        )
+        verified: list[int] = []
+        steps = (_completer(runtime, header, verified), _merger(runtime), runtime.charge)
+        folded = self.store.fold_part(header, fold, steps, n_opened=len(opened))
         if folded is None:
             return False
         self.events.count("parts_opened")
@@ -258,7 +261,28 @@ class PartOpener:
         self.events.count("fragments_invalid", invalid[-1])
         if folded is Folded.BATCH:
             self.events.count("batches_accepted")
+            self._check_crowd(header, verified[-1])
         return True
+
+    def _check_crowd(self, header: PartHeader, verified: int) -> None:
+        """Count and log a batch whose fragments verify fewer contributions than its shuffler
+        claimed (a release certifies only the verified crowd)."""
+        short = header.n_contributions - verified
+        if short <= 0:
+            return
+        self.events.count("batches_short_crowd")
+        self.events.count("crowd_shortfall", short)
+        log.warning(
+            "batch crowd not verified by its fragments: certified at the verified crowd",
+            extra={
+                "batch_id": header.batch_id,
+                "shuffler": header.shuffler_id,
+                "channel": header.channel_id,
+                "epoch": header.epoch,
+                "claimed": header.n_contributions,
+                "verified": verified,
+            },
+        )
 
     def wake(self) -> None:
         """A part was stored: open it soon."""
@@ -313,17 +337,28 @@ def _folder(
     undecryptable: int,
     invalid: list[int],
 ) -> Fold:
-    # The group's n enters with part 0 only, so a complete batch carries it exactly once;
+    # Parts add fragments only: the crowd enters once, verified, when the batch completes;
     # ``invalid`` receives the chaff count of the fold that commits (the last one).
-    n = header.n_contributions if header.part == 0 else 0
-
     def fold(state: bytes | None) -> tuple[bytes, int]:
         accumulator = runtime.new_accumulator() if state is None else runtime.load(state)
-        unparsed = runtime.add(accumulator, opened, n, header.shuffler_id)
+        unparsed = runtime.add(accumulator, opened, 0, header.shuffler_id)
         invalid.append(unparsed + undecryptable)
         return accumulator.to_bytes(), unparsed + undecryptable
 
     return fold
+
+
+def _completer(runtime: ChannelRuntime, header: PartHeader, verified: list[int]) -> Complete:
+    # ``verified`` receives the crowd of the completion that commits.
+    def complete(state: bytes, valid: int, invalid: int) -> tuple[bytes, int]:
+        count = runtime.fragment_count(header.shuffler_id)
+        crowd = count.verified_crowd(header.n_contributions, valid, invalid)
+        accumulator = runtime.load(state)
+        runtime.add(accumulator, (), crowd, header.shuffler_id)
+        verified.append(crowd)
+        return accumulator.to_bytes(), crowd
+
+    return complete
 
 
 def _merger(runtime: ChannelRuntime) -> Merge:

@@ -17,6 +17,7 @@ from pathlib import Path
 from analyzer.channels import ChannelRuntime
 from analyzer.config import AnalyzerKeys, signed_config
 from analyzer.dashboard import ChannelView
+from analyzer.descriptors import ShufflerDescriptors
 from analyzer.errors import NothingReceivedError
 from analyzer.intake import BatchIntake, IntakePolicy
 from analyzer.ledger import LedgerService
@@ -56,6 +57,7 @@ class AnalyzerService:
     ledger: LedgerService
     events: Events
     opener: PartOpener
+    descriptors: ShufflerDescriptors
     clock: Callable[[], float] = time.time
     trainer: Trainer | None = None
 
@@ -75,7 +77,7 @@ class AnalyzerService:
             ring=keys.ring(),
             channels=channels,
             shufflers={s.id: load_ed25519_public(unb64(s.signing_key)) for s in settings.shufflers},
-            max_batch_bytes=settings.max_batch_bytes,
+            max_batch_bytes=settings.part_cap,
         )
         store = AnalyzerStore(db.make_engine(settings.database_url), clock)
         events = Events()
@@ -94,6 +96,7 @@ class AnalyzerService:
                 events,
                 settings.fault_while_opening,
             ),
+            ShufflerDescriptors(settings.shufflers, clock),
             clock,
             Trainer(store, channels, settings.training_dir),
         )
@@ -106,6 +109,7 @@ class AnalyzerService:
         charged = self.ledger.charge_missing()
         processes = self.opener.opener.warm()
         self.opener.start(self.settings.opening_poll_seconds)
+        self.descriptors.start(self.settings.descriptor_refresh_seconds)
         log.info(
             "analyzer ready",
             extra={
@@ -117,14 +121,15 @@ class AnalyzerService:
         )
 
     def close(self) -> None:
-        """Stop the opener and release the database connections."""
+        """Stop the opener and the descriptor fetches, release the database connections."""
+        self.descriptors.stop()
         self.opener.stop()
         self.store.engine.dispose()
 
-    def accept(self, body: bytes, signature: str | None) -> BatchAck:
+    def accept(self, body: bytes, signature: str | None, shuffler_id: str | None) -> BatchAck:
         """``POST /v1/batches``: store the part (:meth:`BatchIntake.accept`) and answer right
         after the commit; fragment counts are unknown until the opener has opened it."""
-        intake = self.intake.accept(body, signature)
+        intake = self.intake.accept(body, signature, shuffler_id)
         if self.settings.fault_after_commit == "exit" and not intake.duplicate:
             # Test-only crash window between the commit and the answer (refused in production).
             os._exit(3)
@@ -132,12 +137,17 @@ class AnalyzerService:
         return BatchAck(batch_id=intake.batch_id, part=intake.part, duplicate=intake.duplicate)
 
     def config(self) -> SignedConfig:
-        """``GET /v1/config``."""
+        """``GET /v1/config``.
+
+        Raises:
+            ShufflersUnavailableError: a shuffler's signed descriptor is not known yet.
+        """
+        shufflers = self.descriptors.current()
         published = None
         if self.trainer is not None and self.trainer.channels:
             models = {c: self.trainer.state(c) for c in self.trainer.channels}
             published = published_channels(self.settings.channels, models)
-        return signed_config(self.settings, self.keys, int(self.clock()), published)
+        return signed_config(self.settings, self.keys, int(self.clock()), shufflers, published)
 
     def channels(self) -> ChannelList:
         """``GET /v1/channels``: every configured channel and the epochs received."""

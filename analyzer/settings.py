@@ -2,10 +2,11 @@
 
 Channels come from ``ESA_ANALYZER_CHANNELS`` (JSON list of :class:`ChannelConfig`) or
 ``ESA_ANALYZER_CHANNELS_FILE``; the shuffler registry from ``ESA_ANALYZER_SHUFFLERS`` (JSON list
-of :class:`ShufflerInfo`: id, url, HPKE public key and key id, Ed25519 signing key) or
-``ESA_ANALYZER_SHUFFLERS_FILE``. ``admin_token`` guards publishing releases; placeholder
-secrets are refused outside ``environment=development``. ``lifetime_delta`` is the total δ of
-every lifetime ε the ledger states (default :data:`LIFETIME_DELTA`).
+of :class:`ShufflerEntry`: id, the URL its signed descriptor is fetched from, and the Ed25519
+key pinned for it) or ``ESA_ANALYZER_SHUFFLERS_FILE``. ``admin_token`` guards publishing
+releases; placeholder secrets are refused outside ``environment=development``.
+``lifetime_delta`` is the total δ of every lifetime ε the ledger states (default
+:data:`LIFETIME_DELTA`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.wire import ChannelConfig, DeviceBudget, ShufflerInfo
+from common.envelope import inner_size
+from common.wire import PART_FRAGMENTS, ChannelConfig, DeviceBudget, ShufflerEntry
 
 #: Secrets refused outside development (as the shuffler's settings).
 PLACEHOLDERS = {"", "changeme", "change-me", "secret", "development"}
@@ -28,6 +30,19 @@ MIN_SECRET_LENGTH = 16
 #: to 10^6 devices (Dwork & Roth, *The Algorithmic Foundations of DP*, §2.3: δ << 1/n); the
 #: issue-13 example states its lifetime at 1e-5.
 LIFETIME_DELTA = 1e-6
+#: Bytes of a batch part besides its fragments: the JSON keys and the longest ids and numbers
+#: they can hold (< 500 bytes), with room to spare.
+PART_HEADER_BYTES = 4096
+
+
+def largest_part_bytes(channels: list[ChannelConfig]) -> int:
+    """The largest legal batch part body: :data:`~common.wire.PART_FRAGMENTS` fragments of the
+    channel with the largest sealed fragment, each a JSON string of base64 (4 characters per 3
+    bytes, two quotes and a comma), plus :data:`PART_HEADER_BYTES`. With the default channels
+    (payload size 16, 72-byte sealed fragments) it is 4.95 MB."""
+    payload = max((c.payload_size for c in channels), default=16)
+    encoded = 4 * -(-inner_size(payload) // 3) + 3
+    return PART_FRAGMENTS * encoded + PART_HEADER_BYTES
 
 
 def _listed(path: Path, key: str) -> list[Any]:
@@ -50,10 +65,15 @@ class AnalyzerSettings(BaseSettings):
     training_dir: Path = Path("var/analyzer/training")
     channels: list[ChannelConfig] = Field(default_factory=list)
     channels_file: Path | None = None
-    shufflers: list[ShufflerInfo] = Field(default_factory=list)
+    shufflers: list[ShufflerEntry] = Field(default_factory=list)
     shufflers_file: Path | None = None
     config_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
-    max_batch_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    #: How often each shuffler's signed descriptor is fetched again (sooner while one is
+    #: missing); a descriptor's own validity is the shuffler's ``descriptor_ttl_seconds``.
+    descriptor_refresh_seconds: float = Field(60.0, gt=0)
+    #: Largest batch part body read before its signature is checked; default (None): the
+    #: largest legal part of the configured channels (:func:`largest_part_bytes`).
+    max_batch_bytes: int | None = Field(None, ge=1024)
     admin_token: SecretStr = SecretStr("development")
     lifetime_delta: float = Field(LIFETIME_DELTA, gt=0, lt=1)
     #: Per-device local-ε cap over all channels, signed into the collection config and
@@ -80,7 +100,7 @@ class AnalyzerSettings(BaseSettings):
         if self.channels_file is not None:
             self.channels = [ChannelConfig(**c) for c in _listed(self.channels_file, "channels")]
         if self.shufflers_file is not None:
-            self.shufflers = [ShufflerInfo(**s) for s in _listed(self.shufflers_file, "shufflers")]
+            self.shufflers = [ShufflerEntry(**s) for s in _listed(self.shufflers_file, "shufflers")]
         for name, ids in (
             ("channel", [c.id for c in self.channels]),
             ("shuffler", [s.id for s in self.shufflers]),
@@ -103,6 +123,11 @@ class AnalyzerSettings(BaseSettings):
                 f"in {self.environment}"
             )
         return self
+
+    @property
+    def part_cap(self) -> int:
+        """The body cap of ``POST /v1/batches``."""
+        return self.max_batch_bytes or largest_part_bytes(self.channels)
 
     @property
     def url(self) -> str:

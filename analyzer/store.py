@@ -11,8 +11,9 @@ Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
   ``last_error`` for an operator, never folded in, so its batch stays incomplete).
 * ``open_batches``: the statistics of a batch whose parts are not all opened yet, folded part
   by part in the same transaction that marks each part opened (nothing opened twice).
-* ``receipts``: one row per complete batch (all its parts opened), with its crowd size and how
-  many fragments were chaff.
+* ``receipts``: one row per complete batch (all its parts opened), with the crowd its shuffler
+  claimed, the crowd its fragments verify (``n_verified``: what certificates and estimates rest
+  on) and how many fragments failed to open or parse.
 * ``accumulators``: the sufficient statistics per (channel, crowd, epoch, shuffler) of complete
   batches, updated in the same transaction as the receipt. Kept per shuffler because each
   shuffler's batch is shuffled separately: its crowd is what certification may rely on.
@@ -44,6 +45,7 @@ from sqlalchemy import (
     Column,
     ColumnElement,
     Float,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -81,6 +83,7 @@ receipts = Table(
     Column("n_fragments", Integer, nullable=False),
     Column("invalid", Integer, nullable=False),
     Column("received_at", Float, nullable=False),
+    Column("n_verified", Integer, nullable=True),
 )
 
 accumulators = Table(
@@ -139,6 +142,7 @@ batch_parts = Table(
     Column("invalid", Integer, nullable=False),
     Column("received_at", Float, nullable=False),
     Column("n_opened", Integer, nullable=True),
+    Index("ix_batch_parts_group", "shuffler_id", "channel_id", "crowd_id", "epoch"),
 )
 
 #: ``batch_parts.status``: waiting for the opener, folded in, or set aside after failed openings.
@@ -165,6 +169,9 @@ PENDING_PAGE = 100
 #: Folds an opened part into its batch's statistics: serialized state (None when new) →
 #: (new state, invalid fragments).
 Fold = Callable[[bytes | None], tuple[bytes, int]]
+#: Completes a batch whose last part was folded: (state, valid fragments, invalid fragments) →
+#: (state with the verified crowd in it, the verified crowd).
+Complete = Callable[[bytes, int, int], tuple[bytes, int]]
 #: Merges a complete batch's statistics into an accumulator (None when new) → new state.
 Merge = Callable[[bytes | None, bytes], bytes]
 
@@ -183,6 +190,26 @@ class PartHeader:
     epoch: int
     n_contributions: int
     n_fragments: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBatch:
+    """What intake checks a new part against: its batch's parts stored so far, and another
+    batch already received for the same group (shuffler, channel, crowd, epoch), if any."""
+
+    parts: list[PartHeader]
+    rival: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CrowdCheck:
+    """Claimed against verified crowds over a channel's complete batches in a range."""
+
+    batches: int
+    claimed: int
+    verified: int
+    invalid: int
+    short: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +256,7 @@ class BatchReceipt:
     epoch: int
     n_contributions: int
     n_fragments: int
+    n_verified: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,11 +321,12 @@ class AnalyzerStore:
             return _stored_parts(conn, batch_id)
 
     def store_part(
-        self, header: PartHeader, body: bytes, check: Callable[[list[PartHeader]], None]
+        self, header: PartHeader, body: bytes, check: Callable[[StoredBatch], None]
     ) -> bool:
         """Durably store one signed part unless (``batch_id``, ``part``) is known; ``check``
-        sees the batch's other stored parts first (and raises to refuse). Returns False for a
-        known part (a repeat, or a batch accepted whole before parts existed).
+        sees the batch's other stored parts and any other batch of its group first (and
+        raises to refuse). Returns False for a known part (a repeat, or a batch accepted whole
+        before parts existed).
         """
         with self._storing:
             try:
@@ -307,7 +336,7 @@ class AnalyzerStore:
                     _lock_batch(conn, header.batch_id)
                     if _known(conn, header):
                         return False
-                    check(_stored_parts(conn, header.batch_id))
+                    check(StoredBatch(_stored_parts(conn, header.batch_id), _rival(conn, header)))
                     conn.execute(
                         insert(batch_parts).values(
                             **asdict(header),
@@ -444,12 +473,18 @@ class AnalyzerStore:
         return quarantined
 
     def fold_part(
-        self, header: PartHeader, fold: Fold, merge: Merge, charge: Charge, *, n_opened: int
+        self,
+        header: PartHeader,
+        fold: Fold,
+        steps: tuple[Complete, Merge, Charge],
+        *,
+        n_opened: int,
     ) -> Folded | None:
         """Fold an opened part (``n_opened`` of its fragments decrypted) into its batch's
         statistics and mark it opened with its fragment counts, in one transaction; when it is
-        the batch's last part, the batch joins its accumulator, gets its receipt and its epoch
-        is recharged in the same transaction (so a batch counts once, whole, or not at all).
+        the batch's last part, the batch gets its verified crowd (``steps``: complete), joins
+        its accumulator (merge), gets its receipt and its epoch is recharged (charge) in the
+        same transaction (so a batch counts once, whole, or not at all).
         Returns None if the part is no longer waiting (opened by another opener, or
         quarantined).
 
@@ -459,7 +494,7 @@ class AnalyzerStore:
         for _ in range(STORE_ATTEMPTS):
             try:
                 with self._storing, self.engine.begin() as conn:
-                    return _fold_part(conn, header, fold, merge, charge, n_opened, self.clock())
+                    return _fold_part(conn, header, fold, steps, n_opened, self.clock())
             except IntegrityError:
                 continue
         raise StorageConflictError("could not fold the part; retry later")
@@ -507,7 +542,16 @@ class AnalyzerStore:
 
     def recharge(self, channel_id: str, crowd_id: str, epoch: int, charge: Charge) -> None:
         """Write the ledger row of one epoch from what is stored."""
-        key = BatchReceipt("", "", channel_id, crowd_id, epoch, 0, 0)
+        key = BatchReceipt(
+            batch_id="",
+            shuffler_id="",
+            channel_id=channel_id,
+            crowd_id=crowd_id,
+            epoch=epoch,
+            n_contributions=0,
+            n_fragments=0,
+            n_verified=0,
+        )
         with self._storing, self.engine.begin() as conn:
             _charge(conn, key, charge, self.clock())
 
@@ -539,6 +583,24 @@ class AnalyzerStore:
         """Accumulators and batch crowd sizes of a channel's crowd in ``[from, to]``."""
         with self.engine.connect() as conn:
             return _received(conn, channel_id, crowd_id, epoch_from, epoch_to)
+
+    def crowd_check(
+        self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
+    ) -> CrowdCheck:
+        """Claimed and verified crowds of the complete batches in range, the fragments that
+        failed to open or parse, and how many batches verified fewer than they claimed."""
+        r = receipts.c
+        verified = func.coalesce(r.n_verified, r.n_contributions)
+        query = select(
+            func.count(),
+            func.sum(r.n_contributions),
+            func.sum(verified),
+            func.sum(r.invalid),
+            func.sum(case((verified < r.n_contributions, 1), else_=0)),
+        ).where(*_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to))
+        with self.engine.connect() as conn:
+            row = conn.execute(query).one()
+        return CrowdCheck(*(int(value or 0) for value in row))
 
     def epoch_spans(self) -> dict[str, tuple[int, int]]:
         """``[first, last]`` epoch received per channel."""
@@ -612,6 +674,26 @@ def _stored_parts(conn: Connection, batch_id: str) -> list[PartHeader]:
     return [PartHeader(*row) for row in conn.execute(query)]
 
 
+def _rival(conn: Connection, header: PartHeader) -> str | None:
+    """Another batch already received (a part of it, or its receipt) for ``header``'s group."""
+    found = None
+    for table in (batch_parts, receipts):
+        c = table.c
+        query = (
+            select(c.batch_id)
+            .where(
+                c.shuffler_id == header.shuffler_id,
+                c.channel_id == header.channel_id,
+                c.crowd_id == header.crowd_id,
+                c.epoch == header.epoch,
+                c.batch_id != header.batch_id,
+            )
+            .limit(1)
+        )
+        found = found or conn.execute(query).scalar_one_or_none()
+    return None if found is None else str(found)
+
+
 def _known(conn: Connection, header: PartHeader) -> bool:
     """The part is stored, or its batch was accepted whole (before parts existed)."""
     p, r = batch_parts.c, receipts.c
@@ -648,8 +730,7 @@ def _fold_part(
     conn: Connection,
     header: PartHeader,
     fold: Fold,
-    merge: Merge,
-    charge: Charge,
+    steps: tuple[Complete, Merge, Charge],
     n_opened: int,
     now: float,
 ) -> Folded | None:
@@ -689,14 +770,17 @@ def _fold_part(
             )
         )
         return Folded.PART
+    complete, merge, charge = steps
+    state, verified = complete(state, fragments - invalid, invalid)
     receipt = BatchReceipt(
-        header.batch_id,
-        header.shuffler_id,
-        header.channel_id,
-        header.crowd_id,
-        header.epoch,
-        header.n_contributions,
-        fragments,
+        batch_id=header.batch_id,
+        shuffler_id=header.shuffler_id,
+        channel_id=header.channel_id,
+        crowd_id=header.crowd_id,
+        epoch=header.epoch,
+        n_contributions=header.n_contributions,
+        n_fragments=fragments,
+        n_verified=verified,
     )
     _complete(conn, receipt, invalid, merge(_accumulator(conn, receipt), state), now)
     _charge(conn, receipt, charge, now)
@@ -751,14 +835,16 @@ def _received(
             *_in_range(accumulators, channel_id, crowd_id, epoch_from, epoch_to)
         )
     ).all()
+    verified = func.coalesce(r.n_verified, r.n_contributions)
     batches = conn.execute(
-        select(r.epoch, r.shuffler_id, r.n_contributions).where(
+        select(r.epoch, r.shuffler_id, verified).where(
             *_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to)
         )
     ).all()
     sizes: dict[tuple[int, str], list[int]] = {}
     for epoch, shuffler_id, n in batches:
-        sizes.setdefault((int(epoch), shuffler_id), []).append(int(n))
+        if n:  # a batch none of whose fragments verified reaches no release
+            sizes.setdefault((int(epoch), shuffler_id), []).append(int(n))
     return ReceivedRange(
         [StoredState(int(e), s, bytes(state)) for e, s, state in rows],
         {key: tuple(ns) for key, ns in sizes.items()},

@@ -1,11 +1,21 @@
-"""The signed collection config that clients fetch from the analyzer (PROTOCOL.md).
+"""Who vouches for what a device uses (PROTOCOL.md, "Who vouches for what").
 
-``{"config": {...}, "signature": base64 Ed25519}`` where the signature covers the canonical JSON
-of ``config`` (sorted keys, no whitespace). The config (:class:`common.wire.CollectionConfig`)
-lists the analyzer's live HPKE keys (the current one first), its signing key, the shufflers (URL,
-HPKE key, signing key) and the channels, with an issue and an expiry time. Clients pin the
-analyzer's signing key and refuse a config that is unsigned, signed by another key, tampered
-with, expired or malformed.
+Two kinds of signed documents reach a device:
+
+* the analyzer's collection config, ``{"config": {...}, "signature": base64 Ed25519}`` over the
+  canonical JSON of ``config`` (sorted keys, no whitespace), signed with the analyzer's
+  config-signing key: channels, policies, the analyzer's own HPKE keys;
+* each shuffler's descriptor (:class:`common.wire.ShufflerDescriptor`: id, URL, HPKE keys,
+  signing key, validity), signed with that shuffler's own Ed25519 key over
+  :data:`DESCRIPTOR_CONTEXT` and the canonical JSON. The analyzer's config carries the
+  descriptors as the shufflers signed them; it can list or omit a shuffler but cannot change
+  its URL or keys without breaking that shuffler's signature.
+
+A device pins one key per trust domain (:class:`TrustAnchors`: the analyzer's config-signing
+key and every shuffler's signing key, as DAP clients learn each aggregator's HPKE config from
+that aggregator) and :func:`verify_collection` accepts a config only when every shuffler it
+lists is pinned and vouched for by its own signature, nothing has expired, and nothing is older
+than what the device has seen before (rollback).
 """
 
 from __future__ import annotations
@@ -13,18 +23,38 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import ValidationError
 
-from common.envelope import verify
-from common.wire import CollectionConfig, SignedConfig
+from common.envelope import load_ed25519_public, public_bytes, verify
+from common.wire import (
+    AnalyzerInfo,
+    ChannelConfig,
+    CollectionConfig,
+    DeviceBudget,
+    ShufflerDescriptor,
+    ShufflerInfo,
+    SignedConfig,
+    SignedDescriptor,
+    b64,
+)
+
+#: Signed before a descriptor's canonical bytes, so no other document a shuffler signs (its
+#: batch parts are JSON too) can pass for a descriptor.
+DESCRIPTOR_CONTEXT = b"esa/2 shuffler descriptor\n"
+#: Key of the analyzer's config in :attr:`VerifiedConfig.versions`; a shuffler's descriptor is
+#: ``"shuffler/<id>"`` (no id holds a slash).
+CONFIG = "config"
 
 
 class CollectionConfigError(ValueError):
-    """A collection config that is unsigned, mis-signed, tampered with, expired or malformed."""
+    """A collection config or descriptor that is unsigned, mis-signed, tampered with, expired,
+    older than one seen before, not pinned, or malformed."""
 
 
 def canonical(config: Mapping[str, Any]) -> bytes:
@@ -35,26 +65,41 @@ def canonical(config: Mapping[str, Any]) -> bytes:
 def sign_config(config: CollectionConfig, key: Ed25519PrivateKey) -> SignedConfig:
     """The signed document served at ``GET /v1/config``."""
     body = config.model_dump(mode="json")
-    return SignedConfig(config=body, signature=base64.b64encode(key.sign(canonical(body))).decode())
+    return SignedConfig(config=body, signature=b64(key.sign(canonical(body))))
+
+
+def sign_descriptor(descriptor: ShufflerDescriptor, key: Ed25519PrivateKey) -> SignedDescriptor:
+    """The signed document a shuffler serves at ``GET /v1/descriptor``."""
+    body = descriptor.model_dump(mode="json")
+    return SignedDescriptor(
+        descriptor=body, signature=b64(key.sign(DESCRIPTOR_CONTEXT + canonical(body)))
+    )
+
+
+def _signature(text: object, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise CollectionConfigError(f"{what} is not signed (missing signature)")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise CollectionConfigError(f"{what} signature is not base64") from error
 
 
 def verify_config(
     document: Mapping[str, Any] | SignedConfig, key: Ed25519PublicKey, now: float
 ) -> CollectionConfig:
-    """The config inside a signed document, if the signature holds and it has not expired.
+    """The config inside a signed document, if the analyzer's signature holds and it has not
+    expired (its shufflers' descriptors are not checked here: :func:`verify_collection`).
 
     Raises:
         CollectionConfigError: naming what is wrong.
     """
     if isinstance(document, SignedConfig):
         document = document.model_dump()
-    config, signature = document.get("config"), document.get("signature")
-    if not isinstance(config, dict) or not isinstance(signature, str):
-        raise CollectionConfigError("collection config is not signed (missing config or signature)")
-    try:
-        raw = base64.b64decode(signature, validate=True)
-    except (binascii.Error, ValueError) as error:
-        raise CollectionConfigError("collection config signature is not base64") from error
+    config = document.get("config")
+    if not isinstance(config, dict):
+        raise CollectionConfigError("collection config is not signed (missing config)")
+    raw = _signature(document.get("signature"), "collection config")
     if not verify(canonical(config), raw, key):
         raise CollectionConfigError(
             "collection config signature does not verify (wrong key or tampered)"
@@ -66,3 +111,198 @@ def verify_config(
     if now > parsed.expires_at:
         raise CollectionConfigError(f"collection config expired at {parsed.expires_at}")
     return parsed
+
+
+def descriptor_id(document: SignedDescriptor) -> str:
+    """The shuffler id a descriptor names (unverified: only to find the key to check it with)."""
+    named = document.descriptor.get("id")
+    if not isinstance(named, str):
+        raise CollectionConfigError("shuffler descriptor names no shuffler id")
+    return named
+
+
+def verify_descriptor(
+    document: SignedDescriptor, key: Ed25519PublicKey, now: float
+) -> ShufflerDescriptor:
+    """The descriptor inside a signed document, if ``key`` (the one pinned for the shuffler it
+    names) signed it, it vouches for that same key and it is valid at ``now``.
+
+    Raises:
+        CollectionConfigError: naming the shuffler and what is wrong.
+    """
+    name = repr(descriptor_id(document)[:64])
+    raw = _signature(document.signature, f"descriptor of shuffler {name}")
+    if not verify(DESCRIPTOR_CONTEXT + canonical(document.descriptor), raw, key):
+        raise CollectionConfigError(
+            f"descriptor of shuffler {name} is not signed by the key pinned for it "
+            "(another party's key, or tampered)"
+        )
+    try:
+        descriptor = ShufflerDescriptor.model_validate(document.descriptor)
+    except ValidationError as error:
+        raise CollectionConfigError(
+            f"descriptor of shuffler {name} is malformed: {error}"
+        ) from error
+    if descriptor.signing_key != b64(public_bytes(key)):
+        raise CollectionConfigError(f"descriptor of shuffler {name} names another signing key")
+    if now > descriptor.expires_at:
+        raise CollectionConfigError(
+            f"descriptor of shuffler {name} expired at {descriptor.expires_at}"
+        )
+    return descriptor
+
+
+@dataclass(frozen=True)
+class TrustAnchors:
+    """The keys a device pins, one per trust domain: the analyzer's config-signing key and
+    each shuffler's signing key (``var/trust.json``, written by ``esa up``)."""
+
+    analyzer: Ed25519PublicKey
+    shufflers: Mapping[str, Ed25519PublicKey]
+
+    @classmethod
+    def from_json(cls, data: object) -> TrustAnchors:
+        """Parse ``{"analyzer": base64, "shufflers": {id: base64, ...}}``.
+
+        Raises:
+            ValueError: naming what is missing or not an Ed25519 key.
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("shufflers"), dict):
+            raise ValueError('trust anchors must be {"analyzer": key, "shufflers": {id: key}}')
+        shufflers = {str(k): parse_key(v, f"shuffler {k!r}") for k, v in data["shufflers"].items()}
+        if not shufflers:
+            raise ValueError("trust anchors pin no shuffler key")
+        return cls(parse_key(data.get("analyzer"), "analyzer"), shufflers)
+
+    @classmethod
+    def load(cls, path: Path) -> TrustAnchors:
+        """Read a trust file.
+
+        Raises:
+            ValueError: the file cannot be read, is not JSON, or holds no usable keys.
+        """
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"trust file {str(path)!r}: {error}") from error
+        try:
+            return cls.from_json(data)
+        except ValueError as error:
+            raise ValueError(f"trust file {str(path)!r}: {error}") from error
+
+    def to_json(self) -> dict[str, Any]:
+        """The form :meth:`from_json` reads."""
+        return {
+            "analyzer": b64(public_bytes(self.analyzer)),
+            "shufflers": {k: b64(public_bytes(v)) for k, v in sorted(self.shufflers.items())},
+        }
+
+
+def parse_key(text: object, what: str) -> Ed25519PublicKey:
+    """A pinned Ed25519 public key from its standard base64 (surrounding whitespace ignored).
+
+    Raises:
+        ValueError: naming ``what`` and why it is not such a key.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"the {what} key must be base64 text, not {type(text).__name__}")
+    try:
+        raw = base64.b64decode(text.strip(), validate=True)
+        return load_ed25519_public(raw)
+    except (binascii.Error, ValueError) as error:
+        raise ValueError(f"the {what} key is not a base64 Ed25519 public key: {error}") from error
+
+
+@dataclass(frozen=True)
+class VerifiedConfig:
+    """A collection config whose every part was vouched for by the party it speaks for.
+
+    Attributes:
+        config: The analyzer-signed config.
+        shufflers: The shufflers it lists, as their own descriptors describe them (in the
+            config's order: a report-fragment channel routes row r to shuffler r mod K).
+        versions: ``issued_at`` of the config (key :data:`CONFIG`) and of each descriptor
+            (key ``"shuffler/<id>"``), for a device's rollback check (:func:`check_rollback`).
+        expires_at: When the first of them expires.
+    """
+
+    config: CollectionConfig
+    shufflers: tuple[ShufflerInfo, ...]
+    versions: Mapping[str, int]
+    expires_at: int
+
+    @property
+    def analyzer(self) -> AnalyzerInfo:
+        """Where the analyzer is and its HPKE keys."""
+        return self.config.analyzer
+
+    @property
+    def channels(self) -> list[ChannelConfig]:
+        """The configured channels."""
+        return self.config.channels
+
+    @property
+    def device_budget(self) -> DeviceBudget | None:
+        """The device-wide local-ε budget, if any."""
+        return self.config.device_budget
+
+    def channel(self, channel_id: str) -> ChannelConfig | None:
+        """The channel named ``channel_id``, if configured."""
+        return self.config.channel(channel_id)
+
+
+def verify_collection(
+    document: Mapping[str, Any] | SignedConfig,
+    trust: TrustAnchors,
+    now: float,
+    seen: Mapping[str, int] | None = None,
+) -> VerifiedConfig:
+    """Verify the analyzer's config and every shuffler descriptor it carries against the keys
+    pinned in ``trust``; refuse anything older than ``seen`` (issue times already accepted).
+
+    Raises:
+        CollectionConfigError: naming the document and what is wrong.
+    """
+    config = verify_config(document, trust.analyzer, now)
+    descriptors = _descriptors(config.shufflers, trust, now)
+    versions = {CONFIG: config.issued_at, **{f"shuffler/{d.id}": d.issued_at for d in descriptors}}
+    check_rollback(versions, seen or {})
+    expires = min([config.expires_at, *(d.expires_at for d in descriptors)])
+    return VerifiedConfig(config, tuple(d.info() for d in descriptors), versions, expires)
+
+
+def check_rollback(versions: Mapping[str, int], seen: Mapping[str, int]) -> None:
+    """Refuse documents older than ones already accepted.
+
+    Raises:
+        CollectionConfigError: naming the document that went back in time.
+    """
+    for name, issued in versions.items():
+        before = seen.get(name)
+        if before is not None and issued < before:
+            what = "collection config" if name == CONFIG else f"descriptor of {name}"
+            raise CollectionConfigError(
+                f"{what} issued at {issued} is older than one this device accepted (issued at "
+                f"{before}): a replayed old document"
+            )
+
+
+def _descriptors(
+    documents: Sequence[SignedDescriptor], trust: TrustAnchors, now: float
+) -> list[ShufflerDescriptor]:
+    if not documents:
+        raise CollectionConfigError("the collection config lists no shuffler to report to")
+    found: list[ShufflerDescriptor] = []
+    for document in documents:
+        named = descriptor_id(document)
+        key = trust.shufflers.get(named)
+        if key is None:
+            raise CollectionConfigError(
+                f"the collection config lists shuffler {named[:64]!r}, whose key this device "
+                f"does not pin (pinned: {', '.join(sorted(trust.shufflers))})"
+            )
+        found.append(verify_descriptor(document, key, now))
+    ids = [d.id for d in found]
+    if len(set(ids)) != len(ids):
+        raise CollectionConfigError(f"the collection config lists a shuffler twice: {ids}")
+    return found

@@ -3,9 +3,10 @@
 Suite (PROTOCOL.md): DHKEM(X25519, HKDF-SHA256), HKDF-SHA256, AES-128-GCM, base mode, the
 library's one-shot ``encrypt``/``decrypt``. We never compose KEM/KDF/AEAD ourselves.
 
-Context is bound through HPKE's ``info``: ``b"esa/1 inner " + channel_id`` for fragments sealed
-for the analyzer, ``b"esa/1 outer " + shuffler_id`` for contributions sealed for a shuffler, so
-a ciphertext replayed on another channel or at another shuffler fails to open.
+Context is bound through HPKE's ``info`` (wire version 2). A fragment sealed for the analyzer is
+bound to its channel, epoch and crowd (:class:`FragmentContext`), so a shuffler that re-sends a
+fragment in another epoch's or crowd's batch sends one that no longer opens; a contribution
+sealed for a shuffler is bound to that shuffler (``b"esa/1 outer " + shuffler_id``).
 
 Sealed blob: ``key id (8 bytes) | enc (32) | ciphertext + tag``. The key id is the first 8 bytes
 of SHA-256 of the raw X25519 public key; it names which of the recipient's live keys to use
@@ -15,8 +16,9 @@ Inner plaintexts are padded to the channel's ``payload_size``
 (``uint16 length | fragment | zeros``), so ciphertext length never reveals the value.
 
 Contribution encoding (outer plaintext, big-endian):
-``b"ESA1" | u8 len + channel_id | u8 len + crowd_id | u64 epoch | 16-byte nonce |
-u16 count | count × (u16 len + inner blob)``.
+``b"ESA2" | u8 len + channel_id | u8 len + crowd_id | u64 epoch | 16-byte nonce |
+u16 count | count × (u16 len + inner blob)``. ``b"ESA1"`` (version 1, whose fragments were bound
+to their channel only) is refused with :class:`WireVersionError`.
 """
 
 from __future__ import annotations
@@ -36,18 +38,24 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
 SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
-INNER_INFO = b"esa/1 inner "
+INNER_INFO = b"esa/2 inner "
 OUTER_INFO = b"esa/1 outer "
 KEY_ID_SIZE = 8
 ENC_SIZE = 32
 TAG_SIZE = 16
 NONCE_SIZE = 16
-MAGIC = b"ESA1"
+MAGIC = b"ESA2"
+#: The magic of wire version 1 contributions, refused by name.
+OLD_MAGIC = b"ESA1"
 PrivateKey = TypeVar("PrivateKey", X25519PrivateKey, Ed25519PrivateKey)
 
 
 class EnvelopeError(ValueError):
     """A blob that does not open or parse (wrong key, channel, shuffler, tampered, malformed)."""
+
+
+class WireVersionError(EnvelopeError):
+    """A contribution of a wire version this code no longer takes (the client must update)."""
 
 
 def key_id(public_key: X25519PublicKey) -> bytes:
@@ -155,9 +163,28 @@ def unpad(padded: bytes) -> bytes:
     return padded[2 : 2 + length]
 
 
-def inner_info(channel_id: str) -> bytes:
-    """HPKE info binding a fragment to its channel."""
-    return INNER_INFO + channel_id.encode()
+@dataclass(frozen=True, slots=True)
+class FragmentContext:
+    """What a fragment is bound to: the channel, epoch and crowd of the contribution that
+    carried it (the batch header names the same three, so the analyzer opens with them)."""
+
+    channel_id: str
+    epoch: int
+    crowd_id: str
+
+    def info(self) -> bytes:
+        """HPKE ``info``: ``b"esa/2 inner " | u8 len + channel | u64 epoch | u8 len + crowd``.
+
+        Raises:
+            ValueError: a channel or crowd id over 255 bytes, an epoch outside uint64.
+        """
+        channel, crowd = self.channel_id.encode(), self.crowd_id.encode()
+        if len(channel) > 255 or len(crowd) > 255 or not 0 <= self.epoch < 1 << 64:
+            raise ValueError(f"no fragment context for {self!r}")
+        return b"".join(
+            (INNER_INFO, bytes([len(channel)]), channel, self.epoch.to_bytes(8, "big"),
+             bytes([len(crowd)]), crowd)
+        )  # fmt: skip
 
 
 def outer_info(shuffler_id: str) -> bytes:
@@ -171,15 +198,17 @@ def inner_size(payload_size: int) -> int:
 
 
 def seal_fragment(
-    fragment: bytes, channel_id: str, payload_size: int, analyzer: X25519PublicKey
+    fragment: bytes, context: FragmentContext, payload_size: int, analyzer: X25519PublicKey
 ) -> bytes:
-    """Pad a fragment to the channel's payload size and seal it for the analyzer."""
-    return seal(pad(fragment, payload_size), analyzer, inner_info(channel_id))
+    """Pad a fragment to the channel's payload size and seal it for the analyzer, bound to its
+    channel, epoch and crowd."""
+    return seal(pad(fragment, payload_size), analyzer, context.info())
 
 
-def open_fragment(blob: bytes, channel_id: str, ring: KeyRing) -> bytes:
-    """Open a sealed fragment of ``channel_id`` and strip its padding."""
-    return unpad(open_sealed(blob, ring, inner_info(channel_id)))
+def open_fragment(blob: bytes, context: FragmentContext | bytes, ring: KeyRing) -> bytes:
+    """Open a fragment sealed for ``context`` (or its precomputed ``info``) and unpad it."""
+    info = context if isinstance(context, bytes) else context.info()
+    return unpad(open_sealed(blob, ring, info))
 
 
 @dataclass(frozen=True)
@@ -216,6 +245,11 @@ class Contribution:
         Raises:
             EnvelopeError: naming what is malformed.
         """
+        if data[:4] == OLD_MAGIC:
+            raise WireVersionError(
+                "wire version 1 contribution: this deployment takes version 2 (fragments bound "
+                "to channel, epoch and crowd); update the client"
+            )
         try:
             if data[:4] != MAGIC:
                 raise EnvelopeError("not an ESA contribution (bad magic)")

@@ -169,7 +169,8 @@ class ChannelConfig(ChannelPolicy):
 
 
 class ShufflerInfo(BaseModel):
-    """A shuffler's public identity (its ``GET /v1/config`` and the registry entry)."""
+    """A shuffler as a device uses it, read from the shuffler's own signed descriptor (never
+    from the analyzer's word): its URL, current HPKE key and key id, Ed25519 signing key."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -185,8 +186,80 @@ class ShufflerInfo(BaseModel):
         return _identifier(value, "shuffler id")
 
 
-#: Fragments in one batch part by default: ~50k sealed fragments is a few MB of JSON, which an
-#: analyzer stores in well under a second, so no part can time out however big its group.
+class HpkeKey(BaseModel):
+    """One live HPKE key: base64 raw X25519 public key and its key id in hex."""
+
+    model_config = ConfigDict(frozen=True)
+
+    key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+    public_key: str
+
+
+class ShufflerDescriptor(BaseModel):
+    """What a shuffler vouches for about itself, signed with its own Ed25519 key (PROTOCOL.md,
+    "Who vouches for what"; DAP's aggregators serve their own HPKE configs the same way): its
+    id, the URL devices send to, its live HPKE keys (the current one first) and its signing
+    key, valid from ``issued_at`` until ``expires_at`` (unix seconds)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: Literal[1] = 1
+    id: str
+    url: str = Field(min_length=1, max_length=2048)
+    keys: list[HpkeKey] = Field(min_length=1, max_length=8)
+    signing_key: str
+    issued_at: int = Field(ge=0, le=MAX_INT)
+    expires_at: int = Field(ge=0, le=MAX_INT)
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        return _identifier(value, "shuffler id")
+
+    def info(self) -> ShufflerInfo:
+        """The shuffler as a device sends to it (its current key)."""
+        current = self.keys[0]
+        return ShufflerInfo(
+            id=self.id,
+            url=self.url,
+            public_key=current.public_key,
+            key_id=current.key_id,
+            signing_key=self.signing_key,
+        )
+
+
+class SignedDescriptor(BaseModel):
+    """A shuffler's ``GET /v1/descriptor``: the descriptor as JSON and the shuffler's Ed25519
+    signature over its canonical bytes (:func:`common.collection.sign_descriptor`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    descriptor: dict[str, Any]
+    signature: str
+
+
+class ShufflerEntry(BaseModel):
+    """One shuffler in the analyzer's registry: where its descriptor is served and the Ed25519
+    key the analyzer pins for it (batches and descriptors must verify with it). ``descriptor``
+    optionally seeds the signed descriptor (e.g. a file the shuffler published); the analyzer
+    refreshes it from ``url``. Other keys of older registries are ignored."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str
+    url: str
+    signing_key: str
+    descriptor: SignedDescriptor | None = None
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        return _identifier(value, "shuffler id")
+
+
+#: Most fragments in one batch part (the protocol's limit: the analyzer refuses more and sizes
+#: its body cap from it): ~50k sealed fragments is a few MB of JSON, which an analyzer stores in
+#: well under a second, so no part can time out however big its group.
 PART_FRAGMENTS = 50_000
 
 
@@ -210,7 +283,7 @@ class Batch(BaseModel):
     crowd_id: str = Field(pattern=CROWD.pattern)
     epoch: int = Field(ge=0, le=MAX_INT)
     n_contributions: int = Field(ge=0, le=MAX_INT)
-    fragments: list[str]
+    fragments: list[str] = Field(max_length=PART_FRAGMENTS)
 
     @model_validator(mode="after")
     def _check_part(self) -> Batch:
@@ -226,37 +299,30 @@ class Batch(BaseModel):
 # --- the signed collection config (analyzer ``GET /v1/config``) ----------------------------
 
 
-class AnalyzerKey(BaseModel):
-    """One live analyzer HPKE key: base64 raw X25519 public key and its key id in hex."""
-
-    model_config = ConfigDict(frozen=True)
-
-    key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
-    public_key: str
-
-
 class AnalyzerInfo(BaseModel):
     """Where the analyzer is and the keys fragments are sealed to (newest first)."""
 
     model_config = ConfigDict(frozen=True)
 
     url: str
-    keys: list[AnalyzerKey] = Field(min_length=1)
+    keys: list[HpkeKey] = Field(min_length=1)
     signing_key: str
 
 
 class CollectionConfig(BaseModel):
     """What a device needs to report (PROTOCOL.md, "Collection config"): signed by the analyzer
-    and valid until ``expires_at`` (unix seconds). ``device_budget`` caps a device's local ε
-    over all channels together."""
+    and valid until ``expires_at`` (unix seconds). Shufflers appear only as their own signed
+    descriptors, which the analyzer passes on and cannot alter (a device verifies each with the
+    key it pins for that shuffler). ``device_budget`` caps a device's local ε over all channels
+    together. Version 2: fragments are bound to channel, epoch and crowd."""
 
     model_config = ConfigDict(frozen=True)
 
-    version: Literal[1] = 1
+    version: Literal[2] = 2
     issued_at: int
     expires_at: int
     analyzer: AnalyzerInfo
-    shufflers: list[ShufflerInfo]
+    shufflers: list[SignedDescriptor]
     channels: list[ChannelConfig]
     device_budget: DeviceBudget | None = None
 

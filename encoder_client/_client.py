@@ -12,7 +12,7 @@ import sqlite3
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,16 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
-from common.collection import CollectionConfigError, verify_config
+from common.collection import (
+    CollectionConfigError,
+    TrustAnchors,
+    VerifiedConfig,
+    check_rollback,
+    verify_collection,
+)
 from common.envelope import (
     Contribution,
+    FragmentContext,
     load_ed25519_public,
     load_x25519_public,
     new_nonce,
@@ -41,13 +48,7 @@ from common.mechanisms import (
 from common.mechanisms import get as get_mechanism
 from common.randomness import SystemSource
 from common.retry import Backoff, retry_after_seconds
-from common.wire import (
-    ChannelConfig,
-    CollectionConfig,
-    DeviceBudget,
-    EnrollResponse,
-    ShufflerInfo,
-)
+from common.wire import ChannelConfig, DeviceBudget, EnrollResponse, ShufflerInfo
 from encoder_client._errors import (
     AlreadyReportedError,
     ChannelError,
@@ -78,9 +79,9 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certifi.where())
 
 
-def _trusted_key(key: object) -> Ed25519PublicKey:
-    """The pinned analyzer key: 32 raw bytes, or their standard base64 (surrounding
-    whitespace, such as the newline ending ``var/analyzer.pub``, is ignored).
+def _trusted_key(key: object, name: str = "trusted_key") -> Ed25519PublicKey:
+    """A pinned Ed25519 key: 32 raw bytes, or their standard base64 (surrounding whitespace,
+    such as the newline ending ``var/analyzer.pub``, is ignored).
 
     Raises:
         TrustedKeyError: naming the value that is not such a key.
@@ -92,21 +93,47 @@ def _trusted_key(key: object) -> Ed25519PublicKey:
             raw = base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError) as error:
             raise TrustedKeyError(
-                f"trusted_key {shown!r} is not base64 ({error}); pin the analyzer's key, "
-                "e.g. the content of var/analyzer.pub written by `esa up`"
+                f"{name} {shown!r} is not base64 ({error}); pin the keys `esa up` writes to "
+                "var/trust.json"
             ) from error
     elif isinstance(key, bytes | bytearray):
         raw, shown = bytes(key), f"{len(key)} raw bytes"
     else:
-        raise TrustedKeyError(f"trusted_key must be base64 text or bytes, not {key!r}")
+        raise TrustedKeyError(f"{name} must be base64 text or bytes, not {key!r}")
     if len(raw) != 32:
-        raise TrustedKeyError(
-            f"trusted_key {shown!r} is {len(raw)} bytes; an Ed25519 public key is 32"
-        )
+        raise TrustedKeyError(f"{name} {shown!r} is {len(raw)} bytes; an Ed25519 public key is 32")
     try:
         return load_ed25519_public(raw)
     except ValueError as error:
-        raise TrustedKeyError(f"trusted_key {shown!r} is not an Ed25519 key: {error}") from error
+        raise TrustedKeyError(f"{name} {shown!r} is not an Ed25519 key: {error}") from error
+
+
+def _trust_anchors(trusted_key: object, shuffler_keys: object, trust_file: object) -> TrustAnchors:
+    """One pinned key per trust domain: from ``trust_file``, or the analyzer's ``trusted_key``
+    and every shuffler's key in ``shuffler_keys``.
+
+    Raises:
+        TrustedKeyError: a key missing or unusable, both ways given, or an unusable file.
+    """
+    if trust_file is not None:
+        if trusted_key is not None or shuffler_keys is not None:
+            raise TrustedKeyError("give trust_file, or trusted_key with shuffler_keys, not both")
+        try:
+            return TrustAnchors.load(Path(trust_file))  # type: ignore[arg-type]
+        except (TypeError, ValueError) as error:
+            raise TrustedKeyError(str(error)) from error
+    if trusted_key is None:
+        raise TrustedKeyError(
+            "pin one key per trust domain: trust_file (var/trust.json, written by `esa up`), "
+            "or trusted_key (the analyzer's) with shuffler_keys"
+        )
+    if not isinstance(shuffler_keys, dict) or not shuffler_keys:
+        raise TrustedKeyError(
+            "shuffler_keys must map each shuffler id to its signing key: a device takes a "
+            "shuffler's HPKE key only from that shuffler's own signature, never the analyzer's"
+        )
+    shufflers = {str(k): _trusted_key(v, f"shuffler_keys[{k!r}]") for k, v in shuffler_keys.items()}
+    return TrustAnchors(_trusted_key(trusted_key), shufflers)
 
 
 def _read_config_file(path: object) -> Any:
@@ -126,15 +153,14 @@ def _read_config_file(path: object) -> Any:
 
 
 def _recipient_keys(
-    config: CollectionConfig,
+    config: VerifiedConfig,
 ) -> tuple[X25519PublicKey, dict[str, X25519PublicKey]]:
-    """The analyzer's current HPKE key and every shuffler's, decoded once.
+    """The analyzer's current HPKE key and every shuffler's (from its own descriptor), decoded
+    once.
 
     Raises:
-        ConfigError: the (verified) config lists no shuffler or holds an unusable key.
+        ConfigError: the (verified) config holds an unusable key.
     """
-    if not config.shufflers:
-        raise ConfigError("the collection config lists no shuffler to report to")
     try:
         analyzer = load_x25519_public(base64.b64decode(config.analyzer.keys[0].public_key))
         shufflers = {
@@ -175,10 +201,19 @@ def _check_arguments(
 class Client:
     """An ESA client for one device.
 
+    The app pins one key per trust domain: the analyzer's config-signing key and each
+    shuffler's signing key. The config is accepted only when the analyzer signed it and every
+    shuffler it lists is vouched for by its own descriptor, signed with the key pinned for that
+    shuffler (the analyzer cannot swap a shuffler's URL or HPKE key); never when it expired or
+    is older than one this device accepted before. Delivery rechecks expiry and fetches a
+    fresh config from ``config_url`` when needed.
+
     Args:
         config_url: The analyzer's ``/v1/config`` URL (or give ``config_file``).
-        trusted_key: The analyzer's Ed25519 signing key (raw 32 bytes or base64), pinned by the
-            app: a config signed by any other key is refused.
+        trusted_key: The analyzer's Ed25519 config-signing key (raw 32 bytes or base64).
+        shuffler_keys: Each shuffler's Ed25519 signing key, by shuffler id.
+        trust_file: Instead of the two above, a trust file (``var/trust.json`` written by
+            ``esa up``: ``{"analyzer": key, "shufflers": {id: key}}``).
         state_path: The device's SQLite state file (created on first use).
         config_file: A saved signed config document instead of ``config_url``.
         background: Deliver the outbox from a background thread (``flush()`` always works).
@@ -192,8 +227,9 @@ class Client:
 
     Raises:
         ConfigError: a malformed URL, a network error or bad answer, an unreadable file; an
-            unsigned, mis-signed, tampered or expired config (the message names the source).
-        TrustedKeyError: ``trusted_key`` is not 32 bytes or their base64.
+            unsigned, mis-signed, tampered, expired or replayed config, or a shuffler not
+            vouched for by its pinned key (the message names the source).
+        TrustedKeyError: a pinned key missing, or not 32 bytes or their base64.
         StateFileError: ``state_path`` cannot be opened, created or written.
         InvalidArgumentError: a non-positive timeout or interval, unusable weights.
     """
@@ -202,7 +238,9 @@ class Client:
         self,
         config_url: str | None = None,
         *,
-        trusted_key: bytes | str,
+        trusted_key: bytes | str | None = None,
+        shuffler_keys: Mapping[str, bytes | str] | None = None,
+        trust_file: Path | str | None = None,
         state_path: Path | str,
         config_file: Path | str | None = None,
         background: bool = True,
@@ -214,17 +252,21 @@ class Client:
     ) -> None:
         _check_arguments(timeout, flush_interval, weights, crowd)
         self._clock = clock
-        pinned = _trusted_key(trusted_key)
+        self._trust = _trust_anchors(trusted_key, dict(shuffler_keys or {}) or None, trust_file)
+        self._source = (config_url, config_file)
         self._http = httpx.Client(timeout=timeout, verify=_tls_context())
+        self._config_lock = threading.Lock()
         try:
-            self._config = self._load_config(config_url, config_file, pinned)
-            self._analyzer_key, self._shuffler_keys = _recipient_keys(self._config)
+            config = self._load_config()
             self.state = DeviceState(_state_path(state_path))
+            try:
+                self._accept(config)
+            except BaseException:
+                self.state.close()
+                raise
         except BaseException:
             self._http.close()
             raise
-        self._channels = {c.id: c for c in self._config.channels}
-        self._shufflers = list(self._config.shufflers)
         self._weights = weights
         self._crowd = crowd
         self._wake = threading.Event()
@@ -236,14 +278,13 @@ class Client:
 
     # --- config ---------------------------------------------------------------------------
 
-    def _load_config(
-        self, url: str | None, path: Path | str | None, key: Ed25519PublicKey
-    ) -> CollectionConfig:
-        """The signed config from ``path`` or ``url``, verified with the pinned ``key``.
+    def _load_config(self) -> VerifiedConfig:
+        """The signed config from the file or URL, verified with the pinned keys.
 
         Raises:
             ConfigError: naming the file or URL and what is wrong with it.
         """
+        url, path = self._source
         if path is not None:
             source, document = f"config_file {str(path)!r}", _read_config_file(path)
         elif url is not None:
@@ -253,9 +294,53 @@ class Client:
         try:
             if not isinstance(document, dict):
                 raise CollectionConfigError(f"not a JSON object but {type(document).__name__}")
-            return verify_config(document, key, self._clock())
+            return verify_collection(document, self._trust, self._clock())
         except (CollectionConfigError, ValueError, TypeError) as error:
             raise ConfigError(f"collection config from {source} refused: {error}") from error
+
+    def _accept(self, config: VerifiedConfig) -> None:
+        """Use ``config`` from now on, unless it is older than one this device accepted.
+
+        Raises:
+            ConfigError: a replayed older config or descriptor, or an unusable key.
+        """
+        try:
+            check_rollback(config.versions, self.state.seen())
+        except CollectionConfigError as error:
+            raise ConfigError(f"collection config refused: {error}") from error
+        analyzer, shufflers = _recipient_keys(config)
+        self.state.see(config.versions)
+        with self._config_lock:
+            self._config = config
+            self._analyzer_key, self._shuffler_keys = analyzer, shufflers
+            self._channels = {c.id: c for c in config.channels}
+            self._shufflers = list(config.shufflers)
+
+    def refresh_config(self) -> None:
+        """Fetch and verify the config again (from ``config_url``, or re-read ``config_file``)
+        and use it from now on.
+
+        Raises:
+            ConfigError: as at construction; the current config stays in use.
+        """
+        self._accept(self._load_config())
+
+    def _current(self) -> VerifiedConfig:
+        """The config in use, fetched again first if it (or a descriptor in it) expired.
+
+        Raises:
+            ConfigError: it expired and no valid replacement could be fetched.
+        """
+        if self._clock() <= self._config.expires_at:
+            return self._config
+        try:
+            self.refresh_config()
+        except ConfigError as error:
+            raise ConfigError(
+                f"collection config expired at {self._config.expires_at} and no valid one "
+                f"could be fetched: {error}"
+            ) from error
+        return self._config
 
     def _fetch_config(self, url: object) -> Any:
         """GET the config document from ``url`` (http or https).
@@ -380,8 +465,9 @@ class Client:
         shuffler: ShufflerInfo,
         fragments: list[bytes],
     ) -> tuple[str, bytes]:
+        context = FragmentContext(config.id, epoch, crowd)
         sealed = tuple(
-            seal_fragment(f, config.id, config.payload_size, self._analyzer_key) for f in fragments
+            seal_fragment(f, context, config.payload_size, self._analyzer_key) for f in fragments
         )
         contribution = Contribution(config.id, crowd, epoch, new_nonce(), sealed)
         key = self._shuffler_keys[shuffler.id]
@@ -425,6 +511,11 @@ class Client:
         Raises:
             StateFileError: the state file can no longer be read or written.
         """
+        try:
+            self._current()
+        except ConfigError as error:  # nothing is sent with keys nobody vouches for any more
+            log.warning("delivery postponed: %s", error)
+            return 0
         delivered = 0
         try:
             for item in self.state.due(self._clock()):
@@ -585,6 +676,7 @@ class Reporter:
             if encoded.state is not None:
                 client.state.save_state(config.id, mechanism.name, encoded.state)
             return
+        client._current()  # never seal to keys whose vouching expired
         epoch = client._epoch(config)
         outbox = [
             client._seal(config, self.crowd, epoch, client._route(slot), list(fragments))
@@ -605,6 +697,7 @@ class HistogramReporter(Reporter):
             AlreadyReportedError: this channel already has a report this epoch.
             StateError: the saved device state was drawn for other parameters.
             BudgetExceededError: the report would exceed a local-ε budget of the config.
+            ConfigError: the config expired and no valid one could be fetched.
         """
         self._submit(value)
 
@@ -620,5 +713,6 @@ class LongitudinalReporter(Reporter):
             AlreadyReportedError: a period at or before the last one given, or a second report
                 in the same epoch.
             BudgetExceededError: the report would exceed a local-ε budget of the config.
+            ConfigError: the config expired and no valid one could be fetched.
         """
         self._submit(StateUpdate(period, changed))

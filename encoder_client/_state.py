@@ -1,8 +1,10 @@
 """Device state in one small SQLite file (stdlib ``sqlite3``; no server dependencies).
 
-Holds the enrolment tokens, report-fragment backstops, longitudinal tree states, which
-(channel, epoch) pairs were already reported with the local ε each report spent (the device
-budget, never reset while the file lives), and the outbox of sealed, unsent contributions.
+Holds the enrolment tokens, the issue time of the newest collection config and shuffler
+descriptors accepted (an older one is a replay, refused), report-fragment backstops,
+longitudinal tree states, which (channel, epoch) pairs were already reported with the local ε
+each report spent (the device budget, never reset while the file lives), and the outbox of
+sealed, unsent contributions.
 A state file that fails SQLite's integrity check, or holds channel state without an identity,
 is moved aside and replaced by a fresh one: the device becomes a new device (new id, new
 backstops), never a silent mix of old and new randomness.
@@ -18,6 +20,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ BUDGET_SLACK = 1e-9
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS identity (device_id TEXT PRIMARY KEY, created_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS tokens (shuffler_id TEXT PRIMARY KEY, token TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS seen (name TEXT PRIMARY KEY, issued_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS channel_state (channel_id TEXT PRIMARY KEY, kind TEXT NOT NULL,
                                           data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reported (channel_id TEXT NOT NULL, epoch INTEGER NOT NULL,
@@ -183,6 +187,22 @@ class DeviceState:
     def set_token(self, shuffler_id: str, token: str) -> None:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO tokens VALUES (?, ?)", (shuffler_id, token))
+
+    def seen(self) -> dict[str, int]:
+        """Issue time of the newest signed document accepted, by name (the config, each
+        shuffler's descriptor: :attr:`common.collection.VerifiedConfig.versions`)."""
+        with self._lock:
+            rows = self._db.execute("SELECT name, issued_at FROM seen").fetchall()
+        return {str(name): int(issued) for name, issued in rows}
+
+    def see(self, versions: Mapping[str, int]) -> None:
+        """Remember ``versions`` as accepted (an issue time never moves back)."""
+        with self._lock:
+            self._db.executemany(
+                "INSERT INTO seen VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET "
+                "issued_at = max(issued_at, excluded.issued_at)",
+                list(versions.items()),
+            )
 
     def channel_state(self, channel_id: str, kind: str) -> dict[str, Any] | None:
         """Saved device state of a channel, if any.

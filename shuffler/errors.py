@@ -12,6 +12,7 @@ answer and never changes. Details name the problem, never a client id, token or 
         ├── RevokedTokenError           revoked              401
         ├── AdminTokenError             bad_admin_token      401  (a BadAdminTokenError)
         ├── MalformedContributionError  malformed            400
+        │   └── UnsupportedVersionError unsupported_version  400
         ├── BadContentTypeError         bad_content_type     400
         ├── UnknownChannelError         unknown_channel      400
         ├── UnknownCrowdError           unknown_crowd        400
@@ -64,6 +65,13 @@ class MalformedContributionError(ShufflerError):
 
     code = "malformed"
     kind = Kind.INVALID
+
+
+class UnsupportedVersionError(MalformedContributionError):
+    """The contribution is of a wire version this shuffler no longer takes (the client must
+    update: wire version 1 bound fragments to their channel only)."""
+
+    code = "unsupported_version"
 
 
 class BadContentTypeError(ShufflerError):

@@ -57,9 +57,14 @@ class Attempt:
     status: int | None = None
 
 
-def post_part(client: httpx.Client, url: str, part: DuePart) -> Attempt:
-    """POST one batch part; only :data:`PERMANENT_REFUSALS` fail it, anything else retries."""
-    headers = {"ESA-Signature": part.signature, "Content-Type": "application/json"}
+def post_part(client: httpx.Client, url: str, part: DuePart, shuffler_id: str) -> Attempt:
+    """POST one batch part signed by ``shuffler_id``; only :data:`PERMANENT_REFUSALS` fail it,
+    anything else retries."""
+    headers = {
+        "ESA-Shuffler": shuffler_id,
+        "ESA-Signature": part.signature,
+        "Content-Type": "application/json",
+    }
     try:
         response = client.post(url, content=part.body, headers=headers)
     except httpx.HTTPError as error:
@@ -91,6 +96,7 @@ class Forwarder:
 
     def __init__(
         self,
+        shuffler_id: str,
         store: ContributionStore,
         analyzer_url: str | None,
         backoff: Backoff,
@@ -100,6 +106,7 @@ class Forwarder:
     ) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
+        self.shuffler_id = shuffler_id
         self.store = store
         self.url = analyzer_url.rstrip("/") + "/v1/batches" if analyzer_url else None
         self.backoff = backoff
@@ -117,7 +124,7 @@ class Forwarder:
             part = self.store.claim(key, self.clock(), self.lease_seconds)
             if part is None:
                 continue
-            attempt = post_part(client, self.url, part)
+            attempt = post_part(client, self.url, part, self.shuffler_id)
             self._record(part, attempt)
             tally[attempt.outcome] += 1
         return tally

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.envelope import EnvelopeError, KeyRing, open_contribution
+from common.envelope import EnvelopeError, KeyRing, WireVersionError, open_contribution
 from common.wire import ChannelPolicy
 from shuffler.errors import (
     BadTokenError,
@@ -37,6 +37,7 @@ from shuffler.errors import (
     TooManyFragmentsError,
     UnknownChannelError,
     UnknownCrowdError,
+    UnsupportedVersionError,
 )
 from shuffler.records import Conflict, Pending
 from shuffler.settings import ShufflerSettings
@@ -168,11 +169,14 @@ class Intake:
         """Open and check one contribution of an authenticated client (nothing is stored).
 
         Raises:
-            MalformedContributionError, UnknownChannelError, UnknownCrowdError,
+            MalformedContributionError (UnsupportedVersionError: an old wire version),
+            UnknownChannelError, UnknownCrowdError,
             TooManyFragmentsError, EpochNotOpenError.
         """
         try:
             contribution = open_contribution(blob, self.settings.shuffler_id, self.ring)
+        except WireVersionError as error:
+            raise UnsupportedVersionError(str(error)) from error
         except EnvelopeError as error:
             raise MalformedContributionError(str(error)) from error
         policy = self.settings.channel(contribution.channel_id)

@@ -26,6 +26,7 @@ from common.wire import (
     RevokeRequest,
     RevokeResult,
     ShufflerConfig,
+    SignedDescriptor,
 )
 from services.runtime.http import bearer_check, bearer_scheme, checked_route, error_responses
 from shuffler.errors import AdminTokenError
@@ -106,6 +107,14 @@ async def enroll(request: Request, service: Service) -> EnrollResponse:
 async def config(service: Service) -> ShufflerConfig:
     """The shuffler's public keys and the channel policies it enforces."""
     return service.config()
+
+
+@public.get("/v1/descriptor", response_model=SignedDescriptor)
+async def descriptor(service: Service) -> SignedDescriptor:
+    """This shuffler's signed descriptor: its URL and HPKE keys, vouched for by its own
+    signing key (devices pin that key and refuse a shuffler key nobody but this shuffler
+    signed)."""
+    return service.descriptor()
 
 
 @admin.post("/close", response_model=CloseResult, responses=error_responses(400, 401, 422, 503))

@@ -20,10 +20,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.exc import IntegrityError
 
 from common import randomness
-from common.envelope import KeyRing, load_or_create_ed25519, load_or_create_x25519, public_identity
+from common.collection import sign_descriptor
+from common.envelope import (
+    KeyRing,
+    key_id,
+    load_or_create_ed25519,
+    load_or_create_x25519,
+    public_bytes,
+    public_identity,
+)
 from common.randomness import RandomSource
 from common.retry import Backoff
-from common.wire import ShufflerConfig
+from common.wire import HpkeKey, ShufflerConfig, ShufflerDescriptor, SignedDescriptor, b64
 from services.runtime import db
 from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, due
 from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
@@ -69,7 +77,13 @@ class ShufflerService:
         self.batcher = Batcher(settings.shuffler_id, signing_key, self.rng, settings.part_fragments)
         backoff = Backoff(settings.backoff_base_seconds, settings.backoff_cap_seconds)
         self.forwarder = Forwarder(
-            store, settings.analyzer_url, backoff, self.rng, clock, settings.forward_lease_seconds
+            settings.shuffler_id,
+            store,
+            settings.analyzer_url,
+            backoff,
+            self.rng,
+            clock,
+            settings.forward_lease_seconds,
         )
         self.retention = Retention(store, settings.retention_seconds, clock)
         self._batching = threading.Lock()
@@ -131,6 +145,29 @@ class ShufflerService:
         return ShufflerConfig(
             id=self.settings.shuffler_id, channels=list(self.settings.channels), **identity
         )
+
+    def descriptor(self) -> SignedDescriptor:
+        """``GET /v1/descriptor``: this shuffler's URL and live HPKE keys (current first),
+        signed with its own key and valid for ``descriptor_ttl_seconds`` from now: what a
+        device accepts a key of this shuffler from (never from the analyzer's word)."""
+        now = int(self.clock())
+        current = self.ring.keys[self.ring.current]
+        others = [k for kid, k in self.ring.keys.items() if kid != self.ring.current]
+        keys = [
+            HpkeKey(
+                key_id=key_id(k.public_key()).hex(), public_key=b64(public_bytes(k.public_key()))
+            )
+            for k in (current, *others)
+        ]
+        descriptor = ShufflerDescriptor(
+            id=self.settings.shuffler_id,
+            url=self.settings.url,
+            keys=keys,
+            signing_key=b64(public_bytes(self.signing_key.public_key())),
+            issued_at=now,
+            expires_at=now + self.settings.descriptor_ttl_seconds,
+        )
+        return sign_descriptor(descriptor, self.signing_key)
 
     # --- batching (ESA-revisited Algorithm 3) ---------------------------------------------
 

@@ -28,6 +28,12 @@ class ShufflerSettings(BaseSettings):
     environment: Literal["development", "production"] = "development"
     host: str = "127.0.0.1"
     port: int = Field(8101, ge=1, le=65535)
+    #: The URL devices send to, vouched for in this shuffler's signed descriptor (default
+    #: ``http://<host>:<port>``; behind HAProxy or a public name, set it to that).
+    public_url: str | None = None
+    #: How long a signed descriptor stays valid: devices refuse an expired one, so the analyzer
+    #: must fetch a fresh one within this time (it refreshes every minute).
+    descriptor_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
     database_url: str = "sqlite:///var/shuffler-1/shuffler.db"
     key_dir: Path = Path("var/keys/shuffler-1")
     analyzer_url: str | None = None
@@ -49,8 +55,9 @@ class ShufflerSettings(BaseSettings):
     epoch_grace_seconds: float = Field(2.0, ge=0)
     batch_interval_seconds: float = Field(1.0, gt=0)
     forward_interval_seconds: float = Field(0.5, gt=0)
-    #: Fragments per signed batch part (issue 11): bounds every POST to the analyzer.
-    part_fragments: int = Field(PART_FRAGMENTS, ge=1)
+    #: Fragments per signed batch part: bounds every POST to the analyzer (at most the
+    #: protocol's :data:`~common.wire.PART_FRAGMENTS`, which the analyzer's body cap is sized for).
+    part_fragments: int = Field(PART_FRAGMENTS, ge=1, le=PART_FRAGMENTS)
     #: How long a forwarder holds a part it is sending; longer than one POST may take
     #: (:data:`shuffler.app.ANALYZER_TIMEOUT`), so a live forwarder never loses it.
     forward_lease_seconds: float = Field(120.0, gt=0)
@@ -89,6 +96,11 @@ class ShufflerSettings(BaseSettings):
         if len(ids) != len(set(ids)):
             raise ValueError(f"duplicate channel ids in {ids}")
         return self
+
+    @property
+    def url(self) -> str:
+        """Where devices reach this shuffler."""
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     def channel(self, channel_id: str) -> ChannelPolicy | None:
         """The policy of ``channel_id``, if configured."""

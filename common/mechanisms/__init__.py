@@ -15,6 +15,7 @@ from common.mechanisms._wire import WIRE_VERSION, FragmentError
 from common.mechanisms.base import (
     BatchContext,
     Encoded,
+    FragmentCount,
     LocalPrivacy,
     Mechanism,
     MechanismError,
@@ -47,6 +48,7 @@ __all__ = [
     "CountAccumulator",
     "Encoded",
     "Estimate",
+    "FragmentCount",
     "FragmentError",
     "LocalPrivacy",
     "Mechanism",

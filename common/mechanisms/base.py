@@ -15,6 +15,7 @@ report against the reference "no data" report, ESA-revisited Definition II.4) or
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -161,6 +162,85 @@ class ReleaseCertificate:
         return compose_with_deletion(replacement, eps_cr * self.epochs, delta_cr * self.epochs)
 
 
+#: How often an honest batch's crowd may be cut by :meth:`FragmentCount.verified_crowd` (its
+#: fragments falling so far below their mean that a smaller crowd explains them better): once
+#: in 10^9 batches, and then by a few contributions only.
+CROWD_CHECK_ALPHA = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentCount:
+    """How many fragments one contribution to one shuffler carries: what the analyzer can
+    verify of the crowd a shuffler claims for its batch.
+
+    Attributes:
+        minimum, maximum: Bounds that hold for every honest contribution (equal when the
+            mechanism fixes the count, e.g. one k-RR report per contribution).
+        mean, variance: The count's law when it is random but data-independent in
+            distribution (PROTOCOL.md, "Fixed sizes"); None when nothing more is known.
+    """
+
+    minimum: int
+    maximum: int
+    mean: float | None = None
+    variance: float | None = None
+
+    @classmethod
+    def exactly(cls, count: int) -> FragmentCount:
+        """A mechanism whose every contribution carries ``count`` fragments."""
+        return cls(count, count, float(count), 0.0)
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the count is the same for every contribution."""
+        return self.minimum == self.maximum
+
+    def largest_crowd(self, valid: int, alpha: float = CROWD_CHECK_ALPHA) -> int | None:
+        """The largest crowd whose honest contributions could have carried as few as ``valid``
+        valid fragments except with probability ``alpha`` (None: no bound).
+
+        Bernstein's inequality for the lower tail of a sum of n independent counts in
+        ``[minimum, maximum]`` with this mean and variance: P(S_n <= nμ - t) <=
+        exp(-t² / (2(nσ² + b t / 3))) with b = μ - minimum; a crowd n is ruled out when that
+        bound at t = nμ - valid is below ``alpha``. The exponent grows with n, so the largest
+        crowd not ruled out is found by bisection.
+        """
+        bounds = [valid // self.minimum] if self.minimum > 0 else []
+        if self.mean is not None and self.variance is not None and self.mean > 0:
+            bounds.append(self._bernstein_crowd(valid, alpha))
+        return min(bounds) if bounds else None
+
+    def _bernstein_crowd(self, valid: int, alpha: float) -> int:
+        mean, var = float(self.mean or 0.0), float(self.variance or 0.0)
+        spread, limit = mean - self.minimum, math.log(1.0 / alpha)
+
+        def ruled_out(n: int) -> bool:
+            t = n * mean - valid
+            return t > 0 and t * t > 2.0 * limit * (n * var + spread * t / 3.0)
+
+        low, high = 0, max(1, math.ceil(valid / mean))
+        while not ruled_out(high):
+            low, high = high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if ruled_out(middle) else (middle, high)
+        return low
+
+    def verified_crowd(self, claimed: int, valid: int, invalid: int) -> int:
+        """The crowd a batch's certificate and estimate may rest on.
+
+        A shuffler's ``claimed`` crowd, less one contribution per fragment that failed to open
+        or parse (each may have been a whole contribution), and no more than the valid
+        fragments can come from (:meth:`largest_crowd`); at least 1 while any valid fragment
+        is in, since its contribution then reaches the release.
+        """
+        crowd = claimed - invalid
+        largest = self.largest_crowd(valid)
+        if largest is not None:
+            crowd = min(crowd, largest)
+        return max(crowd, 1 if valid > 0 else 0)
+
+
 class NoDataError(LookupError):
     """Nothing received that a release could be computed from (the message says what)."""
 
@@ -198,6 +278,14 @@ class Mechanism(ABC, Generic[P, A]):
         """The most fragments one contribution can carry (default 1), for sizing a channel's
         ``max_fragments``: a contribution above that is refused for good."""
         return 1
+
+    def fragment_count(self, params: P, batch: BatchContext) -> FragmentCount:
+        """How many fragments one contribution to the shuffler at ``batch`` carries: what the
+        analyzer verifies a batch's claimed crowd against. A fixed count makes the crowd exact
+        (a batch whose fragments disagree is refused); a known mean and variance bound it
+        statistically (:meth:`FragmentCount.verified_crowd`). The default knows only the
+        bounds ``[0, fragment_limit]``."""
+        return FragmentCount(0, self.fragment_limit(params))
 
     # --- the device ---------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from common.mechanisms._estimates import (
     clip_estimate,
 )
 from common.mechanisms._random import randomized_onehot
-from common.mechanisms.base import LocalPrivacy
+from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
 from common.randomness import RandomSource, default_source
 
 NAME = "krappor"
@@ -166,6 +166,11 @@ class KRappor(IndexHistogram[KRapporParams]):
 
     def fragment_limit(self, params: KRapporParams) -> int:
         return params.k
+
+    def fragment_count(self, params: KRapporParams, batch: BatchContext) -> FragmentCount:
+        """The true bit kept w.p. 1 - p plus Bin(k - 1, p) false ones, whatever the value."""
+        p = params.flip_prob
+        return FragmentCount(0, params.k, params.expected_fragments(), params.k * p * (1.0 - p))
 
     def encode_value(self, params: KRapporParams, value: int, rng: RandomSource) -> list[bytes]:
         return encode(value, params, rng)

@@ -38,7 +38,7 @@ from common.mechanisms._estimates import (
     IntArray,
     clip_estimate,
 )
-from common.mechanisms.base import LocalPrivacy
+from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
 from common.randomness import RandomSource, bernoulli, default_source
 
 NAME = "krr"
@@ -161,6 +161,10 @@ class KRR(IndexHistogram[KRRParams]):
 
     def parse_params(self, raw: Mapping[str, Any]) -> KRRParams:
         return KRRParams(**raw)
+
+    def fragment_count(self, params: KRRParams, batch: BatchContext) -> FragmentCount:
+        """Every report is one message (§4.1)."""
+        return FragmentCount.exactly(1)
 
     def domain_size(self, params: KRRParams) -> int:
         return params.k

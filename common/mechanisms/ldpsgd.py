@@ -57,6 +57,7 @@ from common.mechanisms.base import (
     BatchContext,
     DeviceState,
     Encoded,
+    FragmentCount,
     LocalPrivacy,
     Mechanism,
     MechanismError,
@@ -417,6 +418,10 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
 
     def fragment_limit(self, params: LdpSgdParams) -> int:
         return params.tau
+
+    def fragment_count(self, params: LdpSgdParams, batch: BatchContext) -> FragmentCount:
+        """Every report is ``tau`` fragments (Algorithm 4)."""
+        return FragmentCount.exactly(params.tau)
 
     def encode(
         self,

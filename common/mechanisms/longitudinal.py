@@ -44,6 +44,7 @@ from common.mechanisms.base import (
     BatchContext,
     DeviceState,
     Encoded,
+    FragmentCount,
     LocalPrivacy,
     Mechanism,
     MechanismError,
@@ -388,6 +389,10 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
 
     def parse_params(self, raw: Mapping[str, Any]) -> LongitudinalParams:
         return LongitudinalParams(**raw)
+
+    def fragment_count(self, params: LongitudinalParams, batch: BatchContext) -> FragmentCount:
+        """A contribution is one report (h*, t, u), sent only in periods its level reports."""
+        return FragmentCount.exactly(1)
 
     def domain_size(self, params: LongitudinalParams) -> int:
         return params.d

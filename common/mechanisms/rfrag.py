@@ -56,6 +56,7 @@ from common.mechanisms.base import (
     BatchContext,
     DeviceState,
     Encoded,
+    FragmentCount,
     LocalPrivacy,
     Mechanism,
     MechanismError,
@@ -316,6 +317,23 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
 
     def fragment_limit(self, params: RFragParams) -> int:
         return params.k * params.tau
+
+    def fragment_count(self, params: RFragParams, batch: BatchContext) -> FragmentCount:
+        """The 1-bits of the R rows routed to this shuffler. Bit j of a row is 1 w.p.
+        q = 1 - p_f if the backstop bit is set, else p_f; the backstop bit is set w.p. 1 - p_b
+        for the value, p_b for the k - 1 others, whatever the value. Rows share the backstop,
+        so per bit Var = R p_f(1 - p_f) + R² (1 - 2p_f)² π(1 - π), π its set probability."""
+        rows = len(rows_of(params, batch))
+        pb, pf = params.backstop_flip, params.fragment_flip
+        set_value, set_other = 1.0 - pb, pb
+        mean = rows * sum(
+            share * (pi * (1.0 - pf) + (1.0 - pi) * pf)
+            for share, pi in ((1, set_value), (params.k - 1, set_other))
+        )
+        variance = params.k * (
+            rows * pf * (1.0 - pf) + rows * rows * (1.0 - 2.0 * pf) ** 2 * pb * (1.0 - pb)
+        )
+        return FragmentCount(0, rows * params.k, mean, variance)
 
     def new_state(self, params: RFragParams, rng: RandomSource) -> DeviceState:
         return {"backstops": new_state(params).to_json()}

@@ -32,7 +32,7 @@ from common.mechanisms._base import (
     index_fragment,
 )
 from common.mechanisms._estimates import CountAccumulator, Estimate, FloatArray, IntArray
-from common.mechanisms.base import LocalPrivacy
+from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
 from common.randomness import RandomSource, bernoulli, default_source
 
 NAME = "zsum"
@@ -167,6 +167,11 @@ class ZSum(IndexHistogram[ZSumParams]):
 
     def fragment_limit(self, params: ZSumParams) -> int:
         return params.d + 1
+
+    def fragment_count(self, params: ZSumParams, batch: BatchContext) -> FragmentCount:
+        """The user's own message plus Bin(d, p) noise messages (Figure 2)."""
+        p = params.noise_prob
+        return FragmentCount(1, params.d + 1, 1.0 + params.d * p, params.d * p * (1.0 - p))
 
     def encode_value(self, params: ZSumParams, value: int, rng: RandomSource) -> list[bytes]:
         return encode(value, params, rng)

@@ -42,12 +42,14 @@ if TYPE_CHECKING:
     "port (shufflers on the next ports) in a fresh directory and stop it at the end.",
 )
 @click.option(
-    "--trusted-key",
+    "--trust",
+    "trust_file",
     default=None,
-    envvar="ESA_TRUSTED_KEY",
-    metavar="BASE64",
-    help="The analyzer's config-signing key to pin (default: <var>/analyzer.pub, written by "
-    "`esa up`; else the key the analyzer serves, with a warning).",
+    envvar="ESA_TRUST_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The keys to pin, one per trust domain: the analyzer's config-signing key and each "
+    "shuffler's signing key (default: <var>/trust.json, written by `esa up`; else the keys "
+    "the deployment serves, with a warning).",
 )
 @click.option(
     "--admin-token",
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("var"),
     show_default=True,
-    help="Where a running `esa up` keeps analyzer.pub.",
+    help="Where a running `esa up` keeps trust.json.",
 )
 @click.option(
     "--database-url-template",
@@ -125,7 +127,7 @@ if TYPE_CHECKING:
 def demo(
     devices: int,
     analyzer_url: str,
-    trusted_key: str | None,
+    trust_file: Path | None,
     admin_token: str,
     var: Path,
     database_url_template: str | None,
@@ -155,12 +157,12 @@ def demo(
     from encoder_client import EsaError
     from services.tools.demo import DemoError
 
-    options = _Options(analyzer_url.rstrip("/"), trusted_key, admin_token, devices, seed,
+    options = _Options(analyzer_url.rstrip("/"), trust_file, admin_token, devices, seed,
                        workers, report, json_path, channels, rate)  # fmt: skip
     services: list[launcher.Service] = []
     workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
     try:
-        services, options.trusted_key = _deployment(options, var, workdir, database_url_template)
+        services, options.trust = _deployment(options, var, workdir, database_url_template)
         _run(options, workdir)
         keep = keep_up(bool(services), keep_running, interactive())
         finish(services, f"{options.analyzer_url}/", keep)
@@ -217,7 +219,7 @@ class _Options:
     """What one demo run was asked for."""
 
     analyzer_url: str
-    trusted_key: str | None
+    trust: Path | None
     admin_token: str
     devices: int
     seed: int
@@ -239,26 +241,26 @@ def _stdout() -> Console:
 
 def _deployment(
     options: _Options, var: Path, workdir: Path, database_template: str | None
-) -> tuple[list[launcher.Service], str | None]:
+) -> tuple[list[launcher.Service], Path | None]:
     """The running deployment at the analyzer URL, or a fresh one started on loopback.
 
-    Returns the services this demo started (empty when it found one running) and the analyzer
-    signing key to pin.
+    Returns the services this demo started (empty when it found one running) and the trust
+    file to pin (None: the keys the deployment serves).
     """
     from services.tools.demo import DemoError, analyzer_alive
 
     url, console = options.analyzer_url, _console()
     if analyzer_alive(url):
         console.print(f"using the deployment at {url}")
-        pub = var / "analyzer.pub"
-        if options.trusted_key is None and pub.exists():
-            return [], pub.read_text().strip()
-        if options.trusted_key is None:
+        found = var / launcher.TRUST_FILE
+        if options.trust is None and found.exists():
+            return [], found
+        if options.trust is None:
             console.print(
-                "[yellow]warning:[/] no --trusted-key and no "
-                f"{pub}: pinning the key the analyzer serves (an app pins it at build time)"
+                f"[yellow]warning:[/] no --trust file and no {found}: pinning the keys the "
+                "deployment serves (an app pins them at build time)"
             )
-        return [], options.trusted_key
+        return [], options.trust
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost") or parsed.port is None:
         raise DemoError(f"no analyzer answers at {url}")
@@ -266,7 +268,7 @@ def _deployment(
     services = launcher.up(
         workdir / "deployment", base_port=parsed.port, database_template=database_template
     )
-    return services, (workdir / "deployment" / "analyzer.pub").read_text().strip()
+    return services, workdir / "deployment" / launcher.TRUST_FILE
 
 
 def _run(options: _Options, workdir: Path) -> None:
@@ -274,7 +276,7 @@ def _run(options: _Options, workdir: Path) -> None:
     from services.tools import demo_report
     from services.tools.demo import DemoError, check_fresh_epochs, connect, results, selected
 
-    target = connect(options.analyzer_url, options.trusted_key, options.admin_token)
+    target = connect(options.analyzer_url, options.trust, options.admin_token)
     channels = selected(target, options.only)
     check_fresh_epochs(target, channels, time.time())
     run, sent = _simulate(options, target, channels, workdir)

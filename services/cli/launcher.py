@@ -29,12 +29,8 @@ from typing import Any, Literal
 import click
 import httpx
 
-from common.envelope import (
-    load_or_create_ed25519,
-    load_or_create_x25519,
-    public_bytes,
-    public_identity,
-)
+from common.collection import TrustAnchors
+from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_bytes
 from common.wire import ChannelConfig, b64
 from services.runtime import haproxy
 from services.tools.catalogue import DEFAULT_CHANNELS
@@ -62,6 +58,10 @@ LOCAL_SETTINGS = {"ESA_SHUFFLER_ENROLL_PER_MINUTE": "120000"}
 Profile = Literal["local", "production"]
 #: A shuffler's client-token secret (HMAC key), next to its private keys.
 TOKEN_SECRET_FILE = "token-secret"
+#: The keys an app pins, one per trust domain (:class:`common.collection.TrustAnchors`).
+TRUST_FILE = "trust.json"
+#: Where devices reach shuffler i, unless told otherwise (``{i}``, ``{port}`` filled in).
+SHUFFLER_URL = "http://127.0.0.1:{port}"
 
 
 @dataclass(frozen=True)
@@ -154,13 +154,16 @@ def shuffler_spec(
     analyzer_url: str,
     database: str,
     profile: Profile = "local",
+    shuffler_url: str = SHUFFLER_URL,
 ) -> ServiceSpec:
     """Shuffler ``index`` (``shuffler-<index>``) on ``port``, forwarding to ``analyzer_url``,
-    with the settings of ``profile``."""
+    with the settings of ``profile``; its descriptor vouches for ``shuffler_url`` (``{i}`` and
+    ``{port}`` filled in) as where devices reach it."""
     sid = f"shuffler-{index}"
     env = {
         "ESA_SHUFFLER_SHUFFLER_ID": sid,
         "ESA_SHUFFLER_PORT": str(port),
+        "ESA_SHUFFLER_PUBLIC_URL": shuffler_url.format(i=index, port=port),
         "ESA_SHUFFLER_DATABASE_URL": database,
         "ESA_SHUFFLER_KEY_DIR": str(var / "keys" / sid),
         "ESA_SHUFFLER_CHANNELS_FILE": str(var / "channels.json"),
@@ -188,6 +191,7 @@ def service_specs(
     analyzer_url: str | None = None,
     overrides: Mapping[str, str] | None = None,
     profile: Profile = "local",
+    shuffler_url: str = SHUFFLER_URL,
 ) -> list[ServiceSpec]:
     """The analyzer and shufflers 1..K: command, environment and port of each (no side effects,
     no secrets; ``docker-compose.yml`` is checked against the ``production`` profile)."""
@@ -195,7 +199,9 @@ def service_specs(
     specs = [analyzer_spec(var, base_port, database_url(database_template, var, "analyzer"))]
     for i in range(1, shufflers + 1):
         database = database_url(database_template, var, f"shuffler_{i}")
-        specs.append(shuffler_spec(var, i, base_port + i, analyzer_url, database, profile))
+        specs.append(
+            shuffler_spec(var, i, base_port + i, analyzer_url, database, profile, shuffler_url)
+        )
     return [with_overrides(spec, overrides or {}) for spec in specs]
 
 
@@ -240,36 +246,38 @@ def prepare(
     base_port: int = ANALYZER_PORT,
     *,
     database_template: str | None = None,
-    shuffler_url: str = "http://127.0.0.1:{port}",
+    shuffler_url: str = SHUFFLER_URL,
     analyzer_url: str | None = None,
     channels: Sequence[ChannelConfig] = DEFAULT_CHANNELS,
     overrides: Mapping[str, str] | None = None,
 ) -> list[ServiceSpec]:
-    """Keys, channel file, shuffler registry and the pinned analyzer key; returns the services.
+    """Keys, channel file, shuffler registry and the keys an app pins; returns the services.
 
     Writes ``var/keys/<service>/`` (PEM, 0600; existing keys are kept; each shuffler's own
     client-token secret in ``token-secret``, 0600, passed to it as ``ESA_SHUFFLER_TOKEN_SECRET``),
-    ``var/channels.json``,
-    ``var/shufflers.json`` (public keys and URLs, ``shuffler_url`` formatted with ``i`` and
-    ``port``) and ``var/analyzer.pub`` (the analyzer's Ed25519 config-signing key, base64: what
-    an app pins). ``overrides`` are settings for every service of a kind (tests use them to
-    batch and forward faster).
+    ``var/channels.json``, ``var/shufflers.json`` (the analyzer's registry: each shuffler's id,
+    the URL its signed descriptor is fetched from — ``shuffler_url`` with ``i`` and ``port`` —
+    and its Ed25519 signing key), ``var/trust.json`` (what an app pins: the analyzer's
+    config-signing key and every shuffler's signing key) and ``var/analyzer.pub`` (the
+    analyzer's key alone). ``overrides`` are settings for every service of a kind (tests use
+    them to batch and forward faster).
     """
-    registry = []
+    registry, pinned = [], {}
     for i in range(1, shufflers + 1):
         sid = f"shuffler-{i}"
         keys = var / "keys" / sid
-        hpke = load_or_create_x25519(keys / "hpke.pem")
-        signer = load_or_create_ed25519(keys / "signing.pem")
+        load_or_create_x25519(keys / "hpke.pem")
+        signer = load_or_create_ed25519(keys / "signing.pem").public_key()
         url = shuffler_url.format(i=i, port=base_port + i)
-        registry.append(
-            {"id": sid, "url": url, **public_identity(hpke.public_key(), signer.public_key())}
-        )
+        registry.append({"id": sid, "url": url, "signing_key": b64(public_bytes(signer))})
+        pinned[sid] = signer
     var.mkdir(parents=True, exist_ok=True)
     (var / "channels.json").write_text(json.dumps([c.model_dump() for c in channels], indent=2))
     (var / "shufflers.json").write_text(json.dumps(registry, indent=2))
-    signing = load_or_create_ed25519(var / "keys" / "analyzer" / "signing.pem")
-    (var / "analyzer.pub").write_text(b64(public_bytes(signing.public_key())) + "\n")
+    signing = load_or_create_ed25519(var / "keys" / "analyzer" / "signing.pem").public_key()
+    (var / "analyzer.pub").write_text(b64(public_bytes(signing)) + "\n")
+    trust = TrustAnchors(signing, pinned)
+    (var / TRUST_FILE).write_text(json.dumps(trust.to_json(), indent=2) + "\n")
     specs = service_specs(
         var,
         shufflers,
@@ -277,6 +285,7 @@ def prepare(
         database_template=database_template,
         analyzer_url=analyzer_url,
         overrides=overrides,
+        shuffler_url=shuffler_url,
     )
     return with_token_secrets(specs, var)
 
@@ -308,6 +317,28 @@ def start_all(specs: Sequence[ServiceSpec], logs: Path, timeout: float = 60.0) -
         stop(services)
         raise
     return services
+
+
+def wait_config(analyzer: Service, timeout: float) -> None:
+    """Poll the analyzer's ``GET /v1/config`` until it answers 200: until then it has not
+    fetched and verified every shuffler's signed descriptor (``503 shufflers_unavailable``),
+    and a device could not take the config.
+
+    Raises:
+        LaunchError: ``timeout`` seconds passed (the last answer is named).
+    """
+    deadline, last = time.monotonic() + timeout, "no answer"
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                response = client.get(analyzer.url + "/v1/config")
+                if response.status_code == 200:
+                    return
+                last = f"HTTP {response.status_code}: {response.text[:300]}"
+            except httpx.HTTPError as error:
+                last = f"{type(error).__name__}: {error}"
+            time.sleep(0.1)
+    raise LaunchError(f"the analyzer serves no collection config after {timeout:.0f} s: {last}")
 
 
 #: Where test and throw-away deployments look for free ports: below the kernel's ephemeral
@@ -466,8 +497,21 @@ def up(
         overrides=overrides,
     )
     if replicas == workers == 1:
-        return start_all(specs, var / "logs", timeout)
-    return start_scaled(var, specs, replicas, workers, base_port, timeout)
+        services = start_all(specs, var / "logs", timeout)
+    else:
+        services = start_scaled(var, specs, replicas, workers, base_port, timeout)
+    try:
+        wait_config(services[0] if replicas == workers == 1 else _analyzer(services), timeout)
+    except BaseException:
+        stop(services)
+        raise
+    return services
+
+
+def _analyzer(services: Sequence[Service]) -> Service:
+    """The analyzer's public entry among the started services (its HAProxy frontend when
+    scaled)."""
+    return next(s for s in services if s.name in ("analyzer", "haproxy:analyzer"))
 
 
 def migrate(specs: Sequence[ServiceSpec]) -> None:

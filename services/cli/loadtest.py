@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 
 if TYPE_CHECKING:
+    from common.collection import TrustAnchors
     from services.tools.loadgen import Pace
 
 
@@ -50,18 +51,20 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
     "names the shufflers.",
 )
 @click.option(
-    "--trusted-key",
-    envvar="ESA_TRUSTED_KEY",
-    metavar="BASE64",
+    "--trust",
+    "trust_file",
+    envvar="ESA_TRUST_FILE",
+    type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="The analyzer's config-signing key to pin (default: <var>/analyzer.pub).",
+    help="The keys to pin, one per trust domain: the analyzer's config-signing key and each "
+    "shuffler's signing key (default: <var>/trust.json, written by `esa up`).",
 )
 @click.option(
     "--var",
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("var"),
     show_default=True,
-    help="Where a running `esa up` keeps analyzer.pub.",
+    help="Where a running `esa up` keeps trust.json.",
 )
 @click.option(
     "--admin-token",
@@ -164,7 +167,7 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
 @click.option("--no-live", is_flag=True, help="No live view (log lines only).")
 def loadtest(
     analyzer_url: str,
-    trusted_key: str | None,
+    trust_file: Path | None,
     var: Path,
     admin_token: str | None,
     start_local: bool,
@@ -219,24 +222,24 @@ def _main(kw: dict[str, Any]) -> None:
     console = Console(stderr=True)
     pace = _pace(kw["rate"], kw["ramp"], kw["as_fast"])
     services: list[launcher.Service] = []
-    analyzer_url, admin_token, trusted_key = (
+    analyzer_url, admin_token, trust_file = (
         kw["analyzer_url"],
         kw["admin_token"],
-        kw["trusted_key"],
+        kw["trust_file"],
     )
     try:
         if kw["start_local"]:
-            services, trusted_key = _start_local(console)
+            services, trust_file = _start_local(console)
             analyzer_url, admin_token = services[0].url, admin_token or "development"
         plan = Plan(
-            analyzer_url.rstrip("/"),
-            trusted_key or _pinned(kw["var"]),
-            kw["devices"],
-            kw["duration"],
-            kw["out"],
-            kw["channels"],
-            _populations(kw["populations"]),
-            kw["workers"],
+            analyzer_url=analyzer_url.rstrip("/"),
+            trust=_pinned(trust_file or kw["var"] / launcher.TRUST_FILE),
+            devices=kw["devices"],
+            duration=kw["duration"],
+            workdir=kw["out"],
+            channels=kw["channels"],
+            populations=_populations(kw["populations"]),
+            workers=kw["workers"],
             seed=kw["seed"],
         )
         local = {s.name: s.process.pid for s in services}
@@ -258,22 +261,32 @@ def _main(kw: dict[str, Any]) -> None:
         raise click.ClickException("verification failed: " + "; ".join(problems))
 
 
-def _start_local(console: Console) -> tuple[list[Any], str]:
-    """A fresh ``esa up`` deployment on free ports; its services and pinned key."""
+def _start_local(console: Console) -> tuple[list[Any], Path]:
+    """A fresh ``esa up`` deployment on free ports; its services and trust file."""
     from services.cli import launcher
 
     where = Path(tempfile.mkdtemp(prefix="esa-loadtest-"))
     console.log(f"starting a fresh deployment under {where} …")
     services = launcher.up(where, base_port=launcher.free_base_port(4))
-    return services, (where / "analyzer.pub").read_text().strip()
+    return services, where / launcher.TRUST_FILE
 
 
-def _pinned(var: Path) -> str:
-    """The key `esa up` wrote to ``var/analyzer.pub``."""
-    path = var / "analyzer.pub"
+def _pinned(path: Path) -> TrustAnchors:
+    """The keys a device pins, from a trust file (``esa up`` writes ``var/trust.json``).
+
+    Raises:
+        click.UsageError: no such file, or no usable keys in it.
+    """
+    from common.collection import TrustAnchors
+
     if not path.exists():
-        raise click.UsageError(f"no --trusted-key and no {path}: pin the analyzer's signing key")
-    return path.read_text().strip()
+        raise click.UsageError(
+            f"no --trust file and no {path}: pin the analyzer's and every shuffler's key"
+        )
+    try:
+        return TrustAnchors.load(path)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
 
 
 def _print(summary: dict[str, Any], console: Console) -> None:

@@ -122,14 +122,15 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
 @click.option(
     "--prepare-only",
     is_flag=True,
-    help="Only write keys, channels.json, shufflers.json and analyzer.pub under --var, then "
-    "exit (how docker-compose.yml's init service sets up its volumes).",
+    help="Only write keys, channels.json, shufflers.json, trust.json and analyzer.pub under "
+    "--var, then exit (how docker-compose.yml's init service sets up its volumes).",
 )
 @click.option(
     "--shuffler-url-template",
     default="http://127.0.0.1:{port}",
     show_default=True,
-    help="With --prepare-only: the shuffler URL clients are given ({i}, {port}).",
+    help="With --prepare-only: the URL each shuffler's descriptor gives devices and the "
+    "analyzer fetches it from ({i}, {port}).",
 )
 def up_command(
     var: Path,
@@ -164,7 +165,10 @@ def up_command(
                 shuffler_url=shuffler_url_template,
             ):
                 click.echo(f"{spec.name:<12} esa {' '.join(spec.command)} (port {spec.port})")
-            click.echo(f"prepared {var}: keys/, channels.json, shufflers.json, analyzer.pub")
+            click.echo(
+                f"prepared {var}: keys/, channels.json, shufflers.json, trust.json (the keys "
+                "an app pins), analyzer.pub"
+            )
             return
         services = up(
             var,
@@ -178,6 +182,7 @@ def up_command(
         raise click.ClickException(str(error)) from error
     for service in services:
         click.echo(f"{service.name:<12} {service.url}")
+    click.echo(f"trust        {var / 'trust.json'}   (the keys an app pins, one per party)")
     click.echo(f"dashboard    http://127.0.0.1:{base_port}/   (Ctrl-C stops everything)")
     try:
         serve_forever(services)

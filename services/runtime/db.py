@@ -28,13 +28,16 @@ log = logging.getLogger(__name__)
 
 def make_engine(url: str, busy_timeout: float = 5.0) -> Engine:
     """An engine for ``url``; SQLite files get their directory, WAL and FULL sync, and wait up
-    to ``busy_timeout`` seconds for the write lock."""
+    to ``busy_timeout`` seconds for the write lock. Bound parameters never appear in errors or
+    logs (``hide_parameters``): a held group's size or a client id is a secret there."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": busy_timeout}
+            url,
+            connect_args={"check_same_thread": False, "timeout": busy_timeout},
+            hide_parameters=True,
         )
 
         @event.listens_for(engine, "connect")
@@ -46,7 +49,9 @@ def make_engine(url: str, busy_timeout: float = 5.0) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
+    return create_engine(
+        url, pool_pre_ping=True, pool_size=10, max_overflow=10, hide_parameters=True
+    )
 
 
 def wait_for(engine: Engine, timeout: float = 30.0) -> None:

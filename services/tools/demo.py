@@ -20,7 +20,6 @@ contributions that reached it; the interval the demo checks adds that sampling n
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import math
 import re
@@ -36,6 +35,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
+from common.collection import TrustAnchors, VerifiedConfig
 from common.mechanisms import ValueKind
 from common.mechanisms import get as get_mechanism
 from common.mechanisms.longitudinal import ChangeLog
@@ -76,10 +76,10 @@ class Target:
     """A running deployment as the demo reaches it."""
 
     analyzer_url: str
-    trusted_key: str
+    trust: TrustAnchors
     admin_token: str
     document: SignedConfig
-    config: CollectionConfig
+    config: VerifiedConfig
 
     @property
     def channels(self) -> list[ChannelConfig]:
@@ -233,14 +233,14 @@ def analyzer_alive(url: str) -> bool:
         return False
 
 
-def connect(analyzer_url: str, trusted_key: str | None, admin_token: str) -> Target:
-    """Fetch and verify the collection config as a device would.
+def connect(analyzer_url: str, trust_file: Path | None, admin_token: str) -> Target:
+    """Fetch and verify the collection config as a device would, with the keys of
+    ``trust_file`` (None: the keys the deployment serves itself, trusted on first use).
 
     Raises:
-        DemoError: unreachable analyzer, or a config the pinned key does not verify.
+        DemoError: unreachable analyzer, or a config the pinned keys do not verify.
     """
-    from common.collection import CollectionConfigError, verify_config
-    from common.envelope import load_ed25519_public
+    from common.collection import CollectionConfigError, verify_collection
 
     try:
         response = httpx.get(analyzer_url + "/v1/config", timeout=10.0).raise_for_status()
@@ -248,11 +248,11 @@ def connect(analyzer_url: str, trusted_key: str | None, admin_token: str) -> Tar
     except (httpx.HTTPError, ValueError) as error:
         raise DemoError(f"no analyzer at {analyzer_url}: {error}") from error
     try:
-        key = trusted_key or str(document.config["analyzer"]["signing_key"])
-        config = verify_config(document, load_ed25519_public(base64.b64decode(key)), time.time())
+        trust = served_keys(document) if trust_file is None else TrustAnchors.load(trust_file)
+        config = verify_collection(document, trust, time.time())
     except (CollectionConfigError, ValueError, KeyError, TypeError) as error:
         raise DemoError(f"the collection config at {analyzer_url} is refused: {error}") from error
-    target = Target(analyzer_url, key, admin_token, document, config)
+    target = Target(analyzer_url, trust, admin_token, document, config)
     for url in target.shuffler_urls:
         try:
             httpx.get(url + "/readyz", timeout=5.0).raise_for_status()
@@ -263,6 +263,17 @@ def connect(analyzer_url: str, trusted_key: str | None, admin_token: str) -> Tar
                 "shuffler URLs resolve (for compose: the loadgen service)."
             ) from error
     return target
+
+
+def served_keys(document: SignedConfig) -> TrustAnchors:
+    """The keys a deployment serves for itself: the analyzer's config-signing key and each
+    descriptor's signing key (trust on first use, for a demo against a running deployment
+    whose trust file is not at hand; an app pins them at build time instead)."""
+    config = CollectionConfig.model_validate(document.config)
+    shufflers = {
+        str(d.descriptor["id"]): str(d.descriptor["signing_key"]) for d in config.shufflers
+    }
+    return TrustAnchors.from_json({"analyzer": config.analyzer.signing_key, "shufflers": shufflers})
 
 
 def check_fresh_epochs(target: Target, channels: list[ChannelConfig], now: float) -> None:

@@ -3,22 +3,22 @@ protocol terms, sealed ahead of time, replayed at a target rate.
 
 Every simulated device is a device as PROTOCOL.md defines one: its own client token, enrolled
 over HTTP at each shuffler (``POST /v1/enroll``), its own report encoded with the channel's
-mechanism (:mod:`common.mechanisms`) from the OS CSPRNG and HPKE-sealed fragment by fragment to
-the analyzer key of the signed collection config, then, for every epoch it reports in, a fresh
-contribution (its own nonce, that epoch) sealed to the shuffler it routes to. Only the public
-keys are shared.
+mechanism (:mod:`common.mechanisms`) from the OS CSPRNG, then, for every epoch it reports in,
+its fragments HPKE-sealed to the analyzer key of the signed collection config (bound to that
+channel, epoch and crowd) inside a fresh contribution (its own nonce) sealed to the shuffler it
+routes to, with the key that shuffler's own descriptor vouches for. Only public keys are shared.
 
 Sealing is the expensive part in Python (one HPKE seal, ~0.13 ms, per fragment: ~4 ms for a
 31-fragment k-RAPPOR report), so it runs in worker processes ahead of the run
 (:class:`SealerPool`): each worker keeps its shard of devices and writes one file of ready HTTP
-requests per epoch. By default a device encodes and seals its report once and re-sends it
-(memoized, as the permanent randomized response of RAPPOR, Erlingsson et al. CCS 2014) in a
-new outer envelope each epoch; ``fresh=True`` re-encodes and re-seals every fragment for every
-epoch. One pool serves every channel of the config (``channel=``), and a device's report can
-carry a given value (``values=``: the population's truth, for ``esa loadtest``'s verification).
-A longitudinal channel's devices (:meth:`SealerPool.add_series`) run their own tree state
-(Erlingsson et al. 2019, Algorithm 1) through every period ahead of time, and
-:meth:`SealerPool.seal_series` writes one file per period, each for its own epoch (``esa demo``).
+requests per epoch. By default a device encodes its report once and re-sends it (memoized,
+as the permanent randomized response of RAPPOR, Erlingsson et al. CCS 2014), sealed anew for
+each epoch; ``fresh=True`` re-encodes it for every epoch. One pool serves every channel of the
+config (``channel=``), and a device's report can carry a given value (``values=``: the
+population's truth, for ``esa loadtest``'s verification). A longitudinal channel's devices
+(:meth:`SealerPool.add_series`) run their own tree state (Erlingsson et al. 2019, Algorithm 1)
+through every period ahead of time, and :meth:`SealerPool.seal_series` writes one file per
+period, each for its own epoch (``esa demo``).
 
 :class:`Driver` replays those files (:class:`EpochSource`: only the current epoch's requests,
 switching at each boundary) over keep-alive HTTP/1.1 connections with bounded concurrency,
@@ -54,10 +54,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from common.collection import verify_config
+from common.collection import TrustAnchors, VerifiedConfig, verify_collection
 from common.envelope import (
     Contribution,
-    load_ed25519_public,
+    FragmentContext,
     load_x25519_public,
     new_nonce,
     seal_contribution,
@@ -67,7 +67,7 @@ from common.mechanisms import StateUpdate, ValueKind
 from common.mechanisms import get as get_mechanism
 from common.randomness import SystemSource
 from common.retry import retry_after_seconds
-from common.wire import ChannelConfig, CollectionConfig
+from common.wire import ChannelConfig, CollectionConfig, ShufflerInfo
 
 INGEST = "/v1/contributions"
 ENROLL = "/v1/enroll"
@@ -86,9 +86,9 @@ class LoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class Target:
-    """One channel of a deployment: its config and where its shufflers are."""
+    """One channel of a deployment: its verified config and where its shufflers are."""
 
-    config: CollectionConfig
+    config: VerifiedConfig
     channel: ChannelConfig
 
     @property
@@ -101,19 +101,26 @@ class Target:
         return int(now // self.channel.epoch_seconds)
 
 
-def fetch_target(analyzer_url: str, trusted_key: str, channel_id: str) -> Target:
-    """Fetch ``/v1/config`` and verify it against the pinned key, as the SDK does.
+def fetch_config(analyzer_url: str, trust: TrustAnchors) -> VerifiedConfig:
+    """Fetch ``/v1/config`` and verify it against the pinned keys, as the SDK does.
+
+    Raises:
+        LoadError: unreachable, mis-signed, expired config, or a shuffler not vouched for.
+    """
+    try:
+        document = httpx.get(analyzer_url + "/v1/config", timeout=30).raise_for_status().json()
+        return verify_collection(document, trust, time.time())
+    except (httpx.HTTPError, ValueError) as error:
+        raise LoadError(f"collection config refused: {error}") from error
+
+
+def fetch_target(analyzer_url: str, trust: TrustAnchors, channel_id: str) -> Target:
+    """The verified config (:func:`fetch_config`) and one of its channels.
 
     Raises:
         LoadError: unreachable, mis-signed or expired config, or no such channel.
     """
-    try:
-        document = httpx.get(analyzer_url + "/v1/config", timeout=30).raise_for_status().json()
-        config = verify_config(
-            document, load_ed25519_public(base64.b64decode(trusted_key)), time.time()
-        )
-    except (httpx.HTTPError, ValueError) as error:
-        raise LoadError(f"collection config refused: {error}") from error
+    config = fetch_config(analyzer_url, trust)
     channel = next((c for c in config.channels if c.id == channel_id), None)
     if channel is None:
         raise LoadError(f"channel {channel_id!r} is not in the collection config")
@@ -269,7 +276,7 @@ def domain_of(channel: ChannelConfig) -> int:
 
 @dataclass
 class _Device:
-    """One device inside a sealing worker: its tokens and its sealed report's routes."""
+    """One device inside a sealing worker: its tokens and its encoded report's routes."""
 
     tokens: tuple[str, ...]
     routes: tuple[tuple[int | None, tuple[bytes, ...]], ...]
@@ -280,7 +287,7 @@ class _Sealer:
     """A sealing worker's state: the target's keys and its shard of devices."""
 
     def __init__(self, config: dict[str, Any], channel_id: str, values: ZipfValues) -> None:
-        self.config = CollectionConfig.model_validate(config)
+        self.config = CollectionConfig.model_validate(config["config"])
         self.channel = next(c for c in self.config.channels if c.id == channel_id)
         self.mechanism = get_mechanism(self.channel.mechanism)
         self.params = self.mechanism.parse_params(self.channel.params)
@@ -289,7 +296,7 @@ class _Sealer:
         )
         self.shufflers = [
             (s.id, load_x25519_public(base64.b64decode(s.public_key)))
-            for s in self.config.shufflers
+            for s in (ShufflerInfo.model_validate(v) for v in config["shufflers"])
         ]
         self.rng = SystemSource()
         self.cdf = values.cdf()
@@ -298,13 +305,13 @@ class _Sealer:
         self.series: list[tuple[tuple[str, ...], list[tuple[Any, ...]]]] = []
 
     def report(self, value: int | None = None) -> tuple[tuple[int | None, tuple[bytes, ...]], ...]:
-        """Encode ``value`` (default: one drawn from the population) and seal every fragment."""
+        """Encode ``value`` (default: one drawn from the population)."""
         if value is None:
             value = bisect.bisect_left(self.cdf, secrets.randbelow(1 << 53) / (1 << 53))
             value = min(value, len(self.cdf) - 1)
         state = self.mechanism.new_state(self.params, self.rng)
         encoded = self.mechanism.encode(self.params, value, state, self.rng, len(self.shufflers))
-        return self._sealed(encoded.routes)
+        return encoded.routes
 
     def add(self, tokens: list[tuple[str, ...]], values: list[int] | None = None) -> None:
         """New devices with these tokens (one per shuffler), each with its sealed report of
@@ -330,7 +337,7 @@ class _Sealer:
         """New devices of a longitudinal channel (Erlingsson et al. 2019, Algorithm 1): each
         runs its own tree state (from the OS CSPRNG) through every period, changing state at
         the periods in its entry of ``changes``, and keeps the sealed report of each period
-        the tree asks it to report in. Returns how many reports were sealed."""
+        the tree asks it to report in. Returns how many reports were encoded."""
         d = self.mechanism.domain_size(self.params)
         sealed = 0
         for device_tokens, changed in zip(tokens, changes, strict=True):
@@ -342,25 +349,10 @@ class _Sealer:
                     self.params, update, state, self.rng, len(self.shufflers)
                 )
                 state = encoded.state
-                periods.append(self._sealed(encoded.routes))
+                periods.append(encoded.routes)
                 sealed += len(encoded.routes)
             self.series.append((device_tokens, periods))
         return sealed
-
-    def _sealed(
-        self, routes: Sequence[tuple[int | None, Sequence[bytes]]]
-    ) -> tuple[tuple[int | None, tuple[bytes, ...]], ...]:
-        channel = self.channel
-        return tuple(
-            (
-                slot,
-                tuple(
-                    seal_fragment(f, channel.id, channel.payload_size, self.analyzer)
-                    for f in fragments
-                ),
-            )
-            for slot, fragments in routes
-        )
 
     def seal_series(self, first: int, directory: str, worker: int) -> list[int]:
         """Write period t's reports of this shard's longitudinal devices, each in a new
@@ -386,13 +378,17 @@ class _Sealer:
         slot: int | None,
         fragments: tuple[bytes, ...],
     ) -> None:
-        """One contribution of ``device`` for ``epoch``: a new nonce, sealed to its shuffler."""
+        """One contribution of ``device`` for ``epoch``: its fragments sealed to the analyzer
+        for this epoch, a new nonce, sealed to its shuffler."""
         k = len(self.shufflers)
         target = secrets.randbelow(k) if slot is None else slot % k  # the SDK's routing
         shuffler_id, key = self.shufflers[target]
-        contribution = Contribution(
-            self.channel.id, self.channel.crowds[0], epoch, new_nonce(), fragments
+        channel, crowd = self.channel, self.channel.crowds[0]
+        context = FragmentContext(channel.id, epoch, crowd)
+        sealed = tuple(
+            seal_fragment(f, context, channel.payload_size, self.analyzer) for f in fragments
         )
+        contribution = Contribution(channel.id, crowd, epoch, new_nonce(), sealed)
         body = seal_contribution(contribution, shuffler_id, key)
         token = device.tokens[target].encode()
         out.write(RECORD.pack(target, len(token), len(body)) + token + body)
@@ -469,7 +465,10 @@ class SealerPool:
     ):
         context = multiprocessing.get_context("spawn")
         values = values or ZipfValues(domain_of(target.channel))
-        config = target.config.model_dump(mode="json")
+        config = {
+            "config": target.config.config.model_dump(mode="json"),
+            "shufflers": [s.model_dump() for s in target.config.shufflers],
+        }
         self.target = target
         #: Devices per channel, per worker.
         self.shards: dict[str, list[int]] = {target.channel.id: [0] * workers}

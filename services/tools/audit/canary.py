@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from common.envelope import (
     Contribution,
     EnvelopeError,
+    FragmentContext,
     KeyRing,
     load_x25519_public,
     new_nonce,
@@ -97,10 +98,11 @@ class CanaryKey:
     def public(self) -> X25519PublicKey:
         return self.private.public_key()
 
-    def read(self, blob: bytes, channel_id: str) -> Marker | None:
-        """The marker of one of this run's canary fragments, or None for any other fragment."""
+    def read(self, blob: bytes, context: FragmentContext) -> Marker | None:
+        """The marker of one of this run's canary fragments sealed for ``context`` (the batch's
+        channel, epoch and crowd), or None for any other fragment."""
         try:
-            marker = Marker.decode(open_fragment(blob, channel_id, KeyRing.of(self.private)))
+            marker = Marker.decode(open_fragment(blob, context, KeyRing.of(self.private)))
         except EnvelopeError:
             return None
         return marker if marker is not None and marker.run == self.run else None
@@ -149,8 +151,9 @@ class CanaryFleet:
         self, channel_id: str, payload_size: int, crowd_id: str, epoch: int, markers: list[Marker]
     ) -> bytes:
         """A contribution of ``markers`` sealed for the shuffler (fragments for the auditor)."""
+        context = FragmentContext(channel_id, epoch, crowd_id)
         fragments = tuple(
-            seal_fragment(m.encode(), channel_id, payload_size, self.key.public) for m in markers
+            seal_fragment(m.encode(), context, payload_size, self.key.public) for m in markers
         )
         contribution = Contribution(channel_id, crowd_id, epoch, new_nonce(), fragments)
         return seal_contribution(contribution, self.config.id, self.shuffler_key)

@@ -23,16 +23,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 from scipy import stats
 
-from common.envelope import inner_size, verify
+from common.envelope import FragmentContext, inner_size, verify
 from common.wire import Batch, ChannelPolicy
 from services.tools.audit.canary import CanaryKey, Marker, Sent
 
 ALPHA = 1e-7
 #: The fields a batch body documents (PROTOCOL.md, ``POST /v1/batches``), nothing else.
 DOCUMENTED_FIELDS = frozenset(Batch.model_fields)
-#: Headers a forwarded part may carry: the documented two and what any HTTP client adds.
+#: Headers a forwarded part may carry: the documented three and what any HTTP client adds.
 ALLOWED_HEADERS = frozenset(
-    {"esa-signature", "content-type", "content-length", "host", "accept", "accept-encoding"}
+    {"esa-shuffler", "esa-signature", "content-type", "content-length", "host", "accept"}
+    | {"accept-encoding"}
     | {"connection", "user-agent"}
 )
 #: Cap on one outcome's surprisal (nats) in the exact kept-count test (keeps the grid small).
@@ -107,7 +108,8 @@ def parse_parts(records: Iterable[dict[str, Any]], key: CanaryKey) -> list[Part]
         part = Part(record["seq"], record["received_at"], headers, body, data, batch)
         if batch is not None:
             for position, text in enumerate(batch.fragments):
-                marker = key.read(base64.b64decode(text), batch.channel_id)
+                context = FragmentContext(batch.channel_id, batch.epoch, batch.crowd_id)
+                marker = key.read(base64.b64decode(text), context)
                 if marker is not None:
                     part.canaries.append((position, marker))
         parts.append(part)

@@ -116,7 +116,11 @@ def relay(
     client: httpx.Client, url: str, headers: dict[str, str], body: bytes
 ) -> tuple[int, bytes]:
     """POST the exact bytes and signature on to the analyzer at ``url``; its answer."""
-    sent = {"ESA-Signature": headers["esa-signature"], "Content-Type": "application/json"}
+    sent = {
+        "ESA-Shuffler": headers.get("esa-shuffler", ""),
+        "ESA-Signature": headers["esa-signature"],
+        "Content-Type": "application/json",
+    }
     try:
         response = client.post(url.rstrip("/") + "/v1/batches", content=body, headers=sent)
     except httpx.HTTPError as error:

@@ -19,20 +19,16 @@ for the t-th epoch of the phase. The pool stays open until :meth:`Prepared.close
 from __future__ import annotations
 
 import asyncio
-import base64
 import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from common.collection import verify_config
-from common.envelope import load_ed25519_public
+from common.collection import TrustAnchors, VerifiedConfig
 from common.mechanisms import ValueKind
 from common.mechanisms import get as get_mechanism
-from common.wire import ChannelConfig, CollectionConfig
+from common.wire import ChannelConfig
 from services.tools import loadgen
 from services.tools.loadtest.population import Population, draw, draw_changes, is_changes
 
@@ -53,7 +49,7 @@ class Plan:
     """What to prepare: the deployment, the channels, the population, the run's length."""
 
     analyzer_url: str
-    trusted_key: str
+    trust: TrustAnchors
     devices: int
     duration: float
     workdir: Path
@@ -96,23 +92,8 @@ class Prepared:
         return {cid: sorted(files) for cid, files in self.files.items()}
 
 
-def fetch_config(analyzer_url: str, trusted_key: str) -> CollectionConfig:
-    """The collection config, verified against the pinned key as an app does.
-
-    Raises:
-        loadgen.LoadError: unreachable, mis-signed or expired.
-    """
-    try:
-        document = httpx.get(analyzer_url + "/v1/config", timeout=30).raise_for_status().json()
-        return verify_config(
-            document, load_ed25519_public(base64.b64decode(trusted_key)), time.time()
-        )
-    except (httpx.HTTPError, ValueError) as error:
-        raise loadgen.LoadError(f"collection config at {analyzer_url} refused: {error}") from error
-
-
 def choose(
-    config: CollectionConfig, only: tuple[str, ...]
+    config: VerifiedConfig, only: tuple[str, ...]
 ) -> tuple[dict[str, loadgen.Target], dict[str, loadgen.Target], list[str]]:
     """The channels to load (``only``, or every channel taking one category value or a state
     whose periods fit in :data:`SERIES_MOST_SECONDS`): histogram targets, longitudinal targets,
@@ -206,7 +187,7 @@ def prepare(plan: Plan, say: Callable[[str], None] = lambda _: None) -> Prepared
         loadgen.LoadError: config refused, enrolment refused, a sealing worker failed.
         PopulationError: a population spec that does not fit its channel.
     """
-    config = fetch_config(plan.analyzer_url, plan.trusted_key)
+    config = loadgen.fetch_config(plan.analyzer_url, plan.trust)
     targets, series, skipped = choose(config, plan.channels)
     pops = _populations(plan, targets, series)
     first = next(iter({**targets, **series}.values()))

@@ -1,0 +1,121 @@
+"""The shufflers' own signed descriptors, which the collection config passes on to devices.
+
+The analyzer never states a shuffler's URL or HPKE key itself (PROTOCOL.md, "Who vouches for
+what"): it fetches each registered shuffler's ``GET /v1/descriptor``, keeps it only if it
+verifies with the key the analyzer pins for that shuffler (the same key its batches must
+verify with), and serves it unchanged inside the signed config, where a device checks it
+again with the key *it* pins. A newer descriptor replaces an older one, never the reverse.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import httpx
+from pydantic import ValidationError
+
+from analyzer.errors import ShufflersUnavailableError
+from common.collection import CollectionConfigError, descriptor_id, parse_key, verify_descriptor
+from common.wire import ShufflerDescriptor, ShufflerEntry, SignedDescriptor
+
+log = logging.getLogger("esa.analyzer")
+
+#: Seconds between fetches while a descriptor is still missing.
+RETRY_SECONDS = 1.0
+#: Timeout of one descriptor fetch.
+FETCH_TIMEOUT_SECONDS = 5.0
+
+
+class ShufflerDescriptors:
+    """The latest verified descriptor of each registered shuffler."""
+
+    def __init__(
+        self, entries: Sequence[ShufflerEntry], clock: Callable[[], float] = time.time
+    ) -> None:
+        self.entries = list(entries)
+        self.clock = clock
+        self._keys = {e.id: parse_key(e.signing_key, f"shuffler {e.id!r}") for e in entries}
+        self._latest: dict[str, tuple[ShufflerDescriptor, SignedDescriptor]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for entry in entries:
+            if entry.descriptor is not None:
+                self.offer(entry.descriptor)
+
+    def offer(self, document: SignedDescriptor) -> bool:
+        """Keep ``document`` if it verifies with the pinned key of the shuffler it names and
+        is newer than the one held; True if it was kept.
+
+        Raises:
+            CollectionConfigError: it names an unregistered shuffler or does not verify.
+        """
+        named = descriptor_id(document)
+        key = self._keys.get(named)
+        if key is None:
+            raise CollectionConfigError(f"descriptor of unregistered shuffler {named[:64]!r}")
+        descriptor = verify_descriptor(document, key, self.clock())
+        with self._lock:
+            held = self._latest.get(named)
+            if held is not None and held[0].issued_at >= descriptor.issued_at:
+                return False
+            self._latest[named] = (descriptor, document)
+        return True
+
+    def missing(self) -> list[str]:
+        """Registered shufflers without a valid descriptor now (never fetched, or expired)."""
+        now = self.clock()
+        with self._lock:
+            held = dict(self._latest)
+        return [e.id for e in self.entries if e.id not in held or held[e.id][0].expires_at < now]
+
+    def current(self) -> list[SignedDescriptor]:
+        """Every registered shuffler's descriptor, in registry order.
+
+        Raises:
+            ShufflersUnavailableError: naming the shufflers without a valid one.
+        """
+        missing = self.missing()
+        if missing:
+            raise ShufflersUnavailableError(
+                f"no valid signed descriptor yet from {', '.join(missing)}; retry shortly"
+            )
+        with self._lock:
+            return [self._latest[e.id][1] for e in self.entries]
+
+    def fetch(self, client: httpx.Client) -> list[str]:
+        """Fetch every registered shuffler's descriptor once; returns the ids still missing."""
+        for entry in self.entries:
+            try:
+                response = client.get(entry.url.rstrip("/") + "/v1/descriptor")
+                response.raise_for_status()
+                self.offer(SignedDescriptor.model_validate_json(response.content))
+            except (httpx.HTTPError, ValidationError, CollectionConfigError) as error:
+                log.warning(
+                    "shuffler descriptor not fetched",
+                    extra={"shuffler": entry.id, "error": f"{type(error).__name__}: {error}"},
+                )
+        return self.missing()
+
+    def start(self, refresh_seconds: float) -> None:
+        """Fetch in a background thread: every :data:`RETRY_SECONDS` while one is missing,
+        then every ``refresh_seconds``."""
+        self._thread = threading.Thread(
+            target=self._run, args=(refresh_seconds,), name="esa-descriptors", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, refresh_seconds: float) -> None:
+        with httpx.Client(timeout=FETCH_TIMEOUT_SECONDS) as client:
+            while not self._stop.is_set():
+                missing = self.fetch(client)
+                self._stop.wait(RETRY_SECONDS if missing else refresh_seconds)
+
+    def stop(self) -> None:
+        """Stop the background fetches."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=FETCH_TIMEOUT_SECONDS * (len(self.entries) + 1))
