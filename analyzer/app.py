@@ -58,6 +58,8 @@ from common.wire import (
     PrivacyOverview,
     ReleaseBody,
     ReleaseRequest,
+    RequeueRequest,
+    RequeueResult,
     SignedConfig,
 )
 from services.runtime import logs
@@ -106,7 +108,7 @@ BATCH_REQUEST: dict[str, Any] = {
             "description": f"base64 Ed25519 signature ({SIGNATURE_BYTES} bytes) of the exact "
             "body by the shuffler it names",
             "schema": {"type": "string", "pattern": SIGNATURE_PATTERN},
-        }
+        },
     ],
     "requestBody": {
         "required": True,
@@ -182,6 +184,12 @@ channels = APIRouter(prefix="/v1/channels", tags=["channels"])
 admin = APIRouter(
     prefix="/v1/channels",
     tags=["channels"],
+    route_class=checked_route(require_admin),
+    dependencies=[bearer_scheme("AdminToken", "the analyzer's admin token")],
+)
+operations = APIRouter(
+    prefix="/v1/admin",
+    tags=["admin"],
     route_class=checked_route(require_admin),
     dependencies=[bearer_scheme("AdminToken", "the analyzer's admin token")],
 )
@@ -302,6 +310,13 @@ async def get_lifetime(service: Service) -> PrivacyOverview:
     return await asyncio.to_thread(service.lifetime)
 
 
+@operations.post("/requeue", response_model=RequeueResult, responses=error_responses(400, 401, 503))
+async def requeue(service: Service, body: RequeueRequest) -> RequeueResult:
+    """Open again the batch parts quarantined after failed openings (of ``batch_id``, or all),
+    once their cause is fixed (a key restored, storage repaired)."""
+    return RequeueResult(requeued=await asyncio.to_thread(service.requeue, body.batch_id))
+
+
 @pages.get("/", response_class=HTMLResponse, responses=error_responses(503))
 async def home(service: Service) -> HTMLResponse:
     """The dashboard."""
@@ -336,7 +351,7 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
     app.state.service = service
     install_error_handlers(app, log, service.events.count)
     document_errors(app)
-    for router in (batches, channels, admin, pages):
+    for router in (batches, channels, admin, operations, pages):
         app.include_router(router)
     metrics = CollectorRegistry(auto_describe=True)
     ledger = functools.partial(

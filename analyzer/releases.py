@@ -21,10 +21,10 @@ import numpy as np
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import IncompleteBatchesError, NothingReceivedError, UnknownChannelError
 from analyzer.metrics import Events
-from analyzer.store import AnalyzerStore, BatchProgress, ReceivedRange
+from analyzer.store import AnalyzerStore, BatchProgress, CrowdCheck, ReceivedRange
 from common.accounting import BoundResult
 from common.mechanisms import Estimate, LocalPrivacy, NoDataError
-from common.wire import Bound, LocalBound, ReleaseBody
+from common.wire import Bound, CrowdCheckBody, LocalBound, ReleaseBody
 
 #: Bins kept in a histogram release's stored summary (the dashboard draws the top 20).
 SUMMARY_BINS = 50
@@ -49,21 +49,36 @@ class Release:
     #: Batches in range left out because parts are missing, unopened or quarantined: id →
     #: (opened, parts, quarantined).
     incomplete: Mapping[str, BatchProgress] = field(default_factory=dict)
+    #: Claimed against verified crowds of the batches the release rests on.
+    crowd_check: CrowdCheck | None = None
 
     @property
     def note(self) -> str:
-        """The estimate's note, and which batches were left out (issue 11)."""
-        if not self.incomplete:
-            return self.estimate.note
-        left_out = ", ".join(
-            f"{batch_id} ({p.opened}/{p.parts} parts"
-            + (f", {p.quarantined} quarantined after failed openings)" if p.quarantined else ")")
-            for batch_id, p in sorted(self.incomplete.items())
-        )
-        return (
-            f"{self.estimate.note}; left out {len(self.incomplete)} incomplete batch(es) "
-            f"whose parts are not all received and opened yet: {left_out}"
-        ).lstrip("; ")
+        """The estimate's note, batches certified below their claimed crowd, and which
+        batches were left out."""
+        notes = [self.estimate.note]
+        check = self.crowd_check
+        if check is not None and check.short:
+            notes.append(
+                f"{check.short} batch(es) certified at the crowd their fragments verify, not "
+                f"the crowd claimed ({check.verified:,} of {check.claimed:,} contributions; "
+                f"{check.invalid:,} fragments failed to open or parse)"
+            )
+        if self.incomplete:
+            left_out = ", ".join(
+                f"{batch_id} ({p.opened}/{p.parts} parts"
+                + (
+                    f", {p.quarantined} quarantined after failed openings)"
+                    if p.quarantined
+                    else ")"
+                )
+                for batch_id, p in sorted(self.incomplete.items())
+            )
+            notes.append(
+                f"left out {len(self.incomplete)} incomplete batch(es) whose parts are not all "
+                f"received and opened yet: {left_out}"
+            )
+        return "; ".join(n for n in notes if n)
 
     def to_wire(self, top: int | None = None) -> ReleaseBody:
         """The release as clients see it (``top`` keeps the largest estimates, largest first)."""
@@ -84,6 +99,7 @@ class Release:
             lower_bound=_optional(self.lower),
             local=None if self.local is None else _local(self.local),
             crowds=self.crowds,
+            crowd_check=None if self.crowd_check is None else _crowd_check(self.crowd_check),
         )
 
 
@@ -153,8 +169,15 @@ class ReleaseService:
             )
         if not received.states:
             raise NothingReceivedError(f"no batch received for {span}")
+        check = self.store.crowd_check(channel_id, crowd_id, epoch_from, epoch_to)
+        if check.batches and not check.verified:
+            raise NothingReceivedError(
+                f"no contribution verified for {span}: the fragments of its {check.batches} "
+                f"batch(es) back none of the {check.claimed:,} contributions claimed "
+                f"({check.invalid:,} failed to open or parse)"
+            )
         release = _computed(runtime, received, epoch_from, epoch_to)
-        return replace(release, incomplete=incomplete)
+        return replace(release, incomplete=incomplete, crowd_check=check)
 
     def publish(
         self, channel_id: str, epoch_from: int, epoch_to: int, crowd_id: str = ""
@@ -186,16 +209,16 @@ def _computed(
     except NoDataError as error:
         raise NothingReceivedError(f"{config.id!r}: {error}") from error
     return Release(
-        config.id,
-        epoch_from,
-        epoch_to,
-        runtime.estimate(merged),
-        certs.certified,
-        certs.other,
-        certs.crowds,
-        certs.with_deletion(config.eps_cr, config.delta_cr),
-        certs.lower,
-        runtime.local_privacy(),
+        channel_id=config.id,
+        epoch_from=epoch_from,
+        epoch_to=epoch_to,
+        estimate=runtime.estimate(merged),
+        certificate=certs.certified,
+        other_notion=certs.other,
+        crowds=certs.crowds,
+        add_remove=certs.with_deletion(config.eps_cr, config.delta_cr),
+        lower=certs.lower,
+        local=runtime.local_privacy(),
     )
 
 
@@ -205,6 +228,16 @@ def _bound(result: BoundResult) -> Bound:
 
 def _optional(result: BoundResult | None) -> Bound | None:
     return None if result is None else _bound(result)
+
+
+def _crowd_check(check: CrowdCheck) -> CrowdCheckBody:
+    return CrowdCheckBody(
+        batches=check.batches,
+        claimed=check.claimed,
+        verified=check.verified,
+        invalid_fragments=check.invalid,
+        short_batches=check.short,
+    )
 
 
 def _local(local: LocalPrivacy) -> LocalBound:

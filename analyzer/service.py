@@ -136,6 +136,12 @@ class AnalyzerService:
         self.opener.wake()
         return BatchAck(batch_id=intake.batch_id, part=intake.part, duplicate=intake.duplicate)
 
+    def requeue(self, batch_id: str | None = None) -> int:
+        """Open quarantined parts again (admin, after fixing their cause); how many."""
+        requeued = self.store.requeue_quarantined(batch_id)
+        self.opener.wake()
+        return requeued
+
     def config(self) -> SignedConfig:
         """``GET /v1/config``.
 

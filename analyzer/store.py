@@ -472,6 +472,16 @@ class AnalyzerStore:
             )
         return quarantined
 
+    def requeue_quarantined(self, batch_id: str | None = None) -> int:
+        """Put quarantined parts (of ``batch_id``, or all) back in the opener's queue with no
+        failed attempt counted, after an operator fixed their cause; how many."""
+        p = batch_parts.c
+        query = update(batch_parts).where(p.status == QUARANTINED)
+        if batch_id is not None:
+            query = query.where(p.batch_id == batch_id)
+        with self.engine.begin() as conn:
+            return int(conn.execute(query.values(status=STORED, attempts=0)).rowcount)
+
     def fold_part(
         self,
         header: PartHeader,

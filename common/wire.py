@@ -396,6 +396,22 @@ class RevokeResult(BaseModel):
     revoked: str
 
 
+class RequeueRequest(BaseModel):
+    """``POST /v1/admin/requeue``: take up again the batch parts set aside (a shuffler: parts
+    the analyzer refused; the analyzer: parts quarantined after failed openings), of one batch
+    or (``batch_id`` null) of all, once their cause is fixed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
+
+
+class RequeueResult(BaseModel):
+    """How many parts were taken up again."""
+
+    requeued: int
+
+
 # --- analyzer answers -------------------------------------------------------------------------
 
 
@@ -435,6 +451,19 @@ class LocalBound(BaseModel):
     note: str = ""
 
 
+class CrowdCheckBody(BaseModel):
+    """What the analyzer verified of the crowds its shufflers claimed, over a release's
+    complete batches: the claimed and the verified contributions (what the certificate and the
+    estimate rest on), the fragments that failed to open or parse, and the batches whose
+    fragments verify fewer contributions than claimed."""
+
+    batches: int
+    claimed: int
+    verified: int
+    invalid_fragments: int
+    short_batches: int
+
+
 class ReleaseBody(BaseModel):
     """``GET /v1/channels/{id}/estimate``: estimates over ``epochs`` (inclusive) with standard
     errors, 95% intervals and the certified central (ε, δ) of the crowds received."""
@@ -453,6 +482,7 @@ class ReleaseBody(BaseModel):
     lower_bound: Bound | None
     local: LocalBound | None
     crowds: dict[str, int]
+    crowd_check: CrowdCheckBody | None = None
 
 
 class ReleaseRequest(BaseModel):

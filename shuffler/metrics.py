@@ -29,9 +29,10 @@ COUNTERS = {
     "batches_released": "batches created by Algorithm 3",
     "batches_forwarded": "batch parts acknowledged by the analyzer",
     "batches_retried": "forwarding attempts of a part that will be retried",
-    "batches_failed": "batch parts whose content the analyzer refused (kept until retention)",
+    "batches_failed": "batch parts whose content the analyzer refused (kept until requeued "
+    "by an admin or purged by retention)",
 }
-QUEUE_STATES = ("pending", "held", "in_batches_unforwarded")
+QUEUE_STATES = ("pending", "held", "in_batches_unforwarded", "in_batches_refused")
 REJECTED = "rejected_"
 #: The ledger's states and its deletions by cause, as read in one snapshot.
 Ledger = tuple[dict[str, int], dict[str, int]]

@@ -25,12 +25,18 @@ class Retention:
         self.retention_seconds = retention_seconds
         self.clock = clock
 
-    def purge(self) -> int:
-        """Delete everything older than the retention period; returns contributions deleted."""
+    def purge(self) -> dict[str, int]:
+        """Delete everything older than the retention period; returns contributions deleted
+        by reason (``retention``; ``refused``: in batches the analyzer refused a part of)."""
         now = self.clock()
-        total = self.store.purge(now - self.retention_seconds, now)
-        if total:
+        removed = self.store.purge(now - self.retention_seconds, now)
+        if removed["refused"]:
+            log.warning(
+                "retention purge: a batch the analyzer refused a part of was deleted (its "
+                "contributions never reach a release; requeue such batches before retention)"
+            )
+        if removed["retention"]:
             # No count in the log: a purge may be one held group, whose size is secret
             # (Algorithm 3 never released it); the count is on the credentialed /metrics.
             log.info("retention purge: expired contributions deleted")
-        return total
+        return removed

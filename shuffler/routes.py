@@ -23,6 +23,8 @@ from common.wire import (
     CloseResult,
     EnrollResponse,
     Receipt,
+    RequeueRequest,
+    RequeueResult,
     RevokeRequest,
     RevokeResult,
     ShufflerConfig,
@@ -131,3 +133,13 @@ async def revoke(body: RevokeRequest, service: Service) -> RevokeResult:
     """Refuse a client's token from now on."""
     await asyncio.to_thread(service.revoke, body.client_id)
     return RevokeResult(revoked=body.client_id)
+
+
+@admin.post("/requeue", response_model=RequeueResult, responses=error_responses(400, 401, 503))
+async def requeue(body: RequeueRequest, service: Service, http: Http) -> RequeueResult:
+    """Send again the batch parts the analyzer refused (of ``batch_id``, or all), once what it
+    refused them for is fixed; they are forwarded at once. Unrequeued, retention purges such
+    batches (``esa_shuffler_ledger_deleted{cause="refused"}``)."""
+    requeued = await asyncio.to_thread(service.requeue, body.batch_id)
+    await asyncio.to_thread(service.forward_due, http)
+    return RequeueResult(requeued=requeued)

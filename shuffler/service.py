@@ -280,9 +280,14 @@ class ShufflerService:
 
     def purge(self) -> int:
         """Delete what outlived the retention period; returns contributions deleted."""
-        total = self.retention.purge()
-        self.events.count("deleted_by_retention", total)
-        return total
+        removed = self.retention.purge()
+        for reason, n in removed.items():
+            self.events.count(f"deleted_by_{reason}", n)
+        return sum(removed.values())
+
+    def requeue(self, batch_id: str | None = None) -> int:
+        """Send the parts the analyzer refused again (admin, after fixing the cause)."""
+        return self.store.requeue_refused(self.clock(), batch_id)
 
     def ledger(self) -> dict[str, int]:
         """Where every acknowledged contribution went."""

@@ -517,16 +517,20 @@ class ContributionStore(ABC):
 
     # --- retention and accounting ---------------------------------------------------------
 
-    def purge(self, cutoff: float, now: float) -> int:
+    def purge(self, cutoff: float, now: float) -> dict[str, int]:
         """Delete contributions and undelivered batches older than ``cutoff``, and staged
-        parts an evaluation left behind (a crash between staging and committing); the count
-        of contributions deleted is recorded (in one transaction) and returned.
+        parts an evaluation left behind (a crash between staging and committing); the
+        contributions deleted are recorded by reason (in one transaction) and returned:
+        ``refused`` for batches the analyzer refused a part of, ``retention`` for the rest.
 
-        A batch with a part being sent (leased) or already delivered is not purged: the
-        analyzer may count it, and a purge would then count the same contributions twice. The
-        candidates' parts are locked (``FOR UPDATE``; SQLite's writer lock, taken first) and
-        the condition checked again under the lock, so a forwarder's lease taken between the
-        two reads either commits first (the batch is kept) or waits and finds no part.
+        A batch with a part being sent (leased), or delivered while none of its parts was
+        refused, is not purged: the analyzer may count it, and a purge would then count the
+        same contributions twice. A batch with a refused part can never be complete at the
+        analyzer (the refused part is never re-sent unless an admin requeues it), so it is
+        purged even though its other parts were delivered. The candidates' parts are locked
+        (``FOR UPDATE``; SQLite's writer lock, taken first) and the condition checked again
+        under the lock, so a forwarder's lease or a requeue between the two reads either
+        commits first (the batch is kept) or waits and finds the batch gone.
         """
         c, b = storage.contributions.c, storage.batches.c
         with self.engine.begin() as conn:
@@ -536,7 +540,7 @@ class ContributionStore(ABC):
             if stale:
                 _lock_parts(conn, list(stale))
                 stale = _stale_batches(conn, cutoff, now, among=list(stale))
-            removed = _delete_ids(conn, old)
+            removed = {"retention": _delete_ids(conn, old), "refused": 0}
             if stale:
                 ids = list(stale)
                 conn.execute(
@@ -544,35 +548,56 @@ class ContributionStore(ABC):
                 )
                 conn.execute(delete(storage.batches).where(b.batch_id.in_(ids)))
             _delete_orphans(conn, now - STAGED_GRACE_SECONDS)
-            total = removed + sum(stale.values())
-            if total:
+            for n, refused in stale.values():
+                removed["refused" if refused else "retention"] += n
+            rows = [
+                {"reason": reason, "contributions": n, "purged_at": now}
+                for reason, n in removed.items()
+                if n
+            ]
+            if rows:
+                conn.execute(insert(storage.purges), rows)
+        return removed
+
+    def requeue_refused(self, now: float, batch_id: str | None = None) -> int:
+        """Send the parts the analyzer refused again (of ``batch_id``, or of every batch), from
+        the first attempt on: after an operator fixed what the analyzer refused them for.
+        Returns how many parts were requeued."""
+        p = storage.batch_parts.c
+        query = update(storage.batch_parts).where(p.status == "failed")
+        if batch_id is not None:
+            query = query.where(p.batch_id == batch_id)
+        with self.engine.begin() as conn:
+            return int(
                 conn.execute(
-                    insert(storage.purges).values(
-                        reason="retention", contributions=total, purged_at=now
-                    )
-                )
-        return total
+                    query.values(status="pending", attempts=0, next_attempt_at=now)
+                ).rowcount
+            )
 
     def ledger(self) -> dict[str, int]:
         """Where every acknowledged contribution went (for audits, metrics and tests)."""
         return self.ledger_by_cause()[0]
 
     def ledger_by_cause(self) -> tuple[dict[str, int], dict[str, int]]:
-        """The ledger (disjoint states: pending, held, in batches forwarded or not, deleted by
-        Algorithm 3, purged; their sum is every contribution ever acknowledged) and its
-        deletions by cause (:data:`LEDGER_CAUSES`: ``groups.deleted`` by status, purges by
-        reason; a purge reason not listed keeps its name), read in ONE snapshot
-        (:meth:`_snapshot`): a batch forwarded or a group evaluated between separate reads
-        would be counted twice or not at all."""
+        """The ledger (disjoint states: pending, held, in batches forwarded, not yet forwarded
+        or with a part the analyzer refused, deleted by Algorithm 3, purged; their sum is every
+        contribution ever acknowledged) and its deletions by cause (:data:`LEDGER_CAUSES`:
+        ``groups.deleted`` by status, purges by reason; a purge reason not listed keeps its
+        name), read in ONE snapshot (:meth:`_snapshot`): a batch forwarded or a group
+        evaluated between separate reads would be counted twice or not at all."""
         c, b, g, p = (t.c for t in (storage.contributions, storage.batches, storage.groups,
                                     storage.purges))  # fmt: skip
         count = select(func.count()).select_from(storage.contributions)
         in_batches = select(func.sum(b.n_contributions))
+        refused = exists().where(
+            storage.batch_parts.c.batch_id == b.batch_id, storage.batch_parts.c.status == "failed"
+        )
         queries = {
             "pending": count.where(c.held_part.is_(None)),
             "held": count.where(c.held_part.is_not(None)),
             "in_batches_forwarded": in_batches.where(b.status == "forwarded"),
-            "in_batches_unforwarded": in_batches.where(b.status != "forwarded"),
+            "in_batches_unforwarded": in_batches.where(b.status != "forwarded", ~refused),
+            "in_batches_refused": in_batches.where(b.status != "forwarded", refused),
         }
         with self._snapshot() as conn:
             found = {name: int(conn.execute(q).scalar_one() or 0) for name, q in queries.items()}
@@ -599,19 +624,20 @@ class ContributionStore(ABC):
 
 def _stale_batches(
     conn: Connection, cutoff: float, now: float, among: list[str] | None = None
-) -> dict[str, int]:
-    """Undelivered batches created before ``cutoff`` with no part leased or delivered, as
-    ``{batch_id: n_contributions}`` (only those in ``among`` when given)."""
+) -> dict[str, tuple[int, bool]]:
+    """Undelivered batches created before ``cutoff`` with no part leased and, unless the
+    analyzer refused one of their parts, none delivered, as ``{batch_id: (n_contributions,
+    refused)}`` (only those in ``among`` when given)."""
     b, p = storage.batches.c, storage.batch_parts.c
-    in_flight = exists().where(
-        p.batch_id == b.batch_id, or_(p.lease_until >= now, p.status == "forwarded")
-    )
-    query = select(b.batch_id, b.n_contributions).where(
-        b.status != "forwarded", b.created_at < cutoff, ~in_flight
+    refused = exists().where(p.batch_id == b.batch_id, p.status == "failed")
+    leased = exists().where(p.batch_id == b.batch_id, p.lease_until >= now)
+    delivered = exists().where(p.batch_id == b.batch_id, p.status == "forwarded")
+    query = select(b.batch_id, b.n_contributions, refused).where(
+        b.status != "forwarded", b.created_at < cutoff, ~leased, or_(refused, ~delivered)
     )
     if among is not None:
         query = query.where(b.batch_id.in_(among))
-    return {str(batch_id): int(n) for batch_id, n in conn.execute(query)}
+    return {str(batch_id): (int(n), bool(r)) for batch_id, n, r in conn.execute(query)}
 
 
 def _lock_parts(conn: Connection, batch_ids: list[str]) -> None:

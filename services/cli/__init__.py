@@ -12,6 +12,7 @@ from importlib.metadata import version as package_version
 import click
 
 from services.cli.account import account
+from services.cli.admin import admin
 from services.cli.audit import audit
 from services.cli.demo import demo
 from services.cli.loadtest import loadtest
@@ -77,6 +78,7 @@ def cli(ctx: click.Context) -> None:
     esa loadtest          load-test a deployment with a simulated population, then verify
     esa keys generate     create HPKE and signing key files
     esa audit run         audit a shuffler: canaries, a sink, statistical checks
+    esa admin requeue     take up batch parts a service set aside, once their cause is fixed
     """
     if ctx.invoked_subcommand is None:
         click.echo(START_HERE)
@@ -98,3 +100,6 @@ cli.add_command(train)
 def main() -> None:
     """Console-script entry point."""
     cli()
+
+
+cli.add_command(admin)

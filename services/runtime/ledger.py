@@ -17,9 +17,9 @@ LEDGER_CONTRIBUTIONS = "esa_shuffler_ledger_contributions"
 #: The trust domain's deletions by cause (label ``cause``: :data:`LEDGER_CAUSES`).
 LEDGER_DELETED = "esa_shuffler_ledger_deleted"
 #: Deletions conservation accounts for: ESA-revisited Algorithm 3's randomized deletion and
-#: aborts, and the retention purge (also the causes of the shuffler's per-process counter
-#: ``esa_shuffler_contributions_deleted_total``).
-DELETION_CAUSES = ("randomized_deletion", "abort", "retention")
+#: aborts, the retention purge, and the purge of batches the analyzer refused a part of (also
+#: the causes of the shuffler's per-process counter ``esa_shuffler_contributions_deleted_total``).
+DELETION_CAUSES = ("randomized_deletion", "abort", "retention", "refused")
 #: A purge of contributions acknowledged after their group was evaluated: the ledger reports
 #: it, conservation counts it as lost.
 LATE = "late"

@@ -1,0 +1,52 @@
+"""``esa admin``: operator commands against a running service's admin API."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group()
+def admin() -> None:
+    """Operate a running analyzer or shuffler through its admin API (bearer token)."""
+
+
+@admin.command("requeue")
+@click.option(
+    "--url",
+    required=True,
+    metavar="URL",
+    help="The service: a shuffler (its parts the analyzer refused are sent again) or the "
+    "analyzer (its parts quarantined after failed openings are opened again).",
+)
+@click.option(
+    "--admin-token",
+    required=True,
+    envvar="ESA_ADMIN_TOKEN",
+    help="That service's own admin token (each party has its own).",
+)
+@click.option("--batch", "batch_id", default=None, metavar="ID", help="Only this batch's parts.")
+def requeue(url: str, admin_token: str, batch_id: str | None) -> None:
+    """Take up again the batch parts a service set aside, once their cause is fixed.
+
+    \b
+    At a shuffler: parts the analyzer refused (HTTP 400/422) are forwarded again; unrequeued,
+    retention purges their batch (esa_shuffler_ledger_deleted{cause="refused"}).
+    At the analyzer: parts quarantined after repeated failed openings are opened again.
+    """
+    import httpx
+
+    try:
+        response = httpx.post(
+            url.rstrip("/") + "/v1/admin/requeue",
+            json={"batch_id": batch_id},
+            headers={"Authorization": f"Bearer {admin_token}"},
+            timeout=120.0,
+        )
+    except httpx.HTTPError as error:
+        raise click.ClickException(f"{url}: {type(error).__name__}: {error}") from error
+    if response.status_code != 200:
+        raise click.ClickException(f"{url} answered HTTP {response.status_code}: {response.text}")
+    requeued = int(response.json()["requeued"])
+    click.echo(
+        f"{url}: {requeued} part(s) requeued" + (f" of batch {batch_id}" if batch_id else "")
+    )
