@@ -403,9 +403,8 @@ def epoch_batches(received: Sequence[Received[Any]]) -> dict[int, dict[str, int]
     """Batch crowds per epoch, keyed ``"<shuffler>#<i>"`` (each batch shuffled alone)."""
     per_epoch: dict[int, dict[str, int]] = {}
     for item in received:
-        slot = per_epoch.setdefault(item.epoch, {})
         for i, n in enumerate(item.batches):
-            slot[f"{item.shuffler_id}#{i}"] = n
+            per_epoch.setdefault(item.epoch, {})[f"{item.shuffler_id}#{i}"] = n
     return per_epoch
 
 

@@ -1,0 +1,136 @@
+"""Anyone on the network against the analyzer's ``POST /v1/batches``: the sender is named in a
+header and its signature checked before the body is parsed, and no more than the largest legal
+part (:func:`analyzer.settings.largest_part_bytes`, 4.95 MB for these channels) is read before
+that, so an unauthenticated request costs the analyzer less than 10 MB whatever it sends.
+
+Before, the analyzer buffered up to 512 MiB of any request and parsed its JSON to find who
+claimed to send it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from analyzer.settings import largest_part_bytes
+from common.wire import b64
+
+from ..support import Deployment
+from .conftest import HOMEPAGE, PAGES
+
+MB = 1024 * 1024
+#: A well-formed signature that verifies nothing.
+FORGED = b64(os.urandom(64))
+
+
+def _rss(pid: int, field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (the peak since the last reset) of a process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def _post_stream(url: str, headers: dict[str, str], total: int) -> tuple[int, dict[str, str], int]:
+    """POST ``total`` bytes of junk, chunked, until the server answers or stops reading;
+    returns the status, the JSON error and how many body bytes were sent."""
+    where = urlsplit(url)
+    sock = socket.create_connection((where.hostname, where.port), timeout=30)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall(
+        f"POST /v1/batches HTTP/1.1\r\nHost: x\r\n{head}Transfer-Encoding: chunked\r\n\r\n".encode()
+    )
+    sent, chunk = [0], os.urandom(MB)
+
+    def pump() -> None:
+        try:
+            while sent[0] < total:
+                sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                sent[0] += len(chunk)
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed: it stopped reading
+            pass
+
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+    answer = b""
+    while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _length(answer):
+        data = sock.recv(65536)
+        if not data:
+            break
+        answer += data
+    sock.close()
+    pumping.join(timeout=30)
+    status = int(answer.split(b" ", 2)[1])
+    return status, json.loads(answer.split(b"\r\n\r\n", 1)[1]), sent[0]
+
+
+def _length(answer: bytes) -> int:
+    for line in answer.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+@pytest.fixture
+def analyzer_pid(deployment: Deployment) -> int:
+    assert deployment.analyzer.service is not None
+    return deployment.analyzer.service.process.pid
+
+
+def test_a_200_mb_unauthenticated_post_costs_the_analyzer_under_10_mb(
+    deployment: Deployment, analyzer_pid: int
+) -> None:
+    cap = largest_part_bytes([PAGES, HOMEPAGE])
+    before = _rss(analyzer_pid, "VmRSS")
+    Path(f"/proc/{analyzer_pid}/clear_refs").write_text("5")  # the peak starts again from now
+    headers = {"ESA-Shuffler": "shuffler-1", "ESA-Signature": FORGED}
+    status, error, sent = _post_stream(deployment.analyzer.url, headers, 200 * MB)
+    growth = _rss(analyzer_pid, "VmHWM") - before
+    print(
+        f"200 MB chunked POST: {status} {error['error']} after {sent / MB:.0f} MB sent; analyzer "
+        f"RSS {before / MB:.1f} MB, peak growth {growth / MB:.2f} MB (cap {cap / MB:.2f} MB)"
+    )
+    assert (status, error["error"]) == (413, "too_large")
+    assert growth < 10 * MB
+    assert sent < 100 * MB  # refused early, not after the whole body
+
+
+def test_a_declared_200_mb_body_is_refused_before_it_is_read(deployment: Deployment) -> None:
+    where = urlsplit(deployment.analyzer.url)
+    with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/batches HTTP/1.1\r\nHost: x\r\nESA-Shuffler: shuffler-1\r\n"
+            + f"ESA-Signature: {FORGED}\r\nContent-Length: {200 * MB}\r\n\r\n".encode()
+        )
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+@pytest.mark.parametrize(
+    ("headers", "code"),
+    [
+        ({"ESA-Signature": FORGED}, "unknown_shuffler"),
+        ({"ESA-Shuffler": "mallory", "ESA-Signature": FORGED}, "unknown_shuffler"),
+        ({"ESA-Shuffler": "shuffler-1"}, "bad_signature"),
+    ],
+)
+def test_an_unknown_sender_is_refused_before_its_body_is_read(
+    deployment: Deployment, headers: dict[str, str], code: str
+) -> None:
+    status, error, sent = _post_stream(deployment.analyzer.url, headers, 50 * MB)
+    assert (status, error["error"]) == (401, code)
+    assert sent < 50 * MB
+
+
+def test_a_body_is_verified_before_it_is_parsed(deployment: Deployment) -> None:
+    """Junk that is not JSON, with a forged signature: 401 (not 400), so nothing was parsed."""
+    headers = {"ESA-Shuffler": "shuffler-1", "ESA-Signature": FORGED}
+    status, error, _ = _post_stream(deployment.analyzer.url, headers, 2 * MB)
+    assert (status, error["error"]) == (401, "bad_signature")
