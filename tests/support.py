@@ -17,15 +17,16 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from common.collection import sign_config
-from common.envelope import key_id, public_bytes, public_identity
+from common.collection import TrustAnchors, sign_config, sign_descriptor
+from common.envelope import key_id, public_bytes
 from common.wire import (
     AnalyzerInfo,
-    AnalyzerKey,
     ChannelConfig,
     CollectionConfig,
     DeviceBudget,
-    ShufflerInfo,
+    HpkeKey,
+    ShufflerDescriptor,
+    SignedDescriptor,
     b64,
 )
 from services.cli import launcher
@@ -199,8 +200,17 @@ class Deployment:
             for s in self.shufflers
         }
 
+    @property
+    def trust_file(self) -> Path:
+        """The keys an app pins, one per party (``var/trust.json``)."""
+        return self.var / launcher.TRUST_FILE
+
+    def trust(self) -> TrustAnchors:
+        """The pinned keys of :attr:`trust_file`."""
+        return TrustAnchors.load(self.trust_file)
+
     def trusted_key(self) -> str:
-        """The analyzer's config-signing key, as an app pins it (``var/analyzer.pub``)."""
+        """The analyzer's config-signing key alone (``var/analyzer.pub``)."""
         return (self.var / "analyzer.pub").read_text().strip()
 
     def stop(self) -> None:
@@ -222,7 +232,41 @@ def start_deployment(
     processes[0].start()
     for process in processes[1:]:
         process.start()
+    assert processes[0].service is not None
+    launcher.wait_config(processes[0].service, 60)
     return Deployment(tmp, processes[0], processes[1:])
+
+
+def descriptor(
+    signer: Ed25519PrivateKey,
+    hpke: X25519PrivateKey,
+    shuffler_id: str = "shuffler-1",
+    url: str = "http://127.0.0.1:9",
+    lifetime: int = 10**9,
+) -> SignedDescriptor:
+    """A shuffler's own signed descriptor (what ``GET /v1/descriptor`` serves)."""
+    now = int(time.time())
+    return sign_descriptor(
+        ShufflerDescriptor(
+            id=shuffler_id,
+            url=url,
+            keys=[
+                HpkeKey(
+                    key_id=key_id(hpke.public_key()).hex(),
+                    public_key=b64(public_bytes(hpke.public_key())),
+                )
+            ],
+            signing_key=b64(public_bytes(signer.public_key())),
+            issued_at=now,
+            expires_at=now + lifetime,
+        ),
+        signer,
+    )
+
+
+def registry_entry(shuffler_id: str, url: str, signer: Ed25519PrivateKey) -> dict[str, str]:
+    """One shuffler in the analyzer's registry: where its descriptor is, the key pinned."""
+    return {"id": shuffler_id, "url": url, "signing_key": b64(public_bytes(signer.public_key()))}
 
 
 def close_epoch(deployment: Deployment, channel_id: str, epoch: int) -> None:
@@ -307,27 +351,38 @@ def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.1) -> 
 class OfflineConfig:
     """A signed collection config in a file, for a device with no deployment: one shuffler and
     the analyzer at port 9 (discard), so everything a device queues stays in its outbox; the
-    private keys let a test open what it queued."""
+    private keys let a test open what it queued and sign other documents."""
 
     path: Path
     signer: Ed25519PrivateKey
     analyzer: X25519PrivateKey
     shuffler: X25519PrivateKey
+    shuffler_signer: Ed25519PrivateKey
 
     @property
     def trusted_key(self) -> str:
         """The config-signing key to pin, base64."""
         return b64(public_bytes(self.signer.public_key()))
 
+    @property
+    def shuffler_keys(self) -> dict[str, str]:
+        """The shuffler's signing key to pin, base64, by id."""
+        return {"shuffler-1": b64(public_bytes(self.shuffler_signer.public_key()))}
+
+    @property
+    def trust_file(self) -> Path:
+        """Both, as a trust file next to the config."""
+        return self.path.with_name("trust.json")
+
 
 def offline_config(
     tmp: Path, channels: list[ChannelConfig], overall: DeviceBudget | None = None
 ) -> OfflineConfig:
-    """Sign ``channels`` (and an overall device budget) into ``tmp/config.json``."""
+    """Sign ``channels`` (and an overall device budget) into ``tmp/config.json``, with the
+    shuffler's own signed descriptor, and the keys to pin into ``tmp/trust.json``."""
     signer, analyzer = Ed25519PrivateKey.generate(), X25519PrivateKey.generate()
-    shuffler = X25519PrivateKey.generate()
-    identity = public_identity(shuffler.public_key(), Ed25519PrivateKey.generate().public_key())
-    key = AnalyzerKey(
+    shuffler, shuffler_signer = X25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    key = HpkeKey(
         key_id=key_id(analyzer.public_key()).hex(),
         public_key=b64(public_bytes(analyzer.public_key())),
     )
@@ -338,10 +393,13 @@ def offline_config(
         analyzer=AnalyzerInfo(
             url="http://127.0.0.1:9", keys=[key], signing_key=b64(public_bytes(signer.public_key()))
         ),
-        shufflers=[ShufflerInfo(id="shuffler-1", url="http://127.0.0.1:9", **identity)],
+        shufflers=[descriptor(shuffler_signer, shuffler)],
         channels=channels,
         device_budget=overall,
     )
     path = tmp / "config.json"
     path.write_text(sign_config(config, signer).model_dump_json())
-    return OfflineConfig(path, signer, analyzer, shuffler)
+    found = OfflineConfig(path, signer, analyzer, shuffler, shuffler_signer)
+    trust = TrustAnchors(signer.public_key(), {"shuffler-1": shuffler_signer.public_key()})
+    found.trust_file.write_text(json.dumps(trust.to_json()))
+    return found
