@@ -2,7 +2,7 @@
 
 Needs the ``otel`` extra (``pip install 'esa-pipeline[otel]'``)::
 
-    client = Client(config_url, trusted_key=KEY, state_path="esa.db")
+    client = Client(config_url, trust_file=TRUST, state_path="esa.db")
     provider = meter_provider(client, "esa-mapping.yaml")   # or a MeterProvider of your own
     metrics.set_meter_provider(provider)                     # with EsaMetricExporter in a
                                                              # PeriodicExportingMetricReader
