@@ -25,20 +25,21 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from common.collection import verify_config
+from common.collection import verify_collection
 from common.envelope import (
     Contribution,
-    load_ed25519_public,
+    FragmentContext,
     load_x25519_public,
     new_nonce,
     seal_contribution,
     seal_fragment,
-    sign,
 )
 from common.mechanisms import krappor
-from common.wire import Batch, ChannelConfig, b64
+from common.randomness import SeededSource
+from common.wire import Batch, ChannelConfig
 
 from ..support import Deployment, start_deployment, wait_until
+from .forge import analyzer_key, fragments, krappor_reports, post_part
 
 K, EPS, DELTA = 20, 4.0, 1e-8
 # epoch_seconds: the reporting loop takes up to ~90 s on a slow runner and uses one epoch; with
@@ -73,18 +74,20 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deplo
 
 def _report(deployment: Deployment, values: np.ndarray) -> int:
     document = httpx.get(deployment.analyzer.url + "/v1/config").json()
-    pinned = load_ed25519_public(base64.b64decode(document["config"]["analyzer"]["signing_key"]))
-    config = verify_config(document, pinned, time.time())
+    # As a device: the analyzer's config and every shuffler's descriptor, each verified with
+    # the key pinned for its party (var/trust.json).
+    config = verify_collection(document, deployment.trust(), time.time())
     analyzer_key = load_x25519_public(base64.b64decode(config.analyzer.keys[0].public_key))
     shufflers = config.shufflers
     params = krappor.KRapporParams(k=K, eps=EPS)
     epoch = int(time.time() // CHANNEL.epoch_seconds)
+    context = FragmentContext(CHANNEL.id, epoch, "")
     accepted = 0
     tokens: dict[str, list[str]] = {s.id: [] for s in shufflers}
     for value in values:
         target = shufflers[secrets.randbelow(len(shufflers))]
         fragments = tuple(
-            seal_fragment(f, CHANNEL.id, CHANNEL.payload_size, analyzer_key)
+            seal_fragment(f, context, CHANNEL.payload_size, analyzer_key)
             for f in krappor.encode(int(value), params)
         )
         contribution = Contribution(CHANNEL.id, "", epoch, new_nonce(), fragments)
@@ -117,26 +120,31 @@ def _report(deployment: Deployment, values: np.ndarray) -> int:
 def _crafted_batch(
     deployment: Deployment,
     n: int,
-    fragments: list[str],
+    epoch: int = 1,
     shuffler: str = "shuffler-1",
     key: Ed25519PrivateKey | None = None,
 ) -> httpx.Response:
+    """A batch of ``n`` honest k-RAPPOR contributions for ``epoch``, as ``shuffler`` sends it
+    (signed with ``key``, by default its own)."""
+    reports = krappor_reports(
+        np.arange(n) % K,
+        krappor.KRapporParams(k=K, eps=EPS),
+        FragmentContext(CHANNEL.id, epoch, ""),
+        CHANNEL.payload_size,
+        analyzer_key(deployment.analyzer.url),
+        SeededSource(epoch),
+    )
     batch = Batch(
         batch_id=secrets.token_hex(16),
         shuffler_id=shuffler,
         channel_id=CHANNEL.id,
         crowd_id="",
-        epoch=1,
+        epoch=epoch,
         n_contributions=n,
-        fragments=fragments,
+        fragments=fragments(reports),
     )
-    body = batch.body()
-    signature = b64(sign(body, key or deployment.signing_keys[shuffler]))
-    return httpx.post(
-        deployment.analyzer.url + "/v1/batches",
-        content=body,
-        headers={"ESA-Signature": signature, "Content-Type": "application/json"},
-    )
+    signer = key or deployment.signing_keys.get(shuffler) or deployment.signing_keys["shuffler-1"]
+    return post_part(deployment.analyzer.url, batch.body(), signer, shuffler)
 
 
 def _estimate(url: str) -> dict[str, Any]:
@@ -159,6 +167,11 @@ def test_pipeline_end_to_end(deployment: Deployment) -> None:
         lambda: len(_estimate(url).get("crowds", {})) == len(deployment.shufflers), timeout=90.0
     )
     release = _estimate(url)
+    # Every shuffler's crowd verified by its fragments: the release rests on the crowds claimed.
+    check = release["crowd_check"]
+    assert check["batches"] == len(deployment.shufflers) and check["short_batches"] == 0
+    assert check["claimed"] == check["verified"] == release["n"]
+    assert check["invalid_fragments"] == 0
     # Algorithm 3 deleted whole contributions uniformly at each shuffler: the released crowd
     # holds each value in proportion, so the estimate targets the reported counts scaled by it.
     kept = release["n"] / values.size
@@ -208,28 +221,37 @@ def test_pipeline_end_to_end(deployment: Deployment) -> None:
         json.loads(cli.stdout)["certified"]["eps"]
     )
 
-    # A duplicated batch counts once; forged and unknown signers get 401; small batches 422.
-    sealed = [b64(bytes(72))] * 60
-    first = _crafted_batch(deployment, 60, sealed)
+    # A duplicated batch counts once, a second batch for its group is refused; forged and
+    # unknown signers get 401; small batches 422.
+    first = _crafted_batch(deployment, 60)
     assert first.status_code == 201 and first.json()["duplicate"] is False  # stored, opened later
-    repeat = httpx.post(
-        url + "/v1/batches",
-        content=first.request.content,
-        headers={"ESA-Signature": first.request.headers["ESA-Signature"]},
-    )
+    sent = {k: first.request.headers[k] for k in ("ESA-Signature", "ESA-Shuffler")}
+    repeat = httpx.post(url + "/v1/batches", content=first.request.content, headers=sent)
     assert repeat.status_code == 200 and repeat.json()["duplicate"] is True
     estimate = url + f"/v1/channels/{CHANNEL.id}/estimate?epoch=1"
     wait_until(lambda: httpx.get(estimate).status_code == 200, timeout=60)
-    batch_n = httpx.get(estimate).json()["n"]
-    forged = _crafted_batch(deployment, 60, sealed, key=Ed25519PrivateKey.generate())
+    crafted = httpx.get(estimate).json()
+    batch_n = crafted["n"]
+    second = _crafted_batch(deployment, 60)  # another batch id, same shuffler, epoch and crowd
+    assert second.status_code == 422 and second.json()["error"] == "duplicate_group"
+    forged = _crafted_batch(deployment, 60, epoch=2, key=Ed25519PrivateKey.generate())
     assert forged.status_code == 401 and forged.json()["error"] == "bad_signature"
     unknown = _crafted_batch(
-        deployment, 60, sealed, shuffler="shuffler-9", key=deployment.signing_keys["shuffler-1"]
+        deployment, 60, epoch=2, shuffler="shuffler-9", key=deployment.signing_keys["shuffler-1"]
     )
     assert unknown.status_code == 401 and unknown.json()["error"] == "unknown_shuffler"
-    small = _crafted_batch(deployment, 10, sealed[:10])
+    small = _crafted_batch(deployment, 10, epoch=2)
     assert small.status_code == 422 and small.json()["error"] == "below_min_crowd"
+    # Every fragment opened: the crowd the analyzer verified is the one claimed.
     assert batch_n == 60
+    assert crafted["crowd_check"] == {
+        "batches": 1,
+        "claimed": 60,
+        "verified": 60,
+        "invalid_fragments": 0,
+        "short_batches": 0,
+    }
+    assert httpx.get(estimate).json()["n"] == 60  # the refused batches added nothing
 
     # Restart keeps accumulators and the ledger; estimates are reads (the ledger charges each
     # epoch once); a published release is recorded; the dashboard shows the channel's numbers.

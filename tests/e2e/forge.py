@@ -1,0 +1,71 @@
+"""Batches as a shuffler sends them (wire version 2), for e2e tests that post parts to a real
+analyzer themselves: every fragment a real k-RAPPOR report sealed for the analyzer and bound
+to the batch's channel, epoch and crowd (:class:`common.envelope.FragmentContext`), as many
+as ``n_contributions`` honest devices produce; the part signed with the shuffler's key and
+sent with the ``ESA-Shuffler`` header that names it."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable
+
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
+from common.envelope import FragmentContext, load_x25519_public, seal_fragment, sign
+from common.mechanisms import krappor
+from common.randomness import RandomSource
+from common.wire import b64
+
+
+def analyzer_key(analyzer_url: str) -> X25519PublicKey:
+    """The analyzer's HPKE key from its config (the tests that call this forge batches
+    with the shufflers' keys; what a device would trust is not what they test)."""
+    config = httpx.get(analyzer_url + "/v1/config", timeout=30).raise_for_status().json()
+    return load_x25519_public(
+        base64.b64decode(config["config"]["analyzer"]["keys"][0]["public_key"])
+    )
+
+
+def krappor_reports(
+    values: Iterable[int],
+    params: krappor.KRapporParams,
+    context: FragmentContext,
+    payload_size: int,
+    key: X25519PublicKey,
+    rng: RandomSource | None = None,
+) -> list[tuple[bytes, ...]]:
+    """One tuple of sealed fragments per value: what one device's contribution carries."""
+    return [
+        tuple(
+            seal_fragment(f, context, payload_size, key)
+            for f in krappor.encode(int(v), params, rng)
+        )
+        for v in values
+    ]
+
+
+def fragments(reports: Iterable[tuple[bytes, ...]]) -> list[str]:
+    """The reports' fragments, base64, as a batch lists them."""
+    return [b64(f) for report in reports for f in report]
+
+
+def post_part(
+    analyzer_url: str,
+    body: bytes,
+    signer: Ed25519PrivateKey,
+    shuffler_id: str,
+    timeout: float = 30,
+) -> httpx.Response:
+    """POST one batch part as shuffler ``shuffler_id`` sends it."""
+    return httpx.post(
+        analyzer_url + "/v1/batches",
+        content=body,
+        headers={
+            "ESA-Signature": b64(sign(body, signer)),
+            "ESA-Shuffler": shuffler_id,
+            "Content-Type": "application/json",
+        },
+        timeout=timeout,
+    )
