@@ -1,13 +1,15 @@
 """Crash tests of the analyzer's part intake with real processes (issue 11, "Fault tests"),
 on SQLite and PostgreSQL.
 
-Parts are forged as a shuffler would send them (signed with a registered shuffler key) and
+Parts are forged as a shuffler would send them (signed with a registered shuffler key, named
+in the ``ESA-Shuffler`` header, every fragment a real k-RAPPOR report sealed to the batch's
+channel, epoch and crowd; one batch per epoch, as one shuffler sends one per group) and
 POSTed to an ``esa analyzer serve`` process that is killed: with SIGKILL while parts are
 being delivered, by its own SIGKILL after opening a stored part and before folding it in
 (``ESA_ANALYZER_FAULT_WHILE_OPENING=kill``), and between the commit of a part and its answer
 (``ESA_ANALYZER_FAULT_AFTER_COMMIT=exit``). After each restart, every part must count exactly
 once: the fragments accumulated equal the fragments sent, and the estimate's n is the sum of
-the n_contributions of the complete batches.
+the n_contributions of the complete batches (every one verified by its fragments).
 """
 
 from __future__ import annotations
@@ -21,22 +23,18 @@ import httpx
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from analyzer.channels import ChannelRuntime
 from analyzer.store import AnalyzerStore
-from common.envelope import (
-    load_or_create_ed25519,
-    load_or_create_x25519,
-    public_identity,
-    seal_fragment,
-    sign,
-)
+from common.envelope import FragmentContext, load_or_create_ed25519, load_or_create_x25519
 from common.mechanisms import krappor
 from common.randomness import SeededSource
-from common.wire import Batch, ChannelConfig, b64
+from common.wire import Batch, ChannelConfig
 from services.runtime import db
 
-from ..support import ServiceProcess, analyzer_process, wait_until
+from ..support import ServiceProcess, analyzer_process, registry_entry, wait_until
+from .forge import fragments, krappor_reports, post_part
 
 CHANNEL = ChannelConfig(
     id="homepage",
@@ -58,16 +56,10 @@ class Analyzer:
     process: ServiceProcess
     database_url: str
     signer: Ed25519PrivateKey
-    hpke_public: object
+    hpke_public: X25519PublicKey
 
     def post(self, body: bytes) -> httpx.Response:
-        signature = b64(sign(body, self.signer))
-        return httpx.post(
-            self.process.url + "/v1/batches",
-            content=body,
-            headers={"ESA-Signature": signature},
-            timeout=30,
-        )
+        return post_part(self.process.url, body, self.signer, "shuffler-1")
 
     def restart(self, **env: str) -> None:
         """Start again after a crash, with these fault hooks ("" removes one)."""
@@ -89,14 +81,8 @@ def analyzer(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Analyze
         else request.getfixturevalue("postgres_url")
     )
     signer = load_or_create_ed25519(tmp_path / "s1" / "signing.pem")
-    hpke = load_or_create_x25519(tmp_path / "s1" / "hpke.pem")
-    registry = [
-        {
-            "id": "shuffler-1",
-            "url": "http://127.0.0.1:1",
-            **public_identity(hpke.public_key(), signer.public_key()),
-        }
-    ]
+    # Registered, its descriptor never fetched (nobody at port 1): batches need only its key.
+    registry = [registry_entry("shuffler-1", "http://127.0.0.1:1", signer)]
     analyzer_key = load_or_create_x25519(tmp_path / "analyzer" / "keys" / "hpke.pem")
     process = analyzer_process(
         tmp_path,
@@ -113,14 +99,12 @@ def analyzer(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Analyze
 
 
 def _batch(analyzer: Analyzer, n: int, parts: int, seed: int) -> list[bytes]:
-    """A shuffled group of ``n`` k-RAPPOR contributions cut into ``parts`` part bodies."""
-    rng = SeededSource(seed)
+    """Epoch ``EPOCH + seed``'s group of ``n`` k-RAPPOR contributions cut into ``parts`` part
+    bodies."""
     values = np.random.default_rng(seed).integers(0, 20, size=n)
-    sealed = [
-        b64(seal_fragment(f, CHANNEL.id, 16, analyzer.hpke_public))  # type: ignore[arg-type]
-        for v in values
-        for f in krappor.encode(int(v), PARAMS, rng)
-    ]
+    context = FragmentContext(CHANNEL.id, EPOCH + seed, "")
+    reports = krappor_reports(values, PARAMS, context, 16, analyzer.hpke_public, SeededSource(seed))
+    sealed = fragments(reports)
     batch_id, step = secrets.token_hex(16), -(-len(sealed) // parts)
     return [
         Batch(
@@ -130,7 +114,7 @@ def _batch(analyzer: Analyzer, n: int, parts: int, seed: int) -> list[bytes]:
             shuffler_id="shuffler-1",
             channel_id=CHANNEL.id,
             crowd_id="",
-            epoch=EPOCH,
+            epoch=context.epoch,
             n_contributions=n,
             fragments=sealed[i * step : (i + 1) * step],
         ).body()
@@ -157,22 +141,26 @@ def _fragments(body: bytes) -> int:
 
 def _conserved(analyzer: Analyzer, batches: list[list[bytes]]) -> None:
     """Every part counted once: nothing pending, fragments accumulated == fragments sent, n ==
-    sum of the groups' n."""
+    sum of the groups' n (each batch's verified crowd its claimed one)."""
+    headers = [Batch.model_validate_json(parts[0]) for parts in batches]
+    epochs = sorted(h.epoch for h in headers)
     store = AnalyzerStore(db.make_engine(analyzer.database_url))
     try:
         wait_until(lambda: not store.pending_parts(), timeout=120)
         runtime = ChannelRuntime.build(CHANNEL, ["shuffler-1"])
-        received = store.received(CHANNEL.id, "", EPOCH, EPOCH)
+        received = store.received(CHANNEL.id, "", epochs[0], epochs[-1])
         counts = sum(int(runtime.load(s.state).counts.sum()) for s in received.states)  # type: ignore[attr-defined]
         assert counts == sum(_fragments(b) for parts in batches for b in parts)
-        n = sum(Batch.model_validate_json(parts[0]).n_contributions for parts in batches)
-        assert sum(received.batch_sizes[(EPOCH, "shuffler-1")]) == n
-        assert len(received.batch_sizes[(EPOCH, "shuffler-1")]) == len(batches)
+        n = sum(h.n_contributions for h in headers)
+        for header in headers:
+            assert received.batch_sizes[(header.epoch, "shuffler-1")] == (header.n_contributions,)
     finally:
         store.engine.dispose()
-    estimate = httpx.get(f"{analyzer.process.url}/v1/channels/{CHANNEL.id}/estimate?epoch={EPOCH}")
+    span = f"epoch_from={epochs[0]}&epoch_to={epochs[-1]}"
+    estimate = httpx.get(f"{analyzer.process.url}/v1/channels/{CHANNEL.id}/estimate?{span}")
     assert estimate.status_code == 200 and estimate.json()["n"] == n
     assert "incomplete" not in estimate.json()["note"]
+    assert estimate.json()["crowd_check"]["verified"] == n
 
 
 def test_kill_while_opening_and_while_delivering_counts_every_part_once(
