@@ -25,6 +25,7 @@ from common.mechanisms import (
     BatchContext,
     Encoded,
     Estimate,
+    FragmentCount,
     LocalPrivacy,
     Mechanism,
     MechanismError,
@@ -81,6 +82,9 @@ class ToyBit(Mechanism[ToyParams, ToyAccumulator]):
 
     def domain_size(self, params: ToyParams) -> int:
         return 2
+
+    def fragment_count(self, params: ToyParams, batch: BatchContext) -> FragmentCount:
+        return FragmentCount.exactly(1)  # one bit, one fragment: the analyzer checks crowds
 
     def encode(
         self, params: ToyParams, value: Any, state: Any, rng: RandomSource, shufflers: int
@@ -184,7 +188,7 @@ def test_toy_mechanism_runs_through_the_whole_pipeline(deployment: Any, tmp_path
     for i, value in enumerate(truth):
         with Client(
             deployment.analyzer.url + "/v1/config",
-            trusted_key=deployment.trusted_key(),
+            trust_file=deployment.trust_file,
             state_path=tmp_path / f"device-{i}.db",
             background=False,
         ) as client:
@@ -201,3 +205,7 @@ def test_toy_mechanism_runs_through_the_whole_pipeline(deployment: Any, tmp_path
     assert abs(ones - 180 * kept) < 5.5 * spread  # false failure < 1e-7
     certificate = release["certificate"]
     assert certificate["method"] == "blanket-binary-rr" and 0 < certificate["eps"] < 2.0
+    # one fragment per contribution, all opened: every crowd claimed is verified
+    check = release["crowd_check"]
+    assert check["claimed"] == check["verified"] == release["n"]
+    assert check["invalid_fragments"] == check["short_batches"] == 0
