@@ -7,6 +7,7 @@ mechanism-specific lives in the mechanism's module (:mod:`common.mechanisms.base
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,10 @@ from common.mechanisms import (
 )
 from common.mechanisms.base import Accumulator
 from common.wire import ChannelConfig
+
+#: How far above a mechanism's mean fragment count a channel's ``max_fragments`` must sit for
+#: the count's law to be kept under truncation (the default catalogue keeps 8).
+TRUNCATION_SIGMAS = 8.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ class ChannelRuntime:
             params = mechanism.parse_params(config.params)
         except (TypeError, ValueError) as error:
             raise InvalidChannelError(f"channel {config.id!r}: {error}") from error
+        smallest = min(
+            mechanism.fragment_count(params, BatchContext(i, len(shuffler_ids))).minimum
+            for i in range(max(1, len(shuffler_ids)))
+        )
+        if config.min_fragments > smallest:
+            raise InvalidChannelError(
+                f"channel {config.id!r}: min_fragments={config.min_fragments}, but a "
+                f"{config.mechanism} contribution can carry {smallest} (shufflers would refuse "
+                "honest reports)"
+            )
         if config.payload_size < mechanism.payload_size + 4:
             raise InvalidChannelError(
                 f"channel {config.id!r}: payload_size={config.payload_size} is smaller than the "
@@ -61,13 +76,24 @@ class ChannelRuntime:
         return BatchContext(self.shuffler_ids.index(shuffler_id), len(self.shuffler_ids))
 
     def fragment_count(self, shuffler_id: str) -> FragmentCount:
-        """What one contribution to ``shuffler_id`` carries: the mechanism's count, capped by
-        the channel's ``max_fragments`` (shufflers refuse more; the law is then truncated, so
-        only the bounds are kept)."""
+        """What one contribution to ``shuffler_id`` carries: the mechanism's count, within the
+        channel's ``max_fragments`` (shufflers refuse more). Below the mechanism's maximum the
+        accepted contributions follow a truncated law: its mean and variance are kept while
+        ``max_fragments`` sits at least :data:`TRUNCATION_SIGMAS` standard deviations above
+        the mean (the truncated mass is then negligible), else only the bounds are. Either
+        way an error can only cut an honest batch's verified crowd, which makes its
+        certificate more conservative, never less."""
         count = self.mechanism.fragment_count(self.params, self.source(shuffler_id))
-        if count.maximum <= self.config.max_fragments:
-            return count
         most = self.config.max_fragments
+        if count.maximum <= most:
+            return count
+        mean, variance = count.mean, count.variance
+        if (
+            mean is not None
+            and variance is not None
+            and most >= mean + TRUNCATION_SIGMAS * math.sqrt(variance)
+        ):
+            return FragmentCount(min(count.minimum, most), most, mean, variance)
         return FragmentCount(min(count.minimum, most), most)
 
     def new_accumulator(self) -> Accumulator:

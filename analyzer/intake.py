@@ -7,11 +7,12 @@ is read (the HTTP edge), and a body is read only up to the largest legal part. A
 must name its signer, and is refused when its channel cannot hold it: an unknown channel or
 crowd, a crowd below ``min_crowd``, parts of one batch that disagree, a second batch for a
 group that already sent one (each group is evaluated once), or fragments its contributions
-cannot carry (:meth:`ChannelRuntime.fragment_count`: more than their maximum at any part; once
-every part is in, fewer than their minimum, or for a fixed count anything but exactly n times
-it). Numbers beyond what the tables hold are malformed. A known (``batch_id``, ``part``) is
-acknowledged again but counted once. The raw body is stored durably and acknowledged right
-after the commit; :mod:`analyzer.opening` opens and accumulates it in the background.
+cannot carry (more than n times the channel's ``max_fragments`` at any part; once every part is
+in, fewer than n times its ``min_fragments``: bounds every shuffler enforces per contribution,
+so an honest shuffler's batch always fits, whatever its clients send). Numbers beyond what the
+tables hold are malformed. A known (``batch_id``, ``part``) is acknowledged again but counted
+once. The raw body is stored durably and acknowledged right after the commit;
+:mod:`analyzer.opening` opens and accumulates it in the background.
 """
 
 from __future__ import annotations
@@ -232,20 +233,22 @@ def _consistent(runtime: ChannelRuntime, header: PartHeader, stored: StoredBatch
             f"{header.channel_id!r}, crowd {header.crowd_id!r}, epoch {header.epoch}: a group is "
             "evaluated once"
         )
-    count = runtime.fragment_count(header.shuffler_id)
+    config = runtime.config
     total = header.n_fragments + sum(o.n_fragments for o in others)
     n = header.n_contributions
-    if total > n * count.maximum:
+    if total > n * config.max_fragments:
         raise InconsistentCountsError(
             f"{total} fragments cannot come from {n} contributions of at most "
-            f"{count.maximum} fragments"
+            f"{config.max_fragments} fragments (the channel's max_fragments)"
         )
     complete = len({o.part for o in others} | {header.part}) == header.parts
-    if complete and total < n * count.minimum:
-        exactly = f"exactly {count.minimum}" if count.fixed else f"at least {count.minimum}"
+    if complete and total < n * config.min_fragments:
+        fixed = config.min_fragments == config.max_fragments
+        exactly = f"{'exactly' if fixed else 'at least'} {config.min_fragments}"
         raise InconsistentCountsError(
             f"{total} fragments cannot come from {n} contributions of {exactly} fragments "
-            f"each ({runtime.config.mechanism}): the claimed crowd is not backed by fragments"
+            "each (the channel's min_fragments, which shufflers enforce): the claimed crowd is "
+            "not backed by fragments"
         )
 
 

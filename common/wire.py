@@ -72,6 +72,10 @@ class ChannelPolicy(BaseModel):
         min_crowd: Batches below this many contributions are never released.
         eps_cr, delta_cr: Randomized report deletion parameters (Theorem V.1).
         max_fragments: Most fragments one contribution may carry.
+        min_fragments: Fewest fragments one contribution may carry (default 0). Where a
+            mechanism fixes the count (k-RR, longitudinal: 1), setting both to it makes every
+            batch's crowd exact: a batch whose fragments are not n times the count can only
+            come from a lying shuffler, and the analyzer refuses it.
         crowds: The declared crowds (ESA-revisited §V's natural crowds) a contribution may name
             as its ``crowd_id``: 1 to :data:`MAX_CROWDS` distinct ids, each empty or matching
             :data:`CROWD`; the default is the one unnamed crowd ``""``. Shufflers refuse any
@@ -90,6 +94,7 @@ class ChannelPolicy(BaseModel):
     eps_cr: float = Field(0.5, gt=0)
     delta_cr: float = Field(1e-9, gt=0, lt=1)
     max_fragments: int = Field(64, ge=1, le=65535)
+    min_fragments: int = Field(0, ge=0, le=65535)
     crowds: tuple[str, ...] = Field(("",), min_length=1, max_length=MAX_CROWDS)
 
     @model_validator(mode="before")
@@ -103,6 +108,14 @@ class ChannelPolicy(BaseModel):
     @classmethod
     def _check_id(cls, value: str) -> str:
         return _identifier(value, "channel id")
+
+    @model_validator(mode="after")
+    def _check_fragments(self) -> ChannelPolicy:
+        if self.min_fragments > self.max_fragments:
+            raise ValueError(
+                f"min_fragments={self.min_fragments} is above max_fragments={self.max_fragments}"
+            )
+        return self
 
     @field_validator("crowds")
     @classmethod

@@ -22,6 +22,7 @@ answer and never changes. Details name the problem, never a client id, token or 
         ├── QuotaExceededError          quota_exceeded       409
         ├── BodyTooLargeError           too_large            413  (a TooLargeError)
         ├── TooManyFragmentsError       too_many_fragments   413
+        ├── TooFewFragmentsError        too_few_fragments    400
         ├── ClientRateLimitedError      rate_limited         429  (a RateLimitedError)
         └── ShufflerStorageError        storage_unavailable  503  (a StorageUnavailableError)
 """
@@ -133,6 +134,15 @@ class TooManyFragmentsError(ShufflerError):
 
     code = "too_many_fragments"
     kind = Kind.TOO_LARGE
+
+
+class TooFewFragmentsError(ShufflerError):
+    """The contribution carries fewer fragments than its channel's ``min_fragments`` (no
+    device of the channel's mechanism sends fewer: it would let the analyzer count one
+    contribution that carries no report)."""
+
+    code = "too_few_fragments"
+    kind = Kind.INVALID
 
 
 class ClientRateLimitedError(RateLimitedError, ShufflerError):

@@ -34,6 +34,7 @@ from shuffler.errors import (
     ReplayedNonceError,
     RevokedTokenError,
     ShufflerError,
+    TooFewFragmentsError,
     TooManyFragmentsError,
     UnknownChannelError,
     UnknownCrowdError,
@@ -170,7 +171,7 @@ class Intake:
 
         Raises:
             MalformedContributionError (UnsupportedVersionError: an old wire version),
-            UnknownChannelError, UnknownCrowdError,
+            UnknownChannelError, TooFewFragmentsError, UnknownCrowdError,
             TooManyFragmentsError, EpochNotOpenError.
         """
         try:
@@ -189,6 +190,10 @@ class Intake:
         if len(contribution.fragments) > policy.max_fragments:
             raise TooManyFragmentsError(
                 f"{len(contribution.fragments)} fragments > max_fragments={policy.max_fragments}"
+            )
+        if len(contribution.fragments) < policy.min_fragments:
+            raise TooFewFragmentsError(
+                f"{len(contribution.fragments)} fragments < min_fragments={policy.min_fragments}"
             )
         now = self.clock()
         epochs = open_epochs(policy, now, self.settings.epoch_grace_seconds)

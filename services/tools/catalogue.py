@@ -14,7 +14,9 @@ DELETION = {"eps_cr": 1.0, "delta_cr": 1e-6}
 #: The default channel set shows every mechanism (ARCHITECTURE.md, "Running it"). Local ε are
 #: chosen so that a demo-sized crowd (~500 per shuffler) already shows amplification, and
 #: ``max_fragments`` sits at least 8 standard deviations above each encoder's fragment count
-#: (tests/services/test_launcher.py samples the encoders to keep it so).
+#: (tests/services/test_launcher.py samples the encoders to keep it so), and ``min_fragments`` is
+#: the fewest an honest contribution carries, so shufflers refuse reports no device sends and
+#: the analyzer can hold each batch's claimed crowd to its fragments.
 #:
 #: Domain sizes are what the demo can afford: every fragment costs one HPKE seal on the device
 #: and one open at the analyzer (~0.19 ms of CPU together), and a k-RAPPOR report holds
@@ -64,6 +66,7 @@ DEFAULT_CHANNELS = [
         epoch_seconds=10,
         min_crowd=20,
         **DELETION,
+        min_fragments=1,  # one report per contribution: a batch's crowd is exactly its reports
         max_fragments=1,
         delta=1e-8,
         display="series",
@@ -75,6 +78,7 @@ DEFAULT_CHANNELS = [
         params={"d": 8, "eps": 1.0, "delta": 1e-6, "n": 2000},
         min_crowd=50,
         **DELETION,
+        min_fragments=1,  # every user sends its own message (Figure 2)
         max_fragments=16,
         delta=1e-6,
     ),

@@ -19,6 +19,7 @@ PAGES = ChannelConfig(
     params={"k": 16, "eps": 2.0},
     epoch_seconds=10**8,
     min_crowd=20,
+    min_fragments=1,
     max_fragments=1,
     delta=1e-8,
 )
