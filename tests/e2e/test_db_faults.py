@@ -32,6 +32,7 @@ from analyzer import store as analyzer_tables
 from analyzer.channels import ChannelRuntime
 from common.envelope import (
     Contribution,
+    FragmentContext,
     load_x25519_public,
     new_nonce,
     seal_contribution,
@@ -134,6 +135,8 @@ def deployment(tmp_path: Path, postgres_template: str) -> Iterator[list[ServiceP
     processes = [ServiceProcess(s, tmp_path / "logs" / f"{s.name}.log") for s in specs]
     for process in processes:
         process.start()
+    assert processes[0].service is not None
+    launcher.wait_config(processes[0].service, 60)  # the shuffler's descriptor fetched
     yield processes
     for process in reversed(processes):
         process.stop()
@@ -145,9 +148,11 @@ def _sealed_pool(analyzer_url: str, size: int) -> list[tuple[bytes, ...]]:
     config = httpx.get(analyzer_url + "/v1/config", timeout=30).json()["config"]
     key = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
     params = krappor.KRapporParams(k=20, eps=4.0)
+    # Bound to the one epoch the test reports in (10^8-second epochs) and the default crowd.
+    context = FragmentContext(CHANNEL.id, int(time.time() // CHANNEL.epoch_seconds), "")
     return [
         tuple(
-            seal_fragment(f, CHANNEL.id, CHANNEL.payload_size, key)
+            seal_fragment(f, context, CHANNEL.payload_size, key)
             for f in krappor.encode(i % 20, params)
         )
         for i in range(size)
