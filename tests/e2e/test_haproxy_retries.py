@@ -41,6 +41,7 @@ from sqlalchemy import func, select
 
 from common.envelope import (
     Contribution,
+    FragmentContext,
     load_x25519_public,
     new_nonce,
     seal_contribution,
@@ -125,10 +126,11 @@ def _sealed_fragments(analyzer_url: str) -> list[tuple[bytes, ...]]:
     config = httpx.get(analyzer_url + "/v1/config", timeout=30).json()["config"]
     key = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
     params = krappor.KRapporParams(k=20, eps=4.0)
+    # Bound to the one epoch the test reports in (10^8-second epochs) and the default crowd.
+    context = FragmentContext(CHANNEL.id, int(time.time() // CHANNEL.epoch_seconds), "")
     return [
         tuple(
-            seal_fragment(f, CHANNEL.id, CHANNEL.payload_size, key)
-            for f in krappor.encode(i, params)
+            seal_fragment(f, context, CHANNEL.payload_size, key) for f in krappor.encode(i, params)
         )
         for i in range(20)
     ]
