@@ -34,6 +34,7 @@ from analyzer import store as analyzer_tables
 from analyzer.channels import ChannelRuntime
 from common.envelope import (
     Contribution,
+    FragmentContext,
     load_x25519_public,
     new_nonce,
     seal_contribution,
@@ -158,9 +159,11 @@ def _sealed_pool(analyzer_url: str, size: int) -> list[tuple[bytes, ...]]:
     config = httpx.get(analyzer_url + "/v1/config", timeout=30).json()["config"]
     key = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
     params = krappor.KRapporParams(k=20, eps=4.0)
+    # Bound to the one epoch the test reports in (10^8-second epochs) and the default crowd.
+    context = FragmentContext(CHANNEL.id, int(time.time() // CHANNEL.epoch_seconds), "")
     return [
         tuple(
-            seal_fragment(f, CHANNEL.id, CHANNEL.payload_size, key)
+            seal_fragment(f, context, CHANNEL.payload_size, key)
             for f in krappor.encode(i % 20, params)
         )
         for i in range(size)
@@ -366,7 +369,7 @@ def test_analyzer_workers_open_a_stored_part_once(postgres_url: str) -> None:
 
     first, second = build(postgres_url), build(postgres_url)
     body, signature = make_batch(VALUES[:50])
-    first.intake.accept(body, signature)
+    first.intake.accept(body, signature, "shuffler-1")
     (header,) = first.store.pending_parts()
     key = {"k": runtime_db.lock_key(["analyzer-part", header.batch_id, header.part])}
     with first.store.engine.connect() as held:
