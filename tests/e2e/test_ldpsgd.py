@@ -38,10 +38,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from common.collection import verify_config
-from common.envelope import load_ed25519_public
+from common.collection import verify_collection
 from common.mechanisms import ldpsgd
-from common.wire import ChannelConfig, unb64
+from common.wire import ChannelConfig
 from encoder_client import Client
 from services.cli import launcher
 from services.cli.train import train
@@ -103,16 +102,17 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
         for process in processes:  # all at once (shufflers forward later, with retries)
             process.service = launcher.start(process.spec, process.log_path)
         launcher.wait_ready([p.service for p in processes if p.service is not None], 120)
+        assert processes[0].service is not None
+        launcher.wait_config(processes[0].service, 120)  # every shuffler's descriptor fetched
         yield running
     finally:
         running.stop()
 
 
 def signed_model(deployment: Deployment) -> tuple[dict[str, Any], int, np.ndarray]:
-    """The signed config document (verified with the pinned key) and its (round, θ)."""
+    """The signed config document (verified with the pinned keys) and its (round, θ)."""
     document = httpx.get(deployment.analyzer.url + "/v1/config", timeout=30).json()
-    pinned = load_ed25519_public(unb64(deployment.trusted_key()))
-    channel = verify_config(document, pinned, time.time()).channel(CHANNEL.id)
+    channel = verify_collection(document, deployment.trust(), time.time()).channel(CHANNEL.id)
     assert channel is not None
     round_, theta = ldpsgd.model_from_params(channel.params, DIM)
     return document, round_, theta
@@ -136,7 +136,7 @@ def report(
     url = None if config else deployment.analyzer.url + "/v1/config"
     with Client(
         url,
-        trusted_key=deployment.trusted_key(),
+        trust_file=deployment.trust_file,
         state_path=state,
         background=False,
         clock=lambda: now,
