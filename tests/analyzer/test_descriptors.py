@@ -1,0 +1,111 @@
+"""The analyzer passes on each shuffler's own signed descriptor and never states a shuffler key
+itself (analyzer/descriptors.py; PROTOCOL.md, "Who vouches for what")."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from analyzer.descriptors import ShufflerDescriptors
+from analyzer.errors import ShufflersUnavailableError
+from common.collection import CollectionConfigError, TrustAnchors, verify_collection
+from common.envelope import load_or_create_ed25519
+from common.wire import ShufflerEntry
+
+from ..support import (
+    SMALL_CHANNEL,
+    analyzer_process,
+    descriptor,
+    registry_entry,
+    shuffler_process,
+    wait_until,
+)
+from .helpers import CHANNEL
+
+
+def _entry(signer: Ed25519PrivateKey, url: str = "http://127.0.0.1:9") -> ShufflerEntry:
+    return ShufflerEntry.model_validate(registry_entry("shuffler-1", url, signer))
+
+
+def test_only_a_descriptor_signed_with_the_pinned_key_is_kept() -> None:
+    signer, hpke = Ed25519PrivateKey.generate(), X25519PrivateKey.generate()
+    held = ShufflerDescriptors([_entry(signer)])
+    with pytest.raises(ShufflersUnavailableError, match="shuffler-1"):
+        held.current()
+    with pytest.raises(CollectionConfigError, match="not signed by the key pinned"):
+        held.offer(descriptor(Ed25519PrivateKey.generate(), hpke))
+    with pytest.raises(CollectionConfigError, match="unregistered shuffler"):
+        held.offer(descriptor(signer, hpke, "shuffler-9"))
+    assert held.missing() == ["shuffler-1"]
+    first = descriptor(signer, hpke)
+    assert held.offer(first)
+    assert held.current() == [first]
+
+
+def test_a_newer_descriptor_replaces_an_older_one_never_the_reverse() -> None:
+    signer = Ed25519PrivateKey.generate()
+    held = ShufflerDescriptors([_entry(signer)])
+    old = descriptor(signer, X25519PrivateKey.generate())
+    time.sleep(1.05)
+    new = descriptor(signer, X25519PrivateKey.generate())
+    assert held.offer(new)
+    assert not held.offer(old)
+    assert held.current() == [new]
+
+
+def test_an_expired_descriptor_is_missing() -> None:
+    signer = Ed25519PrivateKey.generate()
+    now = [time.time()]
+    held = ShufflerDescriptors([_entry(signer)], clock=lambda: now[0])
+    held.offer(descriptor(signer, X25519PrivateKey.generate(), lifetime=60))
+    assert held.missing() == []
+    now[0] += 120
+    assert held.missing() == ["shuffler-1"]
+    with pytest.raises(ShufflersUnavailableError):
+        held.current()
+
+
+def test_the_config_waits_for_the_shuffler_and_carries_its_own_descriptor(tmp_path: Path) -> None:
+    """A real analyzer and a real shuffler: ``GET /v1/config`` answers 503 until the shuffler
+    is up, then carries the descriptor exactly as the shuffler signs it."""
+    shuffler = shuffler_process(tmp_path, "shuffler-1", [SMALL_CHANNEL])  # not started yet
+    url = shuffler.url
+    signer = load_or_create_ed25519(tmp_path / "shuffler-1" / "keys" / "signing.pem")
+    channel = CHANNEL.model_dump(mode="json")
+    analyzer = analyzer_process(tmp_path, [channel], [registry_entry("shuffler-1", url, signer)])
+    analyzer.start()
+    try:
+        waiting = httpx.get(analyzer.url + "/v1/config", timeout=10)
+        assert waiting.status_code == 503
+        assert waiting.json()["error"] == "shufflers_unavailable"
+        shuffler.start()
+        try:
+            wait_until(lambda: httpx.get(analyzer.url + "/v1/config").status_code == 200, 30)
+            document = httpx.get(analyzer.url + "/v1/config").json()
+            served = httpx.get(url + "/v1/descriptor").json()
+            assert (
+                document["config"]["shufflers"][0]["descriptor"]["keys"]
+                == (served["descriptor"]["keys"])
+            )
+            trust = TrustAnchors.load(_trust(tmp_path, signer))
+            config = verify_collection(document, trust, time.time())
+            assert [s.url for s in config.shufflers] == [url]
+        finally:
+            shuffler.stop()
+    finally:
+        analyzer.stop()
+
+
+def _trust(tmp: Path, signer: Ed25519PrivateKey) -> Path:
+    """A trust file pinning the analyzer's config key and the shuffler's key."""
+    analyzer_key = load_or_create_ed25519(tmp / "analyzer" / "keys" / "signing.pem")
+    path = tmp / "trust.json"
+    trust = TrustAnchors(analyzer_key.public_key(), {"shuffler-1": signer.public_key()})
+    path.write_text(json.dumps(trust.to_json()))
+    return path
