@@ -33,9 +33,9 @@ def _channel(channel_id: str, budget: DeviceBudget | None) -> ChannelConfig:
 
 def _config_file(
     tmp: Path, channels: list[ChannelConfig], overall: DeviceBudget | None = None
-) -> tuple[Path, str]:
+) -> tuple[Path, Path]:
     config = offline_config(tmp, channels, overall)
-    return config.path, config.trusted_key
+    return config.path, config.trust_file
 
 
 class Clock:
@@ -51,11 +51,11 @@ class Clock:
         self.now += epochs * EPOCH
 
 
-def _client(tmp: Path, config: tuple[Path, str], clock: Clock) -> Client:
-    path, key = config
+def _client(tmp: Path, config: tuple[Path, Path], clock: Clock) -> Client:
+    path, trust = config
     return Client(
         config_file=path,
-        trusted_key=key,
+        trust_file=trust,
         state_path=tmp / "state.sqlite",
         background=False,
         clock=clock,

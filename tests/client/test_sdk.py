@@ -23,6 +23,7 @@ from encoder_client import (
     Client,
     ConfigError,
     EsaError,
+    TrustedKeyError,
     UnknownCrowdError,
     ValueOutOfDomainError,
 )
@@ -91,7 +92,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def _client(deployment: Deployment, state: Path, **kwargs: object) -> Client:
     return Client(
         deployment.analyzer.url + "/v1/config",
-        trusted_key=deployment.trusted_key(),
+        trust_file=deployment.trust_file,
         state_path=state,
         **kwargs,
     )  # type: ignore[arg-type]
@@ -115,6 +116,11 @@ def test_reports_reach_the_analyzer_estimates(deployment: Deployment, tmp_path: 
     # Every shuffler got contributions (P(one got none) = 3 (2/3)^200), so wait for its batch.
     wait_until(lambda: crowds() == len(deployment.shufflers))
     release = httpx.get(url).json()
+    # honest shufflers: the fragments back every contribution each one claimed
+    check = release["crowd_check"]
+    assert check["batches"] == len(deployment.shufflers) and check["short_batches"] == 0
+    assert check["claimed"] == check["verified"] == release["n"] == sum(release["crowds"].values())
+    assert check["invalid_fragments"] == 0
     kept = release["n"] / values.size
     bins = np.array(release["bins"])
     values_hat = np.array(release["values"])
@@ -142,13 +148,13 @@ def test_outbox_survives_app_restarts_and_delivers_exactly_once(
     deployment: Deployment, tmp_path: Path
 ) -> None:
     state = tmp_path / "device.db"
-    key = deployment.trusted_key()
+    key = str(deployment.trust_file)
     config_url = deployment.analyzer.url + "/v1/config"
     for process in deployment.shufflers:
         process.stop()
     script = (
         "import sys; from encoder_client import Client\n"
-        "c = Client(sys.argv[1], trusted_key=sys.argv[2], state_path=sys.argv[3],\n"
+        "c = Client(sys.argv[1], trust_file=sys.argv[2], state_path=sys.argv[3],\n"
         "           background=False)\n"
         "c.histogram('pages').report(3)\n"
         "print(c.flush(), c.state.outbox_size()); c.close()\n"
@@ -166,7 +172,7 @@ def test_outbox_survives_app_restarts_and_delivers_exactly_once(
     before = _received(deployment)
     drain = (
         "import sys, time; from encoder_client import Client\n"
-        "c = Client(sys.argv[1], trusted_key=sys.argv[2], state_path=sys.argv[3],\n"
+        "c = Client(sys.argv[1], trust_file=sys.argv[2], state_path=sys.argv[3],\n"
         "           background=False)\n"
         "sent = 0\n"
         "for _ in range(60):\n"
@@ -234,13 +240,50 @@ def test_corrupted_state_is_detected_and_reset(deployment: Deployment, tmp_path:
 
 def test_typed_errors(deployment: Deployment, tmp_path: Path) -> None:
     url = deployment.analyzer.url + "/v1/config"
+    pins = deployment.trust().to_json()
     other_key = base64.b64encode(public_bytes(Ed25519PrivateKey.generate().public_key())).decode()
     with pytest.raises(ConfigError, match="does not verify"):
-        Client(url, trusted_key=other_key, state_path=tmp_path / "a.db", background=False)
-    with pytest.raises(ConfigError, match="expired"):
+        Client(
+            url,
+            trusted_key=other_key,
+            shuffler_keys=pins["shufflers"],
+            state_path=tmp_path / "a.db",
+            background=False,
+        )
+    # the analyzer's key alone no longer makes a device: each shuffler's own key is pinned
+    with pytest.raises(TrustedKeyError, match="shuffler_keys"):
+        Client(url, trusted_key=pins["analyzer"], state_path=tmp_path / "a.db", background=False)
+    wrong = dict(pins["shufflers"], **{"shuffler-2": other_key})
+    with pytest.raises(ConfigError, match="'shuffler-2' is not signed by the key pinned for it"):
         Client(
             url,
             trusted_key=deployment.trusted_key(),
+            shuffler_keys=wrong,
+            state_path=tmp_path / "a.db",
+            background=False,
+        )
+    fewer = {k: v for k, v in pins["shufflers"].items() if k != "shuffler-3"}
+    with pytest.raises(ConfigError, match="'shuffler-3', whose key this device does not pin"):
+        Client(
+            url,
+            trusted_key=pins["analyzer"],
+            shuffler_keys=fewer,
+            state_path=tmp_path / "a.db",
+            background=False,
+        )
+    # the pins in var/trust.json are the deployment's own keys, given either way
+    with Client(
+        url,
+        trusted_key=deployment.trusted_key(),
+        shuffler_keys=pins["shufflers"],
+        state_path=tmp_path / "a.db",
+        background=False,
+    ) as client:
+        assert [s.id for s in client._shufflers] == ["shuffler-1", "shuffler-2", "shuffler-3"]
+    with pytest.raises(ConfigError, match="expired"):
+        Client(
+            url,
+            trust_file=deployment.trust_file,
             state_path=tmp_path / "b.db",
             background=False,
             clock=lambda: time.time() + 30 * 24 * 3600,
@@ -252,7 +295,7 @@ def test_typed_errors(deployment: Deployment, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not verify"):
         Client(
             config_file=tampered,
-            trusted_key=deployment.trusted_key(),
+            trust_file=deployment.trust_file,
             state_path=tmp_path / "c.db",
             background=False,
         )
@@ -261,7 +304,7 @@ def test_typed_errors(deployment: Deployment, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not signed"):
         Client(
             config_file=unsigned,
-            trusted_key=deployment.trusted_key(),
+            trust_file=deployment.trust_file,
             state_path=tmp_path / "d.db",
             background=False,
         )
@@ -308,7 +351,7 @@ def test_a_device_reports_in_one_declared_crowd(deployment: Deployment, tmp_path
     with pytest.raises(ConfigError, match="does not verify"):
         Client(
             config_file=tampered,
-            trusted_key=deployment.trusted_key(),
+            trust_file=deployment.trust_file,
             state_path=tmp_path / "c.db",
             background=False,
         )
