@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -89,13 +90,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     running.stop()
 
 
-def _client(deployment: Deployment, state: Path, **kwargs: object) -> Client:
+def _client(deployment: Deployment, state: Path, **kwargs: Any) -> Client:
     return Client(
         deployment.analyzer.url + "/v1/config",
         trust_file=deployment.trust_file,
         state_path=state,
         **kwargs,
-    )  # type: ignore[arg-type]
+    )
 
 
 def test_reports_reach_the_analyzer_estimates(deployment: Deployment, tmp_path: Path) -> None:
