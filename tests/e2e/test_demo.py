@@ -23,8 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from scipy import stats
 
+from common.envelope import public_bytes
+from common.wire import b64
 from services.cli.launcher import port_free
 from services.tools.catalogue import DEFAULT_CHANNELS
 
@@ -136,6 +139,7 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
             first = _demo(*args)
             assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
             assert f"using the deployment at http://127.0.0.1:{base}" in first.stderr
+            assert "no --trust file" not in first.stderr  # it pinned var/trust.json
             again = _demo(*args)
             if time.time() // 3600 == epoch:
                 break
@@ -143,6 +147,16 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
         assert "was already closed and released" in again.stderr
         unknown = _demo(*args[:-4], "--channel", "nope")
         assert unknown.returncode == 1 and "unknown channel(s) nope" in unknown.stderr
+        # Keys the deployment's shufflers never signed with: the config is refused, naming why.
+        trust = json.loads((var / "trust.json").read_text())
+        impostor = b64(public_bytes(Ed25519PrivateKey.generate().public_key()))
+        trust["shufflers"]["shuffler-2"] = impostor
+        (tmp_path / "other.json").write_text(json.dumps(trust))
+        refused = _demo(*args, "--trust", str(tmp_path / "other.json"))
+        assert refused.returncode == 1, refused.stdout[-3000:] + refused.stderr[-3000:]
+        assert "descriptor of shuffler 'shuffler-2' is not signed by the key pinned" in " ".join(
+            refused.stderr.split()
+        )
     finally:
         up.terminate()
         up.wait(30)
