@@ -67,11 +67,11 @@ def test_loadtest_verifies_a_trust_domain_of_two_replicas(
     replicas = [deployment["shuffler-1.r1"].url, deployment["shuffler-1.r2"].url]
     before = verify.shuffler_state(replicas, TOKEN)
     counted = {url: _counted(url) for url in replicas}
-    key = (tmp_path / "var" / "analyzer.pub").read_text().strip()
+    trust = str(tmp_path / "var" / "trust.json")
     done = subprocess.run(
         [
             sys.executable, "-m", "services.cli", "loadtest",
-            "--analyzer-url", deployment["haproxy:analyzer"].url, "--trusted-key", key,
+            "--analyzer-url", deployment["haproxy:analyzer"].url, "--trust", trust,
             "--admin-token", TOKEN, "--out", str(tmp_path / "out"), "--no-live",
             "--drain-timeout", "60", "--channel", "pages", "--devices", str(DEVICES), "--max",
         ],

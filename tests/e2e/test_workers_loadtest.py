@@ -53,13 +53,13 @@ def deployment(tmp_path: Path, postgres_template: str) -> Iterator[dict[str, lau
         launcher.stop(services)
 
 
-def _loadtest(analyzer: str, key: str, out: Path) -> subprocess.CompletedProcess[str]:
+def _loadtest(analyzer: str, trust: Path, out: Path) -> subprocess.CompletedProcess[str]:
     """``esa loadtest`` with the admin token: the longitudinal channel alone, as fast as it
     goes."""
     return subprocess.run(
         [
             sys.executable, "-m", "services.cli", "loadtest",
-            "--analyzer-url", analyzer, "--trusted-key", key, "--admin-token", TOKEN,
+            "--analyzer-url", analyzer, "--trust", str(trust), "--admin-token", TOKEN,
             "--out", str(out), "--no-live", "--drain-timeout", "60",
             "--channel", ABROAD.id, "--devices", str(DEVICES), "--max",
         ],
@@ -76,8 +76,8 @@ def test_loadtest_verifies_a_longitudinal_channel_opened_by_two_workers(
     shuffler = [deployment["haproxy:shuffler-1"].url]
     counted = {url: verify.scrape(url, TOKEN)[OPENED] for url in workers}
     before = verify.shuffler_state(shuffler, TOKEN)
-    key = (tmp_path / "var" / "analyzer.pub").read_text().strip()
-    done = _loadtest(deployment["haproxy:analyzer"].url, key, tmp_path / "out")
+    trust = tmp_path / "var" / "trust.json"
+    done = _loadtest(deployment["haproxy:analyzer"].url, trust, tmp_path / "out")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "verification: PASS" in done.stdout
     summary = json.loads((tmp_path / "out" / "loadtest.json").read_text())
