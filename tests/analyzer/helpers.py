@@ -1,12 +1,19 @@
 """Shared pieces of the analyzer tests: a channel, keys, signed batches and the layers wired
-over a real database (SQLite or PostgreSQL)."""
+over a real database (SQLite or PostgreSQL).
+
+Batches are what an honest shuffler sends unless a test says otherwise: real k-RAPPOR reports
+sealed for the batch's channel, epoch and crowd (:class:`FragmentContext`), ``n_contributions``
+the number of reports they came from, signed by the shuffler the ``ESA-Shuffler`` header
+names (:class:`Signed`), one batch per (shuffler, channel, crowd, epoch)."""
 
 from __future__ import annotations
 
+import base64
 import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import httpx
 import numpy as np
@@ -22,7 +29,7 @@ from analyzer.opening import FragmentOpener, PartOpener
 from analyzer.releases import ReleaseService
 from analyzer.service import MIGRATIONS
 from analyzer.store import AnalyzerStore
-from common.envelope import KeyRing, seal_fragment, sign
+from common.envelope import FragmentContext, KeyRing, seal_fragment, sign
 from common.mechanisms import krappor
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelConfig, b64
@@ -54,9 +61,10 @@ class Layers:
     events: Events
     opener: PartOpener
 
-    def deliver(self, body: bytes, signature: str) -> Intake:
-        """Store a part and open everything stored (what the background opener does)."""
-        intake = self.intake.accept(body, signature)
+    def deliver(self, body: bytes, signature: str, shuffler: str = "shuffler-1") -> Intake:
+        """Store a part sent by ``shuffler`` and open everything stored (what the background
+        opener does)."""
+        intake = self.intake.accept(body, signature, shuffler)
         self.opener.open_pending()
         return intake
 
@@ -83,10 +91,43 @@ def build(url: str, channels: Iterable[ChannelConfig] = (CHANNEL,)) -> Layers:
     )
 
 
-def signed(batch: Batch, shuffler: str = "shuffler-1") -> tuple[bytes, str]:
-    """A batch's body and its shuffler's signature."""
+class Signed(NamedTuple):
+    """A part as a shuffler posts it: the body, its ``ESA-Signature`` and the ``ESA-Shuffler``
+    header (``accept(*signed)`` and ``deliver(*signed)`` take the three in this order)."""
+
+    body: bytes
+    signature: str
+    shuffler: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers it is posted with."""
+        return {"ESA-Signature": self.signature, "ESA-Shuffler": self.shuffler}
+
+
+def signed(batch: Batch, shuffler: str | None = None) -> Signed:
+    """A batch's body signed by ``shuffler`` (default: the one it names), sent as that
+    shuffler."""
+    sender = shuffler or batch.shuffler_id
     body = batch.body()
-    return body, b64(sign(body, SHUFFLERS[shuffler]))
+    return Signed(body, b64(sign(body, SHUFFLERS[sender])), sender)
+
+
+def seal(
+    fragments: Iterable[bytes], channel: ChannelConfig, epoch: int, crowd: str = ""
+) -> list[str]:
+    """Fragments sealed for the analyzer, bound to a batch's channel, epoch and crowd, base64
+    as a batch carries them."""
+    context = FragmentContext(channel.id, epoch, crowd)
+    key = ANALYZER_KEY.public_key()
+    return [b64(seal_fragment(f, context, channel.payload_size, key)) for f in fragments]
+
+
+def reports(values: npt.NDArray[np.int64], seed: int = 0) -> list[bytes]:
+    """The k-RAPPOR fragments of one report per value of :data:`CHANNEL` (seeded)."""
+    params = krappor.KRapporParams(k=20, eps=4.0)
+    rng = SeededSource(seed)
+    return [f for v in values for f in krappor.encode(int(v), params, rng)]
 
 
 def make_batch(
@@ -95,27 +136,23 @@ def make_batch(
     shuffler: str = "shuffler-1",
     seed: int = 0,
     chaff: int = 0,
-) -> tuple[bytes, str]:
-    """A signed batch of k-RAPPOR reports of ``values`` (seeded), plus ``chaff`` random
-    fragments."""
-    params = krappor.KRapporParams(k=20, eps=4.0)
-    rng = SeededSource(seed)
-    fragments = [
-        seal_fragment(f, CHANNEL.id, 16, ANALYZER_KEY.public_key())
-        for v in values
-        for f in krappor.encode(int(v), params, rng)
-    ]
-    fragments += [secrets.token_bytes(len(fragments[0])) for _ in range(chaff)]
+    crowd: str = "",
+) -> Signed:
+    """A signed batch of k-RAPPOR reports of ``values`` (seeded) for ``epoch`` and ``crowd``,
+    plus ``chaff`` random fragments (which no key opens)."""
+    fragments = seal(reports(values, seed), CHANNEL, epoch, crowd)
+    size = len(base64.b64decode(fragments[0]))
+    fragments += [b64(secrets.token_bytes(size)) for _ in range(chaff)]
     batch = Batch(
         batch_id=secrets.token_hex(16),
         shuffler_id=shuffler,
         channel_id=CHANNEL.id,
-        crowd_id="",
+        crowd_id=crowd,
         epoch=epoch,
         n_contributions=len(values),
-        fragments=[b64(f) for f in fragments],
+        fragments=fragments,
     )
-    return signed(batch, shuffler)
+    return signed(batch)
 
 
 def counter(url: str, name: str) -> float:

@@ -5,36 +5,45 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fastapi.testclient import TestClient
 from httpx import Response
 
 from analyzer.app import create_app
 from analyzer.settings import AnalyzerSettings
-from common.collection import verify_config
-from common.envelope import load_ed25519_public, public_identity
+from common.collection import TrustAnchors, verify_collection
+from common.envelope import load_ed25519_public, public_bytes, sign
 from common.wire import (
     Batch,
     Ledger,
     Lifetime,
     PrivacyOverview,
     ReleaseBody,
-    ShufflerInfo,
+    ShufflerEntry,
+    b64,
     unb64,
 )
 
-from .helpers import ANALYZER_KEY, CHANNEL, SHUFFLERS, VALUES, make_batch, signed
+from ..support import descriptor, registry_entry
+from .helpers import ANALYZER_KEY, CHANNEL, SHUFFLERS, VALUES, Signed, make_batch, signed
 
 ADMIN = {"Authorization": "Bearer development"}
 #: A well-formed ``ESA-Signature`` that verifies for nothing.
 ANY_SIGNATURE = base64.b64encode(bytes(64)).decode()
 #: The test app's ``max_batch_bytes``.
 CAP = 4 * 1024 * 1024
+#: Each shuffler's own signed descriptor (its HPKE key is irrelevant here).
+DESCRIPTORS = {
+    name: descriptor(key, X25519PrivateKey.generate(), name, "http://127.0.0.1:1")
+    for name, key in SHUFFLERS.items()
+}
 
 
 @pytest.fixture
@@ -52,11 +61,13 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
             serialization.NoEncryption(),
         )
     )
+    # each shuffler's registry entry seeded with its own signed descriptor (nothing to fetch)
     shufflers = [
-        ShufflerInfo(
-            id=name,
-            url="http://127.0.0.1:1",
-            **public_identity(ANALYZER_KEY.public_key(), key.public_key()),
+        ShufflerEntry.model_validate(
+            {
+                **registry_entry(name, "http://127.0.0.1:1", key),
+                "descriptor": DESCRIPTORS[name].model_dump(mode="json"),
+            }
         )
         for name, key in SHUFFLERS.items()
     ]
@@ -84,10 +95,20 @@ def _refusal(response: Response, status: int, code: str) -> str:
     return detail
 
 
-def _post(client: TestClient, body: bytes, signature: str | None) -> Response:
+def _post(
+    client: TestClient, body: bytes, signature: str | None, shuffler: str | None = "shuffler-1"
+) -> Response:
+    """POST a part as ``shuffler`` (the ``ESA-Shuffler`` header; None: no header)."""
     headers = {} if signature is None else {"ESA-Signature": signature}
+    if shuffler is not None:
+        headers["ESA-Shuffler"] = shuffler
     response: Response = client.post("/v1/batches", content=body, headers=headers)
     return response
+
+
+def _signed_body(body: bytes, shuffler: str = "shuffler-1") -> Signed:
+    """Any bytes, validly signed by a registered shuffler."""
+    return Signed(body, b64(sign(body, SHUFFLERS[shuffler])), shuffler)
 
 
 def _opened(client: TestClient) -> None:
@@ -116,19 +137,37 @@ def test_domain_refusals_keep_their_codes_and_statuses(client: TestClient) -> No
     _refusal(client.get("/v1/channels/elsewhere/privacy"), 404, "unknown_channel")
     assert "yet" in _refusal(client.get("/v1/channels/homepage/estimate"), 404, "no_data")
     _refusal(client.get("/v1/channels/homepage/estimate?epoch=3"), 404, "no_data")
-    body, signature = make_batch(VALUES[:100])
+    body, signature, _ = make_batch(VALUES[:100])
     assert "header" in _refusal(_post(client, body, None), 401, "bad_signature")
     _refusal(_post(client, body, signature[::-1]), 401, "bad_signature")
-    _refusal(_post(client, b"x" * (4 * 1024 * 1024 + 1), "c2ln"), 413, "too_large")
+    # the sender is named by ESA-Shuffler, and must be registered
+    detail = _refusal(_post(client, body, signature, None), 401, "unknown_shuffler")
+    assert "ESA-Shuffler header required" in detail
+    assert "shuffler-9" in _refusal(
+        _post(client, body, signature, "shuffler-9"), 401, "unknown_shuffler"
+    )
+    _refusal(_post(client, body, signature, "shuffler-2"), 401, "bad_signature")
+    _refusal(_post(client, b"x" * (CAP + 1), ANY_SIGNATURE), 413, "too_large")
     _refusal(_post(client, *make_batch(VALUES[:10])), 422, "below_min_crowd")
-    assert "shuffler_id" in _refusal(_post(client, b"{}", ANY_SIGNATURE), 400, "malformed")
+    # an unverified body is not even parsed; a verified one that is not a batch is malformed
+    _refusal(_post(client, b"{}", ANY_SIGNATURE), 401, "bad_signature")
+    assert "shuffler_id" in _refusal(_post(client, *_signed_body(b"{}")), 400, "malformed")
     assert "64-byte" in _refusal(_post(client, b"{}", "c2ln"), 401, "bad_signature")
+    # one batch per group; fragments the claimed contributions cannot carry
+    assert _post(client, *make_batch(VALUES)).status_code == 201
+    second = _refusal(_post(client, *make_batch(VALUES, seed=1)), 422, "duplicate_group")
+    assert "a group is evaluated once" in second
+    boasting = Batch.model_validate_json(make_batch(VALUES, epoch=8).body)
+    boasting = boasting.model_copy(update={"n_contributions": 50})  # ~1,330 fragments > 50 x 20
+    _refusal(_post(client, *signed(boasting)), 422, "inconsistent_counts")
     metrics = client.get("/metrics").text
-    assert 'esa_analyzer_batches_rejected_total{reason="bad_signature"} 3.0' in metrics
+    assert 'esa_analyzer_batches_rejected_total{reason="bad_signature"} 5.0' in metrics
+    assert 'esa_analyzer_batches_rejected_total{reason="unknown_shuffler"} 2.0' in metrics
+    assert 'esa_analyzer_batches_rejected_total{reason="duplicate_group"} 1.0' in metrics
 
 
 def test_batches_releases_ledger_and_config_keep_their_wire_shapes(client: TestClient) -> None:
-    body, signature = make_batch(VALUES)
+    body, signature, _ = make_batch(VALUES)
     first = _post(client, body, signature)
     assert first.status_code == 201
     assert first.json() == {"batch_id": first.json()["batch_id"], "part": 0, "duplicate": False}
@@ -141,6 +180,13 @@ def test_batches_releases_ledger_and_config_keep_their_wire_shapes(client: TestC
     release = client.get("/v1/channels/homepage/estimate").json()
     assert set(release) == set(ReleaseBody.model_fields)
     assert release["epochs"] == [7, 7] and release["n"] == VALUES.size
+    assert release["crowd_check"] == {
+        "batches": 1,
+        "claimed": VALUES.size,
+        "verified": VALUES.size,
+        "invalid_fragments": 0,
+        "short_batches": 0,
+    }
     assert len(release["ci95"][0]) == 2 and release["certificate"]["eps"] > 0
     assert client.get("/v1/channels/homepage/estimate?epoch=7&top=3").json()["bins"][:1] == [0]
     ledger = client.get("/v1/channels/homepage/privacy").json()
@@ -157,8 +203,16 @@ def test_batches_releases_ledger_and_config_keep_their_wire_shapes(client: TestC
     assert set(overview) == set(PrivacyOverview.model_fields) and overview["epochs"] == 1
     document = client.get("/v1/config").json()
     signer = load_ed25519_public(unb64(document["config"]["analyzer"]["signing_key"]))
-    config = verify_config(document, signer, document["config"]["issued_at"])
+    trust = TrustAnchors(signer, {k: v.public_key() for k, v in SHUFFLERS.items()})
+    config = verify_collection(document, trust, document["config"]["issued_at"])
     assert config.channel("homepage") == CHANNEL
+    # the shufflers' descriptors as they signed them, in registry order; nothing added
+    assert document["config"]["shufflers"] == [
+        DESCRIPTORS[name].model_dump(mode="json") for name in SHUFFLERS
+    ]
+    assert [s.signing_key for s in config.shufflers] == [
+        b64(public_bytes(key.public_key())) for key in SHUFFLERS.values()
+    ]
     page = client.get("/")
     assert page.status_code == 200 and 'id="homepage"' in page.text
 
@@ -270,26 +324,34 @@ def test_a_batch_is_refused_before_its_body_is_read(client: TestClient) -> None:
     """Issue 12: an unsigned 100 MB body used to be read whole before any check. A declared
     length over the cap, a non-JSON type, a missing or ill-formed signature are refused before
     a byte of the body is read; a streamed body is cut off right after the cap."""
-    well_formed = {"ESA-Signature": ANY_SIGNATURE}
+    sender = {"ESA-Shuffler": "shuffler-1"}
+    well_formed = {**sender, "ESA-Signature": ANY_SIGNATURE}
     refusals = [
-        ({**well_formed, "Content-Length": str(100 * 1024 * 1024)}, 413),
-        ({"Content-Length": str(CAP + 1)}, 413),
-        ({**well_formed, "Content-Type": "text/plain"}, 415),
-        ({}, 401),
-        ({"ESA-Signature": "c2ln"}, 401),
-        ({"ESA-Signature": "not base64!"}, 401),
-        ({"Content-Length": "12", "ESA-Signature": ANY_SIGNATURE + "="}, 401),
-        ({**well_formed, "Content-Length": "-1"}, 400),
-        ({**well_formed, "Content-Length": "\u00b2"}, 400),
+        ({**well_formed, "Content-Length": str(100 * 1024 * 1024)}, 413, "too_large"),
+        ({**sender, "Content-Length": str(CAP + 1)}, 401, "bad_signature"),
+        ({**well_formed, "Content-Type": "text/plain"}, 415, "unsupported_media_type"),
+        ({}, 401, "unknown_shuffler"),
+        ({"ESA-Signature": ANY_SIGNATURE}, 401, "unknown_shuffler"),
+        ({"ESA-Signature": ANY_SIGNATURE, "ESA-Shuffler": "shuffler-9"}, 401, "unknown_shuffler"),
+        ({**sender, "ESA-Signature": "c2ln"}, 401, "bad_signature"),
+        ({**sender, "ESA-Signature": "not base64!"}, 401, "bad_signature"),
+        (
+            {**sender, "Content-Length": "12", "ESA-Signature": ANY_SIGNATURE + "="},
+            401,
+            "bad_signature",
+        ),
+        ({**well_formed, "Content-Length": "-1"}, 400, "malformed"),
+        ({**well_formed, "Content-Length": "\u00b2"}, 400, "malformed"),
     ]
-    for headers, status in refusals:
+    for headers, status, code in refusals:
         exchange = _drive(client, headers, _endless())
         assert (exchange.status, exchange.chunks_read) == (status, 0), headers
+        assert json.loads(exchange.messages[1]["body"])["error"] == code, headers
     streamed = _drive(client, well_formed, _endless())
     assert streamed.status == 413 and streamed.chunks_read == CAP // (64 * 1024) + 1
     assert b'"too_large"' in streamed.messages[1]["body"]
     small = _drive(client, {**well_formed, "Content-Type": "application/json"}, iter([b"{}"]))
-    assert small.status == 400 and small.chunks_read == 1
+    assert small.status == 401 and small.chunks_read == 1  # read, then its signature fails
 
 
 def test_publishing_checks_the_token_before_the_body(client: TestClient) -> None:
@@ -312,7 +374,8 @@ def test_publishing_checks_the_token_before_the_body(client: TestClient) -> None
 
 def test_a_body_that_is_not_utf8_json_gets_the_error_shape(client: TestClient) -> None:
     for body in (b"\xff\xfe\x00{", b"\x80", b'{"shuffler_id": "\xc3\x28"}'):
-        detail = _refusal(_post(client, body, ANY_SIGNATURE), 400, "malformed")
+        _refusal(_post(client, body, ANY_SIGNATURE), 401, "bad_signature")  # verified first
+        detail = _refusal(_post(client, *_signed_body(body)), 400, "malformed")
         assert "JSON" in detail or "UTF-8" in detail or "utf-8" in detail
 
 
@@ -334,8 +397,7 @@ def test_signed_batches_with_numbers_or_crowds_the_edge_refuses(client: TestClie
     """A validly signed part with a count the tables cannot hold or a 10 kB crowd id is a 400,
     one with an undeclared crowd a 422, the same on every database (such parts used to be
     stored on SQLite and a storage error on PostgreSQL)."""
-    body, _ = make_batch(VALUES[:100])
-    batch = Batch.model_validate_json(body)
+    batch = Batch.model_validate_json(make_batch(VALUES[:100]).body)
     huge = batch.model_copy(update={"n_contributions": 2**40})
     assert "n_contributions" in _refusal(_post(client, *signed(huge)), 400, "malformed")
     stranger = batch.model_copy(update={"crowd_id": "us"})

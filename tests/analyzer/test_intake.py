@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets
 import threading
 
 import numpy as np
@@ -12,14 +13,17 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
+from analyzer.channels import ChannelRuntime
 from analyzer.errors import (
     AnalyzerError,
     BadSignatureError,
     BatchForUnknownChannelError,
     BatchTooLargeError,
     BelowMinCrowdError,
+    DuplicateGroupError,
     IncompleteBatchesError,
     InconsistentCountsError,
+    InvalidChannelError,
     MalformedBatchError,
     UnknownCrowdError,
     UnknownShufflerError,
@@ -27,12 +31,14 @@ from analyzer.errors import (
 from analyzer.intake import MAX_STORED_INT, Intake, signature_bytes
 from analyzer.store import batch_parts, receipts
 from common.envelope import sign
-from common.wire import Batch, b64
+from common.mechanisms import krr
+from common.randomness import SeededSource
+from common.wire import Batch, ChannelConfig, b64
 
-from .helpers import CHANNEL, SHUFFLERS, VALUES, build, make_batch, signed
+from .helpers import CHANNEL, SHUFFLERS, VALUES, Signed, build, make_batch, seal, signed
 
 
-def _parts(body: bytes, parts: int) -> list[tuple[bytes, str]]:
+def _parts(body: bytes, parts: int) -> list[Signed]:
     """The batch cut into ``parts`` signed parts (the whole group's n in each)."""
     batch = Batch.model_validate_json(body)
     step = -(-len(batch.fragments) // parts)
@@ -52,14 +58,14 @@ def _parts(body: bytes, parts: int) -> list[tuple[bytes, str]]:
 
 def test_a_part_is_stored_and_acknowledged_before_it_is_opened(database_url: str) -> None:
     layers = build(database_url)
-    body, signature = make_batch(VALUES)
-    first = layers.intake.accept(body, signature)
-    again = layers.intake.accept(body, signature)
+    body, signature, shuffler = make_batch(VALUES)
+    first = layers.intake.accept(body, signature, shuffler)
+    again = layers.intake.accept(body, signature, shuffler)
     assert first == Intake(first.batch_id, 0, False)
     assert again == Intake(first.batch_id, 0, True)
     assert [p.batch_id for p in layers.store.pending_parts()] == [first.batch_id]
     assert layers.opener.open_pending() == 1 and layers.opener.open_pending() == 0
-    assert layers.deliver(body, signature).duplicate
+    assert layers.deliver(body, signature, shuffler).duplicate
     assert layers.events.get("parts_stored") == 1
     assert layers.events.get("batches_duplicate") == 2
     assert layers.releases.release("homepage", 7, 7).estimate.n == VALUES.size
@@ -68,7 +74,7 @@ def test_a_part_is_stored_and_acknowledged_before_it_is_opened(database_url: str
 def test_a_batch_counts_only_when_all_its_parts_are_opened(database_url: str) -> None:
     layers = build(database_url)
     whole = make_batch(VALUES, seed=4)
-    parts = _parts(whole[0], 3)
+    parts = _parts(whole.body, 3)
     for part in parts[:2]:
         layers.deliver(*part)
     with pytest.raises(IncompleteBatchesError, match="parts missing or unopened"):
@@ -95,13 +101,13 @@ def test_a_batch_counts_only_when_all_its_parts_are_opened(database_url: str) ->
 
 def test_parts_that_disagree_with_their_batch_are_refused(database_url: str) -> None:
     layers = build(database_url)
-    body, _ = make_batch(VALUES)
+    body = make_batch(VALUES).body
     first, second = _parts(body, 2)
     layers.intake.accept(*first)
-    other = Batch.model_validate_json(second[0]).model_copy(update={"n_contributions": 999})
+    other = Batch.model_validate_json(second.body).model_copy(update={"n_contributions": 999})
     with pytest.raises(InconsistentCountsError, match="disagrees"):
         layers.intake.accept(*signed(other))
-    greedy = Batch.model_validate_json(second[0])
+    greedy = Batch.model_validate_json(second.body)
     greedy = greedy.model_copy(update={"fragments": greedy.fragments * 40})
     with pytest.raises(InconsistentCountsError, match="cannot come from"):
         layers.intake.accept(*signed(greedy))
@@ -113,16 +119,27 @@ def _with(body: bytes, **changes: object) -> Batch:
 
 def test_forged_unknown_and_inconsistent_batches_are_refused(database_url: str) -> None:
     accept = build(database_url).intake.accept
-    body, _ = make_batch(VALUES)
+    body, signature, _ = make_batch(VALUES)
     with pytest.raises(BadSignatureError, match="does not verify"):
-        accept(body, b64(sign(body, Ed25519PrivateKey.generate())))
+        accept(body, b64(sign(body, Ed25519PrivateKey.generate())), "shuffler-1")
     with pytest.raises(BadSignatureError, match="header required"):
-        accept(body, None)
+        accept(body, None, "shuffler-1")
     with pytest.raises(BadSignatureError, match="not base64"):
-        accept(body, "%%%")
-    stranger = _with(body, shuffler_id="shuffler-9").body()
+        accept(body, "%%%", "shuffler-1")
+    # the sender is the ESA-Shuffler header, checked before anything else
+    for sender in (None, ""):
+        with pytest.raises(UnknownShufflerError, match="ESA-Shuffler header required"):
+            accept(body, signature, sender)
     with pytest.raises(UnknownShufflerError, match="shuffler-9"):
-        accept(stranger, b64(sign(stranger, SHUFFLERS["shuffler-1"])))
+        accept(body, signature, "shuffler-9")
+    # shuffler-2 cannot pass its part off as shuffler-1's, nor sign one naming shuffler-1
+    with pytest.raises(BadSignatureError, match="does not verify"):
+        accept(body, b64(sign(body, SHUFFLERS["shuffler-2"])), "shuffler-1")
+    with pytest.raises(MalformedBatchError, match="must name the shuffler that signs it"):
+        accept(*signed(_with(body), "shuffler-2"))
+    stranger = _with(body, shuffler_id="shuffler-9").body()
+    with pytest.raises(MalformedBatchError, match="must name the shuffler that signs it"):
+        accept(stranger, b64(sign(stranger, SHUFFLERS["shuffler-1"])), "shuffler-1")
     with pytest.raises(BelowMinCrowdError, match="min_crowd=50"):
         accept(*make_batch(VALUES[:10]))
     with pytest.raises(BatchForUnknownChannelError, match="elsewhere"):
@@ -130,17 +147,17 @@ def test_forged_unknown_and_inconsistent_batches_are_refused(database_url: str) 
     with pytest.raises(InconsistentCountsError, match="cannot come from"):
         accept(*signed(_with(body, n_contributions=50)))
     with pytest.raises(MalformedBatchError) as malformed:
-        accept(b"{}", base64.b64encode(bytes(64)).decode())
+        accept(b"{}", b64(sign(b"{}", SHUFFLERS["shuffler-1"])), "shuffler-1")
     assert "shuffler_id: Field required" in malformed.value.detail
     with pytest.raises(MalformedBatchError) as malformed:
         accept(*signed_json({"shuffler_id": "shuffler-1"}))
     assert "batch_id: Field required" in malformed.value.detail
 
 
-def signed_json(document: object, shuffler: str = "shuffler-1") -> tuple[bytes, str]:
-    """Any JSON document, signed by a registered shuffler."""
+def signed_json(document: object, shuffler: str = "shuffler-1") -> Signed:
+    """Any JSON document, signed by a registered shuffler and sent as it."""
     body = json.dumps(document).encode()
-    return body, b64(sign(body, SHUFFLERS[shuffler]))
+    return Signed(body, b64(sign(body, SHUFFLERS[shuffler])), shuffler)
 
 
 @pytest.mark.parametrize(
@@ -167,13 +184,15 @@ def test_the_signature_is_checked_before_the_batch_is_validated(database_url: st
     is read before the signature verifies); once signed, the same body is malformed."""
     accept = build(database_url).intake.accept
     forged = {"shuffler_id": "shuffler-1", "part": 3, "parts": 1}
-    body, _ = signed_json(forged)
+    body = signed_json(forged).body
     with pytest.raises(BadSignatureError, match="does not verify"):
-        accept(body, b64(sign(body, Ed25519PrivateKey.generate())))
+        accept(body, b64(sign(body, Ed25519PrivateKey.generate())), "shuffler-1")
+    with pytest.raises(BadSignatureError, match="does not verify"):  # not even parsed
+        accept(b"\xff\xfe{", base64.b64encode(bytes(64)).decode(), "shuffler-1")
     with pytest.raises(MalformedBatchError, match="batch_id"):
         accept(*signed_json(forged))
     with pytest.raises(MalformedBatchError, match="not a batch"):
-        accept(b"\xff\xfe{", base64.b64encode(bytes(64)).decode())
+        accept(b"\xff\xfe{", b64(sign(b"\xff\xfe{", SHUFFLERS["shuffler-1"])), "shuffler-1")
 
 
 @pytest.mark.parametrize(
@@ -187,7 +206,7 @@ def test_numbers_the_tables_cannot_hold_are_malformed_on_both_databases(
     """Above 2^31 - 1 (the ``Integer`` columns) a signed part is a 400 on SQLite as on
     PostgreSQL, never a storage error; at the bound it is stored."""
     layers = build(database_url)
-    body, _ = make_batch(VALUES[:100])
+    body = make_batch(VALUES[:100]).body
     with pytest.raises(MalformedBatchError, match=f"<= {MAX_STORED_INT}"):
         layers.intake.accept(*signed(_with(body, **changes)))
     at_bound = {k: v - 1 for k, v in changes.items() if k != "part"}
@@ -199,7 +218,7 @@ def test_only_declared_crowds_are_accepted(database_url: str) -> None:
     """Crowds come from the signed channel config, never from what the batch names."""
     crowded = CHANNEL.model_copy(update={"crowds": ("", "eu")})
     accept = build(database_url, [crowded]).intake.accept
-    body, _ = make_batch(VALUES[:100])
+    body = make_batch(VALUES[:100]).body
     with pytest.raises(UnknownCrowdError, match="not declared"):
         accept(*signed(_with(body, crowd_id="us")))
     with pytest.raises(MalformedBatchError, match="crowd_id"):
@@ -211,7 +230,7 @@ def test_a_batch_over_the_size_limit_is_refused_before_parsing(database_url: str
     layers = build(database_url)
     limit = layers.intake.policy.max_batch_bytes
     with pytest.raises(BatchTooLargeError) as raised:
-        layers.intake.accept(b"x" * (limit + 1), "c2ln")
+        layers.intake.accept(b"x" * (limit + 1), "c2ln", "shuffler-1")
     assert isinstance(raised.value, AnalyzerError) and raised.value.code == "too_large"
 
 
@@ -221,7 +240,7 @@ def test_the_receipt_counts_the_chaff_the_metrics_count(database_url: str) -> No
     is written then (when the batch's last part is folded in) with every part's chaff, and
     ``esa_analyzer_fragments_invalid`` counts the same fragments."""
     layers = build(database_url)
-    whole, _ = make_batch(VALUES, seed=6, chaff=45)
+    whole = make_batch(VALUES, seed=6, chaff=45).body
     shuffled = Batch.model_validate_json(whole)
     real, chaff = shuffled.fragments[:-45], shuffled.fragments[-45:]
     step = len(real) // len(chaff)  # one chaff after every ``step`` real: in every part
@@ -231,26 +250,50 @@ def test_the_receipt_counts_the_chaff_the_metrics_count(database_url: str) -> No
     for part in parts:
         layers.deliver(*part)
     with layers.store.engine.connect() as conn:
-        receipt = conn.execute(select(receipts.c.invalid, receipts.c.n_fragments)).one()
+        receipt = conn.execute(
+            select(receipts.c.invalid, receipts.c.n_fragments, receipts.c.n_verified)
+        ).one()
         per_part = conn.execute(select(batch_parts.c.invalid)).scalars().all()
     assert receipt.invalid == 45 == layers.events.get("fragments_invalid")
     assert sum(per_part) == 45 and sum(1 for n in per_part if n) >= 2
     assert receipt.n_fragments == len(mixed.fragments)
+    # each fragment that failed to open may have been a whole contribution
+    assert receipt.n_verified == VALUES.size - 45
 
 
-def test_corrupted_fragments_are_chaff_and_do_not_disturb_the_estimate(database_url: str) -> None:
+def test_corrupted_fragments_are_chaff_and_cost_the_crowd_one_each(database_url: str) -> None:
+    """Fragments that do not open are counted and left out of the statistics; the batch is
+    certified and estimated on its claimed crowd less one contribution per such fragment."""
     layers = build(database_url)
     layers.deliver(*make_batch(VALUES, seed=3))
-    reference = layers.releases.release("homepage", 7, 7).estimate.values
+    clean = layers.releases.release("homepage", 7, 7)
     layers.deliver(*make_batch(VALUES, epoch=8, seed=3, chaff=40))
     assert layers.events.get("fragments_invalid") == 40
-    assert np.array_equal(layers.releases.release("homepage", 8, 8).estimate.values, reference)
+    assert layers.events.get("batches_short_crowd") == 1
+    assert layers.events.get("crowd_shortfall") == 40
+    chaffed = layers.releases.release("homepage", 8, 8)
+    assert chaffed.estimate.n == VALUES.size - 40
+    check = chaffed.to_wire().crowd_check
+    assert check is not None
+    assert (check.batches, check.claimed, check.verified) == (1, VALUES.size, VALUES.size - 40)
+    assert (check.invalid_fragments, check.short_batches) == (40, 1)
+    assert "1 batch(es) certified at the crowd their fragments verify" in chaffed.note
+    # the same reports, debiased for 40 fewer contributions: each bin moves by 40 p / (1 - 2p)
+    p = 1 / (1 + np.exp(4.0))
+    shift = chaffed.estimate.values - clean.estimate.values
+    assert np.allclose(shift, 40 * p / (1 - 2 * p))
+    # and certified on the smaller crowd: a larger epsilon
+    assert chaffed.certificate.eps > clean.certificate.eps
+    assert clean.to_wire().crowd_check == type(check)(
+        batches=1, claimed=VALUES.size, verified=VALUES.size, invalid_fragments=0, short_batches=0
+    )
 
 
 def test_concurrent_parts_for_one_accumulator_all_count(database_url: str) -> None:
-    """Parallel intake of distinct batches into the same accumulator loses none of them."""
+    """Parallel intake of distinct batches into the same accumulator loses none of them
+    (one per epoch: a group sends one batch)."""
     layers = build(database_url)
-    batches = [make_batch(VALUES[:100], seed=s) for s in range(6)]
+    batches = [make_batch(VALUES[:100], epoch=7 + s, seed=s) for s in range(6)]
     results: list[Intake] = []
     threads = [
         threading.Thread(target=lambda b=b: results.append(layers.intake.accept(*b)))
@@ -262,4 +305,96 @@ def test_concurrent_parts_for_one_accumulator_all_count(database_url: str) -> No
         thread.join()
     assert len(results) == 6 and not any(r.duplicate for r in results)
     assert layers.opener.open_pending() == 6
-    assert layers.releases.release("homepage", 7, 7).estimate.n == 600
+    assert layers.releases.release("homepage", 7, 12).estimate.n == 600
+
+
+def test_a_group_sends_one_batch(database_url: str) -> None:
+    """A second batch (another batch_id) for the same (shuffler, channel, crowd, epoch) could
+    only count its users twice: refused as duplicate_group, whatever its content. Another
+    shuffler, epoch or crowd is another group; the first batch's own parts still go in."""
+    crowded = CHANNEL.model_copy(update={"crowds": ("", "eu")})
+    layers = build(database_url, [crowded])
+    first = make_batch(VALUES, seed=1)
+    head, tail = _parts(first.body, 2)
+    layers.deliver(*head)
+    with pytest.raises(DuplicateGroupError, match="already sent batch") as refused:
+        layers.intake.accept(*make_batch(VALUES, seed=2))
+    assert refused.value.code == "duplicate_group"
+    assert Batch.model_validate_json(head.body).batch_id in refused.value.detail
+    layers.deliver(*tail)
+    assert layers.deliver(*head).duplicate  # the same part again: acknowledged, counted once
+    with pytest.raises(DuplicateGroupError):
+        layers.intake.accept(*make_batch(VALUES[:100], seed=3))
+    for other in (
+        make_batch(VALUES, seed=4, shuffler="shuffler-2"),
+        make_batch(VALUES, seed=5, epoch=8),
+        make_batch(VALUES, seed=6, crowd="eu"),
+    ):
+        assert not layers.deliver(*other).duplicate
+    assert layers.releases.release("homepage", 7, 7).estimate.n == 2 * VALUES.size
+    assert layers.releases.release("homepage", 7, 7, crowd_id="eu").estimate.n == VALUES.size
+
+
+REGIONAL = ChannelConfig(
+    id="regional",
+    mechanism="krr",
+    params={"k": 4, "eps": 2.0},
+    min_crowd=50,
+    max_fragments=1,
+    min_fragments=1,
+    payload_size=16,
+)
+
+
+def _krr_batch(
+    n: int, fragments: int, parts: int = 1, part: int = 0, batch_id: str = "", epoch: int = 7
+) -> Signed:
+    """A part of a k-RR batch claiming ``n`` contributions with ``fragments`` real reports."""
+    rng = SeededSource(n * 7 + fragments)
+    params = krr.KRRParams(k=4, eps=2.0)
+    opened = [f for i in range(fragments) for f in krr.encode(i % 4, params, rng)]
+    batch = Batch(
+        batch_id=batch_id or secrets.token_hex(16),
+        part=part,
+        parts=parts,
+        shuffler_id="shuffler-1",
+        channel_id=REGIONAL.id,
+        crowd_id="",
+        epoch=epoch,
+        n_contributions=n,
+        fragments=seal(opened, REGIONAL, epoch),
+    )
+    return signed(batch)
+
+
+def test_a_fixed_count_channel_takes_exactly_n_fragments(database_url: str) -> None:
+    """k-RR sends one report per contribution, and this channel pins min_fragments =
+    max_fragments = 1 (shufflers enforce both): a batch whose fragments are not exactly its
+    n_contributions can only come from a lying shuffler (422 inconsistent_counts)."""
+    layers = build(database_url, [REGIONAL])
+    with pytest.raises(InconsistentCountsError, match="at most 1") as refused:
+        layers.intake.accept(*_krr_batch(99, 100))
+    assert refused.value.code == "inconsistent_counts"
+    with pytest.raises(InconsistentCountsError, match="exactly 1 fragments each"):
+        layers.intake.accept(*_krr_batch(101, 100))
+    # with parts, the shortfall is known once the last part is in
+    batch_id = secrets.token_hex(16)
+    layers.intake.accept(*_krr_batch(150, 100, parts=2, part=0, batch_id=batch_id))
+    with pytest.raises(InconsistentCountsError, match="140 fragments cannot come from 150"):
+        layers.intake.accept(*_krr_batch(150, 40, parts=2, part=1, batch_id=batch_id))
+    assert layers.store.pending_parts()[0].batch_id == batch_id  # the first part stays stored
+    # exactly n (in another epoch: epoch 7's group has its batch): accepted, crowd as claimed
+    assert not layers.deliver(*_krr_batch(100, 100, epoch=8)).duplicate
+    release = layers.releases.release("regional", 8, 8)
+    assert release.estimate.n == 100 and release.crowd_check is not None
+    assert release.crowd_check.verified == release.crowd_check.claimed == 100
+
+
+def test_a_channel_whose_min_fragments_honest_reports_miss_is_refused() -> None:
+    """k-RAPPOR may send no fragment at all (every bit off): a channel requiring one would
+    make shufflers refuse honest reports."""
+    with pytest.raises(InvalidChannelError, match="min_fragments=1"):
+        ChannelRuntime.build(CHANNEL.model_copy(update={"min_fragments": 1}), sorted(SHUFFLERS))
+    assert ChannelRuntime.build(REGIONAL, sorted(SHUFFLERS)).config.min_fragments == 1
+    with pytest.raises(ValueError, match="above max_fragments"):
+        ChannelConfig.model_validate({**REGIONAL.model_dump(), "min_fragments": 2})
