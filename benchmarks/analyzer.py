@@ -23,17 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _report import machine, write_section
 
 from common.envelope import (
+    FragmentContext,
     KeyRing,
     load_or_create_ed25519,
     load_or_create_x25519,
     open_fragment,
-    public_identity,
     seal_fragment,
     sign,
 )
 from common.mechanisms import krappor
-from common.wire import Batch, ChannelConfig, b64
-from tests.support import analyzer_process
+from common.wire import PART_FRAGMENTS, Batch, ChannelConfig, b64
+from tests.support import analyzer_process, registry_entry
 
 SECTION = "## Analyzer"
 K = 1_778_120
@@ -53,36 +53,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
         signer = load_or_create_ed25519(tmp / "s1" / "signing.pem")
-        hpke = load_or_create_x25519(tmp / "s1" / "hpke.pem")
         analyzer_key = load_or_create_x25519(tmp / "analyzer" / "keys" / "hpke.pem")
-        identity = public_identity(hpke.public_key(), signer.public_key())
-        registry = [{"id": "shuffler-1", "url": "http://127.0.0.1:1", **identity}]
+        # Batches need only the shuffler's pinned key (its descriptor is never fetched).
+        registry = [registry_entry("shuffler-1", "http://127.0.0.1:1", signer)]
         params = krappor.KRapporParams(k=K, eps=12.0)
         bodies = []
-        sealed_all: list[bytes] = []
-        for _ in range(BATCHES):
+        sealed_all: list[tuple[bytes, FragmentContext]] = []
+        # One batch per epoch: the analyzer takes one batch per shuffler and group.
+        for epoch in range(1, BATCHES + 1):
+            context = FragmentContext(CHANNEL.id, epoch, "")
             sealed = [
-                seal_fragment(f, CHANNEL.id, 16, analyzer_key.public_key())
+                seal_fragment(f, context, 16, analyzer_key.public_key())
                 for _ in range(PER_BATCH)
                 for f in krappor.encode(secrets.randbelow(1000), params)
             ]
-            sealed_all.extend(sealed)
-            batch = Batch(
-                batch_id=secrets.token_hex(16),
-                shuffler_id="shuffler-1",
-                channel_id=CHANNEL.id,
-                crowd_id="",
-                epoch=1,
-                n_contributions=PER_BATCH,
-                fragments=[b64(f) for f in sealed],
-            )
-            body = batch.body()
-            bodies.append((body, b64(sign(body, signer))))
+            sealed_all.extend((blob, context) for blob in sealed)
+            # In parts of at most PART_FRAGMENTS fragments, as a shuffler cuts a batch.
+            batch_id, parts = secrets.token_hex(16), -(-len(sealed) // PART_FRAGMENTS)
+            for part in range(parts):
+                batch = Batch(
+                    batch_id=batch_id,
+                    part=part,
+                    parts=parts,
+                    shuffler_id="shuffler-1",
+                    channel_id=CHANNEL.id,
+                    crowd_id="",
+                    epoch=epoch,
+                    n_contributions=PER_BATCH,
+                    fragments=[
+                        b64(f) for f in sealed[part * PART_FRAGMENTS : (part + 1) * PART_FRAGMENTS]
+                    ],
+                )
+                body = batch.body()
+                bodies.append((body, b64(sign(body, signer))))
         fragments = sum(len(Batch.model_validate_json(b).fragments) for b, _ in bodies)
         ring = KeyRing.of(analyzer_key)
         start = time.perf_counter()
-        for blob in sealed_all[:20_000]:
-            open_fragment(blob, CHANNEL.id, ring)
+        for blob, context in sealed_all[:20_000]:
+            open_fragment(blob, context, ring)
         raw_rate = 20_000 / (time.perf_counter() - start)
         service = analyzer_process(tmp, [CHANNEL.model_dump()], registry).start()
         try:
@@ -92,10 +100,11 @@ def main() -> None:
                     response = client.post(
                         service.url + "/v1/batches",
                         content=body,
-                        headers={"ESA-Signature": signature},
+                        headers={"ESA-Signature": signature, "ESA-Shuffler": "shuffler-1"},
                     )
                     assert response.status_code == 201, response.text
-                estimate = service.url + f"/v1/channels/{CHANNEL.id}/estimate?epoch=1&top=100"
+                span = f"epoch_from=1&epoch_to={BATCHES}"
+                estimate = service.url + f"/v1/channels/{CHANNEL.id}/estimate?{span}&top=100"
                 # Parts are stored, then opened in the background (issue 11): intake ends when
                 # the last batch is complete and the estimate covers every contribution.
                 while (response := client.get(estimate)).status_code != 200 or response.json()[
@@ -115,8 +124,9 @@ def main() -> None:
         "Command: `make bench` (runs `.venv/bin/python benchmarks/analyzer.py`).",
         f"Machine: {machine(pinned=False)}.",
         "",
-        f"{BATCHES} signed batches, {fragments:,} sealed k-RAPPOR fragments in all",
-        f"(k = 1,778,120, ε = 12, {BATCHES * PER_BATCH:,} contributions), POSTed to one",
+        f"{BATCHES} batches (one per epoch), {fragments:,} sealed k-RAPPOR fragments in all",
+        f"(k = 1,778,120, ε = 12, {BATCHES * PER_BATCH:,} contributions), in {len(bodies)} signed",
+        f"parts of at most {PART_FRAGMENTS:,} fragments POSTed to one",
         "`esa analyzer serve` process (SQLite). Intake = verify and store each part, then open",
         "every fragment on the opening pool and fold it in (until the estimate covers all).",
         "",

@@ -7,6 +7,7 @@ delivered. Writes the "Client SDK" section of docs/benchmarks.md.
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import tempfile
@@ -14,15 +15,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _report import machine, pin_one_core, write_section
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from common.collection import sign_config
-from common.envelope import key_id, public_bytes, public_identity
+from common.collection import TrustAnchors, sign_config
+from common.envelope import key_id, public_bytes
 from common.wire import ChannelConfig, CollectionConfig, b64
 from encoder_client import Client
+from tests.support import descriptor
 
 SECTION = "## Client SDK"
 CHANNELS = [
@@ -52,21 +55,18 @@ REPORTS = 2_000
 OUTBOX = 10_000
 
 
-def _config(tmp: Path) -> tuple[Path, str]:
+def _config(tmp: Path) -> tuple[Path, Path]:
+    """The signed config (each shuffler in its own signed descriptor) and the trust file that
+    pins the analyzer's key and every shuffler's."""
     signer, analyzer = Ed25519PrivateKey.generate(), X25519PrivateKey.generate()
-    shufflers = []
+    shufflers, pinned = [], {}
     for i in range(3):
-        key = X25519PrivateKey.generate()
-        shufflers.append(
-            {
-                "id": f"shuffler-{i + 1}",
-                "url": f"http://127.0.0.1:{9000 + i}",
-                **public_identity(key.public_key(), Ed25519PrivateKey.generate().public_key()),
-            }
-        )
+        sid, shuffler_signer = f"shuffler-{i + 1}", Ed25519PrivateKey.generate()
+        url = f"http://127.0.0.1:{9000 + i}"
+        shufflers.append(descriptor(shuffler_signer, X25519PrivateKey.generate(), sid, url))
+        pinned[sid] = shuffler_signer.public_key()
     now = int(time.time())
     config = {
-        "version": 1,
         "issued_at": now,
         "expires_at": now + 10**7,
         "analyzer": {
@@ -79,12 +79,14 @@ def _config(tmp: Path) -> tuple[Path, str]:
             ],
             "signing_key": b64(public_bytes(signer.public_key())),
         },
-        "shufflers": shufflers,
+        "shufflers": [d.model_dump() for d in shufflers],
         "channels": [c.model_dump() for c in CHANNELS],
     }
     path = tmp / "config.json"
     path.write_text(sign_config(CollectionConfig.model_validate(config), signer).model_dump_json())
-    return path, b64(public_bytes(signer.public_key()))
+    trust = tmp / "trust.json"
+    trust.write_text(json.dumps(TrustAnchors(signer.public_key(), pinned).to_json()))
+    return path, trust
 
 
 def main() -> None:
@@ -92,7 +94,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
-        config, key = _config(tmp)
+        config, trust = _config(tmp)
         start_time = time.time()
         for channel in CHANNELS:
             tick = [0]
@@ -102,7 +104,7 @@ def main() -> None:
 
             client = Client(
                 config_file=config,
-                trusted_key=key,
+                trust_file=trust,
                 state_path=tmp / f"{channel.id}.db",
                 background=False,
                 clock=clock,
@@ -122,7 +124,7 @@ def main() -> None:
         tick = [0]
         client = Client(
             config_file=config,
-            trusted_key=key,
+            trust_file=trust,
             state_path=tmp / "outbox.db",
             background=False,
             clock=lambda: start_time + tick[0],

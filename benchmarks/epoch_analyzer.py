@@ -6,24 +6,24 @@ the analyzer's process pool (:class:`analyzer.opening.FragmentOpener`), measured
 opening throughput" section of docs/benchmarks.md.
 
 ``.venv/bin/python benchmarks/epoch_analyzer.py --epoch --contributions 1000000 [--write]``: one
-epoch of N k-RAPPOR homepage-like contributions (k = 256, ε = 2; 30 sealed fragments each, as
-``benchmarks/epoch.py`` stores them at the shuffler) reaches a real analyzer process (``esa
-analyzer serve``, launched as ``esa up`` does, SQLite, default settings: a pool of one opening
-process per core) the way a shuffler sends it: one batch in signed parts of ``PART_FRAGMENTS``
-fragments POSTed one after another over HTTP. Measured: the time until every part is
-acknowledged, the time until the batch is fully accumulated (every part opened and folded in,
-the receipt written: ``esa_analyzer_batches_accepted_total`` = 1), fragments/s, and the peak
-resident set (``VmHWM`` from ``/proc``) of the analyzer process and of each opening worker.
-Sealing 3·10^7 fragments would take this machine longer than opening them, so the parts are
-cut (rotating windows) from a pool of distinct sealed fragments; the analyzer's work per fragment
-is unchanged: it has no cache and opens every fragment of every part. ``--write`` records the
-"An epoch of 10^6 at the analyzer" section.
+epoch of N k-RAPPOR homepage-like contributions (k = 256, ε = 2; 31.3 sealed fragments each on
+average, the mechanism's mean: ``benchmarks/epoch.py`` stores 30 at the shuffler, but the
+analyzer certifies only the crowd a batch's fragments can back) reaches a real analyzer process
+(``esa analyzer serve``, launched as ``esa up`` does, SQLite, default settings: a pool of one
+opening process per core) the way a shuffler sends it: one batch in signed parts of
+``PART_FRAGMENTS`` fragments POSTed one after another over HTTP. Measured: the time until every
+part is acknowledged, the time until the batch is fully accumulated (every part opened and
+folded in, the receipt written: ``esa_analyzer_batches_accepted_total`` = 1), fragments/s, and
+the peak resident set (``VmHWM`` from ``/proc``) of the analyzer process and of each opening
+worker. Sealing 3·10^7 fragments would take this machine longer than opening them, so the parts
+are cut (rotating windows) from a pool of distinct sealed fragments; the analyzer's work per
+fragment is unchanged: it has no cache and opens every fragment of every part. ``--write``
+records the "An epoch of 10^6 at the analyzer" section.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import re
@@ -48,10 +48,10 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from analyzer.opening import FragmentOpener, open_chunk
 from common.envelope import (
+    FragmentContext,
     KeyRing,
     load_or_create_ed25519,
     load_or_create_x25519,
-    load_x25519_public,
     seal_fragment,
     sign,
 )
@@ -72,9 +72,12 @@ HOMEPAGE = ChannelConfig(
     max_fragments=96,
     delta=1e-8,
 )
-#: Fragments per contribution, as the shuffler's epoch benchmark stores them.
-FRAGMENTS = 30
 EPOCH = 1
+#: What every fragment is sealed to: the batch's channel, epoch and crowd.
+CONTEXT = FragmentContext(CHANNEL_ID, EPOCH, "")
+#: Fragments per contribution on average, the mechanism's mean: a batch carrying fewer would
+#: be certified at the smaller crowd its fragments verify.
+FRAGMENTS = krappor.KRapporParams(k=256, eps=2.0).expected_fragments()
 
 
 def throughput(count: int) -> None:
@@ -82,18 +85,18 @@ def throughput(count: int) -> None:
     key = X25519PrivateKey.generate()
     ring = KeyRing.of(key)
     texts = [
-        b64(seal_fragment(secrets.token_bytes(8), CHANNEL_ID, 16, key.public_key()))
+        b64(seal_fragment(secrets.token_bytes(8), CONTEXT, 16, key.public_key()))
         for _ in range(count)
     ]
     start = time.perf_counter()
-    assert len(open_chunk(ring, CHANNEL_ID, texts)) == count
+    assert len(open_chunk(ring, CONTEXT.info(), texts)) == count
     single = count / (time.perf_counter() - start)
     processes = os.cpu_count() or 1
     opener = FragmentOpener(ring, processes, 2000)
     try:
-        opener.open(CHANNEL_ID, texts[: processes * 2000])  # start the workers before timing
+        opener.open(CONTEXT, texts[: processes * 2000])  # start the workers before timing
         start = time.perf_counter()
-        assert len(opener.open(CHANNEL_ID, texts)) == count
+        assert len(opener.open(CONTEXT, texts)) == count
         pooled = count / (time.perf_counter() - start)
     finally:
         opener.close()
@@ -155,7 +158,7 @@ def _raw_rate(var: Path, pool: list[str], count: int = 20_000) -> float:
     pool is compared with, measured in the same run while the analyzer is idle)."""
     ring = KeyRing.of(load_or_create_x25519(var / "keys" / "analyzer" / "hpke.pem"))
     start = time.perf_counter()
-    assert len(open_chunk(ring, CHANNEL_ID, pool[:count])) == min(count, len(pool))
+    assert len(open_chunk(ring, CONTEXT.info(), pool[:count])) == min(count, len(pool))
     return min(count, len(pool)) / (time.perf_counter() - start)
 
 
@@ -214,7 +217,7 @@ def _sealed_pool(public_key: Any, size: int) -> list[str]:
     pool: list[str] = []
     for value in values:
         pool += [
-            b64(seal_fragment(f, CHANNEL_ID, HOMEPAGE.payload_size, public_key))
+            b64(seal_fragment(f, CONTEXT, HOMEPAGE.payload_size, public_key))
             for f in krappor.encode(int(value), params, rng)
         ]
         if len(pool) >= size:
@@ -225,7 +228,7 @@ def _sealed_pool(public_key: Any, size: int) -> list[str]:
 def _parts(pool: list[str], contributions: int, signer: Ed25519PrivateKey) -> Any:
     """The epoch's one batch as signed part bodies, built one at a time (a shuffler keeps one
     body in memory while it sends it)."""
-    total = contributions * FRAGMENTS
+    total = round(contributions * FRAGMENTS)
     parts = -(-total // PART_FRAGMENTS)
     batch_id, doubled = secrets.token_hex(16), pool + pool
     for i in range(parts):
@@ -260,7 +263,11 @@ def _deliver(url: str, parts: Any) -> tuple[int, int]:
     count, largest = 0, 0
     with httpx.Client(timeout=600) as client:
         for body, signature in parts:
-            headers = {"ESA-Signature": signature, "Content-Type": "application/json"}
+            headers = {
+                "ESA-Signature": signature,
+                "ESA-Shuffler": "shuffler-1",
+                "Content-Type": "application/json",
+            }
             while True:
                 answer = client.post(url + "/v1/batches", content=body, headers=headers)
                 if answer.status_code in (200, 201):
@@ -272,12 +279,14 @@ def _deliver(url: str, parts: Any) -> tuple[int, int]:
 
 
 def _start_analyzer(var: Path) -> tuple[launcher.Service, Ed25519PrivateKey, Any]:
+    """The analyzer alone (this process plays its shuffler), its shuffler's signing key and
+    the analyzer's HPKE key, read from its key file: with no shuffler serving its descriptor
+    the analyzer serves no config, and batches need only the registered signing key."""
     specs = launcher.prepare(var, 1, launcher.free_base_port(2), channels=[HOMEPAGE])
     service = launcher.start(specs[0], var / "analyzer.log")
     launcher.wait_ready([service], 120)
     signer = load_or_create_ed25519(var / "keys" / "shuffler-1" / "signing.pem")
-    config = httpx.get(service.url + "/v1/config", timeout=30).json()["config"]
-    public = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
+    public = load_or_create_x25519(var / "keys" / "analyzer" / "hpke.pem").public_key()
     return service, signer, public
 
 
@@ -308,7 +317,7 @@ def epoch(contributions: int, pool_size: int) -> dict[str, Any]:
         finally:
             memory.done.set()
             launcher.stop([service])
-    fragments = contributions * FRAGMENTS
+    fragments = round(contributions * FRAGMENTS)
     return {
         "contributions": contributions,
         "fragments": fragments,
