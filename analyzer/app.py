@@ -358,5 +358,8 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
         service.store.fragment_ledger, [c.id for c in service.settings.channels]
     )
     metrics.register(EventsCollector(service.events, service.store.unopened_parts, ledger))
-    add_operational_routes(app, service.store.engine, metrics)
+    token = settings.metrics_token
+    add_operational_routes(
+        app, service.store.engine, metrics, None if token is None else token.get_secret_value()
+    )
     return app

@@ -14,18 +14,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from common.envelope import inner_size
 from common.wire import PART_FRAGMENTS, ChannelConfig, DeviceBudget, ShufflerEntry
+from services.runtime.secrets import SecretFileSettings, refuse_placeholder
 
-#: Secrets refused outside development (as the shuffler's settings).
-PLACEHOLDERS = {"", "changeme", "change-me", "secret", "development"}
-#: Shortest admin token accepted outside development.
-MIN_SECRET_LENGTH = 16
+#: Settings that may be given as files (``ESA_ANALYZER_<NAME>_FILE``: Docker secrets).
+_SECRETS = ("admin_token", "metrics_token", "database_url")
 #: Default lifetime δ of every lifetime ε the ledger states: δ well below 1/n for deployments up
 #: to 10^6 devices (Dwork & Roth, *The Algorithmic Foundations of DP*, §2.3: δ << 1/n); the
 #: issue-13 example states its lifetime at 1e-5.
@@ -50,10 +49,11 @@ def _listed(path: Path, key: str) -> list[Any]:
     return list(data.get(key, data) if isinstance(data, dict) else data)
 
 
-class AnalyzerSettings(BaseSettings):
+class AnalyzerSettings(SecretFileSettings):
     """Everything the analyzer needs; validated at start."""
 
     model_config = SettingsConfigDict(env_prefix="ESA_ANALYZER_", env_file=".env", extra="ignore")
+    secret_fields: ClassVar[tuple[str, ...]] = _SECRETS
 
     environment: Literal["development", "production"] = "development"
     host: str = "127.0.0.1"
@@ -75,6 +75,9 @@ class AnalyzerSettings(BaseSettings):
     #: largest legal part of the configured channels (:func:`largest_part_bytes`).
     max_batch_bytes: int | None = Field(None, ge=1024)
     admin_token: SecretStr = SecretStr("development")
+    #: Bearer token for ``GET /metrics`` (none: open, as on a loopback deployment; set it
+    #: where the metrics port is reachable, so one party's operator does not read another's).
+    metrics_token: SecretStr | None = None
     lifetime_delta: float = Field(LIFETIME_DELTA, gt=0, lt=1)
     #: Per-device local-ε cap over all channels, signed into the collection config and
     #: enforced by the SDK (JSON, e.g. ``{"lifetime_eps": 40}``); per-channel caps are the
@@ -114,14 +117,10 @@ class AnalyzerSettings(BaseSettings):
                 "fault hooks (fault_after_commit, fault_while_opening) are for tests; "
                 "refused in production"
             )
-        token = self.admin_token.get_secret_value()
-        if self.environment != "development" and (
-            token.lower() in PLACEHOLDERS or len(token) < MIN_SECRET_LENGTH
-        ):
-            raise ValueError(
-                f"admin_token must be set to a real secret (>= {MIN_SECRET_LENGTH} chars) "
-                f"in {self.environment}"
-            )
+        refuse_placeholder("admin_token", self.admin_token.get_secret_value(), self.environment)
+        if self.metrics_token is not None:
+            token = self.metrics_token.get_secret_value()
+            refuse_placeholder("metrics_token", token, self.environment)
         return self
 
     @property

@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from common.wire import PART_FRAGMENTS, ChannelPolicy
+from services.runtime.secrets import SecretFileSettings, refuse_placeholder
 
-PLACEHOLDERS = {"", "changeme", "change-me", "secret", "development"}
+#: Settings that may be given as files (``ESA_SHUFFLER_<NAME>_FILE``: Docker secrets).
+_SECRETS = ("token_secret", "admin_token", "metrics_token", "database_url")
 
 
-class ShufflerSettings(BaseSettings):
+class ShufflerSettings(SecretFileSettings):
     """Everything a shuffler instance needs; validated at start."""
 
     model_config = SettingsConfigDict(env_prefix="ESA_SHUFFLER_", env_file=".env", extra="ignore")
+    secret_fields: ClassVar[tuple[str, ...]] = _SECRETS
 
     shuffler_id: str = "shuffler-1"
     environment: Literal["development", "production"] = "development"
@@ -85,13 +88,10 @@ class ShufflerSettings(BaseSettings):
             self.channels = [
                 ChannelPolicy(**{k: v for k, v in c.items() if k in fields}) for c in listed
             ]
-        if self.environment != "development":
-            for name in ("token_secret", "admin_token"):
-                value = getattr(self, name).get_secret_value()
-                if value.lower() in PLACEHOLDERS or len(value) < 16:
-                    raise ValueError(
-                        f"{name} must be set to a real secret (>= 16 chars) in {self.environment}"
-                    )
+        for name in ("token_secret", "admin_token", "metrics_token"):
+            value = getattr(self, name)
+            if value is not None:
+                refuse_placeholder(name, value.get_secret_value(), self.environment)
         ids = [c.id for c in self.channels]
         if len(ids) != len(set(ids)):
             raise ValueError(f"duplicate channel ids in {ids}")
