@@ -8,8 +8,9 @@
   also sends each secured operation without them and with wrong ones and expects a 401.
 * ``flatmap_body``: besides schemathesis' own bytes, ``POST /v1/contributions`` gets
   contributions genuinely sealed to this shuffler (:func:`sealed`): acceptable ones, and ones
-  wrong in exactly one way checked after decryption (channel, crowd, epoch, fragment count,
-  replayed nonce) — the validation behind HPKE is fuzzed too.
+  wrong in exactly one way checked after decryption (wire version 1's magic, channel, crowd,
+  epoch, too many or too few fragments, replayed nonce) — the validation behind HPKE is fuzzed
+  too.
 * ``before_generate_case``: every case also carries an unknown ``X-Fuzz`` header and ``fuzz``
   query parameter (ignored by every route), so operations without inputs are fuzzed with as
   many distinct requests as the others.
@@ -28,7 +29,15 @@ from typing import Any
 import schemathesis
 from hypothesis import strategies as st
 
-from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
+from common.envelope import (
+    OLD_MAGIC,
+    Contribution,
+    load_x25519_public,
+    new_nonce,
+    outer_info,
+    seal,
+    seal_contribution,
+)
 from shuffler.intake import TokenAuthority
 
 CONTRIBUTIONS = "/v1/contributions"
@@ -72,7 +81,10 @@ class Credentials:
         case.headers = {**(case.headers or {}), "Authorization": f"Bearer {data}"}
 
 
-FLAWS = ("none", "channel", "none", "crowd", "none", "epoch", "none", "many", "none", "replay")
+FLAWS = (
+    "none", "channel", "none", "version", "none", "crowd", "none", "few", "none", "epoch",
+    "none", "many", "none", "replay",
+)  # fmt: skip
 
 
 @st.composite
@@ -80,11 +92,13 @@ def sealed(draw: st.DrawFn) -> bytes:
     """A contribution sealed to this shuffler: acceptable half of the time, else wrong in one
     way."""
     flaw = FLAWS[draw(st.integers(0, len(FLAWS) - 1))]
-    channel = draw(st.sampled_from(CHANNELS))
+    fewest = [c for c in CHANNELS if c.get("min_fragments", 0) > 0]
+    channel = draw(st.sampled_from(fewest if flaw == "few" else CHANNELS))
     channel_id, epoch = channel["id"], int(time.time() // channel["epoch_seconds"])
     crowds = channel.get("crowds", [""])
     crowd = draw(st.sampled_from(crowds))
-    count = draw(st.integers(0, channel["max_fragments"]))
+    least = channel.get("min_fragments", 0)
+    count = draw(st.integers(least, channel["max_fragments"]))
     if flaw == "channel":
         channel_id = draw(st.text(min_size=1, max_size=30).filter(_not_a_channel))
     elif flaw == "crowd":
@@ -93,10 +107,14 @@ def sealed(draw: st.DrawFn) -> bytes:
         epoch = draw(st.sampled_from([0, epoch - 2, epoch + 1, 2**53, 2**64 - 1]))
     elif flaw == "many":
         count = channel["max_fragments"] + draw(st.integers(1, 3))
+    elif flaw == "few":
+        count = draw(st.integers(0, least - 1))
     fragments = tuple(draw(st.binary(max_size=80)) for _ in range(count))
     nonce = bytes(16) if flaw == "replay" else new_nonce()
     contribution = Contribution(channel_id, crowd, epoch, nonce, fragments)
     try:
+        if flaw == "version":  # what a wire version 1 client sends: refused by name
+            return seal(OLD_MAGIC + contribution.encode()[4:], KEY, outer_info(SHUFFLER_ID))
         return seal_contribution(contribution, SHUFFLER_ID, KEY)
     except ValueError:  # a channel id over 255 UTF-8 bytes does not encode: what the SDK sends
         return draw(st.binary(min_size=1, max_size=200))

@@ -13,6 +13,7 @@ EXPECTED = {
     errors.RevokedTokenError: ("revoked", 401),
     errors.AdminTokenError: ("bad_admin_token", 401),
     errors.MalformedContributionError: ("malformed", 400),
+    errors.UnsupportedVersionError: ("unsupported_version", 400),
     errors.BadContentTypeError: ("bad_content_type", 400),
     errors.UnknownChannelError: ("unknown_channel", 400),
     errors.UnknownCrowdError: ("unknown_crowd", 400),
@@ -22,6 +23,7 @@ EXPECTED = {
     errors.QuotaExceededError: ("quota_exceeded", 409),
     errors.BodyTooLargeError: ("too_large", 413),
     errors.TooManyFragmentsError: ("too_many_fragments", 413),
+    errors.TooFewFragmentsError: ("too_few_fragments", 400),
     errors.ClientRateLimitedError: ("rate_limited", 429),
     errors.ShufflerStorageError: ("storage_unavailable", 503),
 }

@@ -55,6 +55,7 @@ def test_acknowledged_batch_is_forwarded_once(database_url: str, tmp_path: Path)
         assert service.forward_due(client) == {"forwarded": 0, "retried": 0, "failed": 0}
     assert [str(r.url) for r in seen] == ["http://analyzer.test/v1/batches"]
     assert seen[0].headers["ESA-Signature"] and service.ledger()["in_batches_forwarded"] > 0
+    assert seen[0].headers["ESA-Shuffler"] == "shuffler-1"  # the analyzer picks the key by it
 
 
 def test_retryable_answers_back_off_then_succeed(database_url: str, tmp_path: Path) -> None:
@@ -90,6 +91,8 @@ def test_permanent_refusal_fails_the_batch(database_url: str, tmp_path: Path) ->
         clock.now += 3600
         assert service.forward_due(client)[Outcome.FAILED] == 0
     assert len(seen) == 1 and service.events.get("batches_failed") == 1
+    ledger = service.ledger()
+    assert ledger["in_batches_refused"] > 0 and ledger["in_batches_unforwarded"] == 0
 
 
 def test_transport_errors_are_retried(database_url: str, tmp_path: Path) -> None:

@@ -12,11 +12,20 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
+from common.envelope import (
+    MAGIC,
+    OLD_MAGIC,
+    Contribution,
+    load_x25519_public,
+    new_nonce,
+    outer_info,
+    seal,
+    seal_contribution,
+)
 
 from ..support import SMALL_CHANNEL, ServiceProcess, shuffler_process
 
-CHANNEL = {**SMALL_CHANNEL, "crowds": ["", "eu", "us"]}
+CHANNEL = {**SMALL_CHANNEL, "crowds": ["", "eu", "us"], "min_fragments": 1}
 ANALYZER = X25519PrivateKey.generate()
 
 
@@ -91,6 +100,31 @@ def test_400_malformed_wrong_channel_wrong_shuffler_and_content_type(
     _error(
         _post(service, _blob(service), _token(service), "application/json"), 400, "bad_content_type"
     )
+
+
+def test_400_unsupported_version_for_a_wire_version_1_contribution(
+    service: ServiceProcess,
+) -> None:
+    """A contribution of wire version 1 (magic ``ESA1``: fragments bound to their channel only)
+    is refused by name, genuinely sealed to this shuffler and otherwise acceptable; the same
+    contribution as version 2 is taken, and the refusal used up neither quota nor nonce."""
+    token, nonce = _token(service), new_nonce()
+    contribution = Contribution(
+        "homepage", "", int(time.time() // 3600), nonce, tuple(bytes(72) for _ in range(2))
+    )
+    encoded = contribution.encode()
+    assert encoded.startswith(MAGIC)
+    old = seal(OLD_MAGIC + encoded[4:], _public(service), outer_info("shuffler-1"))  # type: ignore[arg-type]
+    refused = _post(service, old, token)
+    _error(refused, 400, "unsupported_version")
+    assert "version 1" in refused.json()["detail"]
+    assert _post(service, _blob(service, nonce=nonce), token).status_code == 202
+
+
+def test_400_too_few_fragments(service: ServiceProcess) -> None:
+    """The channel's ``min_fragments`` (1): an empty contribution is no device's report."""
+    _error(_post(service, _blob(service, fragments=0), _token(service)), 400, "too_few_fragments")
+    assert _post(service, _blob(service, fragments=1), _token(service)).status_code == 202
 
 
 def test_401_missing_forged_and_revoked_tokens(service: ServiceProcess) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from common.envelope import OLD_MAGIC, Contribution, new_nonce, outer_info, seal
 from common.wire import ChannelPolicy
 from shuffler.errors import (
     BadTokenError,
@@ -13,12 +14,14 @@ from shuffler.errors import (
     EpochNotOpenError,
     MalformedContributionError,
     RevokedTokenError,
+    TooFewFragmentsError,
     TooManyFragmentsError,
     UnknownChannelError,
+    UnsupportedVersionError,
 )
 from shuffler.intake import RateLimiter, TokenAuthority, open_epochs
 
-from .factory import make_service, pending
+from .factory import POLICY, make_service, pending
 
 
 def test_tokens_verify_without_lookup_and_refuse_forgeries_and_revocations() -> None:
@@ -87,6 +90,28 @@ def test_validation_refuses_each_problem_with_its_code(database_url: str, tmp_pa
         pending(service, token, epoch)
     with pytest.raises(EpochNotOpenError, match=f"epoch {epoch - 5} is not open"):
         pending(service, token, epoch - 5)  # an old epoch: nothing said of the admin's close
+
+
+def test_a_wire_version_1_contribution_and_too_few_fragments_are_refused(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Wire version 2 binds fragments to channel, epoch and crowd; a version 1 contribution
+    (magic ``ESA1``) opens but is refused by name, before anything else of it is read. A
+    channel's ``min_fragments`` refuses a contribution with fewer (here none)."""
+    policy = POLICY.model_copy(update={"min_fragments": 1})
+    service, clock = make_service(database_url, tmp_path, policy=policy)
+    token = service.tokens.issue()
+    body = Contribution("homepage", "", clock.epoch, new_nonce(), (bytes(72),)).encode()
+    old = seal(OLD_MAGIC + body[4:], service.ring.public(), outer_info("shuffler-1"))
+    with pytest.raises(UnsupportedVersionError, match="wire version 1") as raised:
+        service.validate(token, old)
+    assert raised.value.code == "unsupported_version"
+    unknown = seal(OLD_MAGIC + b"\x00" * 8, service.ring.public(), outer_info("shuffler-1"))
+    with pytest.raises(UnsupportedVersionError):  # the magic alone decides
+        service.validate(token, unknown)
+    with pytest.raises(TooFewFragmentsError, match="0 fragments < min_fragments=1"):
+        pending(service, token, clock.epoch, fragments=0)
+    assert pending(service, token, clock.epoch, fragments=1).contribution.epoch == clock.epoch
 
 
 def test_enrolment_is_rate_limited_per_address(database_url: str, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The shuffler's trust-domain gauges (``esa_shuffler_ledger_contributions{state}`` and
 ``esa_shuffler_ledger_deleted{cause}``, :class:`shuffler.metrics.ShufflerCollector`) on a real
-SQLite store: released, aborted and held groups (a seeded Algorithm 3), a retention purge and
-contributions still pending. The states add up to every acknowledged contribution, the
+SQLite store: released, aborted and held groups (a seeded Algorithm 3), a batch with a part
+the analyzer refused, a retention purge (cause ``refused`` for that batch) and contributions
+still pending. The states add up to every acknowledged contribution, the
 deletions by cause add up to the ledger's deletions and, in one process, equal the process's
 own counters (the independent record of the same events); the existing metrics stay."""
 
@@ -18,6 +19,7 @@ from common.wire import ChannelPolicy
 from services.tools.loadtest import verify
 from shuffler import storage
 from shuffler.metrics import ShufflerCollector
+from shuffler.records import PartKey
 from shuffler.service import ShufflerService
 
 from .factory import EPOCH_SECONDS, fill, make_service
@@ -41,6 +43,7 @@ STATES = {
     "held",
     "in_batches_forwarded",
     "in_batches_unforwarded",
+    "in_batches_refused",
     "deleted_by_algorithm_3",
     "purged",
 }
@@ -82,7 +85,19 @@ def test_ledger_gauges_account_for_every_contribution_by_state_and_cause(
     evaluated = _family(registry, "esa_shuffler_ledger_contributions", "state")
     assert evaluated["held"] == SIZES[-1] and evaluated["pending"] == 0
     batched = evaluated["in_batches_unforwarded"]  # never forwarded: no analyzer here
-    assert batched > 0
+    assert batched > 0 and evaluated["in_batches_refused"] == 0
+    # The analyzer refuses a part of one batch for good (what the forwarder records on a 422).
+    with service.store.engine.connect() as conn:
+        first = conn.execute(
+            select(storage.batches.c.batch_id, storage.batches.c.n_contributions)
+            .order_by(storage.batches.c.created_at)
+            .limit(1)
+        ).one()
+    service.store.record_failed(PartKey(first[0], 0), "HTTP 422: duplicate_group")
+    refused = int(first[1])
+    split = _family(registry, "esa_shuffler_ledger_contributions", "state")
+    assert split["in_batches_refused"] == refused > 0
+    assert split["in_batches_unforwarded"] == batched - refused > 0
     clock.now += 10 * 3600.0  # past retention: the held group and the batches are purged
     assert service.purge() == SIZES[-1] + batched
     fill(service, clock.epoch, PENDING)  # the current epoch, still open
@@ -94,16 +109,21 @@ def test_ledger_gauges_account_for_every_contribution_by_state_and_cause(
     assert sum(states.values()) == sum(SIZES) + PENDING  # every acknowledged contribution
     assert states["pending"] == PENDING and states["held"] == 0
     assert states["purged"] == SIZES[-1] + batched and states["in_batches_unforwarded"] == 0
-    assert set(deleted) == {"randomized_deletion", "abort", "retention", "late"}
+    assert states["in_batches_refused"] == 0
+    assert set(deleted) == {"randomized_deletion", "abort", "retention", "refused", "late"}
     assert deleted["abort"] == 30 and deleted["late"] == 0
-    assert deleted["retention"] == SIZES[-1] + batched
+    assert deleted["retention"] == SIZES[-1] + batched - refused
+    assert deleted["refused"] == refused
     assert 0 < deleted["randomized_deletion"] < 30
     assert sum(deleted.values()) == ledger["deleted_by_algorithm_3"] + ledger["purged"]
     # One process: the database's deletions are exactly what this process counted.
     counted = _family(registry, "esa_shuffler_contributions_deleted", "cause")
-    assert counted == {c: deleted[c] for c in ("randomized_deletion", "abort", "retention")}
+    assert counted == {
+        c: deleted[c] for c in ("randomized_deletion", "abort", "retention", "refused")
+    }
     depth = _family(registry, "esa_shuffler_queue_depth", "state")
-    assert depth == {s: states[s] for s in ("pending", "held", "in_batches_unforwarded")}
+    queues = ("pending", "held", "in_batches_unforwarded", "in_batches_refused")
+    assert depth == {s: states[s] for s in queues}
 
 
 def test_verify_reads_the_gauges_and_refuses_a_shuffler_without_them(tmp_path: Path) -> None:
@@ -127,6 +147,7 @@ def test_verify_reads_the_gauges_and_refuses_a_shuffler_without_them(tmp_path: P
         "deleted_randomized_deletion": 30 - kept,
         "deleted_abort": 0,
         "deleted_retention": 0,
+        "deleted_refused": 0,
         "deleted_late": 0,
     }
     queues = {"held": 0.0, "pending": 0.0}

@@ -83,6 +83,8 @@ def test_every_error_is_the_error_shape_and_no_status_is_invented(
         ("get", "/v1/config"): {"200", "400"},
         ("post", "/v1/admin/close"): {"200", "400", "401", "422", "503"},
         ("post", "/v1/admin/revoke"): {"200", "400", "401", "503"},
+        ("post", "/v1/admin/requeue"): {"200", "400", "401", "503"},
+        ("get", "/v1/descriptor"): {"200", "400"},
         ("get", "/healthz"): {"200", "400"},
         ("get", "/readyz"): {"200", "400", "503"},
         ("get", "/metrics"): {"200", "400", "401"},
@@ -115,8 +117,36 @@ def test_metrics_are_documented_as_text_behind_a_token(document: dict[str, Any])
         "AdminToken": "bearer",
         "MetricsToken": "bearer",
     }
-    for path in ("/v1/admin/close", "/v1/admin/revoke"):
+    for path in ("/v1/admin/close", "/v1/admin/revoke", "/v1/admin/requeue"):
         assert document["paths"][path]["post"]["security"] == [{"AdminToken": []}]
+
+
+def test_the_descriptor_and_requeue_are_documented_with_their_schemas(
+    document: dict[str, Any],
+) -> None:
+    """``GET /v1/descriptor`` is public and answers a SignedDescriptor; ``POST
+    /v1/admin/requeue`` takes an optional batch id (32 hex digits, nothing else) and answers a
+    RequeueResult."""
+    descriptor = document["paths"]["/v1/descriptor"]["get"]
+    assert "security" not in descriptor
+    answer = descriptor["responses"]["200"]["content"]["application/json"]["schema"]
+    assert answer == {"$ref": "#/components/schemas/SignedDescriptor"}
+    schemas = document["components"]["schemas"]
+    assert set(schemas["SignedDescriptor"]["required"]) == {"descriptor", "signature"}
+    requeue = document["paths"]["/v1/admin/requeue"]["post"]
+    body = requeue["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/RequeueRequest"}
+    request = schemas["RequeueRequest"]
+    assert request["additionalProperties"] is False and "required" not in request
+    pattern = next(
+        option["pattern"]
+        for option in request["properties"]["batch_id"]["anyOf"]
+        if option.get("type") == "string"
+    )
+    assert pattern == "^[0-9a-f]{32}$"
+    result = requeue["responses"]["200"]["content"]["application/json"]["schema"]
+    assert result == {"$ref": "#/components/schemas/RequeueResult"}
+    assert schemas["RequeueResult"]["required"] == ["requeued"]
 
 
 # --- answers --------------------------------------------------------------------------------
@@ -130,6 +160,8 @@ def test_metrics_are_documented_as_text_behind_a_token(document: dict[str, Any])
         ("DELETE", "/v1/admin/close", "POST"),
         ("PATCH", "/v1/enroll", "POST"),
         ("POST", "/healthz", "GET"),
+        ("POST", "/v1/descriptor", "GET"),
+        ("GET", "/v1/admin/requeue", "POST"),
         ("PUT", "/metrics", "GET"),
     ],
 )
@@ -150,7 +182,7 @@ BAD_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["/v1/admin/close", "/v1/admin/revoke"])
+@pytest.mark.parametrize("path", ["/v1/admin/close", "/v1/admin/revoke", "/v1/admin/requeue"])
 def test_the_admin_token_is_checked_before_the_body(service: ServiceProcess, path: str) -> None:
     for body in BAD_BODIES:
         for credential in (

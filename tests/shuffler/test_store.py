@@ -30,7 +30,7 @@ from shuffler.errors import (
     ReplayedNonceError,
     RevokedTokenError,
 )
-from shuffler.records import Conflict, GroupKey, SealedPart
+from shuffler.records import Conflict, GroupKey, PartKey, SealedPart
 from shuffler.service import ShufflerService
 from shuffler.store import (
     PostgresContributionStore,
@@ -351,6 +351,115 @@ def test_forwarding_state_and_retention(database_url: str, tmp_path: Path) -> No
     assert service.events.get("deleted_by_retention") == kept
 
 
+def _released(service: ShufflerService, epoch: int, crowd: str = "") -> tuple[str, int, int]:
+    """Evaluate the group of ``epoch`` (and ``crowd``): its batch (id, contributions, parts)."""
+    outcome = service.store.evaluate_group(
+        GroupKey("homepage", crowd, epoch), service.batcher, POLICY, service.clock()
+    )
+    assert outcome is not None and outcome.batch is not None
+    return outcome.batch.batch_id, outcome.batch.n_contributions, outcome.batch.parts
+
+
+def test_retention_purges_a_batch_with_a_refused_part_but_never_one_partly_delivered(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A batch the analyzer refused a part of can never be complete there, so retention purges
+    it (cause ``refused``) although its other parts were delivered; a batch with a delivered
+    part and none refused may still be completed (and counted) by the analyzer, so it is never
+    purged; an undelivered one is purged as ``retention``. Every acknowledged contribution is
+    in exactly one state throughout."""
+    service, clock = make_service(
+        database_url, tmp_path, rng=SeededSource(41), part_fragments=4, retention_seconds=7200.0
+    )
+    epochs = (clock.epoch - 3, clock.epoch - 2, clock.epoch - 1)
+    clock.now -= 3 * EPOCH_SECONDS  # each group filled in its own open epoch
+    for epoch in epochs:
+        fill(service, epoch, 30)
+        clock.now += EPOCH_SECONDS
+    refused, partial, waiting = (_released(service, epoch) for epoch in epochs)
+    assert min(refused[2], partial[2]) >= 3, (refused, partial)  # several parts each
+    acknowledged = 90
+
+    def conserved() -> dict[str, int]:
+        ledger = service.ledger()
+        assert sum(ledger.values()) == acknowledged, ledger
+        return ledger
+
+    # What a forwarder records: the analyzer took parts 0 and 2 of one batch and refused
+    # part 1; it took part 0 of another, whose other parts it has not got yet.
+    service.store.record_forwarded(PartKey(refused[0], 0), clock.now)
+    service.store.record_failed(PartKey(refused[0], 1), "HTTP 422: below_min_crowd")
+    service.store.record_forwarded(PartKey(refused[0], 2), clock.now)
+    service.store.record_forwarded(PartKey(partial[0], 0), clock.now)
+    before = conserved()
+    assert before["in_batches_refused"] == refused[1]
+    assert before["in_batches_unforwarded"] == partial[1] + waiting[1]
+    assert before["in_batches_forwarded"] == 0  # no batch has every part delivered
+
+    clock.now += 7201  # every batch is past retention
+    assert service.store.purge(clock.now - 7200, clock.now) == {
+        "retention": waiting[1],
+        "refused": refused[1],
+    }
+    after = conserved()
+    assert after["purged"] == refused[1] + waiting[1]
+    assert after["in_batches_refused"] == 0 and after["in_batches_unforwarded"] == partial[1]
+    _, causes = service.store.ledger_by_cause()
+    assert causes["refused"] == refused[1] and causes["retention"] == waiting[1]
+    with service.store.engine.connect() as conn:
+        kept = set(conn.execute(select(storage.batches.c.batch_id)).scalars())
+        parts = conn.execute(
+            select(storage.batch_parts.c.batch_id).where(
+                storage.batch_parts.c.batch_id == refused[0]
+            )
+        ).all()
+    assert kept == {partial[0]} and parts == []
+    # Much later still: the partly delivered batch stays until the analyzer has every part.
+    clock.now += 10 * 7200
+    assert service.store.purge(clock.now - 7200, clock.now) == {"retention": 0, "refused": 0}
+    assert conserved()["in_batches_unforwarded"] == partial[1]
+
+
+def test_requeue_puts_refused_parts_back_and_a_requeued_batch_is_not_purged(
+    database_url: str, tmp_path: Path
+) -> None:
+    """``requeue_refused`` makes refused parts pending again, due at once and from the first
+    attempt (of one batch, or of all); a batch whose refused part was requeued is an ordinary
+    undelivered batch again: with a part delivered it is never purged."""
+    service, clock = make_service(
+        database_url, tmp_path, rng=SeededSource(43), part_fragments=4, retention_seconds=7200.0
+    )
+    clock.now -= 2 * EPOCH_SECONDS
+    for epoch in (clock.epoch, clock.epoch + 1):
+        fill(service, epoch, 30)
+        clock.now += EPOCH_SECONDS
+    first, second = (_released(service, e) for e in (clock.epoch - 2, clock.epoch - 1))
+    for batch_id, _, _ in (first, second):
+        service.store.record_forwarded(PartKey(batch_id, 0), clock.now)
+        claimed = service.store.claim(PartKey(batch_id, 1), clock.now, 60.0)
+        assert claimed is not None
+        service.store.record_retry(PartKey(batch_id, 1), 3, clock.now, "HTTP 503")
+        service.store.record_failed(PartKey(batch_id, 1), "HTTP 422: inconsistent_counts")
+    due = {(k.batch_id, k.part) for k in service.store.due_parts(clock.now)}
+    assert (first[0], 1) not in due and (second[0], 1) not in due  # refused: never re-sent
+    assert service.ledger()["in_batches_refused"] == first[1] + second[1]
+
+    assert service.store.requeue_refused(clock.now, "0" * 32) == 0  # no such batch
+    assert service.store.requeue_refused(clock.now, first[0]) == 1
+    again = service.store.claim(PartKey(first[0], 1), clock.now, 60.0)
+    assert again is not None and again.attempts == 0  # from the first attempt
+    ledger = service.ledger()
+    assert ledger["in_batches_refused"] == second[1]
+    assert ledger["in_batches_unforwarded"] == first[1]
+    assert service.store.requeue_refused(clock.now) == 1  # every other refused part
+    assert service.store.requeue_refused(clock.now) == 0
+    assert service.ledger()["in_batches_refused"] == 0
+
+    clock.now += 10 * 7200  # both have a delivered part and none refused: both kept
+    assert service.store.purge(clock.now - 7200, clock.now) == {"retention": 0, "refused": 0}
+    assert service.ledger()["in_batches_unforwarded"] == first[1] + second[1]
+
+
 @dataclass
 class PausingBatcher(Batcher):
     """A real batcher that stops after the group is locked and counted (its noise draw) until
@@ -468,7 +577,7 @@ def test_a_purge_never_deletes_a_batch_whose_lease_is_taken_while_it_looks(
     assert outcome is not None and outcome.batch is not None
     later = clock.now + 10_000
     parts = storage.batch_parts.c
-    purged: list[int] = []
+    purged: list[dict[str, int]] = []
     with service.store.engine.connect() as conn:
         lease = conn.begin()
         conn.execute(
@@ -479,7 +588,7 @@ def test_a_purge_never_deletes_a_batch_whose_lease_is_taken_while_it_looks(
         time.sleep(0.5)  # let the purge read the unleased batch (same outcome if it has not)
         lease.commit()
     purge.join(60)
-    assert purged == [0]
+    assert purged == [{"retention": 0, "refused": 0}]
     ledger = service.ledger()
     assert (
         ledger["purged"] == 0 and ledger["in_batches_unforwarded"] == outcome.batch.n_contributions
