@@ -8,8 +8,9 @@ parameters of ``benchmarks/ldpsgd.py``). N simulated devices, each holding one t
 resampled with a fixed seed (the data, not privacy noise), enrol over HTTP at every shuffler.
 Each round (= epoch) t:
 
-1. the driver fetches ``GET /v1/config``, verifies its signature against the pinned analyzer
-   key (as every device's SDK would for the same document) and reads ``(t, θ_t)`` from the
+1. the driver fetches ``GET /v1/config``, verifies it and every shuffler's descriptor in it
+   against the keys pinned in ``var/trust.json`` (as every device's SDK would for the same
+   document) and reads ``(t, θ_t)`` from the
    channel's params (:func:`common.mechanisms.ldpsgd.model_from_params`);
 2. worker processes, each holding a shard of devices, compute every device's gradient at θ_t,
    encode it with the ``ldp-sgd`` mechanism (Algorithm 4, OS CSPRNG), seal each fragment to the
@@ -57,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ldpsgd as simulator
 from _report import machine
 
+from common.collection import TrustAnchors
 from common.mechanisms import ldpsgd
 from common.wire import ChannelConfig
 from services.cli import launcher
@@ -103,6 +105,7 @@ def start(var: Path, config: ChannelConfig) -> list[launcher.Service]:
     services = [launcher.start(s, var / "logs" / f"{s.name}.log") for s in specs]
     try:
         launcher.wait_ready(services, 120)
+        launcher.wait_config(services[0], 120)  # every shuffler's signed descriptor fetched
     except launcher.LaunchError:
         launcher.stop(services)
         raise
@@ -140,7 +143,8 @@ def _worker_main(connection: Connection, config: dict[str, Any], shard: Shard) -
                     encoded = sealer.mechanism.encode(
                         sealer.params, report, None, sealer.rng, shufflers
                     )
-                    device = loadgen._Device(tokens, sealer._sealed(encoded.routes))
+                    # Fragments are sealed (to this channel, epoch and crowd) as written.
+                    device = loadgen._Device(tokens, encoded.routes)
                     for slot, fragments in device.routes:
                         sealer._write(out, device, epoch, slot, fragments)
                         written += 1
@@ -258,9 +262,9 @@ def step(analyzer_url: str, epoch: int) -> dict[str, Any]:
     return result
 
 
-def published_model(analyzer_url: str, trusted_key: str) -> tuple[loadgen.Target, int, Floats]:
-    """The signed config, verified against the pinned key, and the ``(t, θ_t)`` it publishes."""
-    target = loadgen.fetch_target(analyzer_url, trusted_key, CHANNEL_ID)
+def published_model(analyzer_url: str, trust: TrustAnchors) -> tuple[loadgen.Target, int, Floats]:
+    """The signed config, verified against the pinned keys, and the ``(t, θ_t)`` it publishes."""
+    target = loadgen.fetch_target(analyzer_url, trust, CHANNEL_ID)
     round_, theta = ldpsgd.model_from_params(target.channel.params, 650)
     return target, round_, theta
 
@@ -293,14 +297,14 @@ class Round:
 def one_round(
     devices: Devices,
     analyzer_url: str,
-    trusted_key: str,
+    trust: TrustAnchors,
     after: int,
     epoch_seconds: int,
     work: Path,
 ) -> Round:
     """Round t: read θ_t from the signed config, seal every device's report for the next
     epoch, send, close, step."""
-    target, round_, theta = published_model(analyzer_url, trusted_key)
+    target, round_, theta = published_model(analyzer_url, trust)
     epoch = next_epoch(after, epoch_seconds)
     paths, sealing = devices.seal_round(round_, theta, epoch, work)
     driver = loadgen.Driver(target.shuffler_urls, concurrency=8, patience=30.0)
@@ -352,19 +356,20 @@ def train_through_pipeline(
     config = channel(args.eps, args.tau, args.epoch_seconds)
     services = start(var, config)
     analyzer_url = services[0].url
-    trusted_key = (var / "analyzer.pub").read_text().strip()
+    trust = TrustAnchors.load(var / launcher.TRUST_FILE)
     devices: Devices | None = None
     try:
-        target, _, _ = published_model(analyzer_url, trusted_key)
+        target, _, _ = published_model(analyzer_url, trust)
         began = time.perf_counter()
         tokens = enroll(target, args.devices)
         took = time.perf_counter() - began
         print(f"Enrolled {args.devices} devices at 3 shufflers in {took:.1f} s.")
-        devices = Devices(
-            target.config.model_dump(mode="json"),
-            shards(tokens, data, args.devices, args.workers, args.seed),
-        )
-        rounds, theta, seconds = run_rounds(args, devices, analyzer_url, trusted_key, var, data)
+        config = {  # what loadgen's sealing workers take (loadgen.SealerPool builds the same)
+            "config": target.config.config.model_dump(mode="json"),
+            "shufflers": [s.model_dump() for s in target.config.shufflers],
+        }
+        devices = Devices(config, shards(tokens, data, args.devices, args.workers, args.seed))
+        rounds, theta, seconds = run_rounds(args, devices, analyzer_url, trust, var, data)
         ledger = httpx.get(f"{analyzer_url}/v1/channels/{CHANNEL_ID}/privacy", timeout=60).json()
         return rounds, theta, ledger, seconds
     finally:
@@ -377,7 +382,7 @@ def run_rounds(
     args: argparse.Namespace,
     devices: Devices,
     analyzer_url: str,
-    trusted_key: str,
+    trust: TrustAnchors,
     var: Path,
     data: simulator.Data,
 ) -> tuple[list[Round], Floats, float]:
@@ -390,8 +395,8 @@ def run_rounds(
     with Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True)) as progress:
         task = progress.add_task("LDP-SGD rounds", total=args.rounds)
         for _ in range(args.rounds):
-            record = one_round(devices, analyzer_url, trusted_key, epoch, args.epoch_seconds, work)
-            _, _, theta = published_model(analyzer_url, trusted_key)
+            record = one_round(devices, analyzer_url, trust, epoch, args.epoch_seconds, work)
+            _, _, theta = published_model(analyzer_url, trust)
             record.accuracy = simulator.accuracy(theta, data)
             rounds.append(record)
             epoch = record.epoch

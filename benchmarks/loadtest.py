@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trivial_app
 from _report import machine
 
+from common.collection import TrustAnchors
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
 from services.cli import launcher
 from services.tools import loadgen
@@ -118,11 +119,11 @@ def _cpu() -> float:
     return times.user + times.system
 
 
-def generation(var: Path, url: str, key: str, devices: int) -> dict[str, Any]:
+def generation(var: Path, url: str, trust: TrustAnchors, devices: int) -> dict[str, Any]:
     """Prepare phase with one worker: reports and contributions sealed per second."""
     found = {}
     for channel in ("homepage", "pages"):
-        plan = Plan(url, key, devices, 10, var / f"gen-{channel}", (channel,), workers=1)
+        plan = Plan(url, trust, devices, 10, var / f"gen-{channel}", (channel,), workers=1)
         prepared = prepare(plan)
         prepared.close()
         found[channel] = {k: round(v) for k, v in prepared.timings.items()}
@@ -421,9 +422,10 @@ def main() -> None:
         )
         services = launcher.start_all(specs, var / "logs")
         try:
-            url, key = services[0].url, (var / "analyzer.pub").read_text().strip()
+            launcher.wait_config(services[0], 60)  # every shuffler's signed descriptor fetched
+            url, trust = services[0].url, TrustAnchors.load(var / launcher.TRUST_FILE)
             urls = [s.url for s in services[1:]]
-            results["generation"] = generation(var, url, key, args.devices)
+            results["generation"] = generation(var, url, trust, args.devices)
             print(results["generation"], flush=True)
             homepage_body = bodies(var, urls, 200, 31, 72)
             results["body_bytes"] = len(homepage_body[0].body)

@@ -69,6 +69,7 @@ from _report import machine
 from rich.console import Console
 
 from analyzer import store as analyzer_tables
+from common.collection import TrustAnchors
 from services.cli import launcher
 from services.runtime import db
 from services.tools import loadgen
@@ -155,6 +156,11 @@ def deploy(var: Path, replicas: int, workers: int) -> tuple[list[launcher.Servic
         overrides=OVERRIDES,
     )
     services = launcher.start_scaled(var, specs, replicas, workers, base, 120)
+    try:  # as esa up: until the analyzer has every shuffler's signed descriptor
+        launcher.wait_config(next(s for s in services if s.name == "haproxy:analyzer"), 120)
+    except BaseException:
+        launcher.stop(services)
+        raise
     return services, base
 
 
@@ -167,8 +173,8 @@ async def prepare_load(var: Path, out: Path, args: argparse.Namespace) -> dict[s
     fresh_databases()
     services, base = deploy(var, 1, 1)
     try:
-        trusted = (var / "analyzer.pub").read_text().strip()
-        target = loadgen.fetch_target(f"http://127.0.0.1:{base}", trusted, CHANNEL_ID)
+        trust = TrustAnchors.load(var / launcher.TRUST_FILE)
+        target = loadgen.fetch_target(f"http://127.0.0.1:{base}", trust, CHANNEL_ID)
         with loadgen.SealerPool(target, args.workers) as pool:
             pool.ready()
             start = time.perf_counter()
