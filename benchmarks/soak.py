@@ -50,6 +50,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from common.collection import TrustAnchors
 from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
@@ -99,7 +100,13 @@ def start_deployment(var: Path, epoch_seconds: int) -> list[launcher.Service]:
     channel = homepage.model_copy(update={"epoch_seconds": epoch_seconds})
     base = launcher.free_base_port(4)
     specs = launcher.prepare(var, 3, base, channels=[channel])
-    return launcher.start_all(specs, var / "logs")
+    services = launcher.start_all(specs, var / "logs")
+    try:  # as esa up: until the analyzer has every shuffler's signed descriptor
+        launcher.wait_config(services[0], 60)
+    except BaseException:
+        launcher.stop(services)
+        raise
+    return services
 
 
 async def scrape(url: str) -> dict[str, float]:
@@ -625,8 +632,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(var, ignore_errors=True)
     services = start_deployment(var, args.epoch_seconds)
     try:
-        trusted = (var / "analyzer.pub").read_text().strip()
-        target = loadgen.fetch_target(services[0].url, trusted, CHANNEL)
+        trust = TrustAnchors.load(var / launcher.TRUST_FILE)
+        target = loadgen.fetch_target(services[0].url, trust, CHANNEL)
         with loadgen.SealerPool(target, args.workers) as pool:
             driver = loadgen.Driver(target.shuffler_urls, max(1, args.concurrency // 3))
             soak = Soak(args, var, services, target, pool, driver)
