@@ -35,6 +35,8 @@ from common.randomness import SeededSource
 from common.wire import Batch, ChannelConfig, b64
 from services.runtime import db
 
+from ..support import descriptor, registry_entry
+
 CHANNEL = ChannelConfig(
     id="homepage",
     mechanism="krappor",
@@ -45,7 +47,7 @@ CHANNEL = ChannelConfig(
     payload_size=16,
 )
 ANALYZER_KEY = X25519PrivateKey.generate()
-SHUFFLERS = {"shuffler-1": Ed25519PrivateKey.generate(), "shuffler-2": Ed25519PrivateKey.generate()}
+SHUFFLERS = {f"shuffler-{i}": Ed25519PrivateKey.generate() for i in (1, 2, 3)}
 #: 1,000 contributions over 5 values (the rest of the 20 bins are empty).
 VALUES = np.repeat(np.arange(5), [400, 300, 200, 80, 20])
 
@@ -153,6 +155,20 @@ def make_batch(
         fragments=fragments,
     )
     return signed(batch)
+
+
+def seeded_entry(
+    shuffler_id: str, signer: Ed25519PrivateKey, url: str = "http://127.0.0.1:1"
+) -> dict[str, object]:
+    """A registry entry for an analyzer process, seeded with the shuffler's own signed
+    descriptor (so ``/v1/config`` needs no shuffler running)."""
+    own = descriptor(signer, X25519PrivateKey.generate(), shuffler_id, url)
+    return {**registry_entry(shuffler_id, url, signer), "descriptor": own.model_dump(mode="json")}
+
+
+def post(url: str, part: Signed) -> httpx.Response:
+    """POST a part to a running analyzer as its shuffler does."""
+    return httpx.post(url + "/v1/batches", content=part.body, headers=part.headers, timeout=30)
 
 
 def counter(url: str, name: str) -> float:

@@ -20,9 +20,9 @@ from analyzer.channels import ChannelRuntime
 from analyzer.dashboard import ChannelView, image_png, page, png_gray
 from analyzer.ledger import LedgerService
 from common.envelope import (
+    FragmentContext,
     load_or_create_ed25519,
     load_or_create_x25519,
-    public_identity,
     seal_fragment,
     sign,
 )
@@ -30,7 +30,7 @@ from common.mechanisms import SeededSource, krappor, longitudinal
 from common.wire import Batch, ChannelConfig, DeviceBudget, b64
 
 from ..support import analyzer_process, wait_until
-from .helpers import ANALYZER_KEY, build, counter, signed
+from .helpers import Signed, build, counter, post, seal, seeded_entry, signed
 
 CHANNELS = [
     ChannelConfig(
@@ -67,7 +67,6 @@ def test_an_image_release_is_drawn_from_its_stored_summary() -> None:
     """Image channels store every bin, so the PNG is the full reconstruction."""
     picture = CHANNELS[1]
     layers = build("sqlite://", [picture])
-    key = ANALYZER_KEY.public_key()
     params = krappor.KRapporParams(**picture.params)
     rng = SeededSource(4)
     values = np.random.default_rng(5).integers(0, params.k, size=200)
@@ -78,11 +77,9 @@ def test_an_image_release_is_drawn_from_its_stored_summary() -> None:
         crowd_id="",
         epoch=3,
         n_contributions=values.size,
-        fragments=[
-            b64(seal_fragment(f, picture.id, 16, key))
-            for v in values
-            for f in krappor.encode(int(v), params, rng)
-        ],
+        fragments=seal(
+            [f for v in values for f in krappor.encode(int(v), params, rng)], picture, 3
+        ),
     )
     layers.deliver(*signed(batch))
     release = layers.releases.publish(picture.id, 3, 3)
@@ -103,15 +100,13 @@ def test_the_ledger_shows_pairs_lifetimes_and_the_device_budget_in_use() -> None
     layers = build("sqlite://", [homepage])
     runtimes = {homepage.id: ChannelRuntime.build(homepage, ["shuffler-1"])}
     ledger = LedgerService(layers.store, runtimes, device_budget=DeviceBudget(lifetime_eps=7.0))
-    key, params = ANALYZER_KEY.public_key(), krappor.KRapporParams(**homepage.params)
+    params = krappor.KRapporParams(**homepage.params)
     values = np.random.default_rng(6).integers(0, params.k, size=120)
     for epoch in (4, 5, 6):
         rng = SeededSource(epoch)
-        fragments = [
-            b64(seal_fragment(f, homepage.id, 16, key))
-            for v in values
-            for f in krappor.encode(int(v), params, rng)
-        ]
+        fragments = seal(
+            [f for v in values for f in krappor.encode(int(v), params, rng)], homepage, epoch
+        )
         batch = Batch(
             batch_id=secrets.token_hex(16),
             shuffler_id="shuffler-1",
@@ -163,9 +158,7 @@ def _post(
         fragments=[b64(f) for f in fragments],
     )
     body = batch.body()
-    response = httpx.post(
-        url + "/v1/batches", content=body, headers={"ESA-Signature": b64(sign(body, key))}
-    )
+    response = post(url, Signed(body, b64(sign(body, key)), "shuffler-1"))
     assert response.status_code == 201, response.text
 
 
@@ -175,23 +168,27 @@ def _send(url: str, signer: Ed25519PrivateKey, analyzer: X25519PublicKey) -> Non
     for channel in CHANNELS[:2]:
         params = krappor.KRapporParams(**channel.params)
         values = np.random.default_rng(2).integers(0, params.k, size=300)
+        context = FragmentContext(channel.id, 3, "")
         frags = [
-            seal_fragment(f, channel.id, 16, analyzer)
+            seal_fragment(f, context, 16, analyzer)
             for v in values
             for f in krappor.encode(int(v), params, rng)
         ]
         _post(url, signer, channel, 3, frags, values.size)
     l_params = longitudinal.LongitudinalParams(**CHANNELS[2].params)
-    states = [longitudinal.setup(l_params, rng) for _ in range(200)]
+    states = [longitudinal.setup(l_params, rng) for _ in range(400)]
     for t in range(1, 9):
         reports = []
+        context = FragmentContext("abroad", t, "")
         for i, state in enumerate(states):
             states[i], report = longitudinal.update(
                 state, t, 1 if (t == 3 and i % 2) else 0, l_params, rng
             )
             if report is not None:
-                reports.append(seal_fragment(report, "abroad", 16, analyzer))
-        _post(url, signer, CHANNELS[2], t, reports, 200)
+                reports.append(seal_fragment(report, context, 16, analyzer))
+        # a contribution is one report: only the devices whose level reports in period t
+        assert len(reports) >= CHANNELS[2].min_crowd
+        _post(url, signer, CHANNELS[2], t, reports, len(reports))
 
 
 def _publish(url: str) -> dict[str, Any]:
@@ -216,9 +213,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     browser = _chromium()
     keys = tmp_path / "shuffler-1"
     signer = load_or_create_ed25519(keys / "signing.pem")
-    hpke = load_or_create_x25519(keys / "hpke.pem")
-    identity = public_identity(hpke.public_key(), signer.public_key())
-    registry = [{"id": "shuffler-1", "url": "http://127.0.0.1:1", **identity}]
+    registry = [seeded_entry("shuffler-1", signer)]
     analyzer_keys = tmp_path / "analyzer" / "keys"
     analyzer_key = load_or_create_x25519(analyzer_keys / "hpke.pem")
     service = analyzer_process(tmp_path, [c.model_dump() for c in CHANNELS], registry).start()

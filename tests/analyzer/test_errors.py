@@ -20,10 +20,12 @@ EXPECTED = {
     errors.BelowMinCrowdError: ("below_min_crowd", 422),
     errors.UnknownCrowdError: ("unknown_crowd", 422),
     errors.InconsistentCountsError: ("inconsistent_counts", 422),
+    errors.DuplicateGroupError: ("duplicate_group", 422),
     errors.UnknownChannelError: ("unknown_channel", 404),
     errors.NothingReceivedError: ("no_data", 404),
     errors.IncompleteBatchesError: ("incomplete", 404),
     errors.StorageConflictError: ("storage_conflict", 503),
+    errors.ShufflersUnavailableError: ("shufflers_unavailable", 503),
 }
 
 

@@ -25,21 +25,35 @@ import numpy as np
 import numpy.typing as npt
 from alembic import command
 from alembic.config import Config
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from prometheus_client import CollectorRegistry, generate_latest
 from sqlalchemy import text
 
 from analyzer.metrics import EventsCollector
 from analyzer.service import MIGRATIONS
 from analyzer.store import AnalyzerStore
-from common.envelope import load_or_create_x25519, public_identity, seal_fragment
+from common.envelope import (
+    FragmentContext,
+    load_or_create_x25519,
+    seal_fragment,
+)
 from common.mechanisms import krappor
 from common.randomness import SeededSource
 from common.wire import Batch, b64
 from services.runtime import db
 
 from ..support import ServiceProcess, analyzer_process, unopened_parts, wait_until
-from .helpers import ANALYZER_KEY, CHANNEL, SHUFFLERS, VALUES, build, signed
+from .helpers import (
+    ANALYZER_KEY,
+    CHANNEL,
+    SHUFFLERS,
+    VALUES,
+    Signed,
+    build,
+    post,
+    seeded_entry,
+    signed,
+)
 
 OTHER = CHANNEL.model_copy(update={"id": "settings-page"})
 _SAMPLE = re.compile(r"^(esa_analyzer_[a-z_]+)(\{[^}]*\})? (\S+)$", re.MULTILINE)
@@ -51,17 +65,19 @@ def _batch(
     undecryptable: int = 0,
     unparsable: int = 0,
     seed: int = 0,
-) -> tuple[tuple[bytes, str], int]:
-    """A signed batch of k-RAPPOR reports of ``values``, plus random bytes (do not decrypt)
-    and sealed junk (decrypts, does not parse); with its fragments that decrypt."""
+    epoch: int = 7,
+) -> tuple[Signed, int]:
+    """A signed batch of k-RAPPOR reports of ``values`` for ``epoch``, plus random bytes (do
+    not decrypt) and sealed junk (decrypts, does not parse); with its fragments that decrypt."""
     params = krappor.KRapporParams(**CHANNEL.params)
     rng = SeededSource(seed)
+    context = FragmentContext(CHANNEL.id, epoch, "")
     sealed = [
-        seal_fragment(f, CHANNEL.id, 16, analyzer)
+        seal_fragment(f, context, 16, analyzer)
         for v in values
         for f in krappor.encode(int(v), params, rng)
     ]
-    sealed += [seal_fragment(b"\xff junk", CHANNEL.id, 16, analyzer) for _ in range(unparsable)]
+    sealed += [seal_fragment(b"\xff junk", context, 16, analyzer) for _ in range(unparsable)]
     opened = len(sealed)
     sealed += [secrets.token_bytes(len(sealed[0])) for _ in range(undecryptable)]
     batch = Batch(
@@ -69,7 +85,7 @@ def _batch(
         shuffler_id="shuffler-1",
         channel_id=CHANNEL.id,
         crowd_id="",
-        epoch=7,
+        epoch=epoch,
         n_contributions=len(values),
         fragments=[b64(f) for f in sealed],
     )
@@ -82,9 +98,9 @@ def test_the_ledger_is_what_the_opener_counted(database_url: str) -> None:
     assert layers.store.fragment_ledger(channels) == {c: (0, 0) for c in channels}
     first, opened = _batch(VALUES[:300], ANALYZER_KEY.public_key(), 7, 5, seed=1)
     layers.deliver(*first)
-    second, more = _batch(VALUES[300:], ANALYZER_KEY.public_key(), 3, 0, seed=2)
+    second, more = _batch(VALUES[300:], ANALYZER_KEY.public_key(), 3, 0, seed=2, epoch=8)
     layers.deliver(*second)
-    waiting, _ = _batch(VALUES[:100], ANALYZER_KEY.public_key(), 2, 2, seed=3)
+    waiting, _ = _batch(VALUES[:100], ANALYZER_KEY.public_key(), 2, 2, seed=3, epoch=9)
     layers.intake.accept(*waiting)  # stored, not opened: counts nowhere
     assert layers.store.unopened_parts() == 1
     found = layers.store.fragment_ledger(channels)
@@ -157,21 +173,16 @@ def _counters(samples: dict[str, float]) -> tuple[float, float]:
     )
 
 
-def _deliver(url: str, batch: tuple[bytes, str]) -> None:
+def _deliver(url: str, batch: Signed) -> None:
     """POST one part to one worker and wait until it is opened (by that worker: the other
     polls only every 10 minutes)."""
-    body, signature = batch
-    response = httpx.post(
-        url + "/v1/batches", content=body, headers={"ESA-Signature": signature}, timeout=30
-    )
+    response = post(url, batch)
     assert response.status_code == 201, response.text
     wait_until(lambda: unopened_parts(url) == 0, timeout=60)
 
 
 def _worker(tmp: Path, database_url: str, name: str) -> ServiceProcess:
-    hpke = X25519PrivateKey.generate().public_key()
-    identity = public_identity(hpke, SHUFFLERS["shuffler-1"].public_key())
-    registry = [{"id": "shuffler-1", "url": "http://127.0.0.1:1", **identity}]
+    registry = [seeded_entry("shuffler-1", SHUFFLERS["shuffler-1"])]
     process = analyzer_process(
         tmp,
         [CHANNEL.model_dump()],
@@ -188,7 +199,7 @@ def test_two_analyzer_processes_report_one_ledger(postgres_url: str, tmp_path: P
     db.upgrade(engine, MIGRATIONS)  # as esa up does before starting several workers
     engine.dispose()
     key = load_or_create_x25519(tmp_path / "analyzer" / "keys" / "hpke.pem").public_key()
-    batches = [_batch(VALUES[i::3], key, i + 1, 2 * i, seed=i) for i in range(3)]
+    batches = [_batch(VALUES[i::3], key, i + 1, 2 * i, seed=i, epoch=7 + i) for i in range(3)]
     first = _worker(tmp_path, postgres_url, "w1").start()
     second: ServiceProcess | None = None
     try:

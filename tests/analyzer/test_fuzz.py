@@ -13,13 +13,15 @@ serves at ``/openapi.json``.
 
 Random bytes never carry a valid Ed25519 signature, so on ``POST /v1/batches`` a positive
 case is also, at the fuzzer's choice, replaced by a *validly signed* batch part from the
-registered shuffler (:func:`signed_parts`): sealed fragments of real reports for the
-configured channels mixed with chaff, any part of a batch of one to three parts, known and new
-batch ids, declared and undeclared crowds, below and above the minimum crowd, unknown
-channels, epochs up to ``MAX_INT``. Those parts are
+registered shuffler, sent as it (``ESA-Shuffler``; :func:`signed_parts`): sealed fragments of
+real reports for the configured channels (bound to the part's channel, epoch and crowd, or at
+times replayed from another epoch) mixed with chaff, any part of a batch of one to three parts,
+known and new batch ids, declared and undeclared crowds, below and above the minimum crowd,
+unknown channels, epochs up to ``MAX_INT``, second batches for a group. Those parts are
 stored and opened, so the estimate, ledger, release and dashboard operations fuzzed after
-them read real, adversarial data. The publishing route is called with the admin token on
-every other case (and without it otherwise), so it is exercised past its 401.
+them read real, adversarial data. The admin routes (publishing, training steps, requeueing
+quarantined parts) are called with the admin token on every other case (and without it
+otherwise), so they are exercised past their 401.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ from schemathesis import Case, GenerationMode, HookContext
 
 from analyzer.app import create_app
 from analyzer.settings import AnalyzerSettings
-from common.envelope import public_identity, seal_fragment, sign, write_private_key
+from common.envelope import FragmentContext, seal_fragment, sign, write_private_key
 from common.mechanisms import get
 from common.randomness import SeededSource
 from common.wire import MAX_INT, ChannelConfig, b64
 
 from ..support import analyzer_process, wait_until
+from .helpers import seeded_entry
 
 #: Examples per operation (``make fuzz`` raises it).
 EXAMPLES = int(os.environ.get("ESA_FUZZ_EXAMPLES", "200"))
@@ -116,7 +119,8 @@ POSITIVE_DEFAULT = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx"]
 #: The one expectation added to schemathesis' defaults: a schema-valid, validly signed part may
 #: still be refused as inconsistent with the configuration (422: unknown channel or crowd,
 #: below the channel's minimum crowd, more fragments than its contributions can carry, parts
-#: that disagree) — facts about the channel configuration that no JSON schema states.
+#: that disagree, a second batch for a group) — facts about the channel configuration and
+#: what was received before that no JSON schema states.
 CONFIG = schemathesis.Config.from_dict(
     {
         "operations": [
@@ -143,13 +147,7 @@ def analyzer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     keys = tmp / "analyzer" / "keys"
     keys.mkdir(parents=True)
     write_private_key(keys / "hpke.pem", ANALYZER_KEY)
-    registry = [
-        {
-            "id": SHUFFLER,
-            "url": "http://127.0.0.1:1",
-            **public_identity(X25519PrivateKey.generate().public_key(), SIGNER.public_key()),
-        }
-    ]
+    registry = [seeded_entry(SHUFFLER, SIGNER)]
     process = analyzer_process(
         tmp,
         [c.model_dump(mode="json") for c in CHANNELS],
@@ -167,13 +165,17 @@ def analyzer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         process.stop()
 
 
-def _reports(channel: ChannelConfig, values: list[int], seed: int) -> list[str]:
-    """The sealed fragments of one report of each value (the device's encoding, seeded)."""
+def _reports(
+    channel: ChannelConfig, values: list[int], seed: int, epoch: int, crowd: str
+) -> list[str]:
+    """The sealed fragments of one report of each value (the device's encoding, seeded), bound
+    to ``epoch`` and ``crowd``."""
     mechanism = get(channel.mechanism)
     params = mechanism.parse_params(channel.params)
     rng, sealing = SeededSource(seed), ANALYZER_KEY.public_key()
+    context = FragmentContext(channel.id, epoch, crowd)
     return [
-        b64(seal_fragment(fragment, channel.id, channel.payload_size, sealing))
+        b64(seal_fragment(fragment, context, channel.payload_size, sealing))
         for value in values
         for _, fragments in mechanism.encode(params, value, None, rng, 1).routes
         for fragment in fragments
@@ -204,9 +206,13 @@ def _receive_first_epochs(client: httpx.Client, epochs: int = 3) -> None:
             "crowd_id": channel.crowds[0],
             "epoch": epoch,
             "n_contributions": len(values),
-            "fragments": _reports(channel, values, epoch),
+            "fragments": _reports(channel, values, epoch, epoch, channel.crowds[0]),
         }
-        headers = {"ESA-Signature": _signature(body), "Content-Type": "application/json"}
+        headers = {
+            "ESA-Signature": _signature(body),
+            "ESA-Shuffler": SHUFFLER,
+            "Content-Type": "application/json",
+        }
         content = json.dumps(body, allow_nan=False).encode()
         answer = client.post("/v1/batches", content=content, headers=headers)
         assert answer.status_code == 201, answer.text
@@ -219,7 +225,11 @@ def signed_parts(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
     """A batch part signed by the registered shuffler, as JSON and its ``ESA-Signature``."""
     channel = draw(st.sampled_from(CHANNELS))
     values = draw(st.lists(st.integers(0, _domain(channel) - 1), max_size=12))
-    sealed = _reports(channel, values, draw(st.integers(0, 2**32)))
+    crowd_id = draw(st.sampled_from(channel.crowds) | st.just("undeclared"))
+    epoch = draw(st.integers(0, 12) | st.just(MAX_INT))
+    # mostly sealed for this part's group; at times replayed from another epoch (do not open)
+    sealed_for = draw(st.just(epoch) | st.integers(0, 12))
+    sealed = _reports(channel, values, draw(st.integers(0, 2**32)), sealed_for, crowd_id)
     chaff = draw(st.lists(st.binary(max_size=96).map(b64) | st.text(max_size=8), max_size=4))
     parts = draw(st.just(1) | st.integers(2, 3))
     # Each first alternative is consistent with the configuration (what Hypothesis draws
@@ -231,8 +241,8 @@ def signed_parts(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
         "parts": parts,
         "shuffler_id": SHUFFLER,
         "channel_id": draw(st.sampled_from([channel.id, "elsewhere"])),
-        "crowd_id": draw(st.sampled_from(channel.crowds) | st.just("undeclared")),
-        "epoch": draw(st.integers(0, 12) | st.just(MAX_INT)),
+        "crowd_id": crowd_id,
+        "epoch": epoch,
         # Crowds stay small: the lifetime accounting behind GET /v1/privacy is recomputed on
         # every request and takes seconds at n >= 10^5 (test_intake covers the bounds).
         "n_contributions": draw(st.integers(crowd, 2 * crowd) | st.integers(0, crowd)),
@@ -244,6 +254,7 @@ def signed_parts(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
 def _signed(case: Case[Any], part: tuple[dict[str, Any], str]) -> Case[Any]:
     case.body, signature = part
     case.headers["ESA-Signature"] = signature
+    case.headers["ESA-Shuffler"] = SHUFFLER
     SIGNED.add(signature)
     return case
 
@@ -301,7 +312,9 @@ def session() -> Iterator[requests.Session]:
 def test_every_operation_answers_as_documented(
     analyzer: str, session: requests.Session, case: Case[Any]
 ) -> None:
-    admin = case.operation.path.endswith(("/releases", "/step")) and next(_turn) % 2 == 0
+    admin = (
+        case.operation.path.endswith(("/releases", "/step", "/requeue")) and next(_turn) % 2 == 0
+    )
     started = time.perf_counter()
     response = case.call_and_validate(
         base_url=analyzer, session=session, headers=ADMIN if admin else None, timeout=60
@@ -327,5 +340,6 @@ def test_the_fuzzer_got_past_the_credentials(capsys: pytest.CaptureFixture[str])
     assert {200, 201, 422} <= set(ANSWERS["POST /v1/batches (signed)"])
     assert 401 in ANSWERS["POST /v1/batches"]
     assert {201, 401, 404} <= set(ANSWERS["POST /v1/channels/{channel_id}/releases"])
+    assert {200, 401} <= set(ANSWERS["POST /v1/admin/requeue"])
     assert 200 in ANSWERS["GET /v1/channels/{channel_id}/estimate"]
     assert 200 in ANSWERS["GET /v1/channels/{channel_id}/privacy"]

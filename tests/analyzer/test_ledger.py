@@ -19,12 +19,11 @@ from analyzer.ledger import DELTA_HEADROOM, lifetime
 from analyzer.metrics import Events
 from analyzer.opening import FragmentOpener, PartOpener
 from analyzer.store import ReceivedRange, epoch_charges
-from common.envelope import seal_fragment
 from common.mechanisms import krappor
 from common.randomness import SeededSource
-from common.wire import Batch, Bound, ChannelConfig, b64
+from common.wire import Batch, Bound, ChannelConfig
 
-from .helpers import ANALYZER_KEY, CHANNEL, SHUFFLERS, VALUES, build, make_batch, signed
+from .helpers import CHANNEL, SHUFFLERS, VALUES, Signed, build, make_batch, seal, signed
 
 OTHER = CHANNEL.model_copy(update={"id": "settings-page"})
 
@@ -42,13 +41,11 @@ def _bound(eps: float, delta: float) -> Bound:
     )
 
 
-def _batch(channel: ChannelConfig, epoch: int, size: int) -> tuple[bytes, str]:
+def _batch(channel: ChannelConfig, epoch: int, size: int) -> Signed:
     params, rng = krappor.KRapporParams(k=20, eps=4.0), SeededSource(epoch)
-    fragments = [
-        b64(seal_fragment(f, channel.id, 16, ANALYZER_KEY.public_key()))
-        for v in VALUES[:size]
-        for f in krappor.encode(int(v), params, rng)
-    ]
+    fragments = seal(
+        [f for v in VALUES[:size] for f in krappor.encode(int(v), params, rng)], channel, epoch
+    )
     batch = Batch(
         batch_id=secrets.token_hex(16),
         shuffler_id="shuffler-1",
@@ -137,14 +134,15 @@ def test_two_analyzer_processes_charging_one_epoch_at_once_miss_no_batch(
     postgres_url: str,
 ) -> None:
     # Two analyzers over one PostgreSQL database (two engines, as two processes) each complete
-    # a batch of the same epoch from a different shuffler while the epoch is already charged:
-    # the last rewrite of its ledger row must cover all three batches.
+    # a batch of the same epoch from another shuffler while the epoch is already charged: the
+    # last rewrite of its ledger row must cover all three batches (one per shuffler: a group
+    # sends one batch).
     first = build(postgres_url)
     first.deliver(*make_batch(VALUES, epoch=7, seed=1))
     second = build(postgres_url)
     stored = [
-        first.intake.accept(*make_batch(VALUES[:600], epoch=7, seed=2)),
-        first.intake.accept(*make_batch(VALUES[:500], epoch=7, seed=3, shuffler="shuffler-2")),
+        first.intake.accept(*make_batch(VALUES[:600], epoch=7, seed=2, shuffler="shuffler-2")),
+        first.intake.accept(*make_batch(VALUES[:500], epoch=7, seed=3, shuffler="shuffler-3")),
     ]
     base = ChannelRuntime.build(CHANNEL, sorted(SHUFFLERS))
     runtime = _MeetingRuntime(base.config, base.mechanism, base.params, base.shuffler_ids)
@@ -172,7 +170,7 @@ def test_two_analyzer_processes_charging_one_epoch_at_once_miss_no_batch(
     (charge,) = first.store.charges(CHANNEL.id)
     assert charge.batches == 3
     rows = second.ledger.rows(CHANNEL.id)
-    assert [row.n for row in rows] == [500]  # the smallest crowd received (shuffler-2's)
+    assert [row.n for row in rows] == [500]  # the smallest crowd received (shuffler-3's)
     expected = runtime.charge(first.store.received(CHANNEL.id, "", 7, 7))
     assert charge.certificate == expected
 

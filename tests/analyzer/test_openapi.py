@@ -23,7 +23,7 @@ from .helpers import VALUES, make_batch
 SERVER = {"400", "405", "431", "500"}
 EXPECTED = {
     ("post", "/v1/batches"): {"200", "201", "401", "413", "415", "422", "503"},
-    ("get", "/v1/config"): {"200"},
+    ("get", "/v1/config"): {"200", "503"},  # 503 shufflers_unavailable: no descriptor yet
     ("get", "/v1/channels"): {"200", "503"},
     ("get", "/v1/channels/{channel_id}/estimate"): {"200", "404", "503"},
     ("post", "/v1/channels/{channel_id}/releases"): {"201", "401", "404", "503"},
@@ -31,6 +31,7 @@ EXPECTED = {
     ("post", "/v1/channels/{channel_id}/training/step"): {"200", "401", "404", "503"},
     ("get", "/v1/channels/{channel_id}/training"): {"200", "404"},
     ("get", "/v1/privacy"): {"200", "503"},
+    ("post", "/v1/admin/requeue"): {"200", "401", "503"},
     ("get", "/"): {"200", "503"},
     ("get", "/healthz"): {"200"},
     ("get", "/readyz"): {"200", "503"},
@@ -90,12 +91,15 @@ def test_a_batch_part_is_documented_so_a_client_can_send_one(document: dict[str,
     operation = _operations(document)[("post", "/v1/batches")]
     assert operation["requestBody"]["required"] is True
     schema = operation["requestBody"]["content"]["application/json"]["schema"]
-    (header,) = operation["parameters"]
+    sender, header = operation["parameters"]
+    assert (sender["name"], sender["in"], sender["required"]) == ("ESA-Shuffler", "header", True)
     assert (header["name"], header["in"], header["required"]) == ("ESA-Signature", "header", True)
     assert header["schema"]["pattern"] == SIGNATURE_PATTERN
-    body, signature = make_batch(VALUES[:100])
+    body, signature, shuffler = make_batch(VALUES[:100])
     assert jsonschema_rs.is_valid(schema, Batch.model_validate_json(body).model_dump(mode="json"))
     assert jsonschema_rs.is_valid(header["schema"], signature)
+    assert jsonschema_rs.is_valid(sender["schema"], shuffler)
+    assert not jsonschema_rs.is_valid(sender["schema"], "Shuffler One")
     assert schema["additionalProperties"] is False
     assert schema["properties"]["n_contributions"]["maximum"] == MAX_STORED_INT
     too_many = {**Batch.model_validate_json(body).model_dump(), "parts": MAX_STORED_INT + 1}
@@ -103,8 +107,17 @@ def test_a_batch_part_is_documented_so_a_client_can_send_one(document: dict[str,
     assert not jsonschema_rs.is_valid(header["schema"], "c2ln")
 
 
-def test_publishing_documents_its_token_and_body(document: dict[str, Any]) -> None:
-    operation = _operations(document)[("post", "/v1/channels/{channel_id}/releases")]
+@pytest.mark.parametrize(
+    ("path", "request_body"),
+    [
+        ("/v1/channels/{channel_id}/releases", "ReleaseRequest"),
+        ("/v1/admin/requeue", "RequeueRequest"),
+    ],
+)
+def test_admin_operations_document_their_token_and_body(
+    document: dict[str, Any], path: str, request_body: str
+) -> None:
+    operation = _operations(document)[("post", path)]
     ((scheme, _),) = (item for requirement in operation["security"] for item in requirement.items())
     assert document["components"]["securitySchemes"][scheme] == {
         "type": "http",
@@ -112,5 +125,6 @@ def test_publishing_documents_its_token_and_body(document: dict[str, Any]) -> No
         "description": "the analyzer's admin token",
     }
     body = operation["requestBody"]["content"]["application/json"]["schema"]
-    assert "ReleaseRequest" in str(body)
-    assert not any(p["name"].lower() == "authorization" for p in operation["parameters"])
+    assert request_body in str(body)
+    parameters = operation.get("parameters", [])
+    assert not any(p["name"].lower() == "authorization" for p in parameters)

@@ -23,18 +23,23 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from analyzer.channels import ChannelRuntime
+from analyzer.errors import NothingReceivedError
 from analyzer.metrics import EventsCollector
 from analyzer.opening import OPEN_ATTEMPTS, FragmentOpener, PartOpener
 from analyzer.service import MIGRATIONS
 from analyzer.store import PENDING_PAGE, BatchProgress, PartHeader, PartStatus
-from common.envelope import KeyRing, seal_fragment, sign
-from common.wire import Batch, b64
+from common.envelope import FragmentContext, KeyRing, seal_fragment, sign
+from common.mechanisms import krr
+from common.randomness import SeededSource
+from common.wire import Batch, ChannelConfig, b64
 from services.runtime import db
 
 from ..support import wait_until
-from .helpers import CHANNEL, SHUFFLERS, VALUES, Layers, build, make_batch, signed
+from .helpers import CHANNEL, SHUFFLERS, VALUES, Layers, build, make_batch, seal, signed
 
 OTHER = CHANNEL.model_copy(update={"id": "settings-page"})
+#: The context the pool tests seal and open with.
+CONTEXT = FragmentContext(CHANNEL.id, 7, "")
 
 
 def _header(body: bytes) -> PartHeader:
@@ -83,13 +88,13 @@ def test_the_opener_pages_past_parts_of_channels_no_longer_configured(database_u
     )
     # More than a page of the oldest parts belong to a channel this opener does not know.
     chaff = [b64(os.urandom(100))] * 4
-    for _ in range(PENDING_PAGE + 1):
+    for i in range(PENDING_PAGE + 1):
         batch = Batch(
             batch_id=os.urandom(16).hex(),
             shuffler_id="shuffler-1",
             channel_id=OTHER.id,
             crowd_id="",
-            epoch=7,
+            epoch=100 + i,  # one batch per group
             n_contributions=OTHER.min_crowd,
             fragments=chaff,
         )
@@ -106,13 +111,13 @@ def test_a_part_that_keeps_failing_is_quarantined_and_never_blocks_the_others(
     database_url: str,
 ) -> None:
     layers = build(database_url)
-    body, _ = make_batch(VALUES[:400], seed=1)
+    body = make_batch(VALUES[:400], seed=1).body
     first, second = _halves(body)
-    layers.intake.accept(first, b64(sign(first, SHUFFLERS["shuffler-1"])))
+    layers.intake.accept(first, b64(sign(first, SHUFFLERS["shuffler-1"])), "shuffler-1")
     broken = _header(second)
     # The stored body of part 1 is damaged (it no longer parses): every opening raises.
     assert layers.store.store_part(broken, second[: len(second) // 2], lambda _: None)
-    later = make_batch(VALUES[400:], seed=2)  # stored after the damaged part
+    later = make_batch(VALUES[400:], seed=2, shuffler="shuffler-2")  # after the damaged part
     layers.intake.accept(*later)
     assert layers.opener.open_pending() == 2  # part 0 and the later batch: nothing waits behind
     status = layers.store.part_status(broken)
@@ -163,18 +168,18 @@ def test_a_database_failure_is_not_counted_against_the_part(tmp_path: Path) -> N
 
 def test_a_dead_pool_worker_fails_one_opening_and_the_pool_starts_again() -> None:
     key = X25519PrivateKey.generate()
-    texts = [b64(seal_fragment(b"x" * 8, CHANNEL.id, 16, key.public_key())) for _ in range(40)]
+    texts = [b64(seal_fragment(b"x" * 8, CONTEXT, 16, key.public_key())) for _ in range(40)]
     opener = FragmentOpener(KeyRing.of(key), 2, 10)
     try:
-        assert len(opener.open(CHANNEL.id, texts)) == 40
+        assert len(opener.open(CONTEXT, texts)) == 40
         pool = opener._pool
         assert pool is not None
-        victim = next(iter(pool._processes))  # type: ignore[attr-defined]
+        victim = next(iter(pool._processes))
         os.kill(victim, signal.SIGKILL)
         threading.Event().wait(0.5)
         with pytest.raises(BrokenProcessPool):
-            opener.open(CHANNEL.id, texts)
-        assert len(opener.open(CHANNEL.id, texts)) == 40
+            opener.open(CONTEXT, texts)
+        assert len(opener.open(CONTEXT, texts)) == 40
     finally:
         opener.close()
 
@@ -188,11 +193,13 @@ def test_warming_starts_every_pool_worker_before_the_first_part() -> None:
         assert opener.warm() == 2
         pool = opener._pool
         assert pool is not None
-        started = set(pool._processes)  # type: ignore[attr-defined]
+        started = set(pool._processes)
         assert len(started) == 2 and all(_alive(pid) for pid in started)
-        texts = [b64(seal_fragment(b"x" * 8, CHANNEL.id, 16, key.public_key())) for _ in range(40)]
-        assert len(opener.open(CHANNEL.id, texts)) == 40
-        assert set(pool._processes) == started  # type: ignore[attr-defined]
+        texts = [b64(seal_fragment(b"x" * 8, CONTEXT, 16, key.public_key())) for _ in range(40)]
+        assert len(opener.open(CONTEXT, texts)) == 40
+        # in the pool as in process: a fragment opens only with its own epoch and crowd
+        assert opener.open(FragmentContext(CHANNEL.id, 8, ""), texts) == []
+        assert set(pool._processes) == started
     finally:
         opener.close()
     assert FragmentOpener(KeyRing.of(key), 1, 10).warm() == 1  # no pool: opens in-process
@@ -237,9 +244,9 @@ WORKERS = """
 import sys, time
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from analyzer.opening import FragmentOpener
-from common.envelope import KeyRing
+from common.envelope import FragmentContext, KeyRing
 opener = FragmentOpener(KeyRing.of(X25519PrivateKey.generate()), 2, 10)
-opener.open("homepage", ["AAAA"] * 40)
+opener.open(FragmentContext("homepage", 7, ""), ["AAAA"] * 40)
 print(*opener._pool._processes, flush=True)
 time.sleep(600)
 """
@@ -267,3 +274,75 @@ def test_pool_workers_end_when_the_analyzer_is_killed() -> None:
         analyzer.kill()
         analyzer.wait()
     wait_until(lambda: not any(_alive(pid) for pid in workers), timeout=60)
+
+
+REGIONAL = ChannelConfig(
+    id="regional",
+    mechanism="krr",
+    params={"k": 4, "eps": 2.0},
+    min_crowd=50,
+    max_fragments=1,
+    min_fragments=1,
+    payload_size=16,
+    crowds=("eu", "us"),
+)
+
+
+def _krr_reports(n: int, seed: int) -> list[bytes]:
+    params, rng = krr.KRRParams(k=4, eps=2.0), SeededSource(seed)
+    return [f for i in range(n) for f in krr.encode(i % 4, params, rng)]
+
+
+def _krr_part(fragments: list[str], n: int, epoch: int, crowd: str) -> Batch:
+    return Batch(
+        batch_id=os.urandom(16).hex(),
+        shuffler_id="shuffler-1",
+        channel_id=REGIONAL.id,
+        crowd_id=crowd,
+        epoch=epoch,
+        n_contributions=n,
+        fragments=fragments,
+    )
+
+
+@pytest.mark.parametrize(
+    ("epoch", "crowd"), [(7, "eu"), (8, "us")], ids=["earlier-epoch", "other-crowd"]
+)
+def test_fragments_sealed_for_another_group_do_not_open_and_cost_the_crowd(
+    database_url: str, epoch: int, crowd: str
+) -> None:
+    """A shuffler pads epoch 8's batch for crowd "eu" with 50 reports sealed for another group
+    (replayed from epoch 7, or taken from crowd "us"), claiming 250 contributions: the count
+    fits (one report each), but the 50 do not open, are counted invalid, and the batch is
+    certified and estimated on the 200 contributions its fragments verify, exactly as if the
+    shuffler had sent only those."""
+    layers = build(database_url, [REGIONAL])
+    honest = seal(_krr_reports(200, seed=1), REGIONAL, 8, "eu")
+    replayed = seal(_krr_reports(50, seed=2), REGIONAL, epoch, crowd)
+    mixed = honest[:100] + replayed + honest[100:]
+    layers.deliver(*signed(_krr_part(mixed, 250, 8, "eu")))
+    assert layers.events.get("fragments_opened") == 200
+    assert layers.events.get("fragments_invalid") == 50
+    assert layers.events.get("crowd_shortfall") == 50
+    release = layers.releases.release(REGIONAL.id, 8, 8, crowd_id="eu")
+    assert release.estimate.n == 200 and release.crowds == {"8/shuffler-1#0": 200}
+    check = release.to_wire().crowd_check
+    assert check is not None
+    assert (check.claimed, check.verified, check.invalid_fragments) == (250, 200, 50)
+    if "sqlite" in database_url:  # the same reports, sent honestly
+        reference = build(database_url.replace("test.db", "reference.db"), [REGIONAL])
+        reference.deliver(*signed(_krr_part(honest, 200, 8, "eu")))
+        expected = reference.releases.release(REGIONAL.id, 8, 8, crowd_id="eu")
+        assert (release.estimate.values == expected.estimate.values).all()
+        assert release.certificate == expected.certificate
+
+
+def test_a_batch_none_of_whose_fragments_open_releases_nothing(database_url: str) -> None:
+    """Every fragment sealed for another epoch: nothing verifies, and the range is no_data
+    rather than a release certified on a crowd nobody backs."""
+    layers = build(database_url, [REGIONAL])
+    replayed = seal(_krr_reports(60, seed=3), REGIONAL, 7, "eu")
+    layers.deliver(*signed(_krr_part(replayed, 60, 8, "eu")))
+    assert layers.events.get("fragments_invalid") == 60
+    with pytest.raises(NothingReceivedError, match="no contribution verified"):
+        layers.releases.release(REGIONAL.id, 8, 8, crowd_id="eu")

@@ -11,12 +11,11 @@ import pytest
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import InvalidChannelError, NothingReceivedError, UnknownChannelError
 from common.accounting import certify
-from common.envelope import seal_fragment
 from common.mechanisms import longitudinal
 from common.randomness import SeededSource
-from common.wire import Batch, ChannelConfig, b64
+from common.wire import Batch, ChannelConfig
 
-from .helpers import ANALYZER_KEY, CHANNEL, VALUES, build, make_batch, signed
+from .helpers import CHANNEL, VALUES, build, make_batch, seal, signed
 
 
 def test_estimates_cover_the_truth_and_certificates_match_the_accountant(
@@ -41,6 +40,9 @@ def test_estimates_cover_the_truth_and_certificates_match_the_accountant(
     assert shown.lower_bound is not None and shown.lower_bound.eps <= release.certificate.eps
     assert shown.local is not None
     assert (shown.local.removal, shown.local.replacement) == (4.0, 8.0)
+    assert shown.crowd_check is not None
+    assert (shown.crowd_check.claimed, shown.crowd_check.verified) == (VALUES.size, VALUES.size)
+    assert "verify" not in shown.note  # nothing certified below its claimed crowd
 
 
 def test_top_keeps_the_largest_estimates_largest_first(database_url: str) -> None:
@@ -123,9 +125,7 @@ def test_longitudinal_release_reads_periods_from_reports_not_epoch_numbers() -> 
             crowd_id="",
             epoch=first_epoch + t - 1,
             n_contributions=len(reports),
-            fragments=[
-                b64(seal_fragment(r, "abroad", 16, ANALYZER_KEY.public_key())) for r in reports
-            ],
+            fragments=seal(reports, ABROAD, first_epoch + t - 1),
         )
         layers.deliver(*signed(batch))
     release = layers.releases.publish("abroad", first_epoch, first_epoch + 3)
@@ -138,3 +138,54 @@ def test_longitudinal_release_reads_periods_from_reports_not_epoch_numbers() -> 
     assert np.all(np.abs(release.estimate.values - truth) <= 4.5 * release.estimate.std_errors)
     summary = layers.store.latest_summary("abroad")
     assert summary is not None and summary.bins == [0, 1, 2, 3]  # series keep every period
+
+
+def test_a_crowd_the_fragments_do_not_back_is_certified_at_the_verified_crowd(
+    database_url: str,
+) -> None:
+    """Shuffler-2 sends 30 real reports' fragments and claims 1,000 contributions (k-RAPPOR
+    may carry none, so the count alone does not refuse it): the release rests on the crowd the
+    fragments can verify, says so in crowd_check and its note, and certifies the epoch at
+    that crowd rather than at the claim."""
+    layers = build(database_url)
+    layers.deliver(*make_batch(VALUES, seed=1))
+    honest = layers.releases.release("homepage", 7, 7)
+    inflated = make_batch(VALUES[:30], seed=2, shuffler="shuffler-2")
+    boast = Batch.model_validate_json(inflated.body).model_copy(update={"n_contributions": 1000})
+    layers.deliver(*signed(boast))
+    assert layers.events.get("batches_short_crowd") == 1
+    release = layers.releases.release("homepage", 7, 7)
+    crowds = sorted(release.crowds.values())
+    verified = crowds[0]
+    assert crowds[1] == VALUES.size and 30 <= verified < 100  # Bernstein's slack: a few dozen
+    assert release.estimate.n == VALUES.size + verified
+    check = release.to_wire().crowd_check
+    assert check is not None
+    assert (check.batches, check.claimed, check.verified) == (2, 2000, VALUES.size + verified)
+    assert (check.short_batches, check.invalid_fragments) == (1, 0)
+    assert f"({VALUES.size + verified:,} of 2,000 contributions" in release.note
+    # each batch is shuffled alone: the epoch is certified at its smallest (verified) batch
+    expected = certify("krappor", 4.0, verified, 1e-8)
+    assert release.certificate.eps == pytest.approx(expected.certified.eps)
+    assert release.certificate.eps > honest.certificate.eps
+    # the ledger charged the epoch at the same crowds
+    (row,) = layers.ledger.rows("homepage")
+    assert row.n == verified and row.certificate.eps == pytest.approx(release.certificate.eps)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="production gap: min_crowd is checked against the claimed crowd only, so a batch "
+    "whose fragments verify fewer than min_crowd contributions (here 1 report claimed as "
+    "1,000, verified at 23 < 50) is still released",
+)
+def test_a_batch_its_fragments_verify_below_min_crowd_is_not_released() -> None:
+    """min_crowd: "Batches below this many contributions are never released" (common.wire).
+    A shuffler that sends one device's report and claims 1,000 contributions passes the
+    intake's min_crowd check on its claim; the release should not rest on it."""
+    layers = build("sqlite://")
+    alone = make_batch(VALUES[:1], seed=2)
+    boast = Batch.model_validate_json(alone.body).model_copy(update={"n_contributions": 1000})
+    layers.deliver(*signed(boast))
+    with pytest.raises(NothingReceivedError):
+        layers.releases.release("homepage", 7, 7)

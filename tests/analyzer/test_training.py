@@ -23,10 +23,9 @@ from analyzer.training import (
     training_body,
 )
 from common.collection import sign_config, verify_config
-from common.envelope import seal_fragment
 from common.mechanisms import SeededSource, get, ldpsgd
-from common.wire import AnalyzerInfo, AnalyzerKey, Batch, ChannelConfig, CollectionConfig, b64
-from tests.analyzer.helpers import ANALYZER_KEY, CHANNEL, Layers, build, signed
+from common.wire import AnalyzerInfo, Batch, ChannelConfig, CollectionConfig, HpkeKey
+from tests.analyzer.helpers import CHANNEL, Layers, build, seal, signed
 
 TRAIN = ChannelConfig(
     id="train",
@@ -54,7 +53,7 @@ def batch(layers: Layers, rounds: list[int], epoch: int, seed: int) -> list[byte
         crowd_id="",
         epoch=epoch,
         n_contributions=len(rounds),
-        fragments=[b64(seal_fragment(f, TRAIN.id, 32, ANALYZER_KEY.public_key())) for f in plain],
+        fragments=seal(plain, TRAIN, epoch),
     )
     layers.deliver(*signed(body))
     return plain
@@ -104,7 +103,7 @@ def test_signed_config_publishes_the_model() -> None:
         expires_at=10,
         analyzer=AnalyzerInfo(
             url="http://a",
-            keys=[AnalyzerKey(key_id="00" * 8, public_key="AA==")],
+            keys=[HpkeKey(key_id="00" * 8, public_key="AA==")],
             signing_key="AA==",
         ),
         shufflers=[],
