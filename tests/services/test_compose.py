@@ -18,8 +18,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from common.collection import TrustAnchors
+from common.envelope import load_or_create_ed25519, public_bytes
+from common.wire import b64
 from services.cli import cli
-from services.cli.launcher import LOCAL_SETTINGS, SHARED_SETTINGS, service_specs
+from services.cli.launcher import LOCAL_SETTINGS, SHARED_SETTINGS, TRUST_FILE, service_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -28,6 +31,10 @@ DB = (
     "postgresql+psycopg://esa:${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD}"
     "@postgres:5432/esa_{service}"
 )
+_INIT = [str(a) for a in SERVICES["init"]["command"]]
+#: Where devices reach each shuffler: what init registers for the analyzer to fetch each signed
+#: descriptor from, and so what each shuffler's descriptor must name (ESA_SHUFFLER_PUBLIC_URL).
+SHUFFLER_URL = _INIT[_INIT.index("--shuffler-url-template") + 1]
 SPECS = service_specs(
     Path("/var/esa"),
     3,
@@ -35,6 +42,7 @@ SPECS = service_specs(
     database_template=DB,
     analyzer_url="http://analyzer:8100",
     profile="production",
+    shuffler_url=SHUFFLER_URL,
 )
 #: What compose may add to the launcher's settings, and why: containers bind all interfaces;
 #: shufflers and the analyzer run as production, with real secrets from the environment.
@@ -161,6 +169,14 @@ def test_init_command_prepares_what_the_services_mount(tmp_path: Path) -> None:
         assert f"keys-{spec.name}:{key_dir}" in SERVICES[spec.name]["volumes"]
         assert f"keys-{spec.name}:{key_dir}" in SERVICES["init"]["volumes"]
     assert (tmp_path / "analyzer.pub").exists()
+    trust = TrustAnchors.load(tmp_path / TRUST_FILE)  # what an app pins, one key per party
+    assert set(trust.shufflers) == {spec.name for spec in SPECS[1:]}
+    for spec in SPECS[1:]:
+        signer = load_or_create_ed25519(tmp_path / "keys" / spec.name / "signing.pem")
+        assert public_bytes(trust.shufflers[spec.name]) == public_bytes(signer.public_key())
+        entry = next(e for e in registry if e["id"] == spec.name)
+        assert entry["signing_key"] == b64(public_bytes(signer.public_key()))
+        assert spec.env["ESA_SHUFFLER_PUBLIC_URL"] == entry["url"]  # the descriptor's URL
 
 
 def test_the_non_root_image_owns_every_named_volume_mount_point() -> None:

@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 
-from services.cli.launcher import LOCAL_SETTINGS, TOKEN_SECRET_FILE, port_free, prepare
+from common.collection import TrustAnchors, verify_collection
+from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_bytes
+from common.wire import b64
+from services.cli.launcher import (
+    LOCAL_SETTINGS,
+    TOKEN_SECRET_FILE,
+    TRUST_FILE,
+    port_free,
+    prepare,
+)
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 from ..support import wait_until
@@ -57,8 +68,10 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert first.stdout is not None
-        lines = [first.stdout.readline() for _ in range(5)]
+        lines = [first.stdout.readline() for _ in range(6)]
         assert lines[-1].startswith("dashboard"), lines
+        assert lines[-2].split()[:2] == ["trust", str(var / TRUST_FILE)], lines
+        _assert_a_device_can_verify_the_config_at_once(base, var)
         channels = httpx.get(f"http://127.0.0.1:{base}/v1/channels").json()["channels"]
         assert {c["mechanism"] for c in channels} == {c.mechanism for c in DEFAULT_CHANNELS}
         for i in range(1, 4):
@@ -75,6 +88,21 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
             first.kill()
     wait_until(lambda: not _processes_mentioning(str(var)), timeout=20)
     wait_until(lambda: all(port_free(base + i) for i in range(4)), timeout=20)
+
+
+def _assert_a_device_can_verify_the_config_at_once(base: int, var: Path) -> None:
+    """``esa up`` prints its services once the analyzer serves its config (every shuffler's
+    descriptor fetched): it verifies with the keys of ``var/trust.json``, each shuffler named
+    at its own URL with the HPKE key of its own key file."""
+    document = httpx.get(f"http://127.0.0.1:{base}/v1/config", timeout=10)
+    assert document.status_code == 200, document.text
+    config = verify_collection(document.json(), TrustAnchors.load(var / TRUST_FILE), time.time())
+    assert [(s.id, s.url) for s in config.shufflers] == [
+        (f"shuffler-{i}", f"http://127.0.0.1:{base + i}") for i in (1, 2, 3)
+    ]
+    for shuffler in config.shufflers:
+        hpke = load_or_create_x25519(var / "keys" / shuffler.id / "hpke.pem")
+        assert shuffler.public_key == b64(public_bytes(hpke.public_key()))
 
 
 def _assert_each_shuffler_is_its_own_trust_domain(base: int) -> None:
@@ -120,9 +148,35 @@ def test_the_raised_enrolment_limit_is_local_only(tmp_path: Path) -> None:
         assert "ESA_SHUFFLER_ENROLL_PER_MINUTE" not in spec.env
 
 
+def test_prepare_writes_the_keys_an_app_pins_and_the_analyzers_registry(tmp_path: Path) -> None:
+    """``var/trust.json``: the analyzer's config-signing key and each shuffler's signing key
+    (one per trust domain, from their key files); ``var/shufflers.json``: where the analyzer
+    fetches each signed descriptor and the key it pins for it; each shuffler's descriptor
+    names that same URL. Keys survive a second prepare."""
+    specs = prepare(tmp_path, 3, 20_000, shuffler_url="http://shuffler-{i}.example:{port}")
+    trust = TrustAnchors.load(tmp_path / TRUST_FILE)
+    analyzer = load_or_create_ed25519(tmp_path / "keys" / "analyzer" / "signing.pem")
+    assert public_bytes(trust.analyzer) == public_bytes(analyzer.public_key())
+    assert (tmp_path / "analyzer.pub").read_text().strip() == b64(public_bytes(trust.analyzer))
+    registry = json.loads((tmp_path / "shufflers.json").read_text())
+    assert [set(entry) for entry in registry] == [{"id", "url", "signing_key"}] * 3
+    for spec, entry in zip(specs[1:], registry, strict=True):
+        signer = load_or_create_ed25519(tmp_path / "keys" / spec.name / "signing.pem")
+        assert entry["id"] == spec.name and public_bytes(trust.shufflers[spec.name]) == (
+            public_bytes(signer.public_key())
+        )
+        assert entry["signing_key"] == b64(public_bytes(signer.public_key()))
+        assert entry["url"] == f"http://{spec.name}.example:{spec.port}"
+        assert spec.env["ESA_SHUFFLER_PUBLIC_URL"] == entry["url"]
+    before = (tmp_path / TRUST_FILE).read_text()
+    prepare(tmp_path, 3, 20_000)
+    assert (tmp_path / TRUST_FILE).read_text() == before
+
+
 def test_default_channels_leave_room_for_every_fragment_count() -> None:
-    """A contribution with more than max_fragments fragments is refused for good (413), so the
-    default channels' limits must sit far above what their encoders produce."""
+    """A contribution with more than max_fragments fragments is refused for good (413), and
+    one with fewer than min_fragments too (400), so the default channels' limits must sit far
+    above what their encoders produce, and never above the fewest an honest device sends."""
     import numpy as np
 
     from common.mechanisms import SeededSource, StateUpdate, ValueKind, get
@@ -139,7 +193,9 @@ def test_default_channels_leave_room_for_every_fragment_count() -> None:
             state = mechanism.new_state(params, rng)
             # One contribution a route; with fewer shufflers report fragments share routes.
             encoded = mechanism.encode(params, value, state, rng, shufflers)
-            counts.append(max((len(fragments) for _, fragments in encoded.routes), default=0))
+            sizes = [len(fragments) for _, fragments in encoded.routes]  # each one is sent
+            counts.append(max(sizes, default=0))
+            assert min(sizes, default=config.min_fragments) >= config.min_fragments, config.id
         mean, sd = float(np.mean(counts)), float(np.std(counts))
         assert max(counts) <= config.max_fragments, (config.id, shufflers, max(counts))
         bounded = mechanism.fragment_limit(params) <= config.max_fragments

@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from common.wire import CollectionConfig, SignedConfig
+from common.collection import TrustAnchors, verify_collection
+from common.wire import SignedConfig
 from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
@@ -39,8 +42,11 @@ def test_driver_delivers_every_contribution(tmp_path: Path) -> None:
     specs = launcher.prepare(tmp_path, 3, base, channels=[homepage], overrides=overrides)
     services = launcher.start_all(specs, tmp_path / "logs")
     try:
-        trusted = (tmp_path / "analyzer.pub").read_text().strip()
-        target = loadgen.fetch_target(services[0].url, trusted, "homepage")
+        launcher.wait_config(services[0], 60)
+        trust = TrustAnchors.load(tmp_path / launcher.TRUST_FILE)
+        _assert_only_the_pinned_keys_are_taken(services[0].url, trust)
+        target = loadgen.fetch_target(services[0].url, trust, "homepage")
+        assert [s.url for s in target.config.shufflers] == [s.url for s in services[1:]]
         tokens = asyncio.run(loadgen.enroll(target.shuffler_urls[:1], 110, 8))
         assert len(tokens[0]) == len(set(tokens[0])) == 110
         tokens = asyncio.run(loadgen.enroll(target.shuffler_urls, DEVICES, 8))
@@ -59,6 +65,26 @@ def test_driver_delivers_every_contribution(tmp_path: Path) -> None:
         assert sum(_received(s.url) for s in services[1:]) == DEVICES
     finally:
         launcher.stop(services)
+
+
+def _assert_only_the_pinned_keys_are_taken(url: str, trust: TrustAnchors) -> None:
+    """The load generator verifies the config as a device does: another key pinned for a
+    shuffler, a shuffler not pinned, or another analyzer key, and nothing is sealed."""
+    other = Ed25519PrivateKey.generate().public_key()
+    substituted = TrustAnchors(trust.analyzer, {**trust.shufflers, "shuffler-2": other})
+    unpinned = TrustAnchors(
+        trust.analyzer, {k: v for k, v in trust.shufflers.items() if k != "shuffler-3"}
+    )
+    for wrong, reason in (
+        (substituted, "shuffler 'shuffler-2' is not signed by the key pinned for it"),
+        (unpinned, "lists shuffler 'shuffler-3', whose key this device does not pin"),
+        (TrustAnchors(other, trust.shufflers), "signature"),
+    ):
+        with pytest.raises(loadgen.LoadError, match="collection config refused") as refused:
+            loadgen.fetch_target(url, wrong, "homepage")
+        assert reason in str(refused.value)
+    with pytest.raises(loadgen.LoadError, match="'nope' is not in the collection config"):
+        loadgen.fetch_target(url, trust, "nope")
 
 
 def test_driver_waits_out_retry_after() -> None:
@@ -124,17 +150,21 @@ def test_a_sealing_worker_that_dies_fails_the_pool_instead_of_hanging(tmp_path: 
     homepage = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
     offline = offline_config(tmp_path, [homepage])
     signed = SignedConfig.model_validate_json(offline.path.read_text())
-    target = loadgen.Target(CollectionConfig.model_validate(signed.config), homepage)
+    verified = verify_collection(signed, TrustAnchors.load(offline.trust_file), time.time())
+    target = loadgen.Target(verified, homepage)
     failures: list[BaseException] = []
 
+    epoch = target.epoch(time.time())
+
     def seal_many(pool: loadgen.SealerPool) -> None:
-        try:
-            pool.add_devices([["token"] * 8_000])  # a few seconds of sealing per worker
+        try:  # a few seconds of sealing per worker (a report is sealed for each epoch)
+            pool.seal_epoch(epoch, 4_000, tmp_path)
         except BaseException as error:
             failures.append(error)
 
     with loadgen.SealerPool(target, workers=2) as pool:
         pool.ready()
+        assert pool.add_devices([["token"] * 4_000]).items == 4_000  # encoded, not sealed
         sealing = threading.Thread(target=seal_many, args=(pool,), daemon=True)
         sealing.start()
         time.sleep(1.0)  # both workers are busy sealing

@@ -24,7 +24,11 @@ import httpx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from common.collection import TrustAnchors
+from common.envelope import public_bytes
+from common.wire import b64
 from services.cli import launcher
 from services.cli.loadtest import loadtest
 from services.tools import loadgen
@@ -50,34 +54,35 @@ MIDWAY = PAGES.model_copy(update={"id": "midway", "epoch_seconds": 10**8})
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(analyzer URL, pinned key) of a deployment with the pages, ticks, features, abroad,
-    again, shut and midway channels."""
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(analyzer URL, trust file: the keys an app pins) of a deployment with the pages, ticks,
+    features, abroad, again, shut and midway channels."""
     var = tmp_path_factory.mktemp("deployment")
     base = launcher.free_base_port(4)
     channels = [PAGES, TICKS, FEATURES, ABROAD, AGAIN, SHUT, MIDWAY]
     specs = launcher.prepare(var, 3, base, channels=channels, overrides=TEST_SHUFFLER_SETTINGS)
     services = launcher.start_all(specs, var / "logs")
     try:
-        yield services[0].url, (var / "analyzer.pub").read_text().strip()
+        launcher.wait_config(services[0], 60)
+        yield services[0].url, var / launcher.TRUST_FILE
     finally:
         launcher.stop(services)
 
 
-def _command(url: str, key: str, out: Path, *args: str) -> list[str]:
+def _command(url: str, trust: Path, out: Path, *args: str) -> list[str]:
     return [
         sys.executable, "-m", "services.cli", "loadtest",
-        "--analyzer-url", url, "--trusted-key", key, "--admin-token", "development",
+        "--analyzer-url", url, "--trust", str(trust), "--admin-token", "development",
         "--out", str(out), "--no-live", "--drain-timeout", "60", *args,
     ]  # fmt: skip
 
 
 def test_loadtest_verifies_conservation_and_estimates(
-    deployment: tuple[str, str], tmp_path: Path
+    deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
-    url, key = deployment
+    url, trust = deployment
     done = subprocess.run(
-        _command(url, key, tmp_path, "--channel", "pages", "--devices", "300", "--max"),
+        _command(url, trust, tmp_path, "--channel", "pages", "--devices", "300", "--max"),
         capture_output=True,
         text=True,
         timeout=240,
@@ -101,17 +106,17 @@ def test_loadtest_verifies_conservation_and_estimates(
 
 
 def test_loadtest_verifies_estimates_epoch_by_epoch_over_a_multi_epoch_run(
-    deployment: tuple[str, str], tmp_path: Path
+    deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
     # Every epoch holds one contribution of each device (its memoized report again, in a new
     # envelope), cut off where the rate leaves the epoch's end: summed over 4-5 epochs and
     # held against one contribution per device, the estimates were ~4x their target and
     # outside intervals that treated the repeated reports as independent (the issue-14 soak).
-    url, key = deployment
+    url, trust = deployment
     args = ["--channel", "ticks", "--devices", "1500", "--population", "ticks=uniform"]
     args += ["--rate", "400", "--duration", "12"]
     done = subprocess.run(
-        _command(url, key, tmp_path, *args), capture_output=True, text=True, timeout=240
+        _command(url, trust, tmp_path, *args), capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     check = json.loads((tmp_path / "loadtest.json").read_text())["verification"]
@@ -134,11 +139,11 @@ def test_loadtest_verifies_estimates_epoch_by_epoch_over_a_multi_epoch_run(
 
 
 def test_loadtest_drives_a_longitudinal_channel_through_its_periods(
-    deployment: tuple[str, str], tmp_path: Path
+    deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
-    url, key = deployment
+    url, trust = deployment
     done = subprocess.run(
-        _command(url, key, tmp_path, "--channel", "abroad", "--devices", "300", "--max"),
+        _command(url, trust, tmp_path, "--channel", "abroad", "--devices", "300", "--max"),
         capture_output=True,
         text=True,
         timeout=240,
@@ -176,21 +181,31 @@ def test_state_populations_and_specs() -> None:
         draw_changes("zipf", "abroad", 4, 2, 10, seed=0)
     with pytest.raises(PopulationError, match=r"\[0, 1\]"):
         draw_changes("changes:2", "abroad", 4, 2, 10, seed=0)
-    plan = Plan("http://x", "k", 10, 1, Path("."), populations={"*": "words"})
+    trust = TrustAnchors(Ed25519PrivateKey.generate().public_key(), {})
+    plan = Plan("http://x", trust, 10, 1, Path("."), populations={"*": "words"})
     assert spec_for(plan, "homepage") == "words" and spec_for(plan, "abroad", True) == "changes"
-    plan = Plan("http://x", "k", 10, 1, Path("."), populations={"*": "changes:0.2"})
+    plan = Plan("http://x", trust, 10, 1, Path("."), populations={"*": "changes:0.2"})
     assert spec_for(plan, "homepage") == "zipf" and spec_for(plan, "abroad", True) == "changes:0.2"
 
 
+def _target(url: str, trust: Path, channel: str) -> loadgen.Target:
+    """``channel`` of the config at ``url``, verified with the keys of ``trust``."""
+    return loadgen.fetch_target(url, TrustAnchors.load(trust), channel)
+
+
 def _foreign_contributions(
-    url: str, key: str, count: int, out: Path, channel: str = "features"
+    url: str, trust: Path, count: int, out: Path, channel: str = "features"
 ) -> loadgen.EpochSource:
     """``count`` contributions from other devices to this epoch of ``channel`` (enrolled and
     sealed in this process, as loadgen's sealing workers do)."""
-    target = loadgen.fetch_target(url, key, channel)
+    target = _target(url, trust, channel)
     tokens = asyncio.run(loadgen.enroll(target.shuffler_urls, count, 4))
     epoch = target.epoch(time.time())
-    sealer = loadgen._Sealer(target.config.model_dump(mode="json"), channel, loadgen.ZipfValues(8))
+    config = {  # what a sealing worker is given: the verified config and shufflers
+        "config": target.config.config.model_dump(mode="json"),
+        "shufflers": [s.model_dump() for s in target.config.shufflers],
+    }
+    sealer = loadgen._Sealer(config, channel, loadgen.ZipfValues(8))
     sealer.add(list(zip(*tokens, strict=True)))
     sealer.seal_epoch(epoch, count, str(out / "foreign.bin"), fresh=False)
     return loadgen.EpochSource({epoch: [out / "foreign.bin"]}, target.channel.epoch_seconds)
@@ -234,14 +249,14 @@ def _finished(process: subprocess.Popen[str], reader: threading.Thread) -> str:
 
 
 def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
-    deployment: tuple[str, str], tmp_path: Path
+    deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
-    url, key = deployment
+    url, trust = deployment
     _within_one_epoch(300)  # the extra traffic must land in the run's (hourly) epoch
-    foreign = _foreign_contributions(url, key, 40, tmp_path)
+    foreign = _foreign_contributions(url, trust, 40, tmp_path)
     args = ["--channel", "features", "--devices", "200", "--rate", "50", "--duration", "30"]
-    process, lines, reader = _started(_command(url, key, tmp_path / "out", *args))
-    driver = loadgen.Driver(loadgen.fetch_target(url, key, "features").shuffler_urls, 2)
+    process, lines, reader = _started(_command(url, trust, tmp_path / "out", *args))
+    driver = loadgen.Driver(_target(url, trust, "features").shuffler_urls, 2)
     asyncio.run(driver.run(foreign, None, 30, until_empty=True))
     assert driver.stats.accepted == 40, driver.stats.errors
     stdout = _finished(process, reader)
@@ -259,26 +274,29 @@ def _refused(urls: list[str]) -> float:
 
 
 def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
-    deployment: tuple[str, str], tmp_path: Path
+    deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
     """The first run's verification closes its epoch at every shuffler; a second run in the
     same epoch is refused ``epoch_not_open``. It used to carry on and verify against
     the analyzer's release of that epoch, which holds the first run's data: a FAIL with bogus
     conservation numbers ("lost -1,083"). It must stop after one refused contribution, before
     the load, and say which epoch is closed and what to do."""
-    url, key = deployment
+    url, trust = deployment
     args = ("--channel", "again", "--devices", "300", "--max")
     first = subprocess.run(
-        _command(url, key, tmp_path / "first", *args), capture_output=True, text=True, timeout=240
+        _command(url, trust, tmp_path / "first", *args), capture_output=True, text=True, timeout=240
     )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "verification: PASS" in first.stdout
-    urls = loadgen.fetch_target(url, key, "again").shuffler_urls
+    urls = _target(url, trust, "again").shuffler_urls
     acknowledged = sum(s["received"] for s in verify.shuffler_state(urls, "development").values())
     refused = _refused(urls)
     epoch = int(time.time() // AGAIN.epoch_seconds)
     second = subprocess.run(
-        _command(url, key, tmp_path / "second", *args), capture_output=True, text=True, timeout=240
+        _command(url, trust, tmp_path / "second", *args),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     message = " ".join(second.stderr.split())
     assert second.returncode == 1, second.stdout + message
@@ -293,13 +311,13 @@ def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
 
 
 def test_a_shuffler_that_refused_every_contribution_stops_the_run(
-    deployment: tuple[str, str], tmp_path: Path
+    deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
     """An epoch closed at one shuffler only (an earlier verification that stopped part way):
     after a phase, a shuffler that refused (400) most of what it was sent stops the run before
     its verification, named with the run's epochs."""
-    url, key = deployment
-    target = loadgen.fetch_target(url, key, "shut")
+    url, trust = deployment
+    target = _target(url, trust, "shut")
     epoch, closed = target.epoch(time.time()), target.shuffler_urls[0]
     httpx.post(
         closed + "/v1/admin/close",
@@ -308,7 +326,7 @@ def test_a_shuffler_that_refused_every_contribution_stops_the_run(
         timeout=60,
     ).raise_for_status()
     driver = loadgen.Driver(target.shuffler_urls, 2)
-    source = _foreign_contributions(url, key, 60, tmp_path, "shut")
+    source = _foreign_contributions(url, trust, 60, tmp_path, "shut")
     asyncio.run(driver.run(source, None, 30, until_empty=True))
     answers = driver.stats.by_shuffler
     assert set(answers[0]) == {400} and all(set(answers[i]) == {202} for i in (1, 2)), answers
@@ -329,18 +347,18 @@ def _acknowledged(urls: list[str]) -> float:
 
 
 def test_an_epoch_closed_at_one_shuffler_while_the_load_runs_stops_the_run(
-    deployment: tuple[str, str], tmp_path: Path
+    deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
     """An admin closes the run's epoch at one shuffler once the load is going (after the first
     contribution, sent alone, was acknowledged): that shuffler refuses the rest of its share,
     and ``esa loadtest`` must stop after the load, before its verification, naming the
     shuffler and the channel (without that check it verifies a release missing that share)."""
-    url, key = deployment
-    target = loadgen.fetch_target(url, key, "midway")
+    url, trust = deployment
+    target = _target(url, trust, "midway")
     urls, closed = target.shuffler_urls, target.shuffler_urls[0]
     acknowledged, refused = _acknowledged(urls), _refused([closed])
     args = ["--channel", "midway", "--devices", "400", "--rate", "50", "--duration", "8"]
-    process, lines, reader = _started(_command(url, key, tmp_path / "out", *args))
+    process, lines, reader = _started(_command(url, trust, tmp_path / "out", *args))
     # The preflight sends one contribution alone: a third acknowledged is the load's.
     while _acknowledged(urls) < acknowledged + 3:
         assert process.poll() is None, "".join(lines)
@@ -386,10 +404,41 @@ def test_populations_add_up_to_the_devices(tmp_path: Path) -> None:
 
 
 def test_rate_options_are_exclusive() -> None:
-    result = CliRunner().invoke(loadtest, ["--rate", "10", "--max", "--trusted-key", "x"])
+    result = CliRunner().invoke(loadtest, ["--rate", "10", "--max", "--trust", "x"])
     assert result.exit_code == 2 and "give one of --rate, --ramp and --max" in result.output
-    result = CliRunner().invoke(loadtest, ["--ramp", "10", "--trusted-key", "x"])
+    result = CliRunner().invoke(loadtest, ["--ramp", "10", "--trust", "x"])
     assert result.exit_code == 2 and "expected START:END" in result.output
+    result = CliRunner().invoke(loadtest, ["--trusted-key", "x"])  # replaced by --trust FILE
+    assert result.exit_code == 2 and "No such option '--trusted-key'" in result.output
+
+
+def test_a_run_pins_every_party_and_stops_on_a_config_it_does_not_vouch_for(
+    deployment: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Without --trust, the keys come from <var>/trust.json and there is none here: a usage
+    error. A trust file pinning another key for one shuffler (an analyzer substituting that
+    shuffler's descriptor looks the same to a device) stops the run before anything is sent,
+    naming the shuffler."""
+    url, trust = deployment
+    base = [sys.executable, "-m", "services.cli", "loadtest", "--analyzer-url", url]
+    missing = subprocess.run(
+        [*base, "--var", str(tmp_path), "--out", str(tmp_path / "a"), "--max"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode == 2, missing.stderr
+    assert f"no --trust file and no {tmp_path / 'trust.json'}" in " ".join(missing.stderr.split())
+    pinned = json.loads(trust.read_text())
+    pinned["shufflers"]["shuffler-2"] = b64(public_bytes(Ed25519PrivateKey.generate().public_key()))
+    wrong = tmp_path / "trust.json"
+    wrong.write_text(json.dumps(pinned))
+    refused = subprocess.run(
+        _command(url, wrong, tmp_path / "b", "--channel", "pages", "--devices", "10", "--max"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    message = " ".join(refused.stderr.split())
+    assert refused.returncode == 1, refused.stdout + message
+    assert "collection config refused" in message and "'shuffler-2'" in message, message
+    assert "run: " not in message and not (tmp_path / "b" / "loadtest.json").exists()
 
 
 def test_pace_ramps_linearly() -> None:
