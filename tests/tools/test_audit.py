@@ -171,7 +171,17 @@ def test_real_shuffler_passes_every_check(tmp_path: Path, sink: str) -> None:
     assert pooled.exit_code == 0 and "pooled 1 runs: passed" in pooled.output
     assert CliRunner().invoke(audit, ["pool", path, path]).exit_code == 2
     # the sink answered as the analyzer: every part acknowledged, so none left to retry
-    assert all(r["path"] == "/v1/batches" for r in fetch_records(sink, TOKEN, client=HTTP))
+    records = fetch_records(sink, TOKEN, client=HTTP)
+    assert all(r["path"] == "/v1/batches" for r in records)
+    # every part names its sender, as the analyzer requires (it picks the pinned key by it)
+    assert all(_header(r, "esa-shuffler") == "shuffler-1" for r in records[-5:]), records[-1]
+
+
+def _header(record: dict[str, object], name: str) -> str | None:
+    """The value of header ``name`` (any case) in a sink record."""
+    pairs = record["headers"]
+    assert isinstance(pairs, list)
+    return next((value for key, value in pairs if key.lower() == name), None)
 
 
 def test_arrival_order_and_oldest_first_deletion_fail(tmp_path: Path, sink: str) -> None:
@@ -334,10 +344,17 @@ def test_sink_relays_other_channels_byte_for_byte(sink: str) -> None:
     """A second sink (in this process) relays to the sink process, except its kept channel."""
     relaying = SinkState("t" * 16, relay=sink, keep_channels=frozenset({"kept"}))
     body = _part()
-    signature = {"esa-signature": "B" * 86 + "==", "content-type": "application/json"}
+    signature = {
+        "esa-shuffler": "shuffler-1",
+        "esa-signature": "B" * 86 + "==",
+        "content-type": "application/json",
+    }
     status, answer = answer_batch(relaying, signature, body)
     assert status == 201 and json.loads(answer)["batch_id"] == json.loads(body)["batch_id"]
-    assert base64.b64decode(fetch_records(sink, TOKEN, client=HTTP)[-1]["body"]) == body
+    relayed = fetch_records(sink, TOKEN, client=HTTP)[-1]
+    assert base64.b64decode(relayed["body"]) == body
+    assert _header(relayed, "esa-shuffler") == "shuffler-1"  # the sender, relayed with the bytes
+    assert _header(relayed, "esa-signature") == signature["esa-signature"]
     relaying.keep_channels = frozenset({"audit"})
     before = len(fetch_records(sink, TOKEN, client=HTTP))
     assert answer_batch(relaying, signature, _part())[0] == 201

@@ -1,0 +1,59 @@
+"""How the demo reaches a running deployment (services/tools/demo.py ``connect``): it verifies
+the collection config as a device does, with the keys of a trust file (``esa up`` writes
+``var/trust.json``), one per party; without one it takes the keys the deployment serves (trust
+on first use), which are the same keys here. A trust file that pins another key for a shuffler
+or the analyzer refuses the config."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from common.collection import TrustAnchors
+from common.envelope import public_bytes
+from common.wire import b64
+from services.tools.demo import DemoError, connect, served_keys
+
+from ..support import LONG_EPOCH_CHANNEL, Deployment, start_deployment
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    running = start_deployment(tmp_path_factory.mktemp("demo"), [LONG_EPOCH_CHANNEL], count=2)
+    yield running
+    running.stop()
+
+
+def _keys(trust: TrustAnchors) -> object:
+    return trust.to_json()
+
+
+def test_connect_verifies_the_config_with_the_pinned_keys(deployment: Deployment) -> None:
+    target = connect(deployment.analyzer.url, deployment.trust_file, "development")
+    assert target.shuffler_urls == [s.url for s in deployment.shufflers]
+    assert [c.id for c in target.channels] == [LONG_EPOCH_CHANNEL.id]
+    assert _keys(target.trust) == _keys(deployment.trust())
+    # Without a trust file: the keys the deployment serves, which are the pinned ones here.
+    served = connect(deployment.analyzer.url, None, "development")
+    assert _keys(served.trust) == _keys(served_keys(served.document)) == _keys(deployment.trust())
+
+
+def test_connect_refuses_a_config_the_pinned_keys_do_not_vouch_for(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    pinned = json.loads(deployment.trust_file.read_text())
+    other = b64(public_bytes(Ed25519PrivateKey.generate().public_key()))
+    for change, reason in (
+        ({"shufflers": {**pinned["shufflers"], "shuffler-2": other}}, "'shuffler-2'"),
+        ({"shufflers": {"shuffler-1": pinned["shufflers"]["shuffler-1"]}}, "does not pin"),
+        ({"analyzer": other}, "refused"),
+    ):
+        wrong = tmp_path / "trust.json"
+        wrong.write_text(json.dumps({**pinned, **change}))
+        with pytest.raises(DemoError, match="is refused") as refused:
+            connect(deployment.analyzer.url, wrong, "development")
+        assert reason in str(refused.value)
