@@ -137,8 +137,12 @@ def esa_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, int
 
 
 def _ready(base: int) -> bool:
+    """Every service ready, and the analyzer serving its config: it answers 503
+    shufflers_unavailable until it has every shuffler's own signed descriptor, which
+    ``/readyz`` does not wait for (``esa up`` waits for both before printing its URLs)."""
     try:
         urls = [f"http://127.0.0.1:{base + i}/readyz" for i in range(4)]
+        urls.append(f"http://127.0.0.1:{base}/v1/config")
         return all(httpx.get(url, timeout=2).status_code == 200 for url in urls)
     except httpx.HTTPError:
         return False
@@ -149,7 +153,7 @@ def test_python_examples_run_as_written_after_esa_up(
     block: Block, esa_up: tuple[Path, int]
 ) -> None:
     folder, base = esa_up
-    assert (folder / "var" / "analyzer.pub").exists()  # what the example reads
+    assert (folder / "var" / "trust.json").exists()  # what the example reads
     default = f"127.0.0.1:{ANALYZER_PORT}"
     code = block.code.replace(default, f"127.0.0.1:{base}")
     done = subprocess.run(

@@ -12,6 +12,7 @@ from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
 from common.envelope import (
     Contribution,
+    FragmentContext,
     KeyRing,
     open_contribution,
     open_fragment,
@@ -96,10 +97,11 @@ class Device:
         return [open_contribution(item.body, "shuffler-1", ring) for item in items]
 
     def values(self, channel_id: str, k: int = 8) -> list[int]:
-        """The k-RR values queued for ``channel_id``, opened with the analyzer's key."""
+        """The k-RR values queued for ``channel_id``, opened with the analyzer's key (each
+        fragment bound to its contribution's channel, epoch and crowd)."""
         ring = KeyRing.of(self.analyzer)
         fragments = [
-            open_fragment(f, channel_id, ring)
+            open_fragment(f, FragmentContext(c.channel_id, c.epoch, c.crowd_id), ring)
             for c in self.contributions()
             if c.channel_id == channel_id
             for f in c.fragments
@@ -119,7 +121,7 @@ def device(tmp: Path, channels: list[ChannelConfig], overall: DeviceBudget | Non
     clock = Clock()
     client = Client(
         config_file=config.path,
-        trusted_key=config.trusted_key,
+        trust_file=config.trust_file,
         state_path=tmp / "device.db",
         background=False,
         clock=clock,

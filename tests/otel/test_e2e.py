@@ -64,7 +64,7 @@ def test_the_shop_route_histogram_reaches_the_estimate(
     url = deployment.analyzer.url
     epoch = int(time.time() // CHANNELS[0].epoch_seconds)
     devices = shop_traffic.run(
-        url + "/v1/config", deployment.trusted_key(), tmp_path / "devices", FAVOURITES, seed=1
+        url + "/v1/config", deployment.trust_file, tmp_path / "devices", FAVOURITES, seed=1
     )
     assert all(d.delivered for d in devices)
     # What the apps recorded (their own OpenTelemetry metrics) is the truth the estimate targets.

@@ -75,8 +75,8 @@ def create_app(meter_provider: metrics.MeterProvider | None = None) -> FastAPI:
 def main() -> None:
     """Serve the shop as one ESA device (settings from the environment):
 
-    ``ESA_CONFIG_URL`` (default ``http://127.0.0.1:8100/v1/config``), ``ESA_TRUSTED_KEY`` or
-    ``ESA_TRUSTED_KEY_FILE`` (default ``var/analyzer.pub``, written by ``esa up``),
+    ``ESA_CONFIG_URL`` (default ``http://127.0.0.1:8100/v1/config``), ``ESA_TRUST_FILE``
+    (default ``var/trust.json``, written by ``esa up``: the keys a device pins, one per party),
     ``ESA_STATE`` (default ``shop-device.db``), ``ESA_MAPPING`` (default ``mapping.yaml``
     here), ``ESA_EXPORT_INTERVAL`` seconds (default 60), ``PORT`` (default 8000).
     """
@@ -85,13 +85,9 @@ def main() -> None:
     from encoder_client import Client
     from encoder_client.otel import meter_provider
 
-    key = (
-        os.environ.get("ESA_TRUSTED_KEY")
-        or Path(os.environ.get("ESA_TRUSTED_KEY_FILE", "var/analyzer.pub")).read_text().strip()
-    )
     client = Client(
         os.environ.get("ESA_CONFIG_URL", "http://127.0.0.1:8100/v1/config"),
-        trusted_key=key,
+        trust_file=Path(os.environ.get("ESA_TRUST_FILE", "var/trust.json")),
         state_path=os.environ.get("ESA_STATE", "shop-device.db"),
     )
     provider = meter_provider(

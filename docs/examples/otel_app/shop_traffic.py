@@ -80,17 +80,18 @@ def _recorded(reader: InMemoryMetricReader) -> dict[str, int]:
 
 def run_device(
     config_url: str,
-    trusted_key: str,
+    trust_file: Path,
     state_path: Path,
     favourite: str,
     rng: random.Random,
     requests: int = 4,
 ) -> Device:
-    """One device's session: ``requests`` to its favourite route and a few to others."""
+    """One device's session: ``requests`` to its favourite route and a few to others (the
+    device pins the keys in ``trust_file``: ``var/trust.json`` of ``esa up``)."""
     from encoder_client import Client
     from encoder_client.otel import meter_provider
 
-    client = Client(config_url, trusted_key=trusted_key, state_path=state_path, background=False)
+    client = Client(config_url, trust_file=trust_file, state_path=state_path, background=False)
     recorder = InMemoryMetricReader()
     provider = meter_provider(
         client,
@@ -119,7 +120,7 @@ def _deliver(client: Any, deadline: float) -> bool:
 
 def run(
     config_url: str,
-    trusted_key: str,
+    trust_file: Path,
     state_dir: Path,
     favourites: Sequence[str],
     seed: int = 0,
@@ -128,7 +129,7 @@ def run(
     state_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     return [
-        run_device(config_url, trusted_key, state_dir / f"device-{i}.db", favourite, rng)
+        run_device(config_url, trust_file, state_dir / f"device-{i}.db", favourite, rng)
         for i, favourite in enumerate(favourites)
     ]
 
@@ -136,7 +137,12 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--analyzer", default="http://127.0.0.1:8100")
-    parser.add_argument("--key-file", type=Path, default=Path("var/analyzer.pub"))
+    parser.add_argument(
+        "--trust",
+        type=Path,
+        default=Path("var/trust.json"),
+        help="the keys devices pin, one per party (written by esa up)",
+    )
     parser.add_argument("--state-dir", type=Path, default=Path("var/shop-devices"))
     parser.add_argument("--devices", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
@@ -147,7 +153,7 @@ def main() -> None:
     favourites = rng.choices(ROUTES, weights, k=args.devices)
     devices = run(
         args.analyzer + "/v1/config",
-        args.key_file.read_text().strip(),
+        args.trust,
         args.state_dir,
         favourites,
         args.seed,
@@ -163,10 +169,10 @@ def _close(analyzer: str) -> None:
 
     config = httpx.get(analyzer + "/v1/config").json()["config"]
     channels = {c["id"]: c["epoch_seconds"] for c in config["channels"]}
-    for shuffler in config["shufflers"]:
+    for shuffler in config["shufflers"]:  # each shuffler's own signed descriptor
         for channel in ("homepage", "features"):
             httpx.post(
-                shuffler["url"] + "/v1/admin/close",
+                shuffler["descriptor"]["url"] + "/v1/admin/close",
                 headers={"Authorization": "Bearer development"},
                 json={"channel_id": channel, "epoch": int(time.time() // channels[channel])},
                 timeout=60,
