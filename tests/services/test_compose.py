@@ -56,6 +56,9 @@ COMPOSE_ONLY = {
     "ESA_SHUFFLER_TOKEN_SECRET",
     "ESA_SHUFFLER_ADMIN_TOKEN",
     "ESA_SHUFFLER_ENROLL_PER_MINUTE",  # the production default unless ESA_ENROLL_PER_MINUTE
+    # Not a setting: the shuffler entrypoint's template for ESA_SHUFFLER_PUBLIC_URL, passed
+    # through from the host only when set (the replicas profile's HAProxy URLs).
+    "ESA_SHUFFLER_URL_TEMPLATE",
 }
 
 
@@ -88,6 +91,7 @@ def test_each_service_runs_the_launchers_command_port_and_settings(spec: Any) ->
     if spec.name.startswith("shuffler"):
         assert SHARED_SETTINGS.items() <= env.items()
         assert env["ESA_SHUFFLER_ENVIRONMENT"] == "production"
+        assert service["environment"].get("ESA_SHUFFLER_URL_TEMPLATE", "") in ("", None)
 
 
 def test_secrets_fail_fast_and_satisfy_production_settings() -> None:
