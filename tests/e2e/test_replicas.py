@@ -368,8 +368,7 @@ def test_analyzer_workers_open_a_stored_part_once(postgres_url: str) -> None:
     from ..analyzer.helpers import VALUES, build, make_batch
 
     first, second = build(postgres_url), build(postgres_url)
-    body, signature = make_batch(VALUES[:50])
-    first.intake.accept(body, signature, "shuffler-1")
+    first.intake.accept(*make_batch(VALUES[:50]))  # body, signature, sending shuffler
     (header,) = first.store.pending_parts()
     key = {"k": runtime_db.lock_key(["analyzer-part", header.batch_id, header.part])}
     with first.store.engine.connect() as held:
