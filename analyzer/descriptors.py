@@ -4,7 +4,9 @@ The analyzer never states a shuffler's URL or HPKE key itself (PROTOCOL.md, "Who
 what"): it fetches each registered shuffler's ``GET /v1/descriptor``, keeps it only if it
 verifies with the key the analyzer pins for that shuffler (the same key its batches must
 verify with), and serves it unchanged inside the signed config, where a device checks it
-again with the key *it* pins. A newer descriptor replaces an older one, never the reverse.
+again with the key *it* pins. The newest descriptor is kept in the database
+(:meth:`AnalyzerStore.keep_descriptor`), never replaced by an older one, so every analyzer
+worker serves the same one: a device refuses a descriptor older than one it accepted.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import httpx
 from pydantic import ValidationError
 
 from analyzer.errors import ShufflersUnavailableError
+from analyzer.store import AnalyzerStore
 from common.collection import CollectionConfigError, descriptor_id, parse_key, verify_descriptor
-from common.wire import ShufflerDescriptor, ShufflerEntry, SignedDescriptor
+from common.wire import ShufflerEntry, SignedDescriptor
 
 log = logging.getLogger("esa.analyzer")
 
@@ -30,25 +33,24 @@ FETCH_TIMEOUT_SECONDS = 5.0
 
 
 class ShufflerDescriptors:
-    """The latest verified descriptor of each registered shuffler."""
+    """The newest verified descriptor of each registered shuffler, kept in ``store``."""
 
     def __init__(
-        self, entries: Sequence[ShufflerEntry], clock: Callable[[], float] = time.time
+        self,
+        entries: Sequence[ShufflerEntry],
+        store: AnalyzerStore,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.entries = list(entries)
+        self.store = store
         self.clock = clock
         self._keys = {e.id: parse_key(e.signing_key, f"shuffler {e.id!r}") for e in entries}
-        self._latest: dict[str, tuple[ShufflerDescriptor, SignedDescriptor]] = {}
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        for entry in entries:
-            if entry.descriptor is not None:
-                self.offer(entry.descriptor)
 
     def offer(self, document: SignedDescriptor) -> bool:
         """Keep ``document`` if it verifies with the pinned key of the shuffler it names and
-        is newer than the one held; True if it was kept.
+        is newer than the one kept; True if it was kept.
 
         Raises:
             CollectionConfigError: it names an unregistered shuffler or does not verify.
@@ -58,19 +60,26 @@ class ShufflerDescriptors:
         if key is None:
             raise CollectionConfigError(f"descriptor of unregistered shuffler {named[:64]!r}")
         descriptor = verify_descriptor(document, key, self.clock())
-        with self._lock:
-            held = self._latest.get(named)
-            if held is not None and held[0].issued_at >= descriptor.issued_at:
-                return False
-            self._latest[named] = (descriptor, document)
-        return True
+        return self.store.keep_descriptor(
+            named, descriptor.issued_at, descriptor.expires_at, document.model_dump_json()
+        )
+
+    def seed(self) -> None:
+        """Offer the descriptors the registry came with (e.g. files the shufflers published)."""
+        for entry in self.entries:
+            if entry.descriptor is None:
+                continue
+            try:
+                self.offer(entry.descriptor)
+            except CollectionConfigError as error:
+                log.warning(
+                    "registry descriptor refused", extra={"shuffler": entry.id, "error": str(error)}
+                )
 
     def missing(self) -> list[str]:
         """Registered shufflers without a valid descriptor now (never fetched, or expired)."""
-        now = self.clock()
-        with self._lock:
-            held = dict(self._latest)
-        return [e.id for e in self.entries if e.id not in held or held[e.id][0].expires_at < now]
+        now, kept = self.clock(), self.store.descriptors()
+        return [e.id for e in self.entries if e.id not in kept or kept[e.id][0] < now]
 
     def current(self) -> list[SignedDescriptor]:
         """Every registered shuffler's descriptor, in registry order.
@@ -78,13 +87,13 @@ class ShufflerDescriptors:
         Raises:
             ShufflersUnavailableError: naming the shufflers without a valid one.
         """
-        missing = self.missing()
+        now, kept = self.clock(), self.store.descriptors()
+        missing = [e.id for e in self.entries if e.id not in kept or kept[e.id][0] < now]
         if missing:
             raise ShufflersUnavailableError(
                 f"no valid signed descriptor yet from {', '.join(missing)}; retry shortly"
             )
-        with self._lock:
-            return [self._latest[e.id][1] for e in self.entries]
+        return [SignedDescriptor.model_validate_json(kept[e.id][1]) for e in self.entries]
 
     def fetch(self, client: httpx.Client) -> list[str]:
         """Fetch every registered shuffler's descriptor once; returns the ids still missing."""
@@ -111,7 +120,11 @@ class ShufflerDescriptors:
     def _run(self, refresh_seconds: float) -> None:
         with httpx.Client(timeout=FETCH_TIMEOUT_SECONDS) as client:
             while not self._stop.is_set():
-                missing = self.fetch(client)
+                try:
+                    missing = self.fetch(client)
+                except Exception:  # the database, mostly: the thread must survive it
+                    log.exception("fetching shuffler descriptors failed; retrying")
+                    missing = ["?"]
                 self._stop.wait(RETRY_SECONDS if missing else refresh_seconds)
 
     def stop(self) -> None:

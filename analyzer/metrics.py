@@ -37,6 +37,8 @@ COUNTERS = {
     "their shuffler claimed (certified at the verified crowd)",
     "crowd_shortfall": "contributions claimed by shufflers that their batches' fragments do "
     "not verify",
+    "batches_withheld": "complete batches never released: their fragments verify fewer "
+    "contributions than the channel's min_crowd",
     "releases": "estimates released (ledger entries)",
 }
 #: Gauges read from the database at scrape time (registered with :meth:`Events.gauge`).

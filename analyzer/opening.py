@@ -38,7 +38,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import StorageConflictError
 from analyzer.metrics import Events
-from analyzer.store import AnalyzerStore, Complete, Fold, Folded, Merge, PartHeader
+from analyzer.store import AnalyzerStore, Complete, Completion, Fold, Folded, Merge, PartHeader
 from common.envelope import EnvelopeError, FragmentContext, KeyRing, open_fragment
 from common.wire import Batch
 
@@ -270,10 +270,13 @@ class PartOpener:
         short = header.n_contributions - verified
         if short <= 0:
             return
+        withheld = verified < self.channels[header.channel_id].config.min_crowd
         self.events.count("batches_short_crowd")
+        self.events.count("batches_withheld", int(withheld))
         self.events.count("crowd_shortfall", short)
         log.warning(
-            "batch crowd not verified by its fragments: certified at the verified crowd",
+            "batch crowd not verified by its fragments: "
+            + ("withheld (below min_crowd)" if withheld else "certified at the verified crowd"),
             extra={
                 "batch_id": header.batch_id,
                 "shuffler": header.shuffler_id,
@@ -349,14 +352,16 @@ def _folder(
 
 
 def _completer(runtime: ChannelRuntime, header: PartHeader, verified: list[int]) -> Complete:
-    # ``verified`` receives the crowd of the completion that commits.
-    def complete(state: bytes, valid: int, invalid: int) -> tuple[bytes, int]:
+    # ``verified`` receives the crowd of the completion that commits. A crowd below min_crowd
+    # is withheld, as a shuffler holds a group below it: "never released".
+    def complete(state: bytes, valid: int, invalid: int) -> Completion:
         count = runtime.fragment_count(header.shuffler_id)
         crowd = count.verified_crowd(header.n_contributions, valid, invalid)
         accumulator = runtime.load(state)
         runtime.add(accumulator, (), crowd, header.shuffler_id)
         verified.append(crowd)
-        return accumulator.to_bytes(), crowd
+        released = crowd >= runtime.config.min_crowd
+        return Completion(accumulator.to_bytes(), crowd, released)
 
     return complete
 

@@ -63,6 +63,7 @@ class Release:
                 f"{check.short} batch(es) certified at the crowd their fragments verify, not "
                 f"the crowd claimed ({check.verified:,} of {check.claimed:,} contributions; "
                 f"{check.invalid:,} fragments failed to open or parse)"
+                + (f", {check.withheld} of them withheld below min_crowd" if check.withheld else "")
             )
         if self.incomplete:
             left_out = ", ".join(
@@ -161,21 +162,22 @@ class ReleaseService:
         runtime = self.runtime(channel_id)
         received = self.store.received(channel_id, crowd_id, epoch_from, epoch_to)
         incomplete = self.store.incomplete(channel_id, crowd_id, epoch_from, epoch_to)
+        check = self.store.crowd_check(channel_id, crowd_id, epoch_from, epoch_to)
         span = f"{channel_id!r} in epochs [{epoch_from}, {epoch_to}]"
         if not received.states and incomplete:
             raise IncompleteBatchesError(
                 f"no complete batch for {span} yet: {len(incomplete)} batch(es) still have "
                 "parts missing or unopened"
             )
+        if not received.states and check.withheld:
+            raise NothingReceivedError(
+                f"no batch of {span} can be released: the fragments of its {check.batches} "
+                f"batch(es) verify {check.verified:,} of the {check.claimed:,} contributions "
+                f"claimed ({check.invalid:,} failed to open or parse), fewer than "
+                f"min_crowd={runtime.config.min_crowd} per batch"
+            )
         if not received.states:
             raise NothingReceivedError(f"no batch received for {span}")
-        check = self.store.crowd_check(channel_id, crowd_id, epoch_from, epoch_to)
-        if check.batches and not check.verified:
-            raise NothingReceivedError(
-                f"no contribution verified for {span}: the fragments of its {check.batches} "
-                f"batch(es) back none of the {check.claimed:,} contributions claimed "
-                f"({check.invalid:,} failed to open or parse)"
-            )
         release = _computed(runtime, received, epoch_from, epoch_to)
         return replace(release, incomplete=incomplete, crowd_check=check)
 
@@ -237,6 +239,7 @@ def _crowd_check(check: CrowdCheck) -> CrowdCheckBody:
         verified=check.verified,
         invalid_fragments=check.invalid,
         short_batches=check.short,
+        withheld_batches=check.withheld,
     )
 
 

@@ -96,7 +96,7 @@ class AnalyzerService:
                 events,
                 settings.fault_while_opening,
             ),
-            ShufflerDescriptors(settings.shufflers, clock),
+            ShufflerDescriptors(settings.shufflers, store, clock),
             clock,
             Trainer(store, channels, settings.training_dir),
         )
@@ -107,6 +107,7 @@ class AnalyzerService:
         db.wait_for(self.store.engine)
         db.upgrade(self.store.engine, MIGRATIONS)
         charged = self.ledger.charge_missing()
+        self.descriptors.seed()
         processes = self.opener.opener.warm()
         self.opener.start(self.settings.opening_poll_seconds)
         self.descriptors.start(self.settings.descriptor_refresh_seconds)

@@ -13,7 +13,9 @@ Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
   by part in the same transaction that marks each part opened (nothing opened twice).
 * ``receipts``: one row per complete batch (all its parts opened), with the crowd its shuffler
   claimed, the crowd its fragments verify (``n_verified``: what certificates and estimates rest
-  on) and how many fragments failed to open or parse.
+  on), how many fragments failed to open or parse, and whether it was ``withheld``: a batch
+  whose verified crowd is below its channel's ``min_crowd`` never joins an accumulator, so no
+  release or ledger charge rests on it (only its receipt tells it arrived).
 * ``accumulators``: the sufficient statistics per (channel, crowd, epoch, shuffler) of complete
   batches, updated in the same transaction as the receipt. Kept per shuffler because each
   shuffler's batch is shuffled separately: its crowd is what certification may rely on.
@@ -23,6 +25,9 @@ Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
   takes the (channel, crowd, epoch) lock first and reads what was received after it, so
   concurrent analyzer processes on PostgreSQL rewrite the row one after another, each from
   everything committed before it.
+* ``shuffler_descriptors``: the newest verified signed descriptor of each registered shuffler,
+  the one every analyzer worker serves in its config (a device that saw a newer descriptor
+  refuses an older one, so workers must agree on it).
 * ``releases``: what was published (``POST /v1/channels/{id}/releases``), with its certificate
   and the summary the dashboard draws. Reads (``GET .../estimate``) write nothing.
 
@@ -42,6 +47,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     ColumnElement,
     Float,
@@ -55,6 +61,7 @@ from sqlalchemy import (
     Text,
     case,
     delete,
+    false,
     func,
     insert,
     select,
@@ -84,6 +91,7 @@ receipts = Table(
     Column("invalid", Integer, nullable=False),
     Column("received_at", Float, nullable=False),
     Column("n_verified", Integer, nullable=True),
+    Column("withheld", Boolean, nullable=False, server_default=false()),
 )
 
 accumulators = Table(
@@ -145,6 +153,15 @@ batch_parts = Table(
     Index("ix_batch_parts_group", "shuffler_id", "channel_id", "crowd_id", "epoch"),
 )
 
+shuffler_descriptors = Table(
+    "shuffler_descriptors",
+    metadata,
+    Column("shuffler_id", String(64), primary_key=True),
+    Column("issued_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("document", Text, nullable=False),
+)
+
 #: ``batch_parts.status``: waiting for the opener, folded in, or set aside after failed openings.
 STORED, OPENED, QUARANTINED = "stored", "opened", "quarantined"
 #: Longest ``last_error`` kept for a failed opening.
@@ -170,8 +187,8 @@ PENDING_PAGE = 100
 #: (new state, invalid fragments).
 Fold = Callable[[bytes | None], tuple[bytes, int]]
 #: Completes a batch whose last part was folded: (state, valid fragments, invalid fragments) →
-#: (state with the verified crowd in it, the verified crowd).
-Complete = Callable[[bytes, int, int], tuple[bytes, int]]
+#: its :class:`Completion`.
+Complete = Callable[[bytes, int, int], "Completion"]
 #: Merges a complete batch's statistics into an accumulator (None when new) → new state.
 Merge = Callable[[bytes | None, bytes], bytes]
 
@@ -193,6 +210,16 @@ class PartHeader:
 
 
 @dataclass(frozen=True, slots=True)
+class Completion:
+    """A complete batch's statistics with its verified crowd in them, the verified crowd, and
+    whether it may be released (False: below its channel's ``min_crowd``, withheld)."""
+
+    state: bytes
+    verified: int
+    released: bool
+
+
+@dataclass(frozen=True, slots=True)
 class StoredBatch:
     """What intake checks a new part against: its batch's parts stored so far, and another
     batch already received for the same group (shuffler, channel, crowd, epoch), if any."""
@@ -203,13 +230,15 @@ class StoredBatch:
 
 @dataclass(frozen=True, slots=True)
 class CrowdCheck:
-    """Claimed against verified crowds over a channel's complete batches in a range."""
+    """Claimed against verified crowds over a channel's complete batches in a range, and the
+    batches withheld because their verified crowd is below ``min_crowd``."""
 
     batches: int
     claimed: int
     verified: int
     invalid: int
     short: int
+    withheld: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,6 +511,37 @@ class AnalyzerStore:
         with self.engine.begin() as conn:
             return int(conn.execute(query.values(status=STORED, attempts=0)).rowcount)
 
+    def keep_descriptor(self, shuffler_id: str, issued_at: int, expires_at: int, doc: str) -> bool:
+        """Keep a verified signed descriptor unless one issued as late or later is kept; True
+        if it was kept. One statement each way, so concurrent workers keep the newest."""
+        d = shuffler_descriptors.c
+        values = {"issued_at": issued_at, "expires_at": expires_at, "document": doc}
+        with self.engine.begin() as conn:
+            newer = conn.execute(
+                update(shuffler_descriptors)
+                .where(d.shuffler_id == shuffler_id, d.issued_at < issued_at)
+                .values(**values)
+            ).rowcount
+            if newer:
+                return True
+            if conn.execute(select(d.issued_at).where(d.shuffler_id == shuffler_id)).first():
+                return False
+            try:
+                with conn.begin_nested():
+                    conn.execute(
+                        insert(shuffler_descriptors).values(shuffler_id=shuffler_id, **values)
+                    )
+            except IntegrityError:  # another worker kept one first: compare again next time
+                return False
+        return True
+
+    def descriptors(self) -> dict[str, tuple[int, str]]:
+        """The kept descriptors: shuffler id → (expires_at, signed document as JSON)."""
+        d = shuffler_descriptors.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(d.shuffler_id, d.expires_at, d.document)).all()
+        return {str(sid): (int(expires), str(doc)) for sid, expires, doc in rows}
+
     def fold_part(
         self,
         header: PartHeader,
@@ -598,7 +658,8 @@ class AnalyzerStore:
         self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
     ) -> CrowdCheck:
         """Claimed and verified crowds of the complete batches in range, the fragments that
-        failed to open or parse, and how many batches verified fewer than they claimed."""
+        failed to open or parse, how many batches verified fewer than they claimed and how
+        many were withheld."""
         r = receipts.c
         verified = func.coalesce(r.n_verified, r.n_contributions)
         query = select(
@@ -607,6 +668,7 @@ class AnalyzerStore:
             func.sum(verified),
             func.sum(r.invalid),
             func.sum(case((verified < r.n_contributions, 1), else_=0)),
+            func.sum(case((r.withheld, 1), else_=0)),
         ).where(*_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to))
         with self.engine.connect() as conn:
             row = conn.execute(query).one()
@@ -781,7 +843,7 @@ def _fold_part(
         )
         return Folded.PART
     complete, merge, charge = steps
-    state, verified = complete(state, fragments - invalid, invalid)
+    done = complete(state, fragments - invalid, invalid)
     receipt = BatchReceipt(
         batch_id=header.batch_id,
         shuffler_id=header.shuffler_id,
@@ -790,9 +852,16 @@ def _fold_part(
         epoch=header.epoch,
         n_contributions=header.n_contributions,
         n_fragments=fragments,
-        n_verified=verified,
+        n_verified=done.verified,
     )
-    _complete(conn, receipt, invalid, merge(_accumulator(conn, receipt), state), now)
+    if not done.released:
+        conn.execute(
+            insert(receipts).values(
+                **asdict(receipt), invalid=invalid, received_at=now, withheld=True
+            )
+        )
+        return Folded.BATCH
+    _complete(conn, receipt, invalid, merge(_accumulator(conn, receipt), done.state), now)
     _charge(conn, receipt, charge, now)
     return Folded.BATCH
 
@@ -848,13 +917,12 @@ def _received(
     verified = func.coalesce(r.n_verified, r.n_contributions)
     batches = conn.execute(
         select(r.epoch, r.shuffler_id, verified).where(
-            *_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to)
+            *_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to), ~r.withheld
         )
     ).all()
     sizes: dict[tuple[int, str], list[int]] = {}
     for epoch, shuffler_id, n in batches:
-        if n:  # a batch none of whose fragments verified reaches no release
-            sizes.setdefault((int(epoch), shuffler_id), []).append(int(n))
+        sizes.setdefault((int(epoch), shuffler_id), []).append(int(n))
     return ReceivedRange(
         [StoredState(int(e), s, bytes(state)) for e, s, state in rows],
         {key: tuple(ns) for key, ns in sizes.items()},

@@ -467,14 +467,16 @@ class LocalBound(BaseModel):
 class CrowdCheckBody(BaseModel):
     """What the analyzer verified of the crowds its shufflers claimed, over a release's
     complete batches: the claimed and the verified contributions (what the certificate and the
-    estimate rest on), the fragments that failed to open or parse, and the batches whose
-    fragments verify fewer contributions than claimed."""
+    estimate rest on), the fragments that failed to open or parse, the batches whose
+    fragments verify fewer contributions than claimed, and those of them withheld because
+    they verify fewer than the channel's ``min_crowd`` (no release rests on them)."""
 
     batches: int
     claimed: int
     verified: int
     invalid_fragments: int
     short_batches: int
+    withheld_batches: int = 0
 
 
 class ReleaseBody(BaseModel):

@@ -127,7 +127,7 @@ def _trust_anchors(trusted_key: object, shuffler_keys: object, trust_file: objec
             "pin one key per trust domain: trust_file (var/trust.json, written by `esa up`), "
             "or trusted_key (the analyzer's) with shuffler_keys"
         )
-    if not isinstance(shuffler_keys, dict) or not shuffler_keys:
+    if not isinstance(shuffler_keys, Mapping) or not shuffler_keys:
         raise TrustedKeyError(
             "shuffler_keys must map each shuffler id to its signing key: a device takes a "
             "shuffler's HPKE key only from that shuffler's own signature, never the analyzer's"
@@ -252,7 +252,7 @@ class Client:
     ) -> None:
         _check_arguments(timeout, flush_interval, weights, crowd)
         self._clock = clock
-        self._trust = _trust_anchors(trusted_key, dict(shuffler_keys or {}) or None, trust_file)
+        self._trust = _trust_anchors(trusted_key, shuffler_keys, trust_file)
         self._source = (config_url, config_file)
         self._http = httpx.Client(timeout=timeout, verify=_tls_context())
         self._config_lock = threading.Lock()

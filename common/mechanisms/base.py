@@ -232,13 +232,16 @@ class FragmentCount:
         A shuffler's ``claimed`` crowd, less one contribution per fragment that failed to open
         or parse (each may have been a whole contribution), and no more than the valid
         fragments can come from (:meth:`largest_crowd`); at least 1 while any valid fragment
-        is in, since its contribution then reaches the release.
+        is in, since its contribution then reaches the release; none when no fragment is
+        valid (nothing of the batch reaches a release).
         """
+        if valid == 0:
+            return 0
         crowd = claimed - invalid
         largest = self.largest_crowd(valid)
         if largest is not None:
             crowd = min(crowd, largest)
-        return max(crowd, 1 if valid > 0 else 0)
+        return max(crowd, 1)
 
 
 class NoDataError(LookupError):

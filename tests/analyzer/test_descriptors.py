@@ -14,9 +14,12 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from analyzer.descriptors import ShufflerDescriptors
 from analyzer.errors import ShufflersUnavailableError
+from analyzer.service import MIGRATIONS
+from analyzer.store import AnalyzerStore
 from common.collection import CollectionConfigError, TrustAnchors, verify_collection
 from common.envelope import load_or_create_ed25519
 from common.wire import ShufflerEntry
+from services.runtime import db
 
 from ..support import (
     SMALL_CHANNEL,
@@ -33,9 +36,15 @@ def _entry(signer: Ed25519PrivateKey, url: str = "http://127.0.0.1:9") -> Shuffl
     return ShufflerEntry.model_validate(registry_entry("shuffler-1", url, signer))
 
 
+def _store(url: str = "sqlite://") -> AnalyzerStore:
+    engine = db.make_engine(url)
+    db.upgrade(engine, MIGRATIONS)
+    return AnalyzerStore(engine)
+
+
 def test_only_a_descriptor_signed_with_the_pinned_key_is_kept() -> None:
     signer, hpke = Ed25519PrivateKey.generate(), X25519PrivateKey.generate()
-    held = ShufflerDescriptors([_entry(signer)])
+    held = ShufflerDescriptors([_entry(signer)], _store())
     with pytest.raises(ShufflersUnavailableError, match="shuffler-1"):
         held.current()
     with pytest.raises(CollectionConfigError, match="not signed by the key pinned"):
@@ -48,21 +57,26 @@ def test_only_a_descriptor_signed_with_the_pinned_key_is_kept() -> None:
     assert held.current() == [first]
 
 
-def test_a_newer_descriptor_replaces_an_older_one_never_the_reverse() -> None:
+def test_a_newer_descriptor_replaces_an_older_one_never_the_reverse(database_url: str) -> None:
+    """Two analyzer workers on one database serve the same, newest descriptor."""
     signer = Ed25519PrivateKey.generate()
-    held = ShufflerDescriptors([_entry(signer)])
+    store = _store(database_url)
+    held, other = (
+        ShufflerDescriptors([_entry(signer)], store),
+        ShufflerDescriptors([_entry(signer)], AnalyzerStore(db.make_engine(database_url))),
+    )
     old = descriptor(signer, X25519PrivateKey.generate())
     time.sleep(1.05)
     new = descriptor(signer, X25519PrivateKey.generate())
     assert held.offer(new)
-    assert not held.offer(old)
-    assert held.current() == [new]
+    assert not other.offer(old)
+    assert held.current() == other.current() == [new]
 
 
 def test_an_expired_descriptor_is_missing() -> None:
     signer = Ed25519PrivateKey.generate()
     now = [time.time()]
-    held = ShufflerDescriptors([_entry(signer)], clock=lambda: now[0])
+    held = ShufflerDescriptors([_entry(signer)], _store(), clock=lambda: now[0])
     held.offer(descriptor(signer, X25519PrivateKey.generate(), lifetime=60))
     assert held.missing() == []
     now[0] += 120

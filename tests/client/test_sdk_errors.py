@@ -202,12 +202,6 @@ def test_the_analyzer_key_alone_is_not_enough(tmp_path: Path) -> None:
         assert client.channel("homepage").mechanism == "krr"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(ValueError, TypeError),
-    reason="production bug: Client() runs dict(shuffler_keys) before _trust_anchors checks "
-    "its type, so a list or a string escapes as a raw ValueError/TypeError (issue 20)",
-)
 @pytest.mark.parametrize("shufflers", [["shuffler-1"], "shuffler-1", [1]])
 def test_shuffler_keys_that_are_not_a_mapping_are_a_trusted_key_error(
     tmp_path: Path, shufflers: object
