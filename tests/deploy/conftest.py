@@ -49,6 +49,7 @@ def stack() -> Iterator[Stack]:
         deployment.run("build", "postgres", "init", timeout=900)
         deployment.run("up", "-d", timeout=300)
         deployment.wait_healthy()
+        deployment.wait_config()  # every shuffler's signed descriptor fetched
         yield deployment
     finally:
         print(deployment.logs())

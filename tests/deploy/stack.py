@@ -13,7 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
+
+from common.collection import TrustAnchors
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "esa-deploy-test"
@@ -154,6 +157,28 @@ class Stack:
             if time.monotonic() > deadline:
                 raise AssertionError(f"not healthy in {timeout} s: {states}\n{self.logs()}")
             time.sleep(2)
+
+    def wait_config(self, timeout: float = 120) -> dict[str, object]:
+        """Wait until the analyzer serves its signed config on the host's port: 503
+        ``shufflers_unavailable`` until it has fetched every shuffler's signed descriptor,
+        which its healthcheck (``/readyz``) does not wait for. Returns the document."""
+        deadline, last = time.monotonic() + timeout, "no answer"
+        while time.monotonic() < deadline:
+            try:
+                answer = httpx.get("http://127.0.0.1:8100/v1/config", timeout=5)
+                if answer.status_code == 200:
+                    document: dict[str, object] = answer.json()
+                    return document
+                last = f"{answer.status_code} {answer.text[:300]}"
+            except httpx.HTTPError as error:
+                last = f"{type(error).__name__}: {error}"
+            time.sleep(1)
+        raise AssertionError(f"no config served in {timeout} s: {last}\n{self.logs('analyzer')}")
+
+    def trust(self) -> TrustAnchors:
+        """The keys a device pins, as ``init`` wrote them (``/var/esa/trust.json``)."""
+        text = self.run("exec", "-T", "analyzer", "cat", "/var/esa/trust.json")
+        return TrustAnchors.from_json(json.loads(text))
 
     def sql(self, database: str, query: str) -> int:
         out = self.run("exec", "-T", "postgres", "psql", "-U", "esa", "-d", database, "-tAc", query)

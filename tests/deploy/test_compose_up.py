@@ -4,17 +4,17 @@ deploy/engine.sh installs Debian's docker.io, a compose and debootstrap when mis
 plain ``dockerd`` when none answers, builds the stand-in base images when the pinned official
 ones are not on the machine (no registry is contacted) and fills deploy/wheelhouse/. Then, with
 production secrets of its own: ``build``, ``up -d``, every service healthy, the signed config
-verified from the host with the key ``init`` wrote; the loadgen (``esa demo``, 500 devices on
-one channel) while shuffler-2's process is killed (SIGKILL from the host: a crash, which the
-restart policy answers), its certified ε and estimates, conservation from the databases
-(acknowledged = forwarded + removed by randomized deletion + held, and the analyzer received
-what was forwarded); ``down`` and ``up`` keep keys and data. The ``stack`` fixture
+verified from the host with the keys ``init`` wrote (trust.json: the analyzer's and each
+shuffler's, whose own signed descriptor vouches for its in-network URL); the loadgen (``esa
+demo``, 500 devices on one channel) while shuffler-2's process is killed (SIGKILL from the host:
+a crash, which the restart policy answers), its certified ε and estimates, conservation from the
+databases (acknowledged = forwarded + removed by randomized deletion + held, and the analyzer
+received what was forwarded); ``down`` and ``up`` keep keys and data. The ``stack`` fixture
 (conftest.py) is shared with test_monitoring.py and test_replicas.py; ``down -v`` at the end.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.collection import CollectionConfigError, verify_config
-from common.envelope import load_ed25519_public
-from common.wire import SignedConfig
+from common.collection import CollectionConfigError, TrustAnchors, verify_collection
+from common.envelope import load_ed25519_public, public_bytes
+from common.wire import b64
 from tests.deploy.stack import PORTS, PROJECT, ROOT, Stack
 
 pytestmark = pytest.mark.deploy
@@ -41,16 +41,26 @@ def test_the_deployment_is_healthy_and_its_config_verifies_from_the_host(stack: 
     for service, port in PORTS.items():
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200
         assert stack.state(service)["Running"] is True
+    trust = stack.trust()  # what a device pins: one key per party, written by init
     key = stack.run("exec", "-T", "analyzer", "cat", "/var/esa/analyzer.pub").strip()
-    signed = httpx.get("http://127.0.0.1:8100/v1/config", timeout=10).raise_for_status()
-    document = SignedConfig.model_validate_json(signed.content)
-    config = verify_config(document, load_ed25519_public(base64.b64decode(key)), time.time())
-    urls = [shuffler.url for shuffler in config.shufflers]
-    assert urls == [f"http://{s}:{p}" for s, p in PORTS.items() if s != "analyzer"]
+    assert key == b64(public_bytes(trust.analyzer))
+    document = stack.wait_config()
+    config = verify_collection(document, trust, time.time())
+    shufflers = {s: p for s, p in PORTS.items() if s != "analyzer"}
+    assert [s.url for s in config.shufflers] == [f"http://{s}:{p}" for s, p in shufflers.items()]
     assert CHANNEL in {c.id for c in config.channels}
-    other = load_ed25519_public(os.urandom(32))  # a key that did not sign it
-    with pytest.raises(CollectionConfigError):
-        verify_config(document, other, time.time())
+    # Each descriptor in the config is the one its shuffler signs and serves itself.
+    for info, (name, port) in zip(config.shufflers, shufflers.items(), strict=True):
+        own = httpx.get(f"http://127.0.0.1:{port}/v1/descriptor", timeout=10).json()
+        assert own["descriptor"]["id"] == info.id == name
+        assert own["descriptor"]["url"] == info.url
+        assert own["descriptor"]["keys"][0]["public_key"] == info.public_key
+    other = load_ed25519_public(os.urandom(32))  # a key that signed nothing here
+    with pytest.raises(CollectionConfigError):  # another analyzer key pinned
+        verify_collection(document, TrustAnchors(other, trust.shufflers), time.time())
+    with pytest.raises(CollectionConfigError, match="shuffler-2"):  # another shuffler key
+        pinned = {**trust.shufflers, "shuffler-2": other}
+        verify_collection(document, TrustAnchors(trust.analyzer, pinned), time.time())
     # The services run as the image's non-root user, with the production settings.
     assert stack.run("exec", "-T", "shuffler-1", "id", "-un").strip() == "esa"
     metrics = httpx.get("http://127.0.0.1:8101/metrics", timeout=5)
@@ -124,11 +134,14 @@ def test_loadgen_certifies_epsilon_while_a_shuffler_crashes_and_restarts(
 
 def test_down_and_up_keep_keys_and_data(stack: Stack) -> None:
     key = stack.run("exec", "-T", "analyzer", "cat", "/var/esa/analyzer.pub")
+    trust = stack.trust().to_json()
     received = stack.sql("esa_analyzer", "SELECT count(*) FROM receipts")
     stack.run("down", timeout=180)
     stack.run("up", "-d", timeout=300)
     stack.wait_healthy()
     assert stack.run("exec", "-T", "analyzer", "cat", "/var/esa/analyzer.pub") == key
+    assert stack.trust().to_json() == trust  # devices keep working with the keys they pin
+    verify_collection(stack.wait_config(), stack.trust(), time.time())
     assert stack.sql("esa_analyzer", "SELECT count(*) FROM receipts") == received > 0
     init = stack.run("logs", "--no-color", "init")
     assert "nothing to do" in init  # init kept what it prepared

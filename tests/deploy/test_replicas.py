@@ -4,7 +4,9 @@ Added to the running deployment (the session's ``stack``): a second process of e
 trust domain (shuffler-<i>-r2: the same keys volume, token secret and database) and one
 HAProxy per domain (deploy/haproxy/<domain>.cfg, generated from ``esa up --replicas``'s
 configuration; health checks on /readyz), with ``init`` preparing again so devices are told
-the HAProxy URLs (ESA_SHUFFLER_URL_TEMPLATE) and the analyzer restarted to serve them. Then
+the HAProxy URLs (ESA_SHUFFLER_URL_TEMPLATE: init registers them, and every shuffler process,
+recreated with the template, vouches for its HAProxy's URL in its own signed descriptor) and
+the analyzer restarted to fetch the descriptors there and serve them. Then
 ``esa demo`` (500 devices, one channel the other tests do not use) through HAProxy while one
 replica's process is SIGKILLed from the host: the run certifies ε, the restart policy brings
 the replica back, both processes of an untouched domain acknowledged contributions, and
@@ -26,6 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.collection import verify_collection
 from tests.deploy.stack import PROJECT, ROOT, SERVED, Stack
 
 pytestmark = pytest.mark.deploy
@@ -98,14 +101,28 @@ def _up_with_replicas(stack: Stack) -> dict[str, str]:
     stack.run("--profile", "replicas", "up", "-d", timeout=600, env=env)
     stack.run("restart", "analyzer", timeout=120, env=env)  # serves the URLs init wrote
     stack.wait_healthy(timeout=240, services=(*SERVED, *REPLICAS, *BALANCERS))
+    stack.wait_config()  # the restarted analyzer has every descriptor again, through HAProxy
     return env
+
+
+def _own_url(stack: Stack, service: str, port: int) -> str:
+    """The URL one process vouches for in the descriptor it signs (asked in its container)."""
+    code = (
+        "import json, urllib.request as u; print(json.load(u.urlopen("
+        f"'http://127.0.0.1:{port}/v1/descriptor', timeout=5))['descriptor']['url'])"
+    )
+    return stack.run("exec", "-T", service, "python", "-c", code).strip()
 
 
 def test_replicas_behind_haproxy_survive_a_kill_and_conserve(stack: Stack, tmp_path: Path) -> None:
     env = _up_with_replicas(stack)
-    config = httpx.get("http://127.0.0.1:8100/v1/config", timeout=10).raise_for_status().json()
-    urls = [s["url"] for s in config["config"]["shufflers"]]
-    assert urls == [f"http://{d}-lb:{8100 + i}" for i, d in enumerate(DOMAINS, start=1)]
+    document = httpx.get("http://127.0.0.1:8100/v1/config", timeout=10).raise_for_status().json()
+    config = verify_collection(document, stack.trust(), time.time())  # as the devices will
+    want = [f"http://{d}-lb:{8100 + i}" for i, d in enumerate(DOMAINS, start=1)]
+    assert [s.url for s in config.shufflers] == want
+    for i, domain in enumerate(DOMAINS, start=1):  # both processes of each domain vouch for it
+        for service in (domain, f"{domain}-r2"):
+            assert _own_url(stack, service, 8100 + i) == want[i - 1], service
     for i in (1, 2, 3):  # HAProxy answers for its domain from the host too
         assert httpx.get(f"http://127.0.0.1:{8110 + i}/readyz", timeout=5).status_code == 200
     before = stack.restarts(KILLED)
