@@ -8,9 +8,10 @@ lost answer is safe. Before sending, a forwarder claims the part's lease in the 
 periodic loop and an admin close never send the same part concurrently.
 
 Only a refusal of the part's *content* is permanent (:data:`PERMANENT_REFUSALS`): the part is
-then kept, counted as undelivered, until retention. Everything else — transport errors, 5xx,
-429, an unknown shuffler (401, healed by registering it), and 413 (a batch is never dropped for
-its size) — is retried with backoff.
+then kept unsent (its batch in the ledger state ``in_batches_refused``) until an admin requeues
+it once the cause is fixed, or retention purges the batch (cause ``refused``). Everything else —
+transport errors, 5xx, 429, an unknown shuffler (401, healed by registering it), and 413 (a
+batch is never dropped for its size) — is retried with backoff.
 """
 
 from __future__ import annotations
@@ -135,7 +136,11 @@ class Forwarder:
         if attempt.outcome is Outcome.FORWARDED:
             self.store.record_forwarded(key, self.clock())
         elif attempt.outcome is Outcome.FAILED:
-            log.error("batch part refused by analyzer, kept until retention", extra=where)
+            log.error(
+                "batch part refused by analyzer: kept until requeued (esa admin requeue) or "
+                "purged by retention",
+                extra=where,
+            )
             self.store.record_failed(key, error)
         else:
             delay = max(self.backoff.delay(part.attempts, self.rng), attempt.wait or 0.0)

@@ -17,6 +17,8 @@ from pydantic_settings import SettingsConfigDict
 from common.wire import PART_FRAGMENTS, ChannelPolicy
 from services.runtime.secrets import SecretFileSettings, refuse_placeholder
 
+#: Bind addresses that name no reachable host (a descriptor cannot vouch for them).
+WILDCARDS = frozenset({"0.0.0.0", "::", "", "[::]"})
 #: Settings that may be given as files (``ESA_SHUFFLER_<NAME>_FILE``: Docker secrets).
 _SECRETS = ("token_secret", "admin_token", "metrics_token", "database_url")
 
@@ -92,6 +94,11 @@ class ShufflerSettings(SecretFileSettings):
             value = getattr(self, name)
             if value is not None:
                 refuse_placeholder(name, value.get_secret_value(), self.environment)
+        if self.public_url is None and self.host in WILDCARDS:
+            raise ValueError(
+                f"host={self.host} listens on every address: set public_url to the URL devices "
+                "reach this shuffler at (its signed descriptor vouches for it)"
+            )
         ids = [c.id for c in self.channels]
         if len(ids) != len(set(ids)):
             raise ValueError(f"duplicate channel ids in {ids}")
