@@ -209,3 +209,13 @@ def test_every_live_key_is_listed_with_the_current_one_first(tmp_path: Path) -> 
             key.public_key(),
         )
         assert service.validate(service.tokens.issue(), blob).contribution.epoch == clock.epoch
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_wildcard_bind_address_needs_a_public_url(host: str) -> None:
+    """A descriptor vouching for http://0.0.0.0:8101 would send every device nowhere."""
+    with pytest.raises(ValueError, match="set public_url"):
+        ShufflerSettings(host=host)
+    assert ShufflerSettings(host=host, public_url="http://shuffler-1:8101").url == (
+        "http://shuffler-1:8101"
+    )
