@@ -170,6 +170,7 @@ def test_pipeline_end_to_end(deployment: Deployment) -> None:
     # Every shuffler's crowd verified by its fragments: the release rests on the crowds claimed.
     check = release["crowd_check"]
     assert check["batches"] == len(deployment.shufflers) and check["short_batches"] == 0
+    assert check["withheld_batches"] == 0
     assert check["claimed"] == check["verified"] == release["n"]
     assert check["invalid_fragments"] == 0
     # Algorithm 3 deleted whole contributions uniformly at each shuffler: the released crowd
@@ -250,6 +251,7 @@ def test_pipeline_end_to_end(deployment: Deployment) -> None:
         "verified": 60,
         "invalid_fragments": 0,
         "short_batches": 0,
+        "withheld_batches": 0,
     }
     assert httpx.get(estimate).json()["n"] == 60  # the refused batches added nothing
 
