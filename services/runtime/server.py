@@ -9,7 +9,10 @@ both before any application code runs:
   ``431 {"error": "head_too_large", …}`` and the connection is closed. The limit is counted on
   the parsed request line and headers, and bytes of a head still incomplete are counted as they
   arrive (bounded by :data:`RAW_HEAD_LIMIT`), so a never-ending header is cut off too;
-* a request the parser refuses is ``400 {"error": "malformed_http", …}``, connection closed.
+* a request the parser refuses is ``400 {"error": "malformed_http", …}``, connection closed;
+* a response's head goes out in one write with its first body bytes (:class:`OneWriteResponse`):
+  uvicorn writes the head alone on ``http.response.start``, and a process killed between the
+  two writes left a head without a body on the wire, which a proxy cannot resend elsewhere.
 
 Both answers are JSON ``{"error", "detail"}`` like every other (:mod:`services.runtime.http`);
 the OpenAPI documents them on every operation (:data:`services.runtime.http.SERVER_STATUSES`).
@@ -18,7 +21,8 @@ Serve with ``uvicorn.run(app, **uvicorn_options())``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import asyncio
+from typing import Any, ClassVar, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -34,6 +38,42 @@ RAW_HEAD_LIMIT = 2 * HEAD_LIMIT
 
 class HeadTooLargeError(Exception):
     """The request head is over :data:`HEAD_LIMIT` (raised inside a parser callback)."""
+
+
+#: uvicorn's interim answer to ``Expect: 100-continue``.
+CONTINUE = b"HTTP/1.1 100 "
+
+
+class OneWriteResponse:
+    """The transport one response is written through: its first write (the head) is held
+    until the next (its first body bytes) and sent with it, or at the next turn of the event
+    loop if no body follows at once (a bodiless answer); everything else is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+        self._started = False
+
+    def write(self, data: bytes) -> None:
+        if data.startswith(CONTINUE):  # an interim answer before the request body: as is
+            self._transport.write(data)
+            return
+        if not self._started:
+            self._started, self._head = True, data
+            self._loop.call_soon(self._flush)
+            return
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        self._transport.write(data)
+
+    def _flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class JsonHttpToolsProtocol(HttpToolsProtocol):
@@ -89,6 +129,9 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head, self._raw_head_bytes = False, 0
         super().on_headers_complete()
+        if self.cycle is not None:
+            writes = OneWriteResponse(self.transport, self.loop)
+            self.cycle.transport = cast(asyncio.Transport, writes)
 
     def _grow(self, size: int) -> None:
         self._head_bytes += size

@@ -224,13 +224,40 @@ class ChannelResult:
 # --- reaching a deployment ----------------------------------------------------------------
 
 
+#: How long the demo waits for a live analyzer to serve its config (it answers 503
+#: ``shufflers_unavailable`` until it has every shuffler's signed descriptor).
+CONFIG_WAIT_SECONDS = 120.0
+
+
 def analyzer_alive(url: str) -> bool:
-    """True if an ESA analyzer answers at ``url``."""
+    """True if an ESA analyzer answers at ``url``: its config, or a 503 saying it is still
+    fetching the shufflers' descriptors."""
     try:
         response = httpx.get(url + "/v1/config", timeout=2.0)
-        return response.status_code == 200 and "config" in response.json()
+        body = response.json()
     except (httpx.HTTPError, ValueError):
         return False
+    if response.status_code == 503:
+        return isinstance(body, dict) and body.get("error") == "shufflers_unavailable"
+    return response.status_code == 200 and isinstance(body, dict) and "config" in body
+
+
+def served_config(url: str, wait: float = CONFIG_WAIT_SECONDS) -> SignedConfig:
+    """The analyzer's signed config, waiting up to ``wait`` seconds while it answers 503
+    ``shufflers_unavailable``.
+
+    Raises:
+        DemoError: unreachable, another answer, or still no config after ``wait`` seconds.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            response = httpx.get(url + "/v1/config", timeout=10.0)
+            if response.status_code != 503 or time.monotonic() > deadline:
+                return SignedConfig.model_validate_json(response.raise_for_status().content)
+        except (httpx.HTTPError, ValueError) as error:
+            raise DemoError(f"no analyzer config at {url}: {error}") from error
+        time.sleep(0.5)
 
 
 def connect(analyzer_url: str, trust_file: Path | None, admin_token: str) -> Target:
@@ -242,11 +269,7 @@ def connect(analyzer_url: str, trust_file: Path | None, admin_token: str) -> Tar
     """
     from common.collection import CollectionConfigError, verify_collection
 
-    try:
-        response = httpx.get(analyzer_url + "/v1/config", timeout=10.0).raise_for_status()
-        document = SignedConfig.model_validate_json(response.content)
-    except (httpx.HTTPError, ValueError) as error:
-        raise DemoError(f"no analyzer at {analyzer_url}: {error}") from error
+    document = served_config(analyzer_url)
     try:
         trust = served_keys(document) if trust_file is None else TrustAnchors.load(trust_file)
         config = verify_collection(document, trust, time.time())

@@ -7,6 +7,7 @@ or the analyzer refuses the config."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,11 +15,19 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.collection import TrustAnchors
-from common.envelope import public_bytes
+from common.envelope import load_or_create_ed25519, public_bytes
 from common.wire import b64
-from services.tools.demo import DemoError, connect, served_keys
+from services.tools.demo import DemoError, analyzer_alive, connect, served_keys
 
-from ..support import LONG_EPOCH_CHANNEL, Deployment, start_deployment
+from ..support import (
+    LONG_EPOCH_CHANNEL,
+    SMALL_CHANNEL,
+    Deployment,
+    analyzer_process,
+    registry_entry,
+    shuffler_process,
+    start_deployment,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +66,27 @@ def test_connect_refuses_a_config_the_pinned_keys_do_not_vouch_for(
         with pytest.raises(DemoError, match="is refused") as refused:
             connect(deployment.analyzer.url, wrong, "development")
         assert reason in str(refused.value)
+
+
+def test_the_demo_waits_for_an_analyzer_still_fetching_descriptors(tmp_path: Path) -> None:
+    """A live analyzer answers 503 shufflers_unavailable until its shufflers are up: the demo
+    takes it for a live analyzer (not a free port) and waits for its config."""
+    shuffler = shuffler_process(tmp_path, "shuffler-1", [SMALL_CHANNEL])  # started later
+    signer = load_or_create_ed25519(tmp_path / "shuffler-1" / "keys" / "signing.pem")
+    channel = LONG_EPOCH_CHANNEL.model_dump(mode="json")
+    analyzer = analyzer_process(
+        tmp_path, [channel], [registry_entry("shuffler-1", shuffler.url, signer)]
+    )
+    analyzer.start()
+    try:
+        assert analyzer_alive(analyzer.url)
+        later = threading.Timer(2.0, shuffler.start)
+        later.start()
+        try:
+            target = connect(analyzer.url, None, "development")
+            assert target.shuffler_urls == [shuffler.url]
+        finally:
+            later.join()
+            shuffler.stop()
+    finally:
+        analyzer.stop()

@@ -1,0 +1,95 @@
+"""A response's head leaves in the same write as its first body bytes
+(services/runtime/server.py): a process killed between two writes must never leave a head
+without its body on the wire, which HAProxy cannot resend to another replica."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from services.runtime.server import OneWriteResponse, uvicorn_options
+
+from ..support import free_port
+
+
+class Recorded:
+    """The writes a transport was given (what would go to the socket, one call each)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_the_head_goes_out_with_the_first_body_bytes() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        sent = Recorded()
+        writes = OneWriteResponse(sent, loop)  # type: ignore[arg-type]
+        writes.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+        assert sent.writes == []
+        writes.write(b"{}")
+        writes.write(b"")
+        assert sent.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", b""]
+        assert writes.is_closing() is False  # everything else is the transport's
+    finally:
+        loop.close()
+
+
+def test_a_bodiless_head_still_leaves_on_the_next_turn_of_the_loop() -> None:
+    async def answer() -> list[bytes]:
+        sent = Recorded()
+        writes = OneWriteResponse(sent, asyncio.get_running_loop())  # type: ignore[arg-type]
+        writes.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await asyncio.sleep(0)
+        return sent.writes
+
+    assert asyncio.run(answer()) == [b"HTTP/1.1 204 No Content\r\n\r\n"]
+
+
+def test_a_real_server_answers_whole_responses_and_bodiless_ones() -> None:
+    app = FastAPI()
+
+    @app.get("/json")
+    async def json() -> dict[str, Any]:
+        return {"a": 1}
+
+    @app.get("/empty")
+    async def empty() -> Response:
+        return Response(status_code=204)
+
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="error", **uvicorn_options()
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(
+                b"GET /json HTTP/1.1\r\nHost: x\r\n\r\nGET /empty HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            answer = b""
+            while answer.count(b"HTTP/1.1 ") < 2 or not answer.endswith(b"\r\n\r\n"):
+                answer += sock.recv(65536)
+        first, second = answer.split(b"HTTP/1.1 ")[1:]
+        assert first.startswith(b"200") and first.endswith(b'{"a":1}')
+        assert second.startswith(b"204")
+    finally:
+        server.should_exit = True
+        thread.join(10)
