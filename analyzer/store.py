@@ -842,7 +842,21 @@ def _fold_part(
             )
         )
         return Folded.PART
-    complete, merge, charge = steps
+    _complete_batch(conn, header, state, (fragments, invalid), steps, now)
+    return Folded.BATCH
+
+
+def _complete_batch(
+    conn: Connection,
+    header: PartHeader,
+    state: bytes,
+    counts: tuple[int, int],
+    steps: tuple[Complete, Merge, Charge],
+    now: float,
+) -> None:
+    """A batch whose last part was just folded (``counts``: its fragments, invalid ones): its
+    verified crowd, its receipt, and unless withheld its accumulator and epoch charge."""
+    (fragments, invalid), (complete, merge, charge) = counts, steps
     done = complete(state, fragments - invalid, invalid)
     receipt = BatchReceipt(
         batch_id=header.batch_id,
@@ -860,10 +874,9 @@ def _fold_part(
                 **asdict(receipt), invalid=invalid, received_at=now, withheld=True
             )
         )
-        return Folded.BATCH
+        return
     _complete(conn, receipt, invalid, merge(_accumulator(conn, receipt), done.state), now)
     _charge(conn, receipt, charge, now)
-    return Folded.BATCH
 
 
 def _accumulator(conn: Connection, receipt: BatchReceipt) -> bytes | None:

@@ -186,6 +186,7 @@ def test_batches_releases_ledger_and_config_keep_their_wire_shapes(client: TestC
         "verified": VALUES.size,
         "invalid_fragments": 0,
         "short_batches": 0,
+        "withheld_batches": 0,
     }
     assert len(release["ci95"][0]) == 2 and release["certificate"]["eps"] > 0
     assert client.get("/v1/channels/homepage/estimate?epoch=7&top=3").json()["bins"][:1] == [0]
