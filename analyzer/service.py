@@ -27,7 +27,8 @@ from analyzer.releases import DEFAULT_TOP, SUMMARY_BINS, Release, ReleaseService
 from analyzer.settings import AnalyzerSettings
 from analyzer.store import AnalyzerStore
 from analyzer.training import Trainer, published_channels
-from common.envelope import load_ed25519_public
+from common.collection import ANALYZER_KEY_FILE
+from common.envelope import load_ed25519_public, public_bytes
 from common.wire import (
     BatchAck,
     ChannelList,
@@ -37,9 +38,11 @@ from common.wire import (
     ReleaseBody,
     ReleaseRequest,
     SignedConfig,
+    b64,
     unb64,
 )
 from services.runtime import db
+from services.runtime.publish import publish
 
 log = logging.getLogger("esa.analyzer")
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -111,6 +114,9 @@ class AnalyzerService:
         processes = self.opener.opener.warm()
         self.opener.start(self.settings.opening_poll_seconds)
         self.descriptors.start(self.settings.descriptor_refresh_seconds)
+        if self.settings.publish_dir is not None:
+            key = b64(public_bytes(self.keys.signing.public_key())) + "\n"
+            publish(self.settings.publish_dir, ANALYZER_KEY_FILE, key)
         log.info(
             "analyzer ready",
             extra={

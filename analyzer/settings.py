@@ -19,8 +19,16 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from common.envelope import inner_size
-from common.wire import PART_FRAGMENTS, ChannelConfig, DeviceBudget, ShufflerEntry
+from common.collection import published_key
+from common.envelope import inner_size, public_bytes
+from common.wire import (
+    PART_FRAGMENTS,
+    ChannelConfig,
+    DeviceBudget,
+    ShufflerEntry,
+    SignedDescriptor,
+    b64,
+)
 from services.runtime.secrets import SecretFileSettings, refuse_placeholder
 
 #: Settings that may be given as files (``ESA_ANALYZER_<NAME>_FILE``: Docker secrets).
@@ -44,6 +52,28 @@ def largest_part_bytes(channels: list[ChannelConfig]) -> int:
     return PART_FRAGMENTS * encoded + PART_HEADER_BYTES
 
 
+def _pinned(entry: ShufflerEntry) -> ShufflerEntry:
+    """A registry entry with the key it pins: its ``signing_key``, or the key of the descriptor
+    the shuffler published at ``descriptor_file`` (which must name the same shuffler)."""
+    if entry.descriptor_file is None:
+        if not entry.signing_key:
+            raise ValueError(f"shuffler {entry.id!r}: give signing_key or descriptor_file")
+        return entry
+    path = Path(entry.descriptor_file)
+    try:
+        document = SignedDescriptor.model_validate_json(path.read_text())
+        named, key = published_key(document)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"shuffler {entry.id!r}: its published descriptor {path} is unusable ({error}); "
+            "is the shuffler started?"
+        ) from error
+    pinned = b64(public_bytes(key))
+    if named != entry.id or entry.signing_key not in ("", pinned):
+        raise ValueError(f"shuffler {entry.id!r}: {path} describes {named!r} or another key")
+    return entry.model_copy(update={"signing_key": pinned, "descriptor": document})
+
+
 def _listed(path: Path, key: str) -> list[Any]:
     data = json.loads(path.read_text())
     return list(data.get(key, data) if isinstance(data, dict) else data)
@@ -61,6 +91,9 @@ class AnalyzerSettings(SecretFileSettings):
     public_url: str | None = None
     database_url: str = "sqlite:///var/analyzer/analyzer.db"
     key_dir: Path = Path("var/keys/analyzer")
+    #: Where to publish ``analyzer.pub`` (its config-signing key, base64) at start, for the
+    #: other parties and app builders to pin; none: not published.
+    publish_dir: Path | None = None
     #: LDP-SGD training state, one JSON file per ``ldp-sgd`` channel (:mod:`analyzer.training`).
     training_dir: Path = Path("var/analyzer/training")
     channels: list[ChannelConfig] = Field(default_factory=list)
@@ -104,6 +137,7 @@ class AnalyzerSettings(SecretFileSettings):
             self.channels = [ChannelConfig(**c) for c in _listed(self.channels_file, "channels")]
         if self.shufflers_file is not None:
             self.shufflers = [ShufflerEntry(**s) for s in _listed(self.shufflers_file, "shufflers")]
+        self.shufflers = [_pinned(entry) for entry in self.shufflers]
         for name, ids in (
             ("channel", [c.id for c in self.channels]),
             ("shuffler", [s.id for s in self.shufflers]),

@@ -99,6 +99,7 @@ def start(var: Path, config: ChannelConfig) -> list[launcher.Service]:
         "ESA_SHUFFLER_FORWARD_INTERVAL_SECONDS": "0.2",
         "ESA_SHUFFLER_EPOCH_GRACE_SECONDS": str(config.epoch_seconds),
         "ESA_ANALYZER_TRAINING_DIR": str(var / "analyzer" / "training"),
+        **launcher.DEVELOPMENT_TOKENS,
     }
     base = launcher.free_base_port(4)
     specs = launcher.prepare(var, 3, base, channels=[config], overrides=overrides)

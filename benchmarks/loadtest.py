@@ -352,7 +352,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             command = [
                 sys.executable, "-m", "services.cli", "loadtest",
                 "--analyzer-url", services[0].url, "--var", str(var),
-                "--admin-token", "development", "--channel", "homepage",
+                "--keys", str(var / "keys"), "--channel", "homepage",
                 "--devices", str(devices), "--rate", str(args.soak_rate),
                 "--duration", str(60 * args.soak_minutes), "--workers", "2",
                 "--drain-timeout", "3600", "--no-live", "--out", str(args.out),

@@ -94,6 +94,7 @@ OVERRIDES = {
     "ESA_ANALYZER_OPENING_POLL_SECONDS": "0.2",
     # Parts of 10,000 fragments (default 50,000): W workers open different parts at once.
     "ESA_SHUFFLER_PART_FRAGMENTS": str(PART_FRAGMENTS),
+    **launcher.DEVELOPMENT_TOKENS,
 }
 console = Console(stderr=True)
 

@@ -99,7 +99,9 @@ def start_deployment(var: Path, epoch_seconds: int) -> list[launcher.Service]:
     homepage = next(c for c in DEFAULT_CHANNELS if c.id == CHANNEL)
     channel = homepage.model_copy(update={"epoch_seconds": epoch_seconds})
     base = launcher.free_base_port(4)
-    specs = launcher.prepare(var, 3, base, channels=[channel])
+    specs = launcher.prepare(
+        var, 3, base, channels=[channel], overrides=launcher.DEVELOPMENT_TOKENS
+    )
     services = launcher.start_all(specs, var / "logs")
     try:  # as esa up: until the analyzer has every shuffler's signed descriptor
         launcher.wait_config(services[0], 60)

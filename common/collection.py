@@ -47,6 +47,10 @@ from common.wire import (
 #: Signed before a descriptor's canonical bytes, so no other document a shuffler signs (its
 #: batch parts are JSON too) can pass for a descriptor.
 DESCRIPTOR_CONTEXT = b"esa/2 shuffler descriptor\n"
+#: What the analyzer publishes (its config-signing key, base64) and the suffix of what a
+#: shuffler publishes (its signed descriptor) for the other parties to pin.
+ANALYZER_KEY_FILE = "analyzer.pub"
+DESCRIPTOR_SUFFIX = ".descriptor.json"
 #: Key of the analyzer's config in :attr:`VerifiedConfig.versions`; a shuffler's descriptor is
 #: ``"shuffler/<id>"`` (no id holds a slash).
 CONFIG = "config"
@@ -152,6 +156,22 @@ def verify_descriptor(
     return descriptor
 
 
+def published_key(document: SignedDescriptor) -> tuple[str, Ed25519PublicKey]:
+    """The shuffler id and signing key a published descriptor names, once it verifies with
+    that very key (a shuffler's own, self-consistent document; whether to pin the key is the
+    reader's choice: on one host, what the shuffler wrote to its own public folder).
+
+    Raises:
+        CollectionConfigError: it names no usable key, or does not verify with it.
+    """
+    named = descriptor_id(document)
+    try:
+        key = parse_key(document.descriptor.get("signing_key"), f"shuffler {named[:64]!r}")
+    except ValueError as error:
+        raise CollectionConfigError(str(error)) from error
+    return verify_descriptor(document, key, now=0).id, key
+
+
 @dataclass(frozen=True)
 class TrustAnchors:
     """The keys a device pins, one per trust domain: the analyzer's config-signing key and
@@ -189,6 +209,40 @@ class TrustAnchors:
             return cls.from_json(data)
         except ValueError as error:
             raise ValueError(f"trust file {str(path)!r}: {error}") from error
+
+    @classmethod
+    def from_published(cls, directory: Path) -> TrustAnchors:
+        """The keys the parties published below ``directory``: ``analyzer.pub`` (the
+        analyzer's config-signing key, base64) and each ``<id>.descriptor.json`` (a shuffler's
+        signed descriptor, its key checked by :func:`published_key`).
+
+        Raises:
+            ValueError: no analyzer key, two of them, no shuffler, or a file that is not
+                what its name says (naming the file).
+        """
+        analyzers = sorted(directory.rglob(ANALYZER_KEY_FILE))
+        if len(analyzers) != 1:
+            raise ValueError(f"{directory}: need one {ANALYZER_KEY_FILE}, found {len(analyzers)}")
+        shufflers: dict[str, Ed25519PublicKey] = {}
+        for path in sorted(directory.rglob(f"*{DESCRIPTOR_SUFFIX}")):
+            try:
+                document = SignedDescriptor.model_validate_json(path.read_text())
+                named, key = published_key(document)
+            except (OSError, ValueError) as error:
+                raise ValueError(f"{path}: {error}") from error
+            shufflers[named] = key
+        if not shufflers:
+            raise ValueError(f"{directory}: no shuffler descriptor (*{DESCRIPTOR_SUFFIX})")
+        return cls(parse_key(analyzers[0].read_text(), f"analyzer ({analyzers[0]})"), shufflers)
+
+    @classmethod
+    def read(cls, path: Path) -> TrustAnchors:
+        """A trust file, or a folder of published keys (:meth:`from_published`).
+
+        Raises:
+            ValueError: as :meth:`load` or :meth:`from_published`.
+        """
+        return cls.from_published(path) if path.is_dir() else cls.load(path)
 
     def to_json(self) -> dict[str, Any]:
         """The form :meth:`from_json` reads."""

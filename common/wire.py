@@ -254,15 +254,18 @@ class SignedDescriptor(BaseModel):
 class ShufflerEntry(BaseModel):
     """One shuffler in the analyzer's registry: where its descriptor is served and the Ed25519
     key the analyzer pins for it (batches and descriptors must verify with it). ``descriptor``
-    optionally seeds the signed descriptor (e.g. a file the shuffler published); the analyzer
-    refreshes it from ``url``. Other keys of older registries are ignored."""
+    optionally seeds the signed descriptor; the analyzer refreshes it from ``url``.
+    ``descriptor_file`` names a descriptor the shuffler published (its own folder, read-only to
+    the analyzer) to take both from, when no ``signing_key`` is given. Other keys of older
+    registries are ignored."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     id: str
     url: str
-    signing_key: str
+    signing_key: str = ""
     descriptor: SignedDescriptor | None = None
+    descriptor_file: str | None = None
 
     @field_validator("id")
     @classmethod

@@ -90,12 +90,17 @@ def _lifespan(
         await asyncio.to_thread(db.wait_for, engine)
         await asyncio.to_thread(db.upgrade, engine, MIGRATIONS)
         await asyncio.to_thread(service.load_state)
+        published = await asyncio.to_thread(service.publish)
         writer.start()
         tasks = _background(service, http)
         channels = [c.id for c in service.settings.channels]
         log.info(
             "shuffler ready",
-            extra={"shuffler_id": service.settings.shuffler_id, "channels": channels},
+            extra={
+                "shuffler_id": service.settings.shuffler_id,
+                "channels": channels,
+                "descriptor_published": str(published) if published else None,
+            },
         )
         try:
             yield

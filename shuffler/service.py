@@ -14,13 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.exc import IntegrityError
 
 from common import randomness
-from common.collection import sign_descriptor
+from common.collection import DESCRIPTOR_SUFFIX, sign_descriptor
 from common.envelope import (
     KeyRing,
     key_id,
@@ -33,6 +34,7 @@ from common.randomness import RandomSource
 from common.retry import Backoff
 from common.wire import HpkeKey, ShufflerConfig, ShufflerDescriptor, SignedDescriptor, b64
 from services.runtime import db
+from services.runtime.publish import publish
 from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, due
 from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
 from shuffler.forwarder import Forwarder
@@ -168,6 +170,15 @@ class ShufflerService:
             expires_at=now + self.settings.descriptor_ttl_seconds,
         )
         return sign_descriptor(descriptor, self.signing_key)
+
+    def publish(self) -> Path | None:
+        """Write this shuffler's signed descriptor to ``publish_dir`` (public material for the
+        analyzer's registry and for app builders); its path, None when not configured."""
+        directory = self.settings.publish_dir
+        if directory is None:
+            return None
+        name = f"{self.settings.shuffler_id}{DESCRIPTOR_SUFFIX}"
+        return publish(directory, name, self.descriptor().model_dump_json(indent=2) + "\n")
 
     # --- batching (ESA-revisited Algorithm 3) ---------------------------------------------
 

@@ -40,6 +40,9 @@ class ShufflerSettings(SecretFileSettings):
     #: must fetch a fresh one within this time (it refreshes every minute).
     descriptor_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
     database_url: str = "sqlite:///var/shuffler-1/shuffler.db"
+    #: Where to publish ``<shuffler_id>.descriptor.json`` (its signed descriptor) at start, for
+    #: the analyzer's registry and app builders to pin its key; none: not published.
+    publish_dir: Path | None = None
     key_dir: Path = Path("var/keys/shuffler-1")
     analyzer_url: str | None = None
     token_secret: SecretStr = SecretStr("development")

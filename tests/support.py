@@ -70,6 +70,12 @@ LONG_EPOCH_CHANNEL = ChannelConfig(
 #: The admin bearer token of test deployments (``esa up``'s development default).
 ADMIN_HEADERS = {"Authorization": "Bearer development"}
 
+#: The admin and metrics tokens of test deployments started by :func:`start_deployment`: the
+#: development default at every party, so tests address them with :data:`ADMIN_HEADERS`
+#: (``esa up`` itself gives every party its own: tests/services/test_launcher.py, e2e tests
+#: that run ``esa up``, ``esa demo`` or ``esa loadtest --up``, and the compose tests).
+TEST_TOKENS = launcher.DEVELOPMENT_TOKENS
+
 #: Shuffler settings of test deployments: batch and forward within a fraction of a second.
 TEST_SHUFFLER_SETTINGS = {
     "ESA_SHUFFLER_BATCH_INTERVAL_SECONDS": "0.2",
@@ -223,7 +229,7 @@ def start_deployment(
 ) -> Deployment:
     """``esa up`` for tests: :func:`launcher.prepare` with these channels on free ports, each
     shuffler batching and forwarding fast; ``analyzer_db`` replaces the analyzer's SQLite."""
-    overrides = dict(TEST_SHUFFLER_SETTINGS)
+    overrides = {**TEST_SHUFFLER_SETTINGS, **TEST_TOKENS}
     if analyzer_db is not None:
         overrides["ESA_ANALYZER_DATABASE_URL"] = analyzer_db
     base = launcher.free_base_port(count + 1)

@@ -18,6 +18,7 @@ import click
 from rich.console import Console
 
 from services.cli import launcher
+from services.tools.credentials import Credentials
 
 if TYPE_CHECKING:
     from common.wire import ChannelConfig
@@ -46,17 +47,26 @@ if TYPE_CHECKING:
     "trust_file",
     default=None,
     envvar="ESA_TRUST_FILE",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     help="The keys to pin, one per trust domain: the analyzer's config-signing key and each "
-    "shuffler's signing key (default: <var>/trust.json, written by `esa up`; else the keys "
-    "the deployment serves, with a warning).",
+    "shuffler's signing key — a trust file, or a folder of what the parties published "
+    "(default: <var>/trust.json, written by `esa up`; else the keys the deployment serves, "
+    "with a warning).",
 )
 @click.option(
     "--admin-token",
-    default="development",
+    default=None,
     envvar="ESA_SHUFFLER_ADMIN_TOKEN",
-    show_default=True,
-    help="Shuffler admin token used to close the epoch.",
+    help="One admin token for every shuffler, to close the epoch (a deployment whose parties "
+    "share one); without it, each shuffler's own from --keys.",
+)
+@click.option(
+    "--keys",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Each party's own admin and metrics tokens: <KEYS>/<party>/admin-token and "
+    "metrics-token, or <KEYS>/<party>-admin-token (default: <var>/keys, where `esa up` keeps "
+    "them; a deployment the demo starts uses its own).",
 )
 @click.option(
     "--var",
@@ -128,7 +138,8 @@ def demo(
     devices: int,
     analyzer_url: str,
     trust_file: Path | None,
-    admin_token: str,
+    admin_token: str | None,
+    keys: Path | None,
     var: Path,
     database_url_template: str | None,
     report: Path,
@@ -157,7 +168,9 @@ def demo(
     from encoder_client import EsaError
     from services.tools.demo import DemoError
 
-    options = _Options(analyzer_url.rstrip("/"), trust_file, admin_token, devices, seed,
+    folder = keys or var / "keys"
+    tokens = Credentials.shared(admin_token) if admin_token else Credentials(folder=folder)
+    options = _Options(analyzer_url.rstrip("/"), trust_file, tokens, devices, seed,
                        workers, report, json_path, channels, rate)  # fmt: skip
     services: list[launcher.Service] = []
     workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
@@ -220,7 +233,7 @@ class _Options:
 
     analyzer_url: str
     trust: Path | None
-    admin_token: str
+    tokens: Credentials
     devices: int
     seed: int
     workers: int
@@ -268,6 +281,7 @@ def _deployment(
     services = launcher.up(
         workdir / "deployment", base_port=parsed.port, database_template=database_template
     )
+    options.tokens = Credentials(folder=workdir / "deployment" / "keys")
     return services, workdir / "deployment" / launcher.TRUST_FILE
 
 
@@ -276,7 +290,7 @@ def _run(options: _Options, workdir: Path) -> None:
     from services.tools import demo_report
     from services.tools.demo import DemoError, check_fresh_epochs, connect, results, selected
 
-    target = connect(options.analyzer_url, options.trust, options.admin_token)
+    target = connect(options.analyzer_url, options.trust, options.tokens)
     channels = selected(target, options.only)
     check_fresh_epochs(target, channels, time.time())
     run, sent = _simulate(options, target, channels, workdir)

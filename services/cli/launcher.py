@@ -1,8 +1,10 @@
 """``esa up``: the embedded deployment — an analyzer and K shufflers as processes on 127.0.0.1.
 
-On first run it creates ``<var>/keys/...`` (PEM, 0600; each shuffler also gets its own client
-token secret there: every shuffler is its own trust domain) and writes the channel set and the
-shuffler registry under ``<var>``; every service keeps its SQLite file under ``<var>``. It
+On first run it creates ``<var>/keys/<party>/...`` (PEM, 0600), and each party's own secrets
+there (:data:`PARTY_SECRETS`: admin tokens, the shufflers' metrics tokens and client-token
+secrets), handed to each service as files (``..._FILE``), never shared: every party is its own
+trust domain. It writes the channel set, the shuffler registry and the keys an app pins under
+``<var>``; every service keeps its SQLite file under ``<var>``. It
 refuses to start when a port is taken, waits until every service is ready, prints the URLs,
 and on Ctrl-C / SIGTERM stops every process it started; meanwhile it restarts a process behind
 HAProxy that dies (:func:`serve_forever`).
@@ -58,8 +60,29 @@ LOCAL_SETTINGS = {"ESA_SHUFFLER_ENROLL_PER_MINUTE": "120000"}
 Profile = Literal["local", "production"]
 #: A shuffler's client-token secret (HMAC key), next to its private keys.
 TOKEN_SECRET_FILE = "token-secret"
+#: A party's admin bearer token, and a shuffler's metrics bearer token (its exact counts are
+#: secrets until released), next to its private keys.
+ADMIN_TOKEN_FILE = "admin-token"
+METRICS_TOKEN_FILE = "metrics-token"
+#: Each kind of party's secrets: the file in its key folder and the setting it is given as.
+PARTY_SECRETS = {
+    "analyzer": {ADMIN_TOKEN_FILE: "ESA_ANALYZER_ADMIN_TOKEN"},
+    "shuffler": {
+        TOKEN_SECRET_FILE: "ESA_SHUFFLER_TOKEN_SECRET",
+        ADMIN_TOKEN_FILE: "ESA_SHUFFLER_ADMIN_TOKEN",
+        METRICS_TOKEN_FILE: "ESA_SHUFFLER_METRICS_TOKEN",
+    },
+}
 #: The keys an app pins, one per trust domain (:class:`common.collection.TrustAnchors`).
 TRUST_FILE = "trust.json"
+#: One development token as every party's admin and metrics token, as overrides of
+#: :func:`prepare`: for test and benchmark harnesses that address every party alike, never for
+#: a deployment (``esa up`` gives each party its own).
+DEVELOPMENT_TOKENS = {
+    "ESA_ANALYZER_ADMIN_TOKEN": "development",
+    "ESA_SHUFFLER_ADMIN_TOKEN": "development",
+    "ESA_SHUFFLER_METRICS_TOKEN": "development",
+}
 #: Where devices reach shuffler i, unless told otherwise (``{i}``, ``{port}`` filled in).
 SHUFFLER_URL = "http://127.0.0.1:{port}"
 
@@ -227,16 +250,34 @@ def load_or_create_secret(path: Path) -> str:
     return secret
 
 
-def with_token_secrets(specs: Sequence[ServiceSpec], var: Path) -> list[ServiceSpec]:
-    """Each shuffler with its own client-token secret (``var/keys/<shuffler>/token-secret``,
-    created on first use), so a token one shuffler issued is refused by every other one; a
-    secret already in a spec's environment (an override) is kept."""
+def new_secrets(var: Path, names: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Every party's secrets (:data:`PARTY_SECRETS`) under ``var/keys``, created where missing
+    (:func:`load_or_create_secret`); returns the ones this call created, by party and file
+    (``esa up`` shows those once)."""
+    created: dict[str, dict[str, str]] = {}
+    for name in names:
+        for file in PARTY_SECRETS["analyzer" if name == "analyzer" else "shuffler"]:
+            path = var / "keys" / name / file
+            if not path.exists():
+                created.setdefault(name, {})[file] = load_or_create_secret(path)
+    return created
+
+
+def with_party_secrets(specs: Sequence[ServiceSpec], var: Path) -> list[ServiceSpec]:
+    """Each party with its own secrets (``var/keys/<party>/...``, created on first use), given
+    as files (``ESA_..._FILE``): a token one shuffler issued is refused by every other, and no
+    party's admin or metrics token opens another's. A secret already in a spec's environment
+    (an override, e.g. a test's) is kept instead."""
     out = []
     for spec in specs:
-        if spec.name != "analyzer":
-            secret = load_or_create_secret(var / "keys" / spec.name / TOKEN_SECRET_FILE)
-            spec = replace(spec, env={"ESA_SHUFFLER_TOKEN_SECRET": secret, **spec.env})
-        out.append(spec)
+        party = "analyzer" if spec.name == "analyzer" else "shuffler"
+        env = dict(spec.env)
+        for file, variable in PARTY_SECRETS[party].items():
+            path = var / "keys" / spec.name / file
+            load_or_create_secret(path)
+            if variable not in env:
+                env.setdefault(f"{variable}_FILE", str(path))
+        out.append(replace(spec, env=env))
     return out
 
 
@@ -253,8 +294,8 @@ def prepare(
 ) -> list[ServiceSpec]:
     """Keys, channel file, shuffler registry and the keys an app pins; returns the services.
 
-    Writes ``var/keys/<service>/`` (PEM, 0600; existing keys are kept; each shuffler's own
-    client-token secret in ``token-secret``, 0600, passed to it as ``ESA_SHUFFLER_TOKEN_SECRET``),
+    Writes ``var/keys/<service>/`` (PEM, 0600; existing keys are kept; each party's own
+    secrets, 0600, passed to it as files: :func:`with_party_secrets`),
     ``var/channels.json``, ``var/shufflers.json`` (the analyzer's registry: each shuffler's id,
     the URL its signed descriptor is fetched from — ``shuffler_url`` with ``i`` and ``port`` —
     and its Ed25519 signing key), ``var/trust.json`` (what an app pins: the analyzer's
@@ -287,7 +328,7 @@ def prepare(
         overrides=overrides,
         shuffler_url=shuffler_url,
     )
-    return with_token_secrets(specs, var)
+    return with_party_secrets(specs, var)
 
 
 def start(spec: ServiceSpec, log: Path) -> Service:

@@ -11,6 +11,7 @@ from rich.console import Console
 
 if TYPE_CHECKING:
     from common.collection import TrustAnchors
+    from services.tools.credentials import Credentials
     from services.tools.loadgen import Pace
 
 
@@ -54,10 +55,11 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
     "--trust",
     "trust_file",
     envvar="ESA_TRUST_FILE",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=None,
     help="The keys to pin, one per trust domain: the analyzer's config-signing key and each "
-    "shuffler's signing key (default: <var>/trust.json, written by `esa up`).",
+    "shuffler's signing key — a trust file, or a folder of what the parties published "
+    "(analyzer.pub, <id>.descriptor.json) (default: <var>/trust.json, written by `esa up`).",
 )
 @click.option(
     "--var",
@@ -70,8 +72,16 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
     "--admin-token",
     envvar="ESA_SHUFFLER_ADMIN_TOKEN",
     default=None,
-    help="Shuffler admin token: with it the run is verified (epochs closed, batches "
-    "awaited, conservation and estimates checked). `esa up` uses 'development'.",
+    help="One admin token for every shuffler (a deployment whose parties share one): with it "
+    "the run is verified (epochs closed, batches awaited, conservation and estimates checked).",
+)
+@click.option(
+    "--keys",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Each party's own admin and metrics tokens: <KEYS>/<party>/admin-token and "
+    "metrics-token (`esa up` keeps them in <var>/keys) or <KEYS>/<party>-admin-token; with "
+    "them the run is verified. --up uses its own deployment's.",
 )
 @click.option(
     "--up",
@@ -170,6 +180,7 @@ def loadtest(
     trust_file: Path | None,
     var: Path,
     admin_token: str | None,
+    keys: Path | None,
     start_local: bool,
     channels: tuple[str, ...],
     populations: tuple[str, ...],
@@ -196,7 +207,7 @@ def loadtest(
        live view (offered/accepted rate, p50/p95/p99, errors by status, per shuffler);
     A longitudinal channel follows in a phase of its own: period t of every device's tree
     is sent during the t-th epoch of the phase (rate: --rate, else as fast as answered).
-    3. verify (with --admin-token or --up): close the run's epochs, wait for every batch,
+    3. verify (with --admin-token, --keys or --up): close the run's epochs, wait for every batch,
        check acknowledged = received at the analyzer + removed by randomized deletion +
        held, estimates against the population's truth, and print the certified ε per
        channel. Exit status 1 if anything was lost, counted twice or estimated wrong.
@@ -213,6 +224,7 @@ def _main(kw: dict[str, Any]) -> None:
     import httpx
 
     from services.cli import launcher
+    from services.tools.credentials import Credentials
     from services.tools.loadgen import LoadError
     from services.tools.loadtest import verify
     from services.tools.loadtest.population import PopulationError
@@ -222,15 +234,13 @@ def _main(kw: dict[str, Any]) -> None:
     console = Console(stderr=True)
     pace = _pace(kw["rate"], kw["ramp"], kw["as_fast"])
     services: list[launcher.Service] = []
-    analyzer_url, admin_token, trust_file = (
-        kw["analyzer_url"],
-        kw["admin_token"],
-        kw["trust_file"],
-    )
+    analyzer_url, trust_file = kw["analyzer_url"], kw["trust_file"]
+    tokens = _credentials(kw["admin_token"], kw["keys"])
     try:
         if kw["start_local"]:
             services, trust_file = _start_local(console)
-            analyzer_url, admin_token = services[0].url, admin_token or "development"
+            tokens = Credentials(folder=trust_file.parent / "keys")
+            analyzer_url = services[0].url
         plan = Plan(
             analyzer_url=analyzer_url.rstrip("/"),
             trust=_pinned(trust_file or kw["var"] / launcher.TRUST_FILE),
@@ -244,7 +254,7 @@ def _main(kw: dict[str, Any]) -> None:
         )
         local = {s.name: s.process.pid for s in services}
         options = Options(
-            plan, pace, kw["concurrency"], admin_token, kw["out"], kw["drain_timeout"],
+            plan, pace, kw["concurrency"], tokens, kw["out"], kw["drain_timeout"],
             not kw["no_live"], local,
         )  # fmt: skip
         summary = execute(options, console)
@@ -271,6 +281,16 @@ def _start_local(console: Console) -> tuple[list[Any], Path]:
     return services, where / launcher.TRUST_FILE
 
 
+def _credentials(token: str | None, keys: Path | None) -> Credentials | None:
+    """The tokens verification uses: ``token`` for every party when given, else each party's
+    own from ``keys``; None (no verification) without either."""
+    from services.tools.credentials import Credentials
+
+    if token is not None:
+        return Credentials.shared(token)
+    return None if keys is None else Credentials(folder=keys)
+
+
 def _pinned(path: Path) -> TrustAnchors:
     """The keys a device pins, from a trust file (``esa up`` writes ``var/trust.json``).
 
@@ -284,7 +304,7 @@ def _pinned(path: Path) -> TrustAnchors:
             f"no --trust file and no {path}: pin the analyzer's and every shuffler's key"
         )
     try:
-        return TrustAnchors.load(path)
+        return TrustAnchors.read(path)
     except ValueError as error:
         raise click.UsageError(str(error)) from error
 

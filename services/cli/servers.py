@@ -153,9 +153,11 @@ def up_command(
     meanwhile). HAProxy dying, a process with no sibling dying, or one dying more than 5 times
     in 60 s stops everything.
     """
-    from services.cli.launcher import LaunchError, prepare, serve_forever, up
+    from services.cli.launcher import LaunchError, new_secrets, prepare, serve_forever, up
 
+    parties = ["analyzer", *(f"shuffler-{i}" for i in range(1, shufflers + 1))]
     try:
+        created = new_secrets(var, parties)
         if prepare_only:
             for spec in prepare(
                 var,
@@ -184,6 +186,7 @@ def up_command(
         click.echo(f"{service.name:<12} {service.url}")
     click.echo(f"trust        {var / 'trust.json'}   (the keys an app pins, one per party)")
     click.echo(f"dashboard    http://127.0.0.1:{base_port}/   (Ctrl-C stops everything)")
+    _show_once(created, var)
     try:
         serve_forever(services)
     except LaunchError as error:
@@ -215,3 +218,21 @@ def keys_generate(role: str, out: Path) -> None:
     for path, was_there in zip((hpke_path, signing_path), existed, strict=True):
         click.echo(f"{'kept existing' if was_there else 'created'} {path}")
     click.echo(f"{role} HPKE key id: {key_id(hpke.public_key()).hex()}")
+
+
+def _show_once(created: dict[str, dict[str, str]], var: Path) -> None:
+    """The admin and metrics tokens this run created, shown once (each party's own; they stay
+    in ``var/keys/<party>/``, 0600, and are never printed again)."""
+    from services.cli.launcher import ADMIN_TOKEN_FILE, METRICS_TOKEN_FILE
+
+    shown = [
+        (party, file, token)
+        for party, files in created.items()
+        for file, token in files.items()
+        if file in (ADMIN_TOKEN_FILE, METRICS_TOKEN_FILE)
+    ]
+    if not shown:
+        return
+    click.echo(f"new tokens, shown once (each party's own; kept 0600 in {var}/keys/<party>/):")
+    for party, file, token in shown:
+        click.echo(f"  {party:<12} {file:<14} {token}")

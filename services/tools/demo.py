@@ -41,6 +41,7 @@ from common.mechanisms import get as get_mechanism
 from common.mechanisms.longitudinal import ChangeLog
 from common.wire import ChannelConfig, ChannelList, CollectionConfig, SignedConfig
 from services.tools import loadgen, populations
+from services.tools.credentials import Credentials
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -77,7 +78,7 @@ class Target:
 
     analyzer_url: str
     trust: TrustAnchors
-    admin_token: str
+    tokens: Credentials
     document: SignedConfig
     config: VerifiedConfig
 
@@ -260,9 +261,10 @@ def served_config(url: str, wait: float = CONFIG_WAIT_SECONDS) -> SignedConfig:
         time.sleep(0.5)
 
 
-def connect(analyzer_url: str, trust_file: Path | None, admin_token: str) -> Target:
+def connect(analyzer_url: str, trust_file: Path | None, tokens: Credentials) -> Target:
     """Fetch and verify the collection config as a device would, with the keys of
-    ``trust_file`` (None: the keys the deployment serves itself, trusted on first use).
+    ``trust_file`` (a trust file or a folder of published keys; None: the keys the deployment
+    serves itself, trusted on first use), and ``tokens`` for its parties' admin routes.
 
     Raises:
         DemoError: unreachable analyzer, or a config the pinned keys do not verify.
@@ -271,11 +273,12 @@ def connect(analyzer_url: str, trust_file: Path | None, admin_token: str) -> Tar
 
     document = served_config(analyzer_url)
     try:
-        trust = served_keys(document) if trust_file is None else TrustAnchors.load(trust_file)
+        trust = served_keys(document) if trust_file is None else TrustAnchors.read(trust_file)
         config = verify_collection(document, trust, time.time())
     except (CollectionConfigError, ValueError, KeyError, TypeError) as error:
         raise DemoError(f"the collection config at {analyzer_url} is refused: {error}") from error
-    target = Target(analyzer_url, trust, admin_token, document, config)
+    parties = {"analyzer": analyzer_url, **{s.id: s.url for s in config.shufflers}}
+    target = Target(analyzer_url, trust, tokens.for_parties(parties), document, config)
     for url in target.shuffler_urls:
         try:
             httpx.get(url + "/readyz", timeout=5.0).raise_for_status()
@@ -675,7 +678,7 @@ def _close(target: Target, channel_id: str, epoch: int) -> None:
             httpx.post,
             url + "/v1/admin/close",
             json={"channel_id": channel_id, "epoch": epoch},
-            headers={"Authorization": f"Bearer {target.admin_token}"},
+            headers=target.tokens.admin_headers(url),
             timeout=120.0,
         )
         response = _patiently(send, f"closing {channel_id} epoch {epoch} at {url}")
@@ -690,10 +693,10 @@ _UNOPENED = re.compile(r"^esa_analyzer_parts_unopened (\S+)$", re.MULTILINE)
 
 
 def _wait_metric(
-    url: str, pattern: re.Pattern[str], what: str, deadline: float, token: str | None = None
+    url: str, pattern: re.Pattern[str], what: str, deadline: float, tokens: Credentials
 ) -> None:
-    """Poll ``url``'s ``/metrics`` (as ``token`` when given) until ``pattern``'s value is 0."""
-    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    """Poll ``url``'s ``/metrics`` (with its metrics token) until ``pattern``'s value is 0."""
+    headers = tokens.metrics_headers(url)
     # One client for every poll: a new one per request builds a TLS context (~20 ms of CPU).
     with httpx.Client(timeout=10.0) as client:
         send = functools.partial(client.get, url + "/metrics", headers=headers)
@@ -710,8 +713,8 @@ def _wait_forwarded(target: Target, timeout: float = 600.0) -> None:
     """Until every shuffler has forwarded its batches and the analyzer has opened them all."""
     deadline = time.monotonic() + timeout
     for url in target.shuffler_urls:
-        _wait_metric(url, _UNFORWARDED, "unforwarded batches", deadline, target.admin_token)
-    _wait_metric(target.analyzer_url, _UNOPENED, "unopened batch parts", deadline)
+        _wait_metric(url, _UNFORWARDED, "unforwarded batches", deadline, target.tokens)
+    _wait_metric(target.analyzer_url, _UNOPENED, "unopened batch parts", deadline, target.tokens)
 
 
 def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:

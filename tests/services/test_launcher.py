@@ -19,7 +19,6 @@ from common.envelope import load_or_create_ed25519, load_or_create_x25519, publi
 from common.wire import b64
 from services.cli.launcher import (
     LOCAL_SETTINGS,
-    TOKEN_SECRET_FILE,
     TRUST_FILE,
     port_free,
     prepare,
@@ -71,6 +70,9 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
         lines = [first.stdout.readline() for _ in range(6)]
         assert lines[-1].startswith("dashboard"), lines
         assert lines[-2].split()[:2] == ["trust", str(var / TRUST_FILE)], lines
+        shown = [first.stdout.readline() for _ in range(8)]
+        assert shown[0].startswith("new tokens, shown once"), shown
+        _assert_each_party_has_its_own_tokens(base, var, shown[1:])
         _assert_a_device_can_verify_the_config_at_once(base, var)
         channels = httpx.get(f"http://127.0.0.1:{base}/v1/channels").json()["channels"]
         assert {c["mechanism"] for c in channels} == {c.mechanism for c in DEFAULT_CHANNELS}
@@ -80,6 +82,7 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
         _assert_each_shuffler_is_its_own_trust_domain(base)
         second = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert second.returncode != 0 and "already in use" in second.stderr
+        assert "new tokens" not in second.stdout  # shown once: the first run made them
         assert len(_processes_mentioning(str(var))) == 4  # analyzer + 3 shufflers
         first.send_signal(signal.SIGTERM)
         first.wait(30)
@@ -105,6 +108,29 @@ def _assert_a_device_can_verify_the_config_at_once(base: int, var: Path) -> None
         assert shuffler.public_key == b64(public_bytes(hpke.public_key()))
 
 
+def _assert_each_party_has_its_own_tokens(base: int, var: Path, shown: list[str]) -> None:
+    """Every party's admin token (and each shuffler's metrics token) is its own, shown once as
+    kept in its key folder (0600), given to it as a file, and opens nothing of another party."""
+    tokens = {(party, kind): token for party, kind, token in (line.split() for line in shown)}
+    assert len(set(tokens.values())) == 7, shown  # analyzer admin; 3 × (admin, metrics)
+    for (party, kind), token in tokens.items():
+        path = var / "keys" / party / kind
+        assert path.read_text().strip() == token
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+    close = {"channel_id": "homepage", "epoch": 0}
+    for i in (1, 2, 3):
+        url = f"http://127.0.0.1:{base + i}"
+        for holder in ("analyzer", "shuffler-1", "shuffler-2", "shuffler-3"):
+            bearer = {"Authorization": f"Bearer {tokens[holder, 'admin-token']}"}
+            answer = httpx.post(url + "/v1/admin/close", json=close, headers=bearer)
+            own = holder == f"shuffler-{i}"
+            assert (answer.status_code == 401) is not own, (holder, i, answer.text)
+            if holder != "analyzer":
+                metrics = {"Authorization": f"Bearer {tokens[holder, 'metrics-token']}"}
+                status = httpx.get(url + "/metrics", headers=metrics).status_code
+                assert status == (200 if own else 401), (holder, i)
+
+
 def _assert_each_shuffler_is_its_own_trust_domain(base: int) -> None:
     """Issue 12: a client token enrolled at shuffler-2 is refused (401) by shuffler-1 and
     shuffler-3, and still accepted by shuffler-2 (a garbage body: 400, past the token check)."""
@@ -122,19 +148,26 @@ def _assert_each_shuffler_is_its_own_trust_domain(base: int) -> None:
         assert answers[i].json()["error"] == "bad_token"
 
 
-def test_prepare_gives_each_shuffler_its_own_lasting_token_secret(tmp_path: Path) -> None:
+def test_prepare_gives_each_party_its_own_lasting_secrets_as_files(tmp_path: Path) -> None:
     specs = prepare(tmp_path, 3, 20_000)
-    secrets = [s.env.get("ESA_SHUFFLER_TOKEN_SECRET") for s in specs]
-    assert secrets[0] is None  # the analyzer issues no client tokens
-    assert len(set(secrets[1:])) == 3 and all(len(str(s)) >= 40 for s in secrets[1:])
-    for spec, secret in zip(specs[1:], secrets[1:], strict=True):
-        path = tmp_path / "keys" / spec.name / TOKEN_SECRET_FILE
-        assert path.read_text().strip() == secret
-        assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert "ESA_SHUFFLER_TOKEN_SECRET_FILE" not in specs[0].env  # no client tokens issued
+    values = []
+    for spec in specs:
+        files = {k: v for k, v in spec.env.items() if (k.endswith("_FILE") and "SECRET" in k) or
+                 k.endswith("_TOKEN_FILE")}  # fmt: skip
+        expected = 1 if spec.name == "analyzer" else 3  # admin; secret, admin, metrics
+        assert len(files) == expected, spec.env
+        for variable, path in files.items():
+            assert Path(path).parent == tmp_path / "keys" / spec.name, variable
+            assert oct(Path(path).stat().st_mode & 0o777) == "0o600"
+            assert variable.removesuffix("_FILE") not in spec.env  # never the value itself
+            values.append(Path(path).read_text().strip())
+    assert len(set(values)) == len(values) == 10 and all(len(v) >= 40 for v in values)
     again = prepare(tmp_path, 3, 20_000)  # a restart keeps every token valid
-    assert [s.env.get("ESA_SHUFFLER_TOKEN_SECRET") for s in again] == secrets
+    assert [s.env for s in again] == [s.env for s in specs]
     chosen = prepare(tmp_path, 3, 20_000, overrides={"ESA_SHUFFLER_TOKEN_SECRET": "x" * 20})
     assert {s.env["ESA_SHUFFLER_TOKEN_SECRET"] for s in chosen[1:]} == {"x" * 20}
+    assert all("ESA_SHUFFLER_TOKEN_SECRET_FILE" not in s.env for s in chosen)
 
 
 def test_the_raised_enrolment_limit_is_local_only(tmp_path: Path) -> None:

@@ -76,6 +76,12 @@ class Prepared:
     pool: loadgen.SealerPool | None = None
 
     @property
+    def parties(self) -> dict[str, str]:
+        """The shufflers' ids and URLs (from their own descriptors)."""
+        target = next(iter({**self.targets, **self.series}.values()))
+        return {s.id: s.url for s in target.config.shufflers}
+
+    @property
     def shuffler_urls(self) -> list[str]:
         """The deployment's shufflers (the same in every channel's config)."""
         return next(iter({**self.targets, **self.series}.values())).shuffler_urls

@@ -8,13 +8,14 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from services.tools import loadgen
+from services.tools.credentials import Credentials
 from services.tools.loadtest import live, refusals, report, verify
 from services.tools.loadtest.population import Population
 from services.tools.loadtest.prepare import Plan, Prepared, prepare, seal_series
@@ -27,7 +28,8 @@ class Options:
     plan: Plan
     rate: float | loadgen.Pace | None
     concurrency: int
-    admin_token: str | None
+    #: Each party's admin and metrics tokens (None: the run is not verified).
+    tokens: Credentials | None
     out: Path
     drain_timeout: float = 600.0
     live: bool = True
@@ -84,14 +86,12 @@ def verification(
     say: Callable[[str], None],
 ) -> dict[str, Any]:
     """The histogram channels' phase: close, drain, conservation and estimates (:mod:`.verify`)."""
-    assert options.admin_token is not None
+    assert options.tokens is not None
     urls = prepared.shuffler_urls
-    verify.close_epochs(urls, options.admin_token, prepared.epochs)
+    verify.close_epochs(urls, options.tokens, prepared.epochs)
     say("epochs closed; waiting for every batch to reach the analyzer")
-    drained = verify.drain(
-        options.plan.analyzer_url, urls, options.admin_token, options.drain_timeout
-    )
-    after = verify.shuffler_state(urls, options.admin_token)
+    drained = verify.drain(options.plan.analyzer_url, urls, options.tokens, options.drain_timeout)
+    after = verify.shuffler_state(urls, options.tokens)
     channels = {
         cid: _row(
             options,
@@ -126,7 +126,7 @@ def series_phase(
     meanwhile: one per contribution) and every period's estimate against the truth (not if a
     shuffler refused more than it acknowledged: :func:`refusals.check_answers` raises). Returns
     the phase's run summary and its verification."""
-    target, token = prepared.series[cid], options.admin_token
+    target, token = prepared.series[cid], options.tokens
     urls, analyzer = prepared.shuffler_urls, options.plan.analyzer_url
     files, sealed = seal_series(prepared, cid, options.out)
     before = verify.shuffler_state(urls, token) if token else {}
@@ -161,8 +161,8 @@ def _series_verification(
     """A longitudinal phase's verification: close, drain, conservation with received = the
     analyzer's fragments opened since ``opened``, every period's estimate; ``sent``:
     (acknowledged, left unsent)."""
-    assert options.admin_token is not None
-    token, urls, analyzer = options.admin_token, prepared.shuffler_urls, options.plan.analyzer_url
+    assert options.tokens is not None
+    token, urls, analyzer = options.tokens, prepared.shuffler_urls, options.plan.analyzer_url
     (acknowledged, skipped), seconds = sent, prepared.series[cid].channel.epoch_seconds
     verify.close_epochs(urls, token, {cid: [max(epochs)]})  # closes every epoch up to it
     drained = verify.drain(analyzer, urls, token, options.drain_timeout)
@@ -193,7 +193,7 @@ def _histograms(
     of each channel goes alone before the load, and the run stops unverified if a shuffler
     refused more of a channel than it acknowledged (:mod:`.refusals`: a closed epoch)."""
     plan, urls, say = options.plan, prepared.shuffler_urls, console.log
-    before = verify.shuffler_state(urls, options.admin_token) if options.admin_token else {}
+    before = verify.shuffler_state(urls, options.tokens) if options.tokens else {}
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
     monitor = live.Monitor(driver, urls, options.local)
     epochs = {cid: t.channel.epoch_seconds for cid, t in prepared.targets.items()}
@@ -211,7 +211,7 @@ def _histograms(
     rate = run["accepted_per_s"]
     say(f"run finished: {run['accepted']:,} accepted in {seconds:.1f} s ({rate:,}/s)")
     checked = None
-    if options.admin_token:
+    if options.tokens:
         refusals.check_answers(driver.stats, urls, source.channels, prepared.epochs)
         checked = verification(options, prepared, before, driver.stats, say)
         checked["problems"] += refusals.unexpected(driver.stats.refusals - after_preflight)
@@ -230,6 +230,9 @@ def execute(options: Options, console: Console) -> dict[str, Any]:
     """
     plan = options.plan
     prepared = prepare(plan, console.log)
+    if options.tokens is not None:
+        parties = {"analyzer": plan.analyzer_url, **prepared.parties}
+        options = replace(options, tokens=options.tokens.for_parties(parties))
     for skipped in prepared.skipped:
         console.log(f"left out: {skipped}")
     summary: dict[str, Any] = {

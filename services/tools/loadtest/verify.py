@@ -1,5 +1,5 @@
-"""Verification after the run (with the shufflers' admin token): close, drain, conservation,
-estimates against the population's truth, and the certified ε per channel.
+"""Verification after the run (with each shuffler's admin and metrics tokens): close, drain,
+conservation, estimates against the population's truth, and the certified ε per channel.
 
 Conservation (ESA-revisited Algorithm 3 removes whole contributions before the analyzer sees
 them): every contribution this run had acknowledged (202) is either received at the analyzer
@@ -64,6 +64,7 @@ from services.runtime.ledger import (
     LEDGER_DELETED,
 )
 from services.tools import loadgen
+from services.tools.credentials import Credentials
 from services.tools.loadtest.population import Population
 
 Z95 = 1.959963984540054
@@ -83,9 +84,9 @@ class VerifyError(RuntimeError):
     """Verification could not be completed (unreachable service, drain timed out)."""
 
 
-def scrape(url: str, token: str | None) -> dict[str, float]:
-    """A service's ``/metrics`` as {name{labels}: value}."""
-    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+def scrape(url: str, tokens: Credentials | None) -> dict[str, float]:
+    """A service's ``/metrics`` as {name{labels}: value} (with its metrics token)."""
+    headers = {} if tokens is None else tokens.metrics_headers(url)
     try:
         response = httpx.get(url + "/metrics", headers=headers, timeout=30).raise_for_status()
     except httpx.HTTPError as error:
@@ -98,7 +99,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return {m.group(1) + (m.group(2) or ""): float(m.group(3)) for m in _METRIC.finditer(text)}
 
 
-def shuffler_state(urls: Sequence[str], token: str) -> dict[str, dict[str, float]]:
+def shuffler_state(urls: Sequence[str], tokens: Credentials) -> dict[str, dict[str, float]]:
     """Per shuffler (trust domain): acknowledged so far, deletions by cause
     (:func:`domain_state`) and its queues.
 
@@ -106,7 +107,7 @@ def shuffler_state(urls: Sequence[str], token: str) -> dict[str, dict[str, float
         VerifyError: a shuffler unreachable, or without the ledger gauges.
     """
     with ThreadPoolExecutor(len(urls)) as pool:
-        scraped = list(pool.map(lambda url: scrape(url, token), urls))
+        scraped = list(pool.map(lambda url: scrape(url, tokens), urls))
     found = {}
     for url, metrics in zip(urls, scraped, strict=True):
         queues = {q: metrics.get(f'esa_shuffler_queue_depth{{state="{q}"}}', 0.0) for q in QUEUES}
@@ -137,8 +138,11 @@ def domain_state(metrics: Mapping[str, float], url: str) -> dict[str, float]:
     }
 
 
-def close_epochs(urls: Sequence[str], token: str, epochs: Mapping[str, Sequence[int]]) -> None:
-    """Close every run epoch of every channel at every shuffler (admin close).
+def close_epochs(
+    urls: Sequence[str], tokens: Credentials, epochs: Mapping[str, Sequence[int]]
+) -> None:
+    """Close every run epoch of every channel at every shuffler (admin close, with each
+    shuffler's own admin token).
 
     Raises:
         VerifyError: a shuffler refused or did not answer.
@@ -150,7 +154,7 @@ def close_epochs(urls: Sequence[str], token: str, epochs: Mapping[str, Sequence[
                     response = httpx.post(
                         url + "/v1/admin/close",
                         json={"channel_id": channel_id, "epoch": epoch},
-                        headers={"Authorization": f"Bearer {token}"},
+                        headers=tokens.admin_headers(url),
                         timeout=300,
                     )
                 except httpx.HTTPError as error:
@@ -162,7 +166,7 @@ def close_epochs(urls: Sequence[str], token: str, epochs: Mapping[str, Sequence[
                     )
 
 
-def drain(analyzer_url: str, urls: Sequence[str], token: str, timeout: float) -> float:
+def drain(analyzer_url: str, urls: Sequence[str], tokens: Credentials, timeout: float) -> float:
     """Wait until no shuffler has a pending contribution or an unforwarded batch and the
     analyzer has opened every stored part; returns the seconds it took.
 
@@ -171,9 +175,9 @@ def drain(analyzer_url: str, urls: Sequence[str], token: str, timeout: float) ->
     """
     start = time.monotonic()
     while True:
-        state = shuffler_state(urls, token)
+        state = shuffler_state(urls, tokens)
         waiting = sum(s["pending"] + s["in_batches_unforwarded"] for s in state.values())
-        unopened = scrape(analyzer_url, token).get("esa_analyzer_parts_unopened", math.nan)
+        unopened = scrape(analyzer_url, tokens).get("esa_analyzer_parts_unopened", math.nan)
         if waiting == 0 and unopened == 0:
             return time.monotonic() - start
         if time.monotonic() - start > timeout:
@@ -206,7 +210,7 @@ def release(
     return found
 
 
-def analyzer_fragments(url: str, token: str | None, channel_id: str) -> dict[str, float]:
+def analyzer_fragments(url: str, tokens: Credentials | None, channel_id: str) -> dict[str, float]:
     """``channel_id``'s fragments in every part the analyzer opened so far, by any of its
     workers (``esa_analyzer_ledger_fragments``, read from its database: the same whichever
     worker answers): opened, and failed to open or parse (``invalid``).
@@ -219,7 +223,7 @@ def analyzer_fragments(url: str, token: str | None, channel_id: str) -> dict[str
         VerifyError: no ledger sample for ``channel_id`` (an analyzer older than the gauge,
             the channel not configured there, or its database unreadable at this scrape).
     """
-    metrics = scrape(url, token)
+    metrics = scrape(url, tokens)
     keys = {
         state: f'{ANALYZER_FRAGMENTS}{{channel="{channel_id}",state="{state}"}}'
         for state in FRAGMENT_STATES
