@@ -76,6 +76,30 @@ ADMIN_HEADERS = {"Authorization": "Bearer development"}
 #: that run ``esa up``, ``esa demo`` or ``esa loadtest --up``, and the compose tests).
 TEST_TOKENS = launcher.DEVELOPMENT_TOKENS
 
+
+def own_token(var: Path, party: str, kind: str = launcher.ADMIN_TOKEN_FILE) -> str:
+    """``party``'s own admin (or ``kind="metrics-token"``) token, as ``esa up`` /
+    :func:`launcher.prepare` keeps it in ``var/keys/<party>/`` (a replica or worker uses its
+    service's: ``shuffler-1`` for ``shuffler-1.r2``)."""
+    return (var / "keys" / party / kind).read_text().strip()
+
+
+def own_headers(var: Path, party: str, kind: str = launcher.ADMIN_TOKEN_FILE) -> dict[str, str]:
+    """The ``Authorization`` header with ``party``'s own token (:func:`own_token`)."""
+    return {"Authorization": f"Bearer {own_token(var, party, kind)}"}
+
+
+def given_headers(spec: launcher.ServiceSpec, setting: str = "ADMIN_TOKEN") -> dict[str, str]:
+    """The ``Authorization`` header with the token a service was given for ``setting``
+    (``ESA_<ROLE>_<setting>``, else the file of ``..._FILE``): its own under ``esa up``, the
+    development one under :func:`start_deployment`."""
+    variable = f"ESA_{spec.command[0].upper()}_{setting}"
+    token = spec.env.get(variable)
+    if token is None:
+        token = Path(spec.env[f"{variable}_FILE"]).read_text().strip()
+    return {"Authorization": f"Bearer {token}"}
+
+
 #: Shuffler settings of test deployments: batch and forward within a fraction of a second.
 TEST_SHUFFLER_SETTINGS = {
     "ESA_SHUFFLER_BATCH_INTERVAL_SECONDS": "0.2",
@@ -276,13 +300,13 @@ def registry_entry(shuffler_id: str, url: str, signer: Ed25519PrivateKey) -> dic
 
 
 def close_epoch(deployment: Deployment, channel_id: str, epoch: int) -> None:
-    """Close an epoch at every shuffler now (batches are forwarded right away), then wait until
-    the analyzer has opened every part it stored."""
+    """Close an epoch at every shuffler now, with its own admin token (batches are forwarded
+    right away), then wait until the analyzer has opened every part it stored."""
     for process in deployment.shufflers:
         response = httpx.post(
             process.url + "/v1/admin/close",
             timeout=60,
-            headers={"Authorization": "Bearer development"},
+            headers=given_headers(process.spec),
             json={"channel_id": channel_id, "epoch": epoch},
         )
         assert response.status_code == 200, response.text

@@ -20,15 +20,17 @@ from common.wire import SignedConfig
 from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
-from tests.support import TEST_SHUFFLER_SETTINGS, offline_config
+from tests.support import TEST_SHUFFLER_SETTINGS, offline_config, own_headers
 
 DEVICES = 30
 
 
-def _received(url: str) -> float:
-    text = httpx.get(
-        url + "/metrics", headers={"Authorization": "Bearer development"}, timeout=10
-    ).text
+def _received(service: launcher.Service, var: Path) -> float:
+    """A shuffler's contributions received, read with its own metrics token."""
+    headers = own_headers(var, service.name, launcher.METRICS_TOKEN_FILE)
+    answer = httpx.get(service.url + "/metrics", headers=headers, timeout=10)
+    answer.raise_for_status()
+    text = answer.text
     line = next(x for x in text.splitlines() if x.startswith("esa_shuffler_contributions_received"))
     return float(line.split()[-1])
 
@@ -62,7 +64,7 @@ def test_driver_delivers_every_contribution(tmp_path: Path) -> None:
         asyncio.run(driver.run(source, rate=None, seconds=60, until_empty=True))
         assert driver.stats.accepted == DEVICES, driver.stats.errors
         assert driver.stats.errors == {}
-        assert sum(_received(s.url) for s in services[1:]) == DEVICES
+        assert sum(_received(s, tmp_path) for s in services[1:]) == DEVICES
     finally:
         launcher.stop(services)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from services.cli import launcher
 from services.cli.loadtest import loadtest
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
+from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
 from services.tools.loadtest.prepare import Plan, spec_for
@@ -51,15 +53,17 @@ TICKS = PAGES.model_copy(update={"id": "ticks", "epoch_seconds": 3})
 AGAIN = PAGES.model_copy(update={"id": "again", "epoch_seconds": 10**8})
 SHUT = PAGES.model_copy(update={"id": "shut", "epoch_seconds": 10**8})
 MIDWAY = PAGES.model_copy(update={"id": "midway", "epoch_seconds": 10**8})
+KEYED = PAGES.model_copy(update={"id": "keyed", "epoch_seconds": 10**8})
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(analyzer URL, trust file: the keys an app pins) of a deployment with the pages, ticks,
-    features, abroad, again, shut and midway channels."""
+    features, abroad, again, shut, midway and keyed channels; every party has its own tokens
+    (``var/keys/<party>/``, next to the trust file), as ``esa up`` gives them."""
     var = tmp_path_factory.mktemp("deployment")
     base = launcher.free_base_port(4)
-    channels = [PAGES, TICKS, FEATURES, ABROAD, AGAIN, SHUT, MIDWAY]
+    channels = [PAGES, TICKS, FEATURES, ABROAD, AGAIN, SHUT, MIDWAY, KEYED]
     specs = launcher.prepare(var, 3, base, channels=channels, overrides=TEST_SHUFFLER_SETTINGS)
     services = launcher.start_all(specs, var / "logs")
     try:
@@ -69,12 +73,22 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         launcher.stop(services)
 
 
-def _command(url: str, trust: Path, out: Path, *args: str) -> list[str]:
+def _command(url: str, trust: Path, out: Path, *args: str, keys: Path | None = None) -> list[str]:
+    """``esa loadtest`` presenting each party's own tokens (``--keys``: the deployment's
+    key folder next to its trust file, unless ``keys``)."""
     return [
         sys.executable, "-m", "services.cli", "loadtest",
-        "--analyzer-url", url, "--trust", str(trust), "--admin-token", "development",
+        "--analyzer-url", url, "--trust", str(trust), "--keys", str(keys or trust.parent / "keys"),
         "--out", str(out), "--no-live", "--drain-timeout", "60", *args,
     ]  # fmt: skip
+
+
+def _tokens(url: str, trust: Path) -> Credentials:
+    """Each party's own admin and metrics tokens (the deployment's ``var/keys``), by the URLs
+    its config names."""
+    shufflers = _target(url, trust, "pages").config.shufflers
+    parties = {"analyzer": url, **{s.id: s.url for s in shufflers}}
+    return Credentials(folder=trust.parent / "keys").for_parties(parties)
 
 
 def test_loadtest_verifies_conservation_and_estimates(
@@ -267,10 +281,10 @@ def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
     assert "more contributions reached the analyzer" in text, text
 
 
-def _refused(urls: list[str]) -> float:
+def _refused(urls: list[str], tokens: Credentials) -> float:
     """Contributions the shufflers refused ``epoch_not_open`` so far (their processes')."""
     key = 'esa_shuffler_contributions_rejected_total{reason="epoch_not_open"}'
-    return sum(verify.scrape(u, "development").get(key, 0.0) for u in urls)
+    return sum(verify.scrape(u, tokens).get(key, 0.0) for u in urls)
 
 
 def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
@@ -288,9 +302,9 @@ def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
     )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "verification: PASS" in first.stdout
-    urls = _target(url, trust, "again").shuffler_urls
-    acknowledged = sum(s["received"] for s in verify.shuffler_state(urls, "development").values())
-    refused = _refused(urls)
+    urls, tokens = _target(url, trust, "again").shuffler_urls, _tokens(url, trust)
+    acknowledged = sum(s["received"] for s in verify.shuffler_state(urls, tokens).values())
+    refused = _refused(urls, tokens)
     epoch = int(time.time() // AGAIN.epoch_seconds)
     second = subprocess.run(
         _command(url, trust, tmp_path / "second", *args),
@@ -305,8 +319,8 @@ def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
     assert "earlier run's verification" in message and "wait for the next epoch" in message
     assert not (tmp_path / "second" / "loadtest.json").exists()
     # One contribution sent alone and refused: the load never went out.
-    assert _refused(urls) == refused + 1
-    after = verify.shuffler_state(urls, "development")
+    assert _refused(urls, tokens) == refused + 1
+    after = verify.shuffler_state(urls, tokens)
     assert sum(s["received"] for s in after.values()) == acknowledged
 
 
@@ -322,7 +336,7 @@ def test_a_shuffler_that_refused_every_contribution_stops_the_run(
     httpx.post(
         closed + "/v1/admin/close",
         json={"channel_id": "shut", "epoch": epoch},
-        headers={"Authorization": "Bearer development"},
+        headers=_tokens(url, trust).admin_headers(closed),
         timeout=60,
     ).raise_for_status()
     driver = loadgen.Driver(target.shuffler_urls, 2)
@@ -341,9 +355,9 @@ def test_a_shuffler_that_refused_every_contribution_stops_the_run(
     assert target.shuffler_urls[1] not in message
 
 
-def _acknowledged(urls: list[str]) -> float:
+def _acknowledged(urls: list[str], tokens: Credentials) -> float:
     """Contributions the shufflers' ledgers hold so far (every channel's)."""
-    return sum(s["received"] for s in verify.shuffler_state(urls, "development").values())
+    return sum(s["received"] for s in verify.shuffler_state(urls, tokens).values())
 
 
 def test_an_epoch_closed_at_one_shuffler_while_the_load_runs_stops_the_run(
@@ -355,15 +369,15 @@ def test_an_epoch_closed_at_one_shuffler_while_the_load_runs_stops_the_run(
     shuffler and the channel (without that check it verifies a release missing that share)."""
     url, trust = deployment
     target = _target(url, trust, "midway")
-    urls, closed = target.shuffler_urls, target.shuffler_urls[0]
-    acknowledged, refused = _acknowledged(urls), _refused([closed])
+    urls, closed, tokens = target.shuffler_urls, target.shuffler_urls[0], _tokens(url, trust)
+    acknowledged, refused = _acknowledged(urls, tokens), _refused([closed], tokens)
     args = ["--channel", "midway", "--devices", "400", "--rate", "50", "--duration", "8"]
     process, lines, reader = _started(_command(url, trust, tmp_path / "out", *args))
     # The preflight sends one contribution alone: a third acknowledged is the load's.
-    while _acknowledged(urls) < acknowledged + 3:
+    while _acknowledged(urls, tokens) < acknowledged + 3:
         assert process.poll() is None, "".join(lines)
         time.sleep(0.05)
-    epoch, auth = target.epoch(time.time()), {"Authorization": "Bearer development"}
+    epoch, auth = target.epoch(time.time()), tokens.admin_headers(closed)
     body = {"channel_id": "midway", "epoch": epoch}
     httpx.post(closed + "/v1/admin/close", json=body, headers=auth, timeout=60).raise_for_status()
     stdout = _finished(process, reader)
@@ -379,9 +393,56 @@ def test_an_epoch_closed_at_one_shuffler_while_the_load_runs_stops_the_run(
     assert found is not None, text
     no, total, yes = (int(n.replace(",", "")) for n in found.groups())
     assert no + yes == total and no > yes, text
-    assert no == _refused([closed]) - refused  # every refusal of its share, as the shuffler saw
+    # every refusal of its share, as the shuffler saw
+    assert no == _refused([closed], tokens) - refused
     assert "refusals by code: epoch_not_open" in text and "wait for the next epoch" in text
     assert all(other not in text for other in urls[1:]), text
+
+
+def _key_folder(source: Path, into: Path) -> Path:
+    """A copy of the parties' admin and metrics tokens of ``source`` (``var/keys``)."""
+    for party in source.iterdir():
+        for kind in (launcher.ADMIN_TOKEN_FILE, launcher.METRICS_TOKEN_FILE):
+            if (party / kind).is_file():
+                (into / party.name).mkdir(parents=True, exist_ok=True)
+                shutil.copy(party / kind, into / party.name / kind)
+    return into
+
+
+def test_a_wrong_or_missing_token_of_one_shuffler_stops_the_run_naming_it(
+    deployment: tuple[str, Path], tmp_path: Path
+) -> None:
+    """``--keys`` with another metrics token for shuffler-2: the run stops before its load (the
+    scrape before it is refused 401), naming shuffler-2's URL. Without shuffler-3's admin
+    token (another party's folder given), the load goes out and verification stops at the
+    close, naming shuffler-3's URL and its refusal, instead of verifying (channel ``keyed``:
+    its epoch is left closed at shuffler-1 and -2)."""
+    url, trust = deployment
+    urls = _target(url, trust, "keyed").shuffler_urls
+    wrong = _key_folder(trust.parent / "keys", tmp_path / "wrong")
+    (wrong / "shuffler-2" / launcher.METRICS_TOKEN_FILE).write_text("another-token-" * 4)
+    args = ("--channel", "keyed", "--devices", "60", "--max")
+    done = subprocess.run(
+        _command(url, trust, tmp_path / "a", *args, keys=wrong),
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    message = " ".join(done.stderr.split())
+    assert done.returncode == 1, done.stdout + message
+    assert f"metrics of {urls[1]}" in message and "401" in message, message
+    assert "run: " not in message and not (tmp_path / "a" / "loadtest.json").exists()
+    missing = _key_folder(trust.parent / "keys", tmp_path / "missing")
+    (missing / "shuffler-3" / launcher.ADMIN_TOKEN_FILE).unlink()
+    done = subprocess.run(
+        _command(url, trust, tmp_path / "b", *args, keys=missing),
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    message = " ".join(done.stderr.split())
+    assert done.returncode == 1, done.stdout + message
+    assert "run: " in message and "verification: PASS" not in done.stdout
+    epoch = int(time.time() // KEYED.epoch_seconds)
+    assert f"closing keyed epoch {epoch} at {urls[2]}" in message, message
+    assert "bad_admin_token" in message, message
+    assert all(f"at {other}" not in message for other in urls[:2]), message
 
 
 def test_populations_add_up_to_the_devices(tmp_path: Path) -> None:
@@ -432,7 +493,8 @@ def test_a_run_pins_every_party_and_stops_on_a_config_it_does_not_vouch_for(
     wrong = tmp_path / "trust.json"
     wrong.write_text(json.dumps(pinned))
     refused = subprocess.run(
-        _command(url, wrong, tmp_path / "b", "--channel", "pages", "--devices", "10", "--max"),
+        _command(url, wrong, tmp_path / "b", "--channel", "pages", "--devices", "10", "--max",
+                 keys=trust.parent / "keys"),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     message = " ".join(refused.stderr.split())
@@ -475,6 +537,6 @@ def test_a_deployment_gone_before_verification_is_a_clear_error() -> None:
     run) is a VerifyError naming what verification was doing, never a traceback."""
     url = f"http://127.0.0.1:{launcher.free_base_port(1)}"  # nothing listens there
     with pytest.raises(verify.VerifyError, match=f"closing pages epoch 7 at {url}"):
-        verify.close_epochs([url], "development", {"pages": [7]})
+        verify.close_epochs([url], Credentials.shared("development"), {"pages": [7]})
     with pytest.raises(verify.VerifyError, match=f"the release of pages at {url}"):
         verify.release(url, "pages", [7], 16)
