@@ -44,15 +44,14 @@ from services.runtime import db
 from shuffler import storage
 
 from ..support import (
-    ADMIN_HEADERS,
     LONG_EPOCH_CHANNEL,
     TEST_SHUFFLER_SETTINGS,
     ServiceProcess,
+    own_headers,
     wait_until,
 )
 
 CHANNEL = LONG_EPOCH_CHANNEL  # the test never straddles an epoch boundary
-ADMIN = ADMIN_HEADERS
 #: Small parts, so the batch is delivered and opened as many parts under the faults.
 PART_FRAGMENTS = 15
 INGEST_SECONDS = 6.0
@@ -204,14 +203,16 @@ def _contribute(
         seen.note(f"contribute {answer.status_code} {answer.json().get('error')}")
 
 
-def _close(url: str, epoch: int, seen: Answers) -> None:
-    """The admin close, retried on 503 as an operator's script would."""
+def _close(shuffler: ServiceProcess, var: Path, epoch: int, seen: Answers) -> None:
+    """The admin close with the shuffler's own admin token (``var/keys/shuffler-1``), retried
+    on 503 as an operator's script would."""
+    url, admin = shuffler.url, own_headers(var, shuffler.spec.name)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         answer = httpx.post(
             url + "/v1/admin/close",
             json={"channel_id": CHANNEL.id, "epoch": epoch},
-            headers=ADMIN,
+            headers=admin,
             timeout=30,
         )
         if answer.status_code == 200:
@@ -282,7 +283,7 @@ def _analyzer_received(engine: Engine) -> int:
 
 
 def test_dropped_database_connections_lose_nothing_and_count_nothing_twice(
-    deployment: list[ServiceProcess], postgres_template: str
+    deployment: list[ServiceProcess], postgres_template: str, tmp_path: Path
 ) -> None:
     analyzer, shuffler = deployment
     urls = {s: postgres_template.replace("{service}", s) for s in ("analyzer", "shuffler_1")}
@@ -302,7 +303,7 @@ def test_dropped_database_connections_lose_nothing_and_count_nothing_twice(
     for sender in senders:
         sender.join()
     during_ingest = terminator.terminated
-    _close(shuffler.url, int(time.time() // CHANNEL.epoch_seconds), seen)
+    _close(shuffler, tmp_path, int(time.time() // CHANNEL.epoch_seconds), seen)
     engines = {s: db.make_engine(url) for s, url in urls.items()}
     try:
         deadline = time.monotonic() + DELIVERY_SECONDS

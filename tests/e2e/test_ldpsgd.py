@@ -45,7 +45,14 @@ from encoder_client import Client
 from services.cli import launcher
 from services.cli.train import train
 
-from ..support import TEST_SHUFFLER_SETTINGS, Deployment, ServiceProcess, close_epoch
+from ..support import (
+    TEST_SHUFFLER_SETTINGS,
+    Deployment,
+    ServiceProcess,
+    close_epoch,
+    given_headers,
+    own_token,
+)
 
 EPOCH_SECONDS = 5
 TAU, EPS, DIM = 8, 2.0, 3
@@ -63,7 +70,6 @@ CHANNEL = ChannelConfig(
     delta=1e-6,
     payload_size=32,
 )
-ADMIN = {"Authorization": "Bearer development"}
 
 
 def examples() -> tuple[np.ndarray, np.ndarray]:
@@ -150,16 +156,18 @@ def report(
 
 
 def step(deployment: Deployment, cli: bool) -> dict[str, Any]:
-    """One training step, by the admin route or by ``esa train step --json``."""
+    """One training step, by the admin route or by ``esa train step --json``, with the
+    analyzer's own admin token."""
     if cli:
         args = ["step", "--analyzer", deployment.analyzer.url, "--channel", CHANNEL.id, "--json"]
+        args += ["--admin-token", own_token(deployment.var, "analyzer")]
         done = CliRunner().invoke(train, args)
         assert done.exit_code == 0, done.output
         parsed: dict[str, Any] = json.loads(done.output)
         return parsed
     answer = httpx.post(
         deployment.analyzer.url + f"/v1/channels/{CHANNEL.id}/training/step",
-        headers=ADMIN,
+        headers=given_headers(deployment.analyzer.spec),
         timeout=60,
     )
     assert answer.status_code == 200, answer.text
@@ -172,7 +180,11 @@ def test_devices_train_a_model_round_by_round(deployment: Deployment, tmp_path: 
     url = deployment.analyzer.url
     refused = httpx.post(url + f"/v1/channels/{CHANNEL.id}/training/step", json={})
     assert refused.status_code == 401 and refused.json()["error"] == "bad_admin_token"
-    nothing = httpx.post(url + f"/v1/channels/{CHANNEL.id}/training/step", headers=ADMIN)
+    development = {"Authorization": "Bearer development"}  # not this analyzer's: its own
+    refused = httpx.post(url + f"/v1/channels/{CHANNEL.id}/training/step", headers=development)
+    assert refused.status_code == 401 and refused.json()["error"] == "bad_admin_token"
+    admin = given_headers(deployment.analyzer.spec)
+    nothing = httpx.post(url + f"/v1/channels/{CHANNEL.id}/training/step", headers=admin)
     assert nothing.status_code == 404 and nothing.json()["error"] == "no_data"
     stale_config = tmp_path / "round-0-config.json"
     stale_config.write_text(json.dumps(signed_model(deployment)[0]))
@@ -225,6 +237,8 @@ def test_devices_train_a_model_round_by_round(deployment: Deployment, tmp_path: 
     assert losses[-1] < 0.55, losses
     shown = CliRunner().invoke(train, ["show", "--analyzer", url, "--channel", CHANNEL.id])
     assert shown.exit_code == 0 and f"{CHANNEL.id}: round {STEPS}," in shown.output
-    again = CliRunner().invoke(train, ["step", "--analyzer", url, "--channel", CHANNEL.id])
+    args = ["step", "--analyzer", url, "--channel", CHANNEL.id]
+    args += ["--admin-token", own_token(deployment.var, "analyzer")]
+    again = CliRunner().invoke(train, args)
     assert again.exit_code == 1 and "404 no_data" in again.output  # nothing of round 3 yet
     assert losses[0] == pytest.approx(math.log(2))

@@ -51,13 +51,12 @@ from shuffler.records import GroupKey
 from shuffler.store import group_lock_identity, make_store
 
 from ..shuffler.factory import fill, make_service
-from ..support import ADMIN_HEADERS, LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS, wait_until
+from ..support import LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS, own_headers, wait_until
 
 SHUFFLERS = 3
 REPLICAS = 2
 WORKERS = 2
 CHANNEL = LONG_EPOCH_CHANNEL  # the test never straddles an epoch boundary
-ADMIN = ADMIN_HEADERS
 INGEST_SECONDS = 4.0
 #: Tiny parts: a batch is delivered as dozens of POSTs, so a kill lands mid-delivery.
 PART_FRAGMENTS = 5
@@ -274,7 +273,7 @@ def _analyzer_received(engine: Engine) -> dict[str, int]:
 
 
 def test_replicas_and_workers_behind_haproxy_lose_nothing_and_count_nothing_twice(
-    deployment: dict[str, launcher.Service], postgres_template: str
+    deployment: dict[str, launcher.Service], postgres_template: str, tmp_path: Path
 ) -> None:
     names = [f"shuffler-{i}" for i in range(1, SHUFFLERS + 1)]
     fronts = {sid: deployment[f"haproxy:{sid}"].url for sid in names}
@@ -309,7 +308,10 @@ def test_replicas_and_workers_behind_haproxy_lose_nothing_and_count_nothing_twic
             threading.Thread(
                 target=_post,
                 args=(httpx.Client(base_url=fronts[sid], timeout=60), "/v1/admin/close"),
-                kwargs={"json": {"channel_id": CHANNEL.id, "epoch": epoch}, "headers": ADMIN},
+                kwargs={
+                    "json": {"channel_id": CHANNEL.id, "epoch": epoch},
+                    "headers": own_headers(tmp_path, sid),  # each trust domain's own token
+                },
             )
             for sid in names
         ]

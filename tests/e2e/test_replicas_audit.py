@@ -41,7 +41,7 @@ from common.wire import ChannelConfig
 from services.cli import launcher
 from services.runtime import haproxy
 from services.tools.audit.runner import AuditConfig, run_audit
-from tests.support import TEST_SHUFFLER_SETTINGS
+from tests.support import TEST_SHUFFLER_SETTINGS, own_headers, own_token
 from tests.tools.test_audit import CHANNEL, FAST, GROUP_SIZE, TOKEN, sink
 
 __all__ = ["sink"]  # the module-scoped ``esa audit sink`` fixture, shared with test_audit
@@ -51,7 +51,6 @@ REPLICAS = 2
 AUDIT_CHANNEL = ChannelConfig(mechanism="krappor", params={"k": 20, "eps": 4.0}, **CHANNEL)
 #: Checks every replicated run must pass (``check`` of :class:`~checks.Finding`).
 ASSERTED = ("order", "metadata", "surface", "crowd", "intake", "deletion")
-ADMIN = {"Authorization": "Bearer development"}
 
 
 @pytest.fixture
@@ -90,14 +89,14 @@ def replicated(
 
 
 def test_order_and_metadata_checks_pass_against_two_replicas_behind_haproxy(
-    replicated: dict[str, launcher.Service], sink: str
+    replicated: dict[str, launcher.Service], sink: str, tmp_path: Path
 ) -> None:
     config = AuditConfig(
         shuffler_url=replicated["haproxy:shuffler-1"].url,
         sink_url=sink,
         sink_token=TOKEN,
         channel_id=AUDIT_CHANNEL.id,
-        admin_token=ADMIN["Authorization"].removeprefix("Bearer "),
+        admin_token=own_token(tmp_path, "shuffler-1"),  # the trust domain's own
         skew_seconds=0.2,  # sink and auditor share this machine's clock
         group_size=GROUP_SIZE,  # every full group released but with probability ~2e-9
     )
@@ -117,12 +116,14 @@ def test_order_and_metadata_checks_pass_against_two_replicas_behind_haproxy(
     assert result.summary["batches"] == len(AUDIT_CHANNEL.crowds) - 1
     # HAProxy spread the canaries over both replicas (each token hashed on its own).
     for replica in range(1, REPLICAS + 1):
-        assert _received(replicated[f"shuffler-1.r{replica}"].url) > 0, replica
+        assert _received(replicated[f"shuffler-1.r{replica}"].url, tmp_path) > 0, replica
 
 
-def _received(url: str) -> float:
-    """A replica's ``esa_shuffler_contributions_received`` (its own process's counter)."""
-    text = httpx.get(url + "/metrics", headers=ADMIN, timeout=10).text
+def _received(url: str, var: Path) -> float:
+    """A replica's ``esa_shuffler_contributions_received`` (its own process's counter), read
+    with its trust domain's own metrics token."""
+    headers = own_headers(var, "shuffler-1", launcher.METRICS_TOKEN_FILE)
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     found = re.search(r"^esa_shuffler_contributions_received_total (\S+)$", text, re.MULTILINE)
     assert found is not None, text[:500]
     return float(found.group(1))

@@ -1,12 +1,13 @@
-"""``esa loadtest --admin-token`` verifies a trust domain served by two shuffler replicas on one
+"""``esa loadtest --keys`` verifies a trust domain served by two shuffler replicas on one
 PostgreSQL database behind HAProxy (``esa up --replicas 2``), with real processes.
 
 HAProxy hashes on the ``Authorization`` header, so the devices' contributions spread over both
-replicas while every scrape with the admin token reaches the same one. Verification read that
-replica's per-process counters and reported a false FAIL (it saw only its share acknowledged);
-it now reads the trust domain's ledger from the database (``esa_shuffler_ledger_*`` gauges):
-the run passes, each replica's ``/metrics`` gives the same domain-wide totals, conservation
-holds from either, and the per-process counters of one replica alone would not.
+replicas while every scrape with the shuffler's metrics token reaches the same one.
+Verification read that replica's per-process counters and reported a false FAIL (it saw only
+its share acknowledged); it now reads the trust domain's ledger from the database
+(``esa_shuffler_ledger_*`` gauges): the run passes, each replica's ``/metrics`` gives the same
+domain-wide totals, conservation holds from either, and the per-process counters of one
+replica alone would not.
 """
 
 from __future__ import annotations
@@ -21,19 +22,25 @@ import pytest
 
 from services.cli import launcher
 from services.runtime.ledger import DELETION_CAUSES
+from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
 from tests.support import LOADTEST_PAGES as PAGES
-from tests.support import TEST_SHUFFLER_SETTINGS
+from tests.support import TEST_SHUFFLER_SETTINGS, own_token
 
 DEVICES = 300
-TOKEN = "development"
 
 
-def _counted(url: str) -> dict[str, float]:
+def _tokens(var: Path, replicas: list[str]) -> Credentials:
+    """shuffler-1's own admin and metrics tokens (``var/keys/shuffler-1``) at each replica."""
+    admin, metrics = own_token(var, "shuffler-1"), own_token(var, "shuffler-1", "metrics-token")
+    return Credentials({url: admin for url in replicas}, {url: metrics for url in replicas})
+
+
+def _counted(url: str, tokens: Credentials) -> dict[str, float]:
     """One replica's own counters (``esa_shuffler_*_total``: this process's events since it
     started), shaped as :func:`verify.domain_state`: what verification read before the ledger
     gauges."""
-    metrics = verify.scrape(url, TOKEN)
+    metrics = verify.scrape(url, tokens)
     deleted = 'esa_shuffler_contributions_deleted_total{{cause="{}"}}'
     return {
         "received": metrics["esa_shuffler_contributions_received_total"],
@@ -65,14 +72,15 @@ def test_loadtest_verifies_a_trust_domain_of_two_replicas(
     deployment: dict[str, launcher.Service], tmp_path: Path
 ) -> None:
     replicas = [deployment["shuffler-1.r1"].url, deployment["shuffler-1.r2"].url]
-    before = verify.shuffler_state(replicas, TOKEN)
-    counted = {url: _counted(url) for url in replicas}
-    trust = str(tmp_path / "var" / "trust.json")
+    tokens = _tokens(tmp_path / "var", replicas)
+    before = verify.shuffler_state(replicas, tokens)
+    counted = {url: _counted(url, tokens) for url in replicas}
+    trust, keys = str(tmp_path / "var" / "trust.json"), str(tmp_path / "var" / "keys")
     done = subprocess.run(
         [
             sys.executable, "-m", "services.cli", "loadtest",
             "--analyzer-url", deployment["haproxy:analyzer"].url, "--trust", trust,
-            "--admin-token", TOKEN, "--out", str(tmp_path / "out"), "--no-live",
+            "--keys", keys, "--out", str(tmp_path / "out"), "--no-live",
             "--drain-timeout", "60", "--channel", "pages", "--devices", str(DEVICES), "--max",
         ],
         capture_output=True,
@@ -87,9 +95,9 @@ def test_loadtest_verifies_a_trust_domain_of_two_replicas(
     assert totals["purged_late"] == 0 and check["problems"] == []
     received = totals["received_at_analyzer"]
 
-    after = verify.shuffler_state(replicas, TOKEN)
+    after = verify.shuffler_state(replicas, tokens)
     assert after[replicas[0]] == after[replicas[1]]  # the trust domain's, from either replica
-    per_process = {url: _counted(url) for url in replicas}
+    per_process = {url: _counted(url, tokens) for url in replicas}
     shares = [per_process[url]["received"] - counted[url]["received"] for url in replicas]
     assert min(shares) > 0 and sum(shares) == DEVICES  # spread over both replicas
     for url in replicas:

@@ -1,4 +1,4 @@
-"""``esa loadtest --admin-token`` verifies a longitudinal channel served by two analyzer workers
+"""``esa loadtest --keys`` verifies a longitudinal channel served by two analyzer workers
 on one PostgreSQL database behind HAProxy (``esa up --analyzer-workers 2``), with real processes.
 
 A longitudinal phase counts as received at the analyzer the fragments it opened meanwhile (one
@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 
 from services.cli import launcher
+from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
 from tests.support import LOADTEST_SERIES as ABROAD
 from tests.support import TEST_SHUFFLER_SETTINGS
 
 DEVICES = 300
-TOKEN = "development"
 OPENED = "esa_analyzer_fragments_opened_total"
 
 
@@ -53,13 +53,14 @@ def deployment(tmp_path: Path, postgres_template: str) -> Iterator[dict[str, lau
         launcher.stop(services)
 
 
-def _loadtest(analyzer: str, trust: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    """``esa loadtest`` with the admin token: the longitudinal channel alone, as fast as it
-    goes."""
+def _loadtest(analyzer: str, var: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """``esa loadtest`` with each party's own tokens (``--keys var/keys``): the longitudinal
+    channel alone, as fast as it goes."""
     return subprocess.run(
         [
             sys.executable, "-m", "services.cli", "loadtest",
-            "--analyzer-url", analyzer, "--trust", str(trust), "--admin-token", TOKEN,
+            "--analyzer-url", analyzer, "--trust", str(var / "trust.json"),
+            "--keys", str(var / "keys"),
             "--out", str(out), "--no-live", "--drain-timeout", "60",
             "--channel", ABROAD.id, "--devices", str(DEVICES), "--max",
         ],
@@ -74,10 +75,13 @@ def test_loadtest_verifies_a_longitudinal_channel_opened_by_two_workers(
 ) -> None:
     workers = [deployment["analyzer.w1"].url, deployment["analyzer.w2"].url]
     shuffler = [deployment["haproxy:shuffler-1"].url]
-    counted = {url: verify.scrape(url, TOKEN)[OPENED] for url in workers}
-    before = verify.shuffler_state(shuffler, TOKEN)
-    trust = tmp_path / "var" / "trust.json"
-    done = _loadtest(deployment["haproxy:analyzer"].url, trust, tmp_path / "out")
+    # Each party's own tokens at its URLs (the analyzer's /metrics is open; its workers'
+    # URLs are no party's: no token there).
+    parties = {"analyzer": deployment["haproxy:analyzer"].url, "shuffler-1": shuffler[0]}
+    tokens = Credentials.from_keys(tmp_path / "var" / "keys", parties)
+    counted = {url: verify.scrape(url, tokens)[OPENED] for url in workers}
+    before = verify.shuffler_state(shuffler, tokens)
+    done = _loadtest(deployment["haproxy:analyzer"].url, tmp_path / "var", tmp_path / "out")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "verification: PASS" in done.stdout
     summary = json.loads((tmp_path / "out" / "loadtest.json").read_text())
@@ -89,14 +93,14 @@ def test_loadtest_verifies_a_longitudinal_channel_opened_by_two_workers(
     assert check["channels"][ABROAD.id]["received"] == received > 0
 
     # The ledger, from either worker: every part opened, by whichever worker.
-    ledgers = [verify.analyzer_fragments(url, TOKEN, ABROAD.id) for url in workers]
+    ledgers = [verify.analyzer_fragments(url, tokens, ABROAD.id) for url in workers]
     assert ledgers[0] == ledgers[1] == {"opened": received, "invalid": 0}
     # Both workers opened parts: each one's own counter holds its share only.
-    shares = [int(verify.scrape(url, TOKEN)[OPENED] - counted[url]) for url in workers]
+    shares = [int(verify.scrape(url, tokens)[OPENED] - counted[url]) for url in workers]
     assert min(shares) > 0 and max(shares) < received and sum(shares) == received, shares
     # What verification read before the fix (one worker's counter, whichever answered the
     # scrape) leaves the other worker's share unaccounted for: a false FAIL.
-    after = verify.shuffler_state(shuffler, TOKEN)
+    after = verify.shuffler_state(shuffler, tokens)
     for share in shares:
         old = verify.conservation(before, after, run["accepted"], share)
         assert old["lost"] == received - share > 0
