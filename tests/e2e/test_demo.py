@@ -14,6 +14,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import subprocess
 import sys
 import termios
@@ -120,6 +121,9 @@ def _check_privacy_over_time(results: list[dict[str, Any]], stdout: str) -> None
 
 
 def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Path) -> None:
+    """``esa up`` gives every party its own tokens (var/keys/<party>/): the demo closes each
+    shuffler's epoch with that shuffler's own admin token (``--keys``); one shuffler's token
+    wrong, the run fails naming that shuffler."""
     base = _base_port()
     var = tmp_path / "var"
     up = subprocess.Popen(
@@ -133,7 +137,8 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
         while "dashboard" not in (line := up.stdout.readline()):
             assert line, "esa up exited"
         args = ["--devices", "500", "--analyzer-url", f"http://127.0.0.1:{base}"]
-        args += ["--var", str(var), "--channel", "homepage", "--report", str(tmp_path / "r.html")]
+        args += ["--var", str(var), "--keys", str(var / "keys")]
+        args += ["--channel", "homepage", "--report", str(tmp_path / "r.html")]
         for _ in range(2):  # once more if the hourly epoch turned between the two runs
             epoch = time.time() // 3600
             first = _demo(*args)
@@ -157,9 +162,41 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
         assert "descriptor of shuffler 'shuffler-2' is not signed by the key pinned" in " ".join(
             refused.stderr.split()
         )
+        _assert_a_wrong_admin_token_is_named(tmp_path, var, args[:-6])  # no --keys, --channel
     finally:
         up.terminate()
         up.wait(30)
+
+
+def _assert_a_wrong_admin_token_is_named(tmp_path: Path, var: Path, args: list[str]) -> None:
+    """Another admin token for shuffler-2 in the key folder: its close is refused, and the demo
+    fails naming shuffler-2's URL (channel ``features``: its epoch is left closed at
+    shuffler-1 only); the development token of old opens no party's admin route."""
+    wrong = tmp_path / "wrong-keys"
+    shutil.copytree(var / "keys", wrong)
+    (wrong / "shuffler-2" / "admin-token").write_text("not-shuffler-2s-admin-token\n")
+    url = args[args.index("--analyzer-url") + 1]
+    port = int(url.rsplit(":", 1)[1])
+    failed = _demo(
+        *args, "--channel", "features", "--keys", str(wrong),
+        "--report", str(tmp_path / "wrong.html"),
+    )  # fmt: skip
+    message = " ".join(failed.stderr.split())
+    assert failed.returncode == 1, failed.stdout[-3000:] + message[-3000:]
+    assert f"at http://127.0.0.1:{port + 2}: " in message, message[-3000:]
+    assert "bad_admin_token" in message, message[-3000:]
+    assert f"at http://127.0.0.1:{port + 1}: " not in message  # shuffler-1's own token held
+    development = {"Authorization": "Bearer development"}
+    release = httpx.post(f"{url}/v1/channels/features/releases", headers=development, timeout=10)
+    assert release.status_code == 401, release.text
+    for i in (1, 2, 3):
+        answer = httpx.post(
+            f"http://127.0.0.1:{port + i}/v1/admin/close",
+            json={"channel_id": "features", "epoch": 0},
+            headers=development,
+            timeout=10,
+        )
+        assert answer.status_code == 401, (i, answer.text)
 
 
 def test_demo_replays_histograms_inside_one_epoch(tmp_path: Path) -> None:
