@@ -39,6 +39,7 @@ from analyzer import dashboard
 from analyzer.errors import (
     AdminTokenError,
     BatchTooLargeError,
+    IntakeBusyError,
     MalformedBatchError,
     UnknownChannelError,
     UnsupportedMediaTypeError,
@@ -217,8 +218,12 @@ async def post_batch(request: Request, response: Response, service: Service) -> 
     cap = service.intake.policy.max_batch_bytes
     check_declared_length(request, cap)
     require_json(request.headers.get("content-type"))
-    body = await capped_body(request, cap)
-    ack = await asyncio.to_thread(service.accept, body, signature, sender)
+    slots: asyncio.Semaphore = request.app.state.intake_slots
+    if slots.locked():
+        raise IntakeBusyError("every intake slot is reading a part; retry", retry_after=1.0)
+    async with slots:
+        body = await capped_body(request, cap)
+        ack = await asyncio.to_thread(service.accept, body, signature, sender)
     if ack.duplicate:
         response.status_code = 200
     return ack
@@ -349,6 +354,7 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
         redirect_slashes=False,
     )
     app.state.service = service
+    app.state.intake_slots = asyncio.Semaphore(settings.intake_slots)
     install_error_handlers(app, log, service.events.count)
     document_errors(app)
     for router in (batches, channels, admin, operations, pages):

@@ -28,8 +28,9 @@ from common.mechanisms import (
 from common.mechanisms.base import Accumulator
 from common.wire import ChannelConfig
 
-#: How far above a mechanism's mean fragment count a channel's ``max_fragments`` must sit for
-#: the count's law to be kept under truncation (the default catalogue keeps 8).
+#: How far above a mechanism's mean fragment count a channel's ``max_fragments`` must sit when
+#: it is below the mechanism's maximum (the default catalogue keeps 8): shufflers refuse an
+#: honest report above it, and the crowd check assumes that never happens.
 TRUNCATION_SIGMAS = 8.0
 
 
@@ -54,16 +55,7 @@ class ChannelRuntime:
             params = mechanism.parse_params(config.params)
         except (TypeError, ValueError) as error:
             raise InvalidChannelError(f"channel {config.id!r}: {error}") from error
-        smallest = min(
-            mechanism.fragment_count(params, BatchContext(i, len(shuffler_ids))).minimum
-            for i in range(max(1, len(shuffler_ids)))
-        )
-        if config.min_fragments > smallest:
-            raise InvalidChannelError(
-                f"channel {config.id!r}: min_fragments={config.min_fragments}, but a "
-                f"{config.mechanism} contribution can carry {smallest} (shufflers would refuse "
-                "honest reports)"
-            )
+        _check_fragment_bounds(config, mechanism, params, len(shuffler_ids))
         if config.payload_size < mechanism.payload_size + 4:
             raise InvalidChannelError(
                 f"channel {config.id!r}: payload_size={config.payload_size} is smaller than the "
@@ -76,25 +68,14 @@ class ChannelRuntime:
         return BatchContext(self.shuffler_ids.index(shuffler_id), len(self.shuffler_ids))
 
     def fragment_count(self, shuffler_id: str) -> FragmentCount:
-        """What one contribution to ``shuffler_id`` carries: the mechanism's count, within the
-        channel's ``max_fragments`` (shufflers refuse more). Below the mechanism's maximum the
-        accepted contributions follow a truncated law: its mean and variance are kept while
-        ``max_fragments`` sits at least :data:`TRUNCATION_SIGMAS` standard deviations above
-        the mean (the truncated mass is then negligible), else only the bounds are. Either
-        way an error can only cut an honest batch's verified crowd, which makes its
-        certificate more conservative, never less."""
+        """What one contribution to ``shuffler_id`` carries: the mechanism's law, and at most
+        the channel's ``max_fragments`` (what shufflers accept from any client, honest or not).
+        The untruncated law is kept: where ``max_fragments`` cuts its tail the accepted
+        contributions' mean can only be lower, so an error can only cut an honest batch's
+        verified crowd, never let a claim through (and :meth:`build` refuses a
+        ``max_fragments`` that would cut more than a negligible tail)."""
         count = self.mechanism.fragment_count(self.params, self.source(shuffler_id))
-        most = self.config.max_fragments
-        if count.maximum <= most:
-            return count
-        mean, variance = count.mean, count.variance
-        if (
-            mean is not None
-            and variance is not None
-            and most >= mean + TRUNCATION_SIGMAS * math.sqrt(variance)
-        ):
-            return FragmentCount(min(count.minimum, most), most, mean, variance)
-        return FragmentCount(min(count.minimum, most), most)
+        return FragmentCount(count.minimum, self.config.max_fragments, count.mean, count.variance)
 
     def new_accumulator(self) -> Accumulator:
         """Empty sufficient statistics."""
@@ -159,3 +140,32 @@ class ChannelRuntime:
                 "crowds": certs.crowds,
             }
         )
+
+
+def _check_fragment_bounds(
+    config: ChannelConfig, mechanism: Mechanism[Any, Any], params: Any, shufflers: int
+) -> None:
+    """The channel's ``[min_fragments, max_fragments]`` must hold every honest contribution
+    to every shuffler (up to a tail :data:`TRUNCATION_SIGMAS` standard deviations out), since
+    shufflers refuse the rest and the analyzer verifies crowds against the mechanism's law.
+
+    Raises:
+        InvalidChannelError: naming the bound and what an honest report can carry.
+    """
+    for index in range(max(1, shufflers)):
+        count = mechanism.fragment_count(params, BatchContext(index, max(1, shufflers)))
+        if config.min_fragments > count.minimum:
+            raise InvalidChannelError(
+                f"channel {config.id!r}: min_fragments={config.min_fragments}, but a "
+                f"{config.mechanism} contribution can carry {count.minimum} (shufflers would "
+                "refuse honest reports)"
+            )
+        if count.mean is None or count.variance is None or config.max_fragments >= count.maximum:
+            continue
+        tail = count.mean + TRUNCATION_SIGMAS * math.sqrt(count.variance)
+        if config.max_fragments < tail:
+            raise InvalidChannelError(
+                f"channel {config.id!r}: max_fragments={config.max_fragments} would refuse "
+                f"honest {config.mechanism} reports (mean {count.mean:.1f}, sd "
+                f"{math.sqrt(count.variance):.1f} fragments): set at least {math.ceil(tail)}"
+            )

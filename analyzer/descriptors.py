@@ -21,7 +21,13 @@ from pydantic import ValidationError
 
 from analyzer.errors import ShufflersUnavailableError
 from analyzer.store import AnalyzerStore
-from common.collection import CollectionConfigError, descriptor_id, parse_key, verify_descriptor
+from common.collection import (
+    MAX_CLOCK_SKEW_SECONDS,
+    CollectionConfigError,
+    descriptor_id,
+    parse_key,
+    verify_descriptor,
+)
 from common.wire import ShufflerEntry, SignedDescriptor
 
 log = logging.getLogger("esa.analyzer")
@@ -59,9 +65,15 @@ class ShufflerDescriptors:
         key = self._keys.get(named)
         if key is None:
             raise CollectionConfigError(f"descriptor of unregistered shuffler {named[:64]!r}")
-        descriptor = verify_descriptor(document, key, self.clock())
+        now = self.clock()
+        descriptor = verify_descriptor(document, key, now)
+        stale = named not in self._valid(self.store.descriptors())
         return self.store.keep_descriptor(
-            named, descriptor.issued_at, descriptor.expires_at, document.model_dump_json()
+            named,
+            descriptor.issued_at,
+            descriptor.expires_at,
+            document.model_dump_json(),
+            stale=stale,
         )
 
     def seed(self) -> None:
@@ -76,24 +88,42 @@ class ShufflerDescriptors:
                     "registry descriptor refused", extra={"shuffler": entry.id, "error": str(error)}
                 )
 
+    def _valid(self, kept: dict[str, tuple[int, str]]) -> dict[str, SignedDescriptor]:
+        """The kept descriptors that verify now with the key pinned for their shuffler (not
+        expired, not signed by a key pinned before) and were not issued in the future beyond
+        the clock skew (one would block every fresh descriptor: only a newer one replaces it)."""
+        valid, now = {}, self.clock()
+        for entry in self.entries:
+            if entry.id not in kept:
+                continue
+            document = SignedDescriptor.model_validate_json(kept[entry.id][1])
+            try:
+                found = verify_descriptor(document, self._keys[entry.id], now)
+            except CollectionConfigError:
+                continue
+            if found.issued_at <= now + MAX_CLOCK_SKEW_SECONDS:
+                valid[entry.id] = document
+        return valid
+
     def missing(self) -> list[str]:
         """Registered shufflers without a valid descriptor now (never fetched, or expired)."""
-        now, kept = self.clock(), self.store.descriptors()
-        return [e.id for e in self.entries if e.id not in kept or kept[e.id][0] < now]
+        valid = self._valid(self.store.descriptors())
+        return [e.id for e in self.entries if e.id not in valid]
 
     def current(self) -> list[SignedDescriptor]:
-        """Every registered shuffler's descriptor, in registry order.
+        """Every registered shuffler's descriptor, in registry order, each verified again
+        with the key pinned for it now.
 
         Raises:
             ShufflersUnavailableError: naming the shufflers without a valid one.
         """
-        now, kept = self.clock(), self.store.descriptors()
-        missing = [e.id for e in self.entries if e.id not in kept or kept[e.id][0] < now]
+        valid = self._valid(self.store.descriptors())
+        missing = [e.id for e in self.entries if e.id not in valid]
         if missing:
             raise ShufflersUnavailableError(
                 f"no valid signed descriptor yet from {', '.join(missing)}; retry shortly"
             )
-        return [SignedDescriptor.model_validate_json(kept[e.id][1]) for e in self.entries]
+        return [valid[e.id] for e in self.entries]
 
     def fetch(self, client: httpx.Client) -> list[str]:
         """Fetch every registered shuffler's descriptor once; returns the ids still missing."""

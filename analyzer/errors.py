@@ -26,6 +26,8 @@ a status at the edge. Callers catch :class:`AnalyzerError`::
         │   └── IncompleteBatchesError   incomplete       404: only batches with parts missing
         ├── ShufflersUnavailableError    shufflers_unavailable 503: a shuffler's descriptor is
         │                                                 not known yet (or expired)
+        ├── IntakeBusyError              busy             503: every slot for reading a part
+        │                                                 before its signature is checked is taken
         └── StorageConflictError         storage_conflict 503: concurrent writers kept colliding
 """
 
@@ -153,6 +155,15 @@ class ShufflersUnavailableError(AnalyzerError):
     has not been fetched (or expired), and devices only use keys a shuffler vouched for."""
 
     code = "shufflers_unavailable"
+    kind = Kind.UNAVAILABLE
+
+
+class IntakeBusyError(AnalyzerError):
+    """Every slot for reading a batch part before its signature is checked is taken: each
+    such read may buffer the largest legal part, so their number bounds what unauthenticated
+    requests can make the analyzer hold (shufflers retry after ``Retry-After``)."""
+
+    code = "busy"
     kind = Kind.UNAVAILABLE
 
 

@@ -39,6 +39,8 @@ COUNTERS = {
     "not verify",
     "batches_withheld": "complete batches never released: their fragments verify fewer "
     "contributions than the channel's min_crowd",
+    "parts_purged_incomplete": "parts of batches that never completed, deleted after "
+    "incomplete_retention_seconds",
     "releases": "estimates released (ledger entries)",
 }
 #: Gauges read from the database at scrape time (registered with :meth:`Events.gauge`).

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from analyzer.channels import ChannelRuntime
@@ -46,6 +47,8 @@ from services.runtime.publish import publish
 
 log = logging.getLogger("esa.analyzer")
 MIGRATIONS = Path(__file__).parent / "migrations"
+#: Seconds between retention rounds (retention itself is days).
+RETENTION_INTERVAL = 600.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class AnalyzerService:
     descriptors: ShufflerDescriptors
     clock: Callable[[], float] = time.time
     trainer: Trainer | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     def from_settings(
@@ -117,6 +121,7 @@ class AnalyzerService:
         if self.settings.publish_dir is not None:
             key = b64(public_bytes(self.keys.signing.public_key())) + "\n"
             publish(self.settings.publish_dir, ANALYZER_KEY_FILE, key)
+        threading.Thread(target=self._retain, name="esa-retention", daemon=True).start()
         log.info(
             "analyzer ready",
             extra={
@@ -128,7 +133,8 @@ class AnalyzerService:
         )
 
     def close(self) -> None:
-        """Stop the opener and the descriptor fetches, release the database connections."""
+        """Stop the opener, the descriptor fetches and retention, release the database."""
+        self.stopping.set()
         self.descriptors.stop()
         self.opener.stop()
         self.store.engine.dispose()
@@ -142,6 +148,22 @@ class AnalyzerService:
             os._exit(3)
         self.opener.wake()
         return BatchAck(batch_id=intake.batch_id, part=intake.part, duplicate=intake.duplicate)
+
+    def _retain(self) -> None:
+        while not self.stopping.wait(RETENTION_INTERVAL):
+            try:
+                self.purge_incomplete()
+            except Exception:  # the database, mostly: retention tries again next round
+                log.exception("retention of incomplete batches failed; retrying")
+
+    def purge_incomplete(self) -> int:
+        """Delete what remains of batches that can no longer complete (retention)."""
+        before = self.clock() - self.settings.incomplete_retention_seconds
+        purged = self.store.purge_incomplete(before)
+        if purged:
+            self.events.count("parts_purged_incomplete", purged)
+            log.warning("retention deleted parts of batches that never completed")
+        return purged
 
     def requeue(self, batch_id: str | None = None) -> int:
         """Open quarantined parts again (admin, after fixing their cause); how many."""

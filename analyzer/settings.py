@@ -107,6 +107,13 @@ class AnalyzerSettings(SecretFileSettings):
     #: Largest batch part body read before its signature is checked; default (None): the
     #: largest legal part of the configured channels (:func:`largest_part_bytes`).
     max_batch_bytes: int | None = Field(None, ge=1024)
+    #: How long the parts of a batch that never completes are kept after its last part
+    #: arrived (longer than a shuffler's retention, which purges the rest of such a batch).
+    incomplete_retention_seconds: float = Field(14 * 24 * 3600.0, gt=0)
+    #: Batch parts read at once before their signature is checked (beyond: 503 ``busy``):
+    #: unauthenticated requests can make the analyzer hold at most this many largest parts.
+    #: A shuffler's forwarder sends one part at a time.
+    intake_slots: int = Field(8, ge=1)
     admin_token: SecretStr = SecretStr("development")
     #: Bearer token for ``GET /metrics`` (none: open, as on a loopback deployment; set it
     #: where the metrics port is reachable, so one party's operator does not read another's).

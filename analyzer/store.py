@@ -66,6 +66,7 @@ from sqlalchemy import (
     insert,
     select,
     text,
+    true,
     tuple_,
     update,
 )
@@ -501,6 +502,24 @@ class AnalyzerStore:
             )
         return quarantined
 
+    def purge_incomplete(self, before: float) -> int:
+        """Delete the parts of batches that never completed and received nothing since
+        ``before`` (their shuffler purged the rest, e.g. after a refusal: they can no longer
+        complete, and every release would name them forever); returns the parts deleted."""
+        p, r = batch_parts.c, receipts.c
+        stale = (
+            select(p.batch_id)
+            .where(~select(r.batch_id).where(r.batch_id == p.batch_id).exists())
+            .group_by(p.batch_id)
+            .having(func.max(p.received_at) < before)
+        )
+        with self._storing, self.engine.begin() as conn:
+            ids = [str(b) for b in conn.execute(stale).scalars()]
+            if not ids:
+                return 0
+            conn.execute(delete(open_batches).where(open_batches.c.batch_id.in_(ids)))
+            return int(conn.execute(delete(batch_parts).where(p.batch_id.in_(ids))).rowcount)
+
     def requeue_quarantined(self, batch_id: str | None = None) -> int:
         """Put quarantined parts (of ``batch_id``, or all) back in the opener's queue with no
         failed attempt counted, after an operator fixed their cause; how many."""
@@ -511,15 +530,19 @@ class AnalyzerStore:
         with self.engine.begin() as conn:
             return int(conn.execute(query.values(status=STORED, attempts=0)).rowcount)
 
-    def keep_descriptor(self, shuffler_id: str, issued_at: int, expires_at: int, doc: str) -> bool:
-        """Keep a verified signed descriptor unless one issued as late or later is kept; True
-        if it was kept. One statement each way, so concurrent workers keep the newest."""
+    def keep_descriptor(
+        self, shuffler_id: str, issued_at: int, expires_at: int, doc: str, *, stale: bool = False
+    ) -> bool:
+        """Keep a verified signed descriptor unless one issued as late or later is kept (or,
+        when the kept one is ``stale``: signed by a key no longer pinned, in any case); True if
+        it was kept. One statement each way, so concurrent workers keep the newest."""
         d = shuffler_descriptors.c
         values = {"issued_at": issued_at, "expires_at": expires_at, "document": doc}
+        older = d.issued_at < issued_at
         with self.engine.begin() as conn:
             newer = conn.execute(
                 update(shuffler_descriptors)
-                .where(d.shuffler_id == shuffler_id, d.issued_at < issued_at)
+                .where(d.shuffler_id == shuffler_id, true() if stale else older)
                 .values(**values)
             ).rowcount
             if newer:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,8 +52,16 @@ DESCRIPTOR_CONTEXT = b"esa/2 shuffler descriptor\n"
 #: shuffler publishes (its signed descriptor) for the other parties to pin.
 ANALYZER_KEY_FILE = "analyzer.pub"
 DESCRIPTOR_SUFFIX = ".descriptor.json"
-#: Key of the analyzer's config in :attr:`VerifiedConfig.versions`; a shuffler's descriptor is
-#: ``"shuffler/<id>"`` (no id holds a slash).
+#: How far in the future a document's issue time is believed (clocks differ): a device
+#: remembers no later issue time than now plus this, so one document issued in the future (an
+#: issuer's clock stepped ahead) cannot lock it out of the honest documents issued after it
+#: (the rollback check); a device whose own clock is wrong is not locked out either.
+MAX_CLOCK_SKEW_SECONDS = 300
+#: Key of the analyzer's config in :attr:`VerifiedConfig.versions`, with the pinned key's
+#: fingerprint (``"config/<fingerprint>"``); a shuffler's descriptor is
+#: ``"shuffler/<id>/<fingerprint>"`` (no id holds a slash). A document signed by a key pinned
+#: later starts its own history, so a key replaced after a mistake cannot keep a device on the
+#: old key's documents.
 CONFIG = "config"
 
 
@@ -112,9 +121,26 @@ def verify_config(
         parsed = CollectionConfig.model_validate(config)
     except ValidationError as error:
         raise CollectionConfigError(f"collection config is malformed: {error}") from error
-    if now > parsed.expires_at:
-        raise CollectionConfigError(f"collection config expired at {parsed.expires_at}")
+    _check_validity("collection config", parsed.issued_at, parsed.expires_at, now)
     return parsed
+
+
+def _check_validity(what: str, issued_at: int, expires_at: int, now: float) -> None:
+    """Refuse an expired document, or one that expires before it is issued.
+
+    Raises:
+        CollectionConfigError: naming ``what`` and the times.
+    """
+    if now > expires_at:
+        raise CollectionConfigError(f"{what} expired at {expires_at}")
+    if expires_at < issued_at:
+        raise CollectionConfigError(f"{what} expires ({expires_at}) before it is issued")
+
+
+def believed(versions: Mapping[str, int], now: float) -> dict[str, int]:
+    """The issue times a device remembers: none later than ``now`` plus the clock skew."""
+    latest = int(now) + MAX_CLOCK_SKEW_SECONDS
+    return {name: min(issued, latest) for name, issued in versions.items()}
 
 
 def descriptor_id(document: SignedDescriptor) -> str:
@@ -126,10 +152,11 @@ def descriptor_id(document: SignedDescriptor) -> str:
 
 
 def verify_descriptor(
-    document: SignedDescriptor, key: Ed25519PublicKey, now: float
+    document: SignedDescriptor, key: Ed25519PublicKey, now: float | None
 ) -> ShufflerDescriptor:
     """The descriptor inside a signed document, if ``key`` (the one pinned for the shuffler it
-    names) signed it, it vouches for that same key and it is valid at ``now``.
+    names) signed it, it vouches for that same key and it is valid at ``now`` (None: its
+    signature only, e.g. to learn the key of a published descriptor).
 
     Raises:
         CollectionConfigError: naming the shuffler and what is wrong.
@@ -149,10 +176,9 @@ def verify_descriptor(
         ) from error
     if descriptor.signing_key != b64(public_bytes(key)):
         raise CollectionConfigError(f"descriptor of shuffler {name} names another signing key")
-    if now > descriptor.expires_at:
-        raise CollectionConfigError(
-            f"descriptor of shuffler {name} expired at {descriptor.expires_at}"
-        )
+    if now is not None:
+        what = f"descriptor of shuffler {name}"
+        _check_validity(what, descriptor.issued_at, descriptor.expires_at, now)
     return descriptor
 
 
@@ -169,7 +195,7 @@ def published_key(document: SignedDescriptor) -> tuple[str, Ed25519PublicKey]:
         key = parse_key(document.descriptor.get("signing_key"), f"shuffler {named[:64]!r}")
     except ValueError as error:
         raise CollectionConfigError(str(error)) from error
-    return verify_descriptor(document, key, now=0).id, key
+    return verify_descriptor(document, key, now=None).id, key
 
 
 @dataclass(frozen=True)
@@ -230,6 +256,8 @@ class TrustAnchors:
                 named, key = published_key(document)
             except (OSError, ValueError) as error:
                 raise ValueError(f"{path}: {error}") from error
+            if named in shufflers:
+                raise ValueError(f"{path}: a second descriptor of shuffler {named!r}")
             shufflers[named] = key
         if not shufflers:
             raise ValueError(f"{directory}: no shuffler descriptor (*{DESCRIPTOR_SUFFIX})")
@@ -250,6 +278,11 @@ class TrustAnchors:
             "analyzer": b64(public_bytes(self.analyzer)),
             "shufflers": {k: b64(public_bytes(v)) for k, v in sorted(self.shufflers.items())},
         }
+
+
+def fingerprint(key: Ed25519PublicKey) -> str:
+    """A short name of a pinned key: the first 8 bytes of SHA-256 of its raw bytes, in hex."""
+    return hashlib.sha256(public_bytes(key)).digest()[:8].hex()
 
 
 def parse_key(text: object, what: str) -> Ed25519PublicKey:
@@ -275,8 +308,8 @@ class VerifiedConfig:
         config: The analyzer-signed config.
         shufflers: The shufflers it lists, as their own descriptors describe them (in the
             config's order: a report-fragment channel routes row r to shuffler r mod K).
-        versions: ``issued_at`` of the config (key :data:`CONFIG`) and of each descriptor
-            (key ``"shuffler/<id>"``), for a device's rollback check (:func:`check_rollback`).
+        versions: ``issued_at`` of the config and of each descriptor, by document and signing
+            key (:data:`CONFIG`), for a device's rollback check (:func:`check_rollback`).
         expires_at: When the first of them expires.
     """
 
@@ -310,16 +343,29 @@ def verify_collection(
     trust: TrustAnchors,
     now: float,
     seen: Mapping[str, int] | None = None,
+    *,
+    every_shuffler: bool = True,
 ) -> VerifiedConfig:
     """Verify the analyzer's config and every shuffler descriptor it carries against the keys
-    pinned in ``trust``; refuse anything older than ``seen`` (issue times already accepted).
+    pinned in ``trust``; refuse anything older than ``seen`` (issue times already accepted)
+    and, with ``every_shuffler``, a config that leaves out a pinned shuffler: the analyzer
+    would otherwise choose which of them devices use, and a config naming one shuffler sends
+    every device's reports there (all of them exposed if it colludes with the analyzer).
 
     Raises:
         CollectionConfigError: naming the document and what is wrong.
     """
     config = verify_config(document, trust.analyzer, now)
     descriptors = _descriptors(config.shufflers, trust, now)
-    versions = {CONFIG: config.issued_at, **{f"shuffler/{d.id}": d.issued_at for d in descriptors}}
+    left_out = sorted(set(trust.shufflers) - {d.id for d in descriptors})
+    if every_shuffler and left_out:
+        raise CollectionConfigError(
+            f"the collection config leaves out {', '.join(left_out)}, pinned by this device: "
+            "it would send every report to the shufflers it names"
+        )
+    versions = {f"{CONFIG}/{fingerprint(trust.analyzer)}": config.issued_at}
+    for d in descriptors:
+        versions[f"shuffler/{d.id}/{fingerprint(trust.shufflers[d.id])}"] = d.issued_at
     check_rollback(versions, seen or {})
     expires = min([config.expires_at, *(d.expires_at for d in descriptors)])
     return VerifiedConfig(config, tuple(d.info() for d in descriptors), versions, expires)
@@ -334,7 +380,12 @@ def check_rollback(versions: Mapping[str, int], seen: Mapping[str, int]) -> None
     for name, issued in versions.items():
         before = seen.get(name)
         if before is not None and issued < before:
-            what = "collection config" if name == CONFIG else f"descriptor of {name}"
+            kind, _, rest = name.partition("/")
+            what = (
+                "collection config"
+                if kind == CONFIG
+                else f"descriptor of shuffler {rest.split('/')[0]!r}"
+            )
             raise CollectionConfigError(
                 f"{what} issued at {issued} is older than one this device accepted (issued at "
                 f"{before}): a replayed old document"

@@ -76,6 +76,9 @@ class ChannelPolicy(BaseModel):
             mechanism fixes the count (k-RR, longitudinal: 1), setting both to it makes every
             batch's crowd exact: a batch whose fragments are not n times the count can only
             come from a lying shuffler, and the analyzer refuses it.
+        payload_size: Padded inner plaintext size of every fragment of the channel: shufflers
+            refuse a fragment of any other sealed length (PROTOCOL.md, "Fixed sizes"), which
+            also bounds every batch part.
         crowds: The declared crowds (ESA-revisited §V's natural crowds) a contribution may name
             as its ``crowd_id``: 1 to :data:`MAX_CROWDS` distinct ids, each empty or matching
             :data:`CROWD`; the default is the one unnamed crowd ``""``. Shufflers refuse any
@@ -95,6 +98,7 @@ class ChannelPolicy(BaseModel):
     delta_cr: float = Field(1e-9, gt=0, lt=1)
     max_fragments: int = Field(64, ge=1, le=65535)
     min_fragments: int = Field(0, ge=0, le=65535)
+    payload_size: int = Field(16, ge=8, le=1024)
     crowds: tuple[str, ...] = Field(("",), min_length=1, max_length=MAX_CROWDS)
 
     @model_validator(mode="before")
@@ -163,14 +167,12 @@ class ChannelConfig(ChannelPolicy):
         params: The mechanism's parameters (validated by the mechanism's ``parse_params``
             where the channel is used: the analyzer at start, the SDK at first report).
         delta: δ for certifying releases.
-        payload_size: Padded inner plaintext size (all fragments of the channel).
         budget: Per-device local-ε budget of this channel (enforced by the SDK), if any.
     """
 
     mechanism: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")
     params: dict[str, Any]
     delta: float = Field(1e-9, gt=0, lt=1)
-    payload_size: int = Field(16, ge=8, le=1024)
     display: Literal["histogram", "image", "series"] = "histogram"
     budget: DeviceBudget | None = None
     image_shape: tuple[int, int] | None = None
@@ -335,8 +337,8 @@ class CollectionConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     version: Literal[2] = 2
-    issued_at: int
-    expires_at: int
+    issued_at: int = Field(ge=0, le=MAX_INT)
+    expires_at: int = Field(ge=0, le=MAX_INT)
     analyzer: AnalyzerInfo
     shufflers: list[SignedDescriptor]
     channels: list[ChannelConfig]

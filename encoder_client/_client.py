@@ -24,6 +24,7 @@ from common.collection import (
     CollectionConfigError,
     TrustAnchors,
     VerifiedConfig,
+    believed,
     check_rollback,
     verify_collection,
 )
@@ -216,6 +217,8 @@ class Client:
             ``esa up``: ``{"analyzer": key, "shufflers": {id: key}}``).
         state_path: The device's SQLite state file (created on first use).
         config_file: A saved signed config document instead of ``config_url``.
+        every_shuffler: Refuse a config that leaves out a pinned shuffler (default): the
+            analyzer would otherwise choose which shufflers this device reports to.
         background: Deliver the outbox from a background thread (``flush()`` always works).
         flush_interval: Seconds between background delivery attempts.
         weights: Relative trust in each shuffler id for routing (default: uniform).
@@ -241,6 +244,7 @@ class Client:
         trusted_key: bytes | str | None = None,
         shuffler_keys: Mapping[str, bytes | str] | None = None,
         trust_file: Path | str | None = None,
+        every_shuffler: bool = True,
         state_path: Path | str,
         config_file: Path | str | None = None,
         background: bool = True,
@@ -254,6 +258,7 @@ class Client:
         self._clock = clock
         self._trust = _trust_anchors(trusted_key, shuffler_keys, trust_file)
         self._source = (config_url, config_file)
+        self._every_shuffler = every_shuffler
         self._http = httpx.Client(timeout=timeout, verify=_tls_context())
         self._config_lock = threading.Lock()
         try:
@@ -294,7 +299,9 @@ class Client:
         try:
             if not isinstance(document, dict):
                 raise CollectionConfigError(f"not a JSON object but {type(document).__name__}")
-            return verify_collection(document, self._trust, self._clock())
+            return verify_collection(
+                document, self._trust, self._clock(), every_shuffler=self._every_shuffler
+            )
         except (CollectionConfigError, ValueError, TypeError) as error:
             raise ConfigError(f"collection config from {source} refused: {error}") from error
 
@@ -306,10 +313,12 @@ class Client:
         """
         try:
             check_rollback(config.versions, self.state.seen())
+            analyzer, shufflers = _recipient_keys(config)
+            self.state.see(believed(config.versions, self._clock()))
         except CollectionConfigError as error:
             raise ConfigError(f"collection config refused: {error}") from error
-        analyzer, shufflers = _recipient_keys(config)
-        self.state.see(config.versions)
+        except sqlite3.Error as error:
+            raise StateFileError(f"device state file {self.state.path}: {error}") from error
         with self._config_lock:
             self._config = config
             self._analyzer_key, self._shuffler_keys = analyzer, shufflers
@@ -625,7 +634,8 @@ def _limits(scope: str | None, budget: DeviceBudget, epoch_start: float) -> list
 
 class Reporter:
     """Reports on one channel, in one of its declared crowds, through its mechanism (one
-    contribution per epoch, whatever the crowd: PROTOCOL.md's quota)."""
+    contribution per epoch, whatever the crowd: PROTOCOL.md's quota), with the channel as the
+    client's current config states it at each report."""
 
     def __init__(
         self,
@@ -635,13 +645,33 @@ class Reporter:
         crowd: str = "",
     ) -> None:
         self._client = client
-        self._config = config
         self._mechanism = mechanism
         self.crowd = crowd
+        self._config, self._params = config, self._parsed(config)
+
+    def _parsed(self, config: ChannelConfig) -> Any:
         try:
-            self._params = mechanism.parse_params(config.params)
+            return self._mechanism.parse_params(config.params)
         except (TypeError, ValueError) as error:
             raise ChannelError(f"channel {config.id!r} does not validate: {error}") from error
+
+    def _fresh(self) -> None:
+        """The channel as the current config states it (refreshed first if it expired): a
+        refresh may publish new parameters (a training round's model) or keys.
+
+        Raises:
+            ConfigError: the config expired and no valid one could be fetched.
+            ChannelError: the channel is gone, or now names another mechanism.
+        """
+        self._client._current()
+        config = self._client.channel(self._config.id)
+        if config is self._config:
+            return
+        if config.mechanism != self._mechanism.name:
+            raise ChannelError(
+                f"channel {config.id!r} is now {config.mechanism}, not {self._mechanism.name}"
+            )
+        self._config, self._params = config, self._parsed(config)
 
     def _submit(self, value: Any) -> None:
         """Encode ``value`` with the channel's mechanism, seal and queue it with the state.
@@ -649,6 +679,7 @@ class Reporter:
         Raises:
             StateFileError: the state file can no longer be read or written.
         """
+        self._fresh()  # never encode or seal with a config whose vouching expired
         try:
             self._commit(self._encode(value))
         except sqlite3.Error as error:
@@ -676,7 +707,6 @@ class Reporter:
             if encoded.state is not None:
                 client.state.save_state(config.id, mechanism.name, encoded.state)
             return
-        client._current()  # never seal to keys whose vouching expired
         epoch = client._epoch(config)
         outbox = [
             client._seal(config, self.crowd, epoch, client._route(slot), list(fragments))

@@ -23,6 +23,7 @@ answer and never changes. Details name the problem, never a client id, token or 
         ├── BodyTooLargeError           too_large            413  (a TooLargeError)
         ├── TooManyFragmentsError       too_many_fragments   413
         ├── TooFewFragmentsError        too_few_fragments    400
+        ├── FragmentSizeError           bad_fragment_size    400
         ├── ClientRateLimitedError      rate_limited         429  (a RateLimitedError)
         └── ShufflerStorageError        storage_unavailable  503  (a StorageUnavailableError)
 """
@@ -142,6 +143,14 @@ class TooFewFragmentsError(ShufflerError):
     contribution that carries no report)."""
 
     code = "too_few_fragments"
+    kind = Kind.INVALID
+
+
+class FragmentSizeError(ShufflerError):
+    """A sealed fragment whose length is not its channel's (every fragment of a channel has the
+    same length, so a length reveals nothing; and parts stay within what the analyzer reads)."""
+
+    code = "bad_fragment_size"
     kind = Kind.INVALID
 
 

@@ -23,12 +23,19 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.envelope import EnvelopeError, KeyRing, WireVersionError, open_contribution
+from common.envelope import (
+    EnvelopeError,
+    KeyRing,
+    WireVersionError,
+    inner_size,
+    open_contribution,
+)
 from common.wire import ChannelPolicy
 from shuffler.errors import (
     BadTokenError,
     ClientRateLimitedError,
     EpochNotOpenError,
+    FragmentSizeError,
     MalformedContributionError,
     QuotaExceededError,
     ReplayedNonceError,
@@ -171,7 +178,7 @@ class Intake:
 
         Raises:
             MalformedContributionError (UnsupportedVersionError: an old wire version),
-            UnknownChannelError, TooFewFragmentsError, UnknownCrowdError,
+            UnknownChannelError, TooFewFragmentsError, FragmentSizeError, UnknownCrowdError,
             TooManyFragmentsError, EpochNotOpenError.
         """
         try:
@@ -194,6 +201,12 @@ class Intake:
         if len(contribution.fragments) < policy.min_fragments:
             raise TooFewFragmentsError(
                 f"{len(contribution.fragments)} fragments < min_fragments={policy.min_fragments}"
+            )
+        size = inner_size(policy.payload_size)
+        if any(len(fragment) != size for fragment in contribution.fragments):
+            raise FragmentSizeError(
+                f"every fragment of channel {policy.id!r} is {size} bytes sealed "
+                f"(payload_size={policy.payload_size})"
             )
         now = self.clock()
         epochs = open_epochs(policy, now, self.settings.epoch_grace_seconds)

@@ -136,10 +136,8 @@ async def revoke(body: RevokeRequest, service: Service) -> RevokeResult:
 
 
 @admin.post("/requeue", response_model=RequeueResult, responses=error_responses(400, 401, 503))
-async def requeue(body: RequeueRequest, service: Service, http: Http) -> RequeueResult:
+async def requeue(body: RequeueRequest, service: Service) -> RequeueResult:
     """Send again the batch parts the analyzer refused (of ``batch_id``, or all), once what it
-    refused them for is fixed; they are forwarded at once. Unrequeued, retention purges such
-    batches (``esa_shuffler_ledger_deleted{cause="refused"}``)."""
-    requeued = await asyncio.to_thread(service.requeue, body.batch_id)
-    await asyncio.to_thread(service.forward_due, http)
-    return RequeueResult(requeued=requeued)
+    refused them for is fixed; the forwarder takes them up within its interval. Unrequeued,
+    retention purges such batches (``esa_shuffler_ledger_deleted{cause="refused"}``)."""
+    return RequeueResult(requeued=await asyncio.to_thread(service.requeue, body.batch_id))

@@ -229,15 +229,17 @@ class FragmentCount:
     def verified_crowd(self, claimed: int, valid: int, invalid: int) -> int:
         """The crowd a batch's certificate and estimate may rest on.
 
-        A shuffler's ``claimed`` crowd, less one contribution per fragment that failed to open
-        or parse (each may have been a whole contribution), and no more than the valid
-        fragments can come from (:meth:`largest_crowd`); at least 1 while any valid fragment
-        is in, since its contribution then reaches the release; none when no fragment is
-        valid (nothing of the batch reaches a release).
+        A shuffler's ``claimed`` crowd, less the contributions the fragments that failed to
+        open or parse can have filled (one per :attr:`maximum` of them: a contribution carries
+        no more, so a client that sends garbage costs an honest batch one contribution, not
+        one per fragment), and no more than the valid fragments can come from
+        (:meth:`largest_crowd`, which is what holds a lying shuffler to its fragments); at
+        least 1 while any valid fragment is in, since its contribution then reaches the
+        release; none when no fragment is valid (nothing of the batch reaches a release).
         """
         if valid == 0:
             return 0
-        crowd = claimed - invalid
+        crowd = claimed - (math.ceil(invalid / self.maximum) if self.maximum else invalid)
         largest = self.largest_crowd(valid)
         if largest is not None:
             crowd = min(crowd, largest)

@@ -22,6 +22,7 @@ def shuffler_serve(host: str | None, port: int | None) -> None:
     import uvicorn
     from pydantic import ValidationError
 
+    from services.runtime.secrets import settings_problems
     from services.runtime.server import uvicorn_options
     from shuffler.app import create_asgi
     from shuffler.settings import ShufflerSettings
@@ -29,7 +30,7 @@ def shuffler_serve(host: str | None, port: int | None) -> None:
     try:
         settings = ShufflerSettings()
     except (ValidationError, ValueError) as error:
-        raise click.UsageError(f"invalid shuffler settings: {error}") from error
+        raise click.UsageError(f"invalid shuffler settings: {settings_problems(error)}") from error
     overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
     settings = settings.model_copy(update=overrides)
     uvicorn.run(
@@ -60,6 +61,7 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
     from analyzer.app import create_app
     from analyzer.errors import InvalidChannelError
     from analyzer.settings import AnalyzerSettings
+    from services.runtime.secrets import settings_problems
     from services.runtime.server import uvicorn_options
 
     try:
@@ -67,7 +69,8 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
         overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
         app = create_app(settings.model_copy(update=overrides))
     except (ValidationError, InvalidChannelError, ValueError) as error:
-        raise click.UsageError(f"invalid analyzer settings: {error}") from error
+        problems = settings_problems(error)
+        raise click.UsageError(f"invalid analyzer settings: {problems}") from error
     uvicorn.run(
         app,
         host=overrides.get("host", settings.host),  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
@@ -75,6 +76,17 @@ class SecretFileSettings(BaseSettings):
         """Arguments first, then ``<PREFIX><NAME>_FILE`` files, then the environment."""
         files = SecretFilesSource(settings_cls, cls.secret_fields)
         return init_settings, files, env_settings, dotenv_settings, file_secret_settings
+
+
+def settings_problems(error: Exception) -> str:
+    """What is wrong with a service's settings, without any value it was given: pydantic's
+    own message quotes the input, secrets read from files included."""
+    if not isinstance(error, ValidationError):
+        return str(error)
+    return "; ".join(
+        f"{'.'.join(str(p) for p in problem['loc']) or 'settings'}: {problem['msg']}"
+        for problem in error.errors(include_input=False, include_url=False)
+    )
 
 
 def refuse_placeholder(name: str, value: str, environment: str) -> None:

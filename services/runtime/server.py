@@ -72,6 +72,16 @@ class OneWriteResponse:
             head, self._head = self._head, None
             self._transport.write(head)
 
+    def close(self) -> None:
+        """Send a held head (a bodiless answer: HEAD, 204, 304) before closing."""
+        self._flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        """Send a held head before ending the stream."""
+        self._flush()
+        self._transport.write_eof()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 

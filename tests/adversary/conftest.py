@@ -35,9 +35,24 @@ HOMEPAGE = ChannelConfig(
 )
 
 
+#: What honest devices report while a few malicious clients send garbage: deletion cheap
+#: enough (Algorithm 3 removes ~8 contributions a group) that a batch of ~40 is released.
+CLICKS = ChannelConfig(
+    id="clicks",
+    mechanism="krappor",
+    params={"k": 16, "eps": 2.0},
+    epoch_seconds=10**8,
+    min_crowd=20,
+    eps_cr=4.0,
+    delta_cr=1e-7,
+    max_fragments=16,
+    delta=1e-8,
+)
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    found = start_deployment(Path(tmp_path_factory.mktemp("adversary")), [PAGES, HOMEPAGE])
+    found = start_deployment(Path(tmp_path_factory.mktemp("adversary")), [PAGES, HOMEPAGE, CLICKS])
     try:
         yield found
     finally:

@@ -13,15 +13,17 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from analyzer.settings import largest_part_bytes
 from common.wire import b64
 
-from ..support import Deployment
+from ..support import Deployment, analyzer_process, registry_entry
 from .conftest import HOMEPAGE, PAGES
 
 MB = 1024 * 1024
@@ -134,3 +136,32 @@ def test_a_body_is_verified_before_it_is_parsed(deployment: Deployment) -> None:
     headers = {"ESA-Shuffler": "shuffler-1", "ESA-Signature": FORGED}
     status, error, _ = _post_stream(deployment.analyzer.url, headers, 2 * MB)
     assert (status, error["error"]) == (401, "bad_signature")
+
+
+def test_unauthenticated_reads_at_once_are_bounded(tmp_path: Path) -> None:
+    """Each read before the signature may buffer the largest legal part: beyond the intake
+    slots, a request is refused at once (503 busy, Retry-After), so a flood of forged parts
+    holds at most that many bodies."""
+    signer = Ed25519PrivateKey.generate()
+    analyzer = analyzer_process(
+        tmp_path,
+        [PAGES.model_dump(mode="json")],
+        [registry_entry("shuffler-1", "http://127.0.0.1:9", signer)],
+        INTAKE_SLOTS="1",
+    )
+    analyzer.start()
+    try:
+        where = urlsplit(analyzer.url)
+        head = (
+            "POST /v1/batches HTTP/1.1\r\nHost: x\r\nESA-Shuffler: shuffler-1\r\n"
+            f"ESA-Signature: {FORGED}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        ).encode()
+        with socket.create_connection((where.hostname, where.port), timeout=10) as slow:
+            slow.sendall(head + b"10\r\n" + b"x" * 16 + b"\r\n")  # holds the one slot
+            time.sleep(0.5)
+            status, error, _ = _post_stream(
+                analyzer.url, {"ESA-Shuffler": "shuffler-1", "ESA-Signature": FORGED}, MB
+            )
+            assert (status, error["error"]) == (503, "busy")
+    finally:
+        analyzer.stop()

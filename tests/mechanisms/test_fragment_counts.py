@@ -207,7 +207,9 @@ def test_verified_crowd_rules() -> None:
     assert three.verified_crowd(10, 30, 0) == 10 and three.verified_crowd(10, 29, 0) == 9
     # bounds only (the default for a mechanism that declares no law): no statistical bound
     loose = FragmentCount(0, 40)
-    assert loose.largest_crowd(5) is None and loose.verified_crowd(10**6, 5, 2) == 10**6 - 2
+    assert loose.largest_crowd(5) is None and loose.verified_crowd(10**6, 5, 2) == 10**6 - 1
+    # garbage fills at most one contribution per `maximum` fragments (a client's whole report)
+    assert loose.verified_crowd(100, 5, 80) == 98 and loose.verified_crowd(100, 5, 81) == 97
     # a minimum alone bounds the crowd: zsum carries at least the user's own message
     at_least_one = FragmentCount(1, 9)
     assert at_least_one.verified_crowd(100, 40, 0) == 40

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from analyzer.settings import AnalyzerSettings
+from services.runtime.secrets import settings_problems
 from shuffler.settings import ShufflerSettings
 
 
@@ -68,3 +69,19 @@ def test_a_placeholder_from_a_file_is_refused_in_production(
     monkeypatch.setenv("ESA_ANALYZER_METRICS_TOKEN_FILE", _secret(tmp_path, "m", value))
     with pytest.raises(ValidationError, match="metrics_token must be set to a real secret"):
         AnalyzerSettings()
+
+
+def test_a_settings_error_names_the_setting_never_a_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pydantic quotes the settings it was given; a secret read from a file must not reach
+    the error a service prints at start."""
+    url = "postgresql+psycopg://u:SuperSecretPassw0rd@db/esa"
+    monkeypatch.setenv("ESA_ANALYZER_DATABASE_URL_FILE", _secret(tmp_path, "db", url))
+    monkeypatch.setenv("ESA_ANALYZER_ENVIRONMENT", "production")
+    monkeypatch.setenv("ESA_ANALYZER_ADMIN_TOKEN", "short")
+    with pytest.raises(ValidationError) as refused:
+        AnalyzerSettings()
+    problems = settings_problems(refused.value)
+    assert "admin_token must be set to a real secret" in problems
+    assert "SuperSecretPassw0rd" not in problems and "short" not in problems.split(":", 1)[0]
