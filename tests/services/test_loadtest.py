@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -42,7 +43,7 @@ from services.tools.loadtest.refusals import RefusedError, check_answers, unexpe
 from services.tools.loadtest.verify import channel_problems
 from tests.support import LOADTEST_PAGES as PAGES
 from tests.support import LOADTEST_SERIES as ABROAD
-from tests.support import TEST_SHUFFLER_SETTINGS
+from tests.support import TEST_SHUFFLER_SETTINGS, own_token
 
 HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
 FEATURES = next(c for c in DEFAULT_CHANNELS if c.id == "features")
@@ -443,6 +444,26 @@ def test_a_wrong_or_missing_token_of_one_shuffler_stops_the_run_naming_it(
     assert f"closing keyed epoch {epoch} at {urls[2]}" in message, message
     assert "bad_admin_token" in message, message
     assert all(f"at {other}" not in message for other in urls[:2]), message
+
+
+def test_loadtest_up_verifies_with_its_own_deployments_tokens(tmp_path: Path) -> None:
+    """``esa loadtest --up`` starts a deployment of its own (``esa up``: every party its own
+    tokens) and verifies the run with that deployment's key folder, with no token given."""
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "services.cli", "loadtest", "--up",
+            "--channel", "homepage", "--devices", "300", "--max",
+            "--out", str(tmp_path / "out"), "--no-live", "--drain-timeout", "120",
+        ],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # where --up puts its deployment
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "verification: PASS" in done.stdout
+    (var,) = tmp_path.glob("esa-loadtest-*")
+    tokens = [own_token(var, party) for party in ("analyzer", "shuffler-1", "shuffler-2")]
+    tokens += [own_token(var, "shuffler-1", launcher.METRICS_TOKEN_FILE)]
+    assert len(set(tokens)) == len(tokens) and "development" not in tokens
 
 
 def test_populations_add_up_to_the_devices(tmp_path: Path) -> None:
