@@ -191,3 +191,16 @@ def test_an_expired_config_is_refreshed_before_sending_and_a_forged_one_sends_no
         finally:
             device.close()
     assert asked == []
+
+
+def test_a_config_that_leaves_out_a_pinned_shuffler_is_refused(
+    deployment: Deployment, analyzer: Analyzer, tmp_path: Path
+) -> None:
+    """Listing one shuffler only would send every device's reports there: a shuffler that
+    colludes with the analyzer would then expose all of them, not about one in K."""
+    config = analyzer.config()
+    config["shufflers"] = config["shufflers"][:1]
+    with serving(lambda _: analyzer.sign(config)) as (evil, _), pytest.raises(ConfigError) as why:
+        _device(deployment, evil, tmp_path / "device.db")
+    print("a config naming shuffler-1 only:", why.value)
+    assert "leaves out shuffler-2, shuffler-3" in str(why.value)

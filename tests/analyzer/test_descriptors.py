@@ -16,9 +16,14 @@ from analyzer.descriptors import ShufflerDescriptors
 from analyzer.errors import ShufflersUnavailableError
 from analyzer.service import MIGRATIONS
 from analyzer.store import AnalyzerStore
-from common.collection import CollectionConfigError, TrustAnchors, verify_collection
+from common.collection import (
+    CollectionConfigError,
+    TrustAnchors,
+    sign_descriptor,
+    verify_collection,
+)
 from common.envelope import load_or_create_ed25519
-from common.wire import ShufflerEntry
+from common.wire import ShufflerDescriptor, ShufflerEntry
 from services.runtime import db
 
 from ..support import (
@@ -123,3 +128,24 @@ def _trust(tmp: Path, signer: Ed25519PrivateKey) -> Path:
     trust = TrustAnchors(analyzer_key.public_key(), {"shuffler-1": signer.public_key()})
     path.write_text(json.dumps(trust.to_json()))
     return path
+
+
+def test_a_future_dated_or_formerly_pinned_descriptor_does_not_block_a_fresh_one() -> None:
+    """Only a newer descriptor replaces a kept one; one issued a year ahead (a clock step) or
+    signed by a key the analyzer no longer pins would otherwise be kept, and served, for good."""
+    old_signer, signer = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    store = _store()
+    ahead = descriptor(old_signer, X25519PrivateKey.generate(), lifetime=10**9)
+    ahead_doc = ahead.model_copy(
+        update={"descriptor": {**ahead.descriptor, "issued_at": int(time.time()) + 10**8}}
+    )
+    before = ShufflerDescriptors([_entry(old_signer)], store)
+    signed = sign_descriptor(ShufflerDescriptor.model_validate(ahead_doc.descriptor), old_signer)
+    assert before.offer(signed)
+    assert before.missing() == ["shuffler-1"]  # issued in the future: not served
+    fresh = descriptor(old_signer, X25519PrivateKey.generate())
+    assert before.offer(fresh) and before.current() == [fresh]
+    repinned = ShufflerDescriptors([_entry(signer)], store)  # the analyzer pins a new key
+    assert repinned.missing() == ["shuffler-1"]  # the kept one no longer verifies
+    newer = descriptor(signer, X25519PrivateKey.generate())
+    assert repinned.offer(newer) and repinned.current() == [newer]

@@ -573,3 +573,22 @@ def test_offline_config_pins_both_keys(tmp_path: Path) -> None:
         background=False,
     ):
         pass
+
+
+def test_a_document_issued_in_the_future_cannot_lock_a_device_out(tmp_path: Path) -> None:
+    """An issuer whose clock stepped a year ahead signs one config; the device takes it, but
+    remembers no later issue time than its own clock allows, so the honest configs issued
+    after it (at the right time) are still taken."""
+    parties = Parties()
+    trust, state = _trust_file(parties, tmp_path), tmp_path / "device.db"
+    config = tmp_path / "config.json"
+    year = 365 * 24 * 3600
+    config.write_text(json.dumps(parties.config(issued=T0 + year, lifetime=2 * year)))
+    clock = Clock(T0 + 10)
+    with Client(
+        config_file=config, trust_file=trust, state_path=state, background=False, clock=clock
+    ) as client:
+        clock.now = T0 + 400
+        config.write_text(json.dumps(parties.config(issued=T0 + 400)))
+        client.refresh_config()
+        assert _by_document(client._config.versions)[CONFIG] == T0 + 400
