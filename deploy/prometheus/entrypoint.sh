@@ -1,13 +1,17 @@
 #!/bin/sh
-# Prometheus with the shufflers' metrics credential in a file (prometheus.yml's
-# `authorization: credentials_file`), never on its command line or in its configuration.
-# compose passes the credential as ESA_METRICS_TOKEN and mounts a tmpfs on
-# /run/esa-prometheus: the file lives in memory, readable by this user only.
+# Prometheus with each party's metrics token in a file of its own (prometheus.yml's
+# `authorization: credentials_file`: /run/secrets/<party>-metrics-token, the Docker secrets
+# compose mounts), never on its command line, in its configuration or in its environment.
+# Refuses to start when one is missing or unreadable (naming the file, never its content),
+# rather than scrape that target without a credential.
 set -eu
-: "${ESA_METRICS_TOKEN:?ESA_METRICS_TOKEN (the shufflers' metrics bearer token) is not set}"
-umask 077
-printf '%s' "$ESA_METRICS_TOKEN" >/run/esa-prometheus/metrics-token
-unset ESA_METRICS_TOKEN
+for party in analyzer shuffler-1 shuffler-2 shuffler-3; do
+    token=/run/secrets/$party-metrics-token
+    if [ ! -r "$token" ] || [ ! -s "$token" ] || [ -d "$token" ]; then
+        echo "esa-prometheus: $token (the Docker secret $party-metrics-token) is missing or unreadable" >&2
+        exit 1
+    fi
+done
 exec /bin/prometheus \
     --config.file=/etc/esa-prometheus/prometheus.yml \
     --storage.tsdb.path=/prometheus \

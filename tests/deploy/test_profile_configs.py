@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from tests.deploy.stack import SECRET_NAMES, rule_metrics
+from tests.deploy.stack import rule_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -95,9 +95,6 @@ def test_haproxy_configs_are_generated_from_esa_ups_and_valid() -> None:
 
 # --- deploy/compose.audit.yml ---------------------------------------------------------------
 
-#: Placeholder secrets: ``config`` only interpolates them (compose refuses a missing one).
-SECRETS = {name: "x" * 24 for name in SECRET_NAMES}
-
 
 def _compose() -> list[str]:
     """``docker compose`` (v2) when it answers, else ``docker-compose`` (1.29, engine.sh's)."""
@@ -111,8 +108,9 @@ def _compose() -> list[str]:
 
 
 def _config(*files: str, sink_token: str | None = "y" * 32) -> subprocess.CompletedProcess[str]:
-    inherited = ("COMPOSE_FILE", "COMPOSE_PROFILES", "ESA_AUDIT_SINK_TOKEN")
-    env = {k: v for k, v in os.environ.items() if k not in inherited} | SECRETS
+    # The secrets are files (Docker secrets): ``config`` names them without reading them.
+    inherited = ("COMPOSE_FILE", "COMPOSE_PROFILES", "ESA_AUDIT_SINK_TOKEN", "ESA_SECRETS_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     env["COMPOSE_PROJECT_NAME"] = "esa-audit-config-test"
     if sink_token is not None:
         env["ESA_AUDIT_SINK_TOKEN"] = sink_token
@@ -183,11 +181,15 @@ def test_audit_override_wires_shuffler_1_to_a_relaying_sink() -> None:
 
 
 def _comparable(service: dict[str, Any]) -> dict[str, Any]:
-    """``service`` with its mounts as a mapping and without ``pull_policy``: docker-compose
-    1.29 reorders volumes and drops ``pull_policy`` when it merges files (hence docs/audit.md's
-    ``up --no-deps``: every service's config hash changes)."""
-    kept = {k: v for k, v in service.items() if k not in ("pull_policy", "volumes")}
-    return {**kept, "volumes": _mounts(service)}
+    """``service`` with its mounts as a mapping, its networks and secrets as sets and without
+    ``pull_policy``: docker-compose 1.29 reorders volumes and secrets, writes a network's empty
+    settings as ``{}`` instead of null and drops ``pull_policy`` when it merges files (hence
+    docs/audit.md's ``up --no-deps``: every service's config hash changes)."""
+    unordered = ("pull_policy", "volumes", "networks", "secrets")
+    kept = {k: v for k, v in service.items() if k not in unordered}
+    secrets = {s if isinstance(s, str) else s["source"] for s in service.get("secrets", [])}
+    networks = set(service.get("networks") or ())
+    return {**kept, "volumes": _mounts(service), "networks": networks, "secrets": secrets}
 
 
 def test_audit_override_refuses_to_run_without_the_sink_token() -> None:
