@@ -10,17 +10,16 @@ required: a missing engine there fails the run instead of passing it silently.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 
 import pytest
 
 from tests.deploy.stack import (
     PORTS,
-    SECRET_NAMES,
     Stack,
     compose_command,
     free,
+    make_secrets,
     prepare_engine,
 )
 
@@ -32,13 +31,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def stack() -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     images = prepare_engine()
-    secret = {name: secrets.token_urlsafe(24) for name in SECRET_NAMES}
-    env = {**os.environ, **images, **secret, "ESA_ENROLL_PER_MINUTE": "120000"}
+    # Every party's secrets, made as a user makes them (deploy/party_secrets.py), in a
+    # folder of this session's rather than the repository's deploy/secrets/.
+    folder = tmp_path_factory.mktemp("esa-deploy") / "secrets"
+    secrets = make_secrets(folder)
+    env = {
+        **os.environ,
+        **images,
+        "ESA_SECRETS_DIR": str(folder),
+        "ESA_ENROLL_PER_MINUTE": "120000",
+    }
     for inherited in ("COMPOSE_PROJECT_NAME", "COMPOSE_PROFILES", "ESA_SHUFFLER_URL_TEMPLATE"):
         env.pop(inherited, None)
-    deployment = Stack(compose_command(), env)
+    deployment = Stack(compose_command(), env, secrets)
     everything = deployment.profiles()
     deployment.run(*everything, "down", "-v", "--remove-orphans", timeout=120)  # an earlier run
     taken = [port for port in PORTS.values() if not free(port)]
@@ -46,7 +53,7 @@ def stack() -> Iterator[Stack]:
     try:
         # One build of each image: docker-compose 1.29 builds every service that has a
         # `build` (five times esa-pipeline); `up` then finds the images.
-        deployment.run("build", "postgres", "init", timeout=900)
+        deployment.run("build", "postgres-analyzer", "analyzer", timeout=900)
         deployment.run("up", "-d", timeout=300)
         deployment.wait_healthy()
         deployment.wait_config()  # every shuffler's signed descriptor fetched

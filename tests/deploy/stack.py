@@ -1,5 +1,6 @@
 """The compose project the deploy tests share (tests/deploy/conftest.py starts it once per
-session): how to reach the engine, run compose, read container state and the databases."""
+session): how to reach the engine, run compose, make every party's secrets, read container
+state, the keys the parties published and each trust domain's database."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,19 +24,39 @@ from common.collection import TrustAnchors
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "esa-deploy-test"
 PORTS = {"analyzer": 8100, "shuffler-1": 8101, "shuffler-2": 8102, "shuffler-3": 8103}
-SERVED = ("postgres", *PORTS)
+#: The trust domains, each with its own PostgreSQL server (``postgres-<party>``).
+PARTIES = tuple(PORTS)
+SHUFFLERS = PARTIES[1:]
+DATABASES = tuple(f"postgres-{party}" for party in PARTIES)
+SERVED = (*DATABASES, *PORTS)
 #: Every profile: `down` removes a profile's containers only when the profile is named.
 PROFILES = ("loadgen", "monitoring", "replicas")
 #: The base images deploy/engine.sh --base-images exports (official, or the stand-ins).
 IMAGES = {"PYTHON_IMAGE", "POSTGRES_IMAGE", "PROMETHEUS_IMAGE", "HAPROXY_IMAGE"}
-#: The secrets docker-compose.yml interpolates (compose refuses to run without each).
-SECRET_NAMES = (
-    "POSTGRES_PASSWORD",
-    "ESA_ADMIN_TOKEN",
-    "ESA_SHUFFLER_1_TOKEN_SECRET",
-    "ESA_SHUFFLER_2_TOKEN_SECRET",
-    "ESA_SHUFFLER_3_TOKEN_SECRET",
-)
+#: What makes docker-compose.yml's secrets (``ESA_SECRETS_DIR`` tells compose where they are).
+SECRETS_SCRIPT = ROOT / "deploy" / "party_secrets.py"
+#: Where every party's published public material is, in the analyzer's and the loadgen's view.
+PUBLISHED = "/var/esa/published"
+
+
+def make_secrets(directory: Path) -> dict[str, str]:
+    """Every party's secrets, made in ``directory`` by deploy/party_secrets.py as a user runs
+    it; returns them by file name (``shuffler-1-admin-token``...)."""
+    done = subprocess.run(
+        [sys.executable, str(SECRETS_SCRIPT), "--dir", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    values = {path.name: path.read_text().strip() for path in directory.iterdir()}
+    assert all(value not in done.stdout + done.stderr for value in values.values())
+    return values
+
+
+def database(party: str) -> str:
+    """The database (and role) of ``party`` on its own server: ``esa_shuffler_1``..."""
+    return "esa_" + party.replace("-", "_")
 
 
 def rule_metrics() -> set[str]:
@@ -93,10 +116,32 @@ def free(port: int) -> bool:
 
 @dataclass
 class Stack:
-    """The compose project under test."""
+    """The compose project under test, and every party's secrets (by file name)."""
 
     command: list[str]
     env: dict[str, str]
+    secrets: dict[str, str]
+
+    def token(self, party: str, kind: str = "admin-token") -> str:
+        """``party``'s own secret of ``kind`` (``admin-token``, ``metrics-token``...)."""
+        return self.secrets[f"{party}-{kind}"]
+
+    def containers(self) -> dict[str, str]:
+        """Every container of the project, running or not: id -> its compose service."""
+        out = subprocess.run(
+            ["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}",
+             "--format", '{{.ID}} {{.Label "com.docker.compose.service"}}'],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        return dict(line.split() for line in out.splitlines() if line.strip())  # type: ignore[misc]
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        """``docker inspect`` of one container."""
+        out = subprocess.run(
+            ["docker", "inspect", container], capture_output=True, text=True, check=True
+        ).stdout
+        (found,) = json.loads(out)
+        return dict(found)
 
     def run(
         self,
@@ -118,7 +163,26 @@ class Stack:
         return done.stdout
 
     def container(self, service: str) -> str:
-        return self.run(*self.profiles(), "ps", "-q", service).strip()
+        """The id of ``service``'s container ("" when it has none), as ``compose ps -q``
+        finds it but without a compose process per call (~1 s with docker-compose 1.29)."""
+        labels = (f"project={PROJECT}", f"service={service}", "oneoff=False")
+        filters = [w for label in labels for w in ("--filter", f"label=com.docker.compose.{label}")]
+        out = subprocess.run(
+            ["docker", "ps", "-a", "-q", *filters], capture_output=True, text=True, check=True
+        ).stdout.split()
+        return out[0] if out else ""
+
+    def exec(self, service: str, *args: str, timeout: float = 120) -> str:
+        """``compose exec -T service args...`` through ``docker exec`` (no compose process:
+        the conservation check asks a dozen queries); its output, asserting it succeeded."""
+        done = subprocess.run(
+            ["docker", "exec", self.container(service), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert done.returncode == 0, (service, args, done.stdout[-3000:], done.stderr[-3000:])
+        return done.stdout
 
     @staticmethod
     def profiles() -> list[str]:
@@ -176,13 +240,21 @@ class Stack:
         raise AssertionError(f"no config served in {timeout} s: {last}\n{self.logs('analyzer')}")
 
     def trust(self) -> TrustAnchors:
-        """The keys a device pins, as ``init`` wrote them (``/var/esa/trust.json``)."""
-        text = self.run("exec", "-T", "analyzer", "cat", "/var/esa/trust.json")
+        """The keys a device pins, as the parties published them: the analyzer's
+        ``analyzer.pub`` and each shuffler's own signed descriptor, read in the analyzer's
+        container, which mounts every published volume (read-only but its own)."""
+        code = (
+            "import json, pathlib; from common.collection import TrustAnchors; "
+            f"print(json.dumps(TrustAnchors.read(pathlib.Path('{PUBLISHED}')).to_json()))"
+        )
+        text = self.exec("analyzer", "python", "-c", code)
         return TrustAnchors.from_json(json.loads(text))
 
-    def sql(self, database: str, query: str) -> int:
-        out = self.run("exec", "-T", "postgres", "psql", "-U", "esa", "-d", database, "-tAc", query)
-        return int(out.strip())
+    def sql(self, party: str, query: str) -> int:
+        """One number from ``party``'s own database, asked on its server (its local socket)."""
+        name = database(party)
+        args = ["psql", "-U", name, "-d", name, "-tAc", query]
+        return int(self.exec(f"postgres-{party}", *args).strip())
 
     def logs(self, *services: str) -> str:
         args = ["logs", "--no-color", "--tail", "40", *services]
@@ -193,8 +265,7 @@ class Stack:
         analyzer received), for ``channel``, after every part was delivered."""
         where = f"channel_id = '{channel}'"
         shuffled = 0
-        for i in (1, 2, 3):
-            db = f"esa_shuffler_{i}"
+        for db in SHUFFLERS:
             assert self.sql(db, "SELECT count(*) FROM batch_parts WHERE status <> 'forwarded'") == 0
             shuffled += self.sql(
                 db, f"SELECT coalesce(sum(n_contributions), 0) FROM batches WHERE {where}"
@@ -204,6 +275,6 @@ class Stack:
                 db, f"SELECT count(*) FROM contributions WHERE {where} AND held_part IS NOT NULL"
             )
         received = self.sql(
-            "esa_analyzer", f"SELECT coalesce(sum(n_contributions), 0) FROM receipts WHERE {where}"
+            "analyzer", f"SELECT coalesce(sum(n_contributions), 0) FROM receipts WHERE {where}"
         )
         return shuffled, received

@@ -3,14 +3,16 @@
 deploy/engine.sh installs Debian's docker.io, a compose and debootstrap when missing, starts a
 plain ``dockerd`` when none answers, builds the stand-in base images when the pinned official
 ones are not on the machine (no registry is contacted) and fills deploy/wheelhouse/. Then, with
-production secrets of its own: ``build``, ``up -d``, every service healthy, the signed config
-verified from the host with the keys ``init`` wrote (trust.json: the analyzer's and each
-shuffler's, whose own signed descriptor vouches for its in-network URL); the loadgen (``esa
-demo``, 500 devices on one channel) while shuffler-2's process is killed (SIGKILL from the host:
-a crash, which the restart policy answers), its certified ε and estimates, conservation from the
-databases (acknowledged = forwarded + removed by randomized deletion + held, and the analyzer
-received what was forwarded); ``down`` and ``up`` keep keys and data. The ``stack`` fixture
-(conftest.py) is shared with test_monitoring.py and test_replicas.py; ``down -v`` at the end.
+every party's secrets made by deploy/party_secrets.py: ``build``, ``up -d``, every service
+healthy, the signed config verified from the host with the keys the parties published
+themselves (the analyzer's analyzer.pub and each shuffler's own signed descriptor, which
+vouches for its in-network URL); the loadgen (``esa demo``, 500 devices on one channel, with
+each party's own tokens) while shuffler-2's process is killed (SIGKILL from the host: a crash,
+which the restart policy answers), its certified ε and estimates, conservation from each trust
+domain's database (acknowledged = forwarded + removed by randomized deletion + held, and the
+analyzer received what was forwarded); ``down`` and ``up`` keep keys and data. The ``stack``
+fixture (conftest.py) is shared with test_monitoring.py, test_replicas.py and
+test_trust_domains.py; ``down -v`` at the end.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 from common.collection import CollectionConfigError, TrustAnchors, verify_collection
 from common.envelope import load_ed25519_public, public_bytes
 from common.wire import b64
-from tests.deploy.stack import PORTS, PROJECT, ROOT, Stack
+from tests.deploy.stack import DATABASES, PORTS, PROJECT, PUBLISHED, ROOT, Stack
 
 pytestmark = pytest.mark.deploy
 
@@ -41,8 +43,8 @@ def test_the_deployment_is_healthy_and_its_config_verifies_from_the_host(stack: 
     for service, port in PORTS.items():
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200
         assert stack.state(service)["Running"] is True
-    trust = stack.trust()  # what a device pins: one key per party, written by init
-    key = stack.run("exec", "-T", "analyzer", "cat", "/var/esa/analyzer.pub").strip()
+    trust = stack.trust()  # what a device pins: one key per party, each published by its party
+    key = stack.exec("analyzer", "cat", f"{PUBLISHED}/analyzer/analyzer.pub").strip()
     assert key == b64(public_bytes(trust.analyzer))
     document = stack.wait_config()
     config = verify_collection(document, trust, time.time())
@@ -62,15 +64,23 @@ def test_the_deployment_is_healthy_and_its_config_verifies_from_the_host(stack: 
         pinned = {**trust.shufflers, "shuffler-2": other}
         verify_collection(document, TrustAnchors(trust.analyzer, pinned), time.time())
     # The services run as the image's non-root user, with the production settings.
-    assert stack.run("exec", "-T", "shuffler-1", "id", "-un").strip() == "esa"
-    metrics = httpx.get("http://127.0.0.1:8101/metrics", timeout=5)
-    assert metrics.status_code == 401  # exact counts are secret without the credential
+    assert stack.exec("shuffler-1", "id", "-un").strip() == "esa"
+    for port in PORTS.values():  # every party's /metrics needs its own credential
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert metrics.status_code == 401, port  # a shuffler's exact counts are secret
 
 
 def _loadgen(stack: Stack, log: Path) -> subprocess.Popen[bytes]:
     """The README's `run --rm --no-deps loadgen`, with a small population on one channel."""
-    args = ["demo", "--analyzer-url", "http://analyzer:8100", "--var", "/var/esa"]
-    args += ["--report", "/var/esa-reports/demo-report.html", "--json", REPORT]
+    args = ["demo", "--analyzer-url", "http://analyzer:8100", "--trust", PUBLISHED]
+    args += [
+        "--keys",
+        "/run/secrets",
+        "--report",
+        "/var/esa-reports/demo-report.html",
+        "--json",
+        REPORT,
+    ]
     args += ["--devices", str(DEVICES), "--channel", CHANNEL]
     # Paced (~20 s of sending) so the test can kill a shuffler mid-run: unpaced, 500
     # contributions take well under a second and the kill raced the end of the run.
@@ -91,7 +101,7 @@ def test_loadgen_certifies_epsilon_while_a_shuffler_crashes_and_restarts(
     try:
         deadline = time.monotonic() + 240
         query = f"SELECT count(*) FROM contributions WHERE channel_id = '{CHANNEL}'"
-        while stack.sql("esa_shuffler_2", query) < 20:  # acknowledged ones, mid-run
+        while stack.sql("shuffler-2", query) < 20:  # acknowledged ones, mid-run
             assert loadgen.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
@@ -122,28 +132,31 @@ def test_loadgen_certifies_epsilon_while_a_shuffler_crashes_and_restarts(
     assert result["inside"] >= len(result["checked"]) / 2 > 0
     assert "MPLCONFIGDIR" not in output and "temporary cache" not in output  # writable home
     assert output.rstrip().endswith("dashboard from the host: http://127.0.0.1:8100/"), output
+    leaked = [name for name, value in stack.secrets.items() if value in output]
+    assert not leaked, f"the loadgen printed {leaked}"
     shuffled, received = stack.conservation(CHANNEL)
     assert received == result["n"] > 0  # the release counts what the analyzer received
     # Nothing acknowledged lost: every acknowledged contribution was forwarded, removed by
     # randomized deletion or held; one acknowledged by a shuffler that died before answering
     # is retried by its device and stored once (one per client, channel and epoch).
     assert result["delivered"] <= shuffled <= DEVICES, (result, shuffled)
-    postgres_log = stack.run("logs", "--no-color", "postgres")
-    assert "does not exist" not in postgres_log  # no query before the migrations
+    for server in DATABASES:
+        postgres_log = stack.run("logs", "--no-color", server)
+        assert "does not exist" not in postgres_log, server  # no query before the migrations
 
 
 def test_down_and_up_keep_keys_and_data(stack: Stack) -> None:
-    key = stack.run("exec", "-T", "analyzer", "cat", "/var/esa/analyzer.pub")
+    published = f"{PUBLISHED}/analyzer/analyzer.pub"
+    key = stack.exec("analyzer", "cat", published)
     trust = stack.trust().to_json()
-    received = stack.sql("esa_analyzer", "SELECT count(*) FROM receipts")
+    received = stack.sql("analyzer", "SELECT count(*) FROM receipts")
     stack.run("down", timeout=180)
     stack.run("up", "-d", timeout=300)
     stack.wait_healthy()
-    assert stack.run("exec", "-T", "analyzer", "cat", "/var/esa/analyzer.pub") == key
+    # Every service found its keys in its own volume and published the same public keys again.
+    assert stack.exec("analyzer", "cat", published) == key
     assert stack.trust().to_json() == trust  # devices keep working with the keys they pin
     verify_collection(stack.wait_config(), stack.trust(), time.time())
-    assert stack.sql("esa_analyzer", "SELECT count(*) FROM receipts") == received > 0
-    init = stack.run("logs", "--no-color", "init")
-    assert "nothing to do" in init  # init kept what it prepared
+    assert stack.sql("analyzer", "SELECT count(*) FROM receipts") == received > 0
     privacy = httpx.get(f"http://127.0.0.1:8100/v1/channels/{CHANNEL}/privacy", timeout=10)
     assert privacy.status_code == 200 and privacy.json()["epochs"], privacy.text

@@ -2,10 +2,11 @@
 
 Added to the running deployment (the session's ``stack``): Prometheus, built from the pinned
 official image or Debian's ``prometheus`` package (deploy/build-base-images.sh), scrapes the
-analyzer and the three shufflers — theirs with the metrics bearer token, given as a file —
-and has loaded every alert rule of deploy/prometheus/alerts.yml; promtool inside the image
-accepts the rules and their unit tests (alerts.test.yml). Checked from the host through
-Prometheus's HTTP API on 127.0.0.1:9090.
+analyzer and the three shufflers, each with its own party's metrics token (a Docker secret
+file; the tokens differ, and a party's /metrics refuses another's, so every target up means
+every target was scraped with its own), and has loaded every alert rule of
+deploy/prometheus/alerts.yml; promtool inside the image accepts the rules and their unit tests
+(alerts.test.yml). Checked from the host through Prometheus's HTTP API on 127.0.0.1:9090.
 """
 
 from __future__ import annotations
@@ -73,7 +74,15 @@ def test_prometheus_scrapes_every_service_and_loads_the_alert_rules(stack: Stack
     for name in PORTS:
         assert seen[f"{name}:{PORTS[name]}"]["labels"]["service"] == name
     assert {t["labels"]["job"] for t in targets} == {"analyzer", "shuffler"}
-    # Up means /metrics answered 200: with the credential (without it, 401 and down).
+    # One scrape config per party, each with its own party's token file (none in the config).
+    pools = {
+        t["scrapePool"]: t["labels"]["instance"]
+        for t in targets
+        if "-r" not in t["labels"]["instance"]
+    }
+    assert pools == {name: f"{name}:{port}" for name, port in PORTS.items()}
+    # Up means /metrics answered 200: with its own party's token (with none or another
+    # party's, 401 and down).
     received = _get("query", query="esa_shuffler_contributions_received_total")["result"]
     assert sorted(r["metric"]["trust_domain"] for r in received) == [
         "shuffler-1",
@@ -97,5 +106,6 @@ def test_prometheus_scrapes_every_service_and_loads_the_alert_rules(stack: Stack
     unit = ["/bin/sh", "-c", "cd /etc/esa-prometheus && /bin/promtool test rules alerts.test.yml"]
     assert "SUCCESS" in stack.run("--profile", "monitoring", "exec", "-T", "prometheus", *unit)
     logs = stack.run("--profile", "monitoring", "logs", "--no-color", "prometheus")
-    assert stack.env["ESA_ADMIN_TOKEN"] not in logs  # the credential never in its logs
+    leaked = [name for name, value in stack.secrets.items() if value in logs]
+    assert not leaked, leaked  # no credential in its logs
     assert stack.health("prometheus") in ("healthy", "starting")
