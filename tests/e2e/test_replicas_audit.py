@@ -47,8 +47,12 @@ from tests.tools.test_audit import CHANNEL, FAST, GROUP_SIZE, TOKEN, sink
 __all__ = ["sink"]  # the module-scoped ``esa audit sink`` fixture, shared with test_audit
 
 REPLICAS = 2
-#: The audit channel of test_audit (7 declared crowds, min_crowd 5), as ``esa up`` writes it.
-AUDIT_CHANNEL = ChannelConfig(mechanism="krappor", params={"k": 20, "eps": 4.0}, **CHANNEL)
+#: The audit channel of test_audit (7 declared crowds, min_crowd 5), as ``esa up`` writes it,
+#: with room for honest k-RAPPOR reports (the analyzer refuses a max_fragments that would
+#: refuse them; the canaries carry fewer).
+AUDIT_CHANNEL = ChannelConfig(
+    mechanism="krappor", params={"k": 20, "eps": 4.0}, **{**CHANNEL, "max_fragments": 8}
+)
 #: Checks every replicated run must pass (``check`` of :class:`~checks.Finding`).
 ASSERTED = ("order", "metadata", "surface", "crowd", "intake", "deletion")
 

@@ -29,6 +29,7 @@ from common.randomness import SeededSource
 from common.wire import Batch, BatchAck, ChannelConfig, ChannelPolicy
 from services.cli import launcher
 from services.cli.audit import audit
+from services.tools.audit.canary import MIN_PAYLOAD
 from services.tools.audit.checks import kept_law
 from services.tools.audit.game import (
     PoolError,
@@ -416,8 +417,11 @@ def test_mechanism_game_power_and_a_leak() -> None:
 def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
     """The game of the zero-sum channel through a real shuffler: canaries carry Balcer–Cheu
     fragments, the auditor reads them back from the released batches, every check passes, and
-    the saved outcome pools."""
-    channel = {**CHANNEL, "max_fragments": 16, "crowds": ["c00", "c01", "c02", "small"]}
+    the saved outcome pools. The audited channel's fragments are as large as the game's
+    (shufflers refuse a fragment sealed to another size than its channel's)."""
+    payload = MIN_PAYLOAD + MechanismGame.named("features").fragment_size
+    crowds = ["c00", "c01", "c02", "small"]
+    channel = {**CHANNEL, "max_fragments": 16, "crowds": crowds, "payload_size": payload}
     shuffler = _shuffler(tmp_path, sink, channel=channel)
     try:
         config = AuditConfig(shuffler.url, sink, TOKEN, "audit", admin_token="development",
@@ -442,3 +446,20 @@ def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
     assert json.loads(json_path.read_text())["summary"]["game"]["channel"] == "features"
     with pytest.raises(PoolError, match="binary RR"):
         pool([("run", saved), ("rr", outcomes(_game_trials(True, 4, 20, 4.0, 0), 4.0, 1e-6, "x"))])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="production: run_audit seals canaries with AuditConfig.payload_size (--payload-size, "
+    "default 16), not the payload_size of the channel policy the shuffler serves: shufflers "
+    "now refuse a fragment of another size (400 bad_fragment_size)",
+)
+def test_canaries_take_the_audited_channels_fragment_size(tmp_path: Path, sink: str) -> None:
+    shuffler = _shuffler(tmp_path, sink, channel={**CHANNEL, "payload_size": 32})
+    try:
+        config = AuditConfig(shuffler.url, sink, TOKEN, "audit", admin_token="development",
+                             skew_seconds=0.2, group_size=GROUP_SIZE)  # fmt: skip
+        result = run_audit(config)  # payload_size left at its default
+    finally:
+        shuffler.stop()
+    assert [f.name for f in result.findings if not f.passed] == []
