@@ -92,9 +92,6 @@ def sink(
 )
 @click.option("--signing-key", default=None, help="The shuffler's registered Ed25519 key (base64).")
 @click.option(
-    "--payload-size", type=int, default=16, show_default=True, help="Audit channel payload size."
-)
-@click.option(
     "--group-size", type=int, default=None, help="Canaries per group (default: from the policy)."
 )
 @click.option("--fragments", type=int, default=3, show_default=True, help="Fragments per canary.")
@@ -155,7 +152,6 @@ def run(
     channel: str,
     admin_token: str | None,
     signing_key: str | None,
-    payload_size: int,
     group_size: int | None,
     fragments: int,
     wait_seconds: float,
@@ -182,8 +178,9 @@ def run(
 
     console = Console(stderr=True)
     config = AuditConfig(
-        shuffler_url, sink_url, sink_token, channel, admin_token, signing_key, payload_size,
-        group_size, fragments, wait_seconds=wait_seconds, game_eps0=game_eps0,
+        shuffler_url=shuffler_url, sink_url=sink_url, sink_token=sink_token, channel_id=channel,
+        admin_token=admin_token, signing_key=signing_key, group_size=group_size,
+        fragments=fragments, wait_seconds=wait_seconds, game_eps0=game_eps0,
         game_trials=game_trials, game_channel=game_channel, round_seconds=round_seconds,
         skew_seconds=clock_skew, seed=seed,
     )  # fmt: skip

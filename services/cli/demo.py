@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 )
 @click.option(
     "--keys",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
     help="Each party's own admin and metrics tokens: <KEYS>/<party>/admin-token and "
     "metrics-token, or <KEYS>/<party>-admin-token (default: <var>/keys, where `esa up` keeps "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +78,7 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
 )
 @click.option(
     "--keys",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
     help="Each party's own admin and metrics tokens: <KEYS>/<party>/admin-token and "
     "metrics-token (`esa up` keeps them in <var>/keys) or <KEYS>/<party>-admin-token; with "
@@ -265,6 +266,8 @@ def _main(kw: dict[str, Any]) -> None:
     finally:
         if services:
             launcher.stop(services)
+            # Its keys, tokens and databases served this run only: none is left behind.
+            shutil.rmtree(Path(services[0].log or ".").parent.parent, ignore_errors=True)
     _print(summary, console)
     problems = summary.get("verification", {}).get("problems", [])
     if problems:

@@ -23,9 +23,9 @@ class Credentials:
     """Admin and metrics tokens by service URL, one for every URL not listed, and the folder
     the parties' own tokens are read from once their URLs are known (:meth:`for_parties`)."""
 
-    admin: Mapping[str, str] = field(default_factory=dict)
-    metrics: Mapping[str, str] = field(default_factory=dict)
-    default: str | None = None
+    admin: Mapping[str, str] = field(default_factory=dict, repr=False)
+    metrics: Mapping[str, str] = field(default_factory=dict, repr=False)
+    default: str | None = field(default=None, repr=False)
     folder: Path | None = None
 
     @classmethod
@@ -51,10 +51,22 @@ class Credentials:
 
     def for_parties(self, parties: Mapping[str, str]) -> Credentials:
         """These credentials with the tokens of ``parties`` (id → URL) read from
-        :attr:`folder` (unchanged without one)."""
+        :attr:`folder` (unchanged without one).
+
+        Raises:
+            ValueError: a shuffler has no admin token in the folder and none is given for all
+                (naming the shuffler and the files looked for), found before anything is sent.
+        """
         if self.folder is None:
             return self
-        return Credentials.from_keys(self.folder, parties, self.default)
+        found = Credentials.from_keys(self.folder, parties, self.default)
+        lacking = [p for p, url in parties.items() if p != "analyzer" and url not in found.admin]
+        if lacking and self.default is None:
+            raise ValueError(
+                f"no admin token for {', '.join(lacking)} in {self.folder} (looked for "
+                f"<party>/{ADMIN} and <party>-{ADMIN})"
+            )
+        return found
 
     def admin_headers(self, url: str) -> dict[str, str]:
         """The ``Authorization`` header of ``url``'s admin routes (none known: no header)."""

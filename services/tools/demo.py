@@ -278,7 +278,11 @@ def connect(analyzer_url: str, trust_file: Path | None, tokens: Credentials) -> 
     except (CollectionConfigError, ValueError, KeyError, TypeError) as error:
         raise DemoError(f"the collection config at {analyzer_url} is refused: {error}") from error
     parties = {"analyzer": analyzer_url, **{s.id: s.url for s in config.shufflers}}
-    target = Target(analyzer_url, trust, tokens.for_parties(parties), document, config)
+    try:
+        tokens = tokens.for_parties(parties)
+    except ValueError as error:
+        raise DemoError(f"{error}: pass --keys or --admin-token") from error
+    target = Target(analyzer_url, trust, tokens, document, config)
     for url in target.shuffler_urls:
         try:
             httpx.get(url + "/readyz", timeout=5.0).raise_for_status()
@@ -701,7 +705,14 @@ def _wait_metric(
     with httpx.Client(timeout=10.0) as client:
         send = functools.partial(client.get, url + "/metrics", headers=headers)
         while True:
-            found = pattern.search(_patiently(send, f"{url}/metrics").text)
+            response = _patiently(send, f"{url}/metrics")
+            if response.status_code != 200:
+                raise DemoError(
+                    f"{url}/metrics answered HTTP {response.status_code}: "
+                    f"{response.text[:200]} (its metrics token: --keys <dir>/<party>/"
+                    "metrics-token, or --admin-token)"
+                )
+            found = pattern.search(response.text)
             if found is not None and float(found.group(1)) == 0:
                 return
             if time.monotonic() > deadline:

@@ -26,6 +26,7 @@ EXPECTED = {
     errors.IncompleteBatchesError: ("incomplete", 404),
     errors.StorageConflictError: ("storage_conflict", 503),
     errors.ShufflersUnavailableError: ("shufflers_unavailable", 503),
+    errors.IntakeBusyError: ("busy", 503),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import secrets
 import threading
 
@@ -257,31 +258,35 @@ def test_the_receipt_counts_the_chaff_the_metrics_count(database_url: str) -> No
     assert receipt.invalid == 45 == layers.events.get("fragments_invalid")
     assert sum(per_part) == 45 and sum(1 for n in per_part if n) >= 2
     assert receipt.n_fragments == len(mixed.fragments)
-    # each fragment that failed to open may have been a whole contribution
-    assert receipt.n_verified == VALUES.size - 45
+    # garbage fills at most one contribution per max_fragments of it (a client's whole report)
+    assert receipt.n_verified == VALUES.size - math.ceil(45 / CHANNEL.max_fragments) == 997
 
 
-def test_corrupted_fragments_are_chaff_and_cost_the_crowd_one_each(database_url: str) -> None:
+def test_corrupted_fragments_are_chaff_and_cost_the_crowd_what_they_can_fill(
+    database_url: str,
+) -> None:
     """Fragments that do not open are counted and left out of the statistics; the batch is
-    certified and estimated on its claimed crowd less one contribution per such fragment."""
+    certified and estimated on its claimed crowd less the contributions they can have filled
+    (one per max_fragments of them)."""
     layers = build(database_url)
     layers.deliver(*make_batch(VALUES, seed=3))
     clean = layers.releases.release("homepage", 7, 7)
     layers.deliver(*make_batch(VALUES, epoch=8, seed=3, chaff=40))
     assert layers.events.get("fragments_invalid") == 40
     assert layers.events.get("batches_short_crowd") == 1
-    assert layers.events.get("crowd_shortfall") == 40
+    lost = math.ceil(40 / CHANNEL.max_fragments)
+    assert layers.events.get("crowd_shortfall") == lost == 2
     chaffed = layers.releases.release("homepage", 8, 8)
-    assert chaffed.estimate.n == VALUES.size - 40
+    assert chaffed.estimate.n == VALUES.size - lost
     check = chaffed.to_wire().crowd_check
     assert check is not None
-    assert (check.batches, check.claimed, check.verified) == (1, VALUES.size, VALUES.size - 40)
+    assert (check.batches, check.claimed, check.verified) == (1, VALUES.size, VALUES.size - lost)
     assert (check.invalid_fragments, check.short_batches) == (40, 1)
     assert "1 batch(es) certified at the crowd their fragments verify" in chaffed.note
-    # the same reports, debiased for 40 fewer contributions: each bin moves by 40 p / (1 - 2p)
+    # the same reports, debiased for fewer contributions: each bin moves by lost p / (1 - 2p)
     p = 1 / (1 + np.exp(4.0))
     shift = chaffed.estimate.values - clean.estimate.values
-    assert np.allclose(shift, 40 * p / (1 - 2 * p))
+    assert np.allclose(shift, lost * p / (1 - 2 * p))
     # and certified on the smaller crowd: a larger epsilon
     assert chaffed.certificate.eps > clean.certificate.eps
     assert clean.to_wire().crowd_check == type(check)(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from services.cli import launcher
 from services.tools.credentials import ADMIN, METRICS, Credentials
 
@@ -83,11 +85,20 @@ def test_a_folder_is_read_once_the_parties_urls_are_known(tmp_path: Path) -> Non
     _write(tmp_path / "shuffler-2" / METRICS, "s2m\n")
     pending = Credentials(folder=tmp_path)
     assert pending.admin_headers(SECOND) == {}  # nothing read yet
+    # shuffler-1 has no admin token there: named before anything is sent to anyone.
+    with pytest.raises(ValueError, match=r"no admin token for shuffler-1 in .*admin-token"):
+        pending.for_parties(PARTIES)
+    assert pending.for_parties({"shuffler-2": SECOND}).admin_headers(SECOND) == _bearer("s2")
+    # A token given for all fills in for it (the analyzer needs none to be read).
+    tokens = Credentials(folder=tmp_path, default="all").for_parties(PARTIES)
+    assert tokens.admin_headers(FIRST) == _bearer("all")
+    _write(tmp_path / "shuffler-1" / ADMIN, "s1\n")
     tokens = pending.for_parties(PARTIES)
     assert tokens.folder == tmp_path and tokens.default is None
     assert tokens.admin_headers(SECOND) == _bearer("s2")
     assert tokens.metrics_headers(SECOND) == _bearer("s2m")
-    assert tokens.admin_headers(FIRST) == {}
+    assert tokens.admin_headers(FIRST) == _bearer("s1")
+    assert tokens.admin_headers(ANALYZER) == {}
     # A replica's own URL is no party's: the tokens follow the URLs they are given for.
     moved = tokens.for_parties({"shuffler-2": "http://replica:9"})
     assert moved.admin_headers("http://replica:9") == _bearer("s2")

@@ -415,7 +415,8 @@ def test_a_wrong_or_missing_token_of_one_shuffler_stops_the_run_naming_it(
 ) -> None:
     """``--keys`` with another metrics token for shuffler-2: the run stops before its load (the
     scrape before it is refused 401), naming shuffler-2's URL. Without shuffler-3's admin
-    token (another party's folder given), the load goes out and verification stops at the
+    token the run stops before its load too, naming shuffler-3 and the files looked for.
+    With another admin token for shuffler-3, the load goes out and verification stops at the
     close, naming shuffler-3's URL and its refusal, instead of verifying (channel ``keyed``:
     its epoch is left closed at shuffler-1 and -2)."""
     url, trust = deployment
@@ -435,6 +436,15 @@ def test_a_wrong_or_missing_token_of_one_shuffler_stops_the_run_naming_it(
     (missing / "shuffler-3" / launcher.ADMIN_TOKEN_FILE).unlink()
     done = subprocess.run(
         _command(url, trust, tmp_path / "b", *args, keys=missing),
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    message = " ".join(done.stderr.split())
+    assert done.returncode == 1, done.stdout + message
+    assert "no admin token for shuffler-3" in message, message
+    assert "run: " not in message and not (tmp_path / "b" / "loadtest.json").exists()
+    (missing / "shuffler-3" / launcher.ADMIN_TOKEN_FILE).write_text("another-token-" * 4)
+    done = subprocess.run(
+        _command(url, trust, tmp_path / "c", *args, keys=missing),
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     message = " ".join(done.stderr.split())

@@ -24,6 +24,7 @@ EXPECTED = {
     errors.BodyTooLargeError: ("too_large", 413),
     errors.TooManyFragmentsError: ("too_many_fragments", 413),
     errors.TooFewFragmentsError: ("too_few_fragments", 400),
+    errors.FragmentSizeError: ("bad_fragment_size", 400),
     errors.ClientRateLimitedError: ("rate_limited", 429),
     errors.ShufflerStorageError: ("storage_unavailable", 503),
 }

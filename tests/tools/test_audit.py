@@ -448,12 +448,6 @@ def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
         pool([("run", saved), ("rr", outcomes(_game_trials(True, 4, 20, 4.0, 0), 4.0, 1e-6, "x"))])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="production: run_audit seals canaries with AuditConfig.payload_size (--payload-size, "
-    "default 16), not the payload_size of the channel policy the shuffler serves: shufflers "
-    "now refuse a fragment of another size (400 bad_fragment_size)",
-)
 def test_canaries_take_the_audited_channels_fragment_size(tmp_path: Path, sink: str) -> None:
     shuffler = _shuffler(tmp_path, sink, channel={**CHANNEL, "payload_size": 32})
     try:

@@ -124,11 +124,6 @@ def test_the_demo_waits_for_an_analyzer_still_fetching_descriptors(tmp_path: Pat
         analyzer.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="production: the demo polls a shuffler's /metrics refused 401 (a wrong or absent "
-    "metrics token in --keys) until its 600 s deadline, then blames unforwarded batches",
-)
 def test_a_refused_metrics_token_is_named_at_once(deployment: Deployment) -> None:
     url = deployment.shufflers[0].url
     wrong = Credentials.shared("not-this-shufflers-metrics-token")

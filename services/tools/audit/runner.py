@@ -48,7 +48,8 @@ class AuditError(RuntimeError):
 @dataclass
 class AuditConfig:
     """What one run needs; ``group_size`` None picks a size Algorithm 3 almost surely
-    releases (:func:`default_group_size`)."""
+    releases (:func:`default_group_size`); ``payload_size`` is replaced by the audited
+    channel's own before anything is sealed."""
 
     shuffler_url: str
     sink_url: str
@@ -139,21 +140,26 @@ class GamePlan:
         return mechgame.outcomes(trials, self.mechanism, run)
 
 
-def _game_payload_size(config: AuditConfig) -> AuditConfig:
-    """The config with a payload size that fits a marker and the game's mechanism fragment.
+def _channel_payload_size(config: AuditConfig, policy: ChannelPolicy) -> AuditConfig:
+    """The config with the audit channel's own payload size (shufflers refuse a fragment of
+    any other sealed size), which must fit a marker and the game's mechanism fragment.
 
     Raises:
-        AuditError: a payload size below :data:`MIN_PAYLOAD`, an unknown game channel.
+        AuditError: the channel's payload size is too small, or the game channel is unknown.
     """
-    if config.payload_size < MIN_PAYLOAD:
-        raise AuditError(f"payload_size must be >= {MIN_PAYLOAD} to carry a marker")
-    if config.game_channel is None:
-        return config
-    try:
-        size = mechgame.MechanismGame.named(config.game_channel).fragment_size
-    except mechgame.GameError as error:
-        raise AuditError(str(error)) from error
-    return replace(config, payload_size=max(config.payload_size, MIN_PAYLOAD + size))
+    needed = MIN_PAYLOAD
+    if config.game_channel is not None:
+        try:
+            needed += mechgame.MechanismGame.named(config.game_channel).fragment_size
+        except mechgame.GameError as error:
+            raise AuditError(str(error)) from error
+    if policy.payload_size < needed:
+        raise AuditError(
+            f"the audit channel {policy.id!r} has payload_size={policy.payload_size}: declare "
+            f"at least {needed} to carry a canary's marker"
+            + (f" and a {config.game_channel} fragment" if config.game_channel else "")
+        )
+    return replace(config, payload_size=policy.payload_size)
 
 
 def default_group_size(policy: ChannelPolicy) -> int:
@@ -169,12 +175,12 @@ def run_audit(config: AuditConfig, progress: Progress = lambda _: None) -> Audit
     Raises:
         AuditError: the shuffler or sink cannot be used for an audit.
     """
-    config = _game_payload_size(config)
     with httpx.Client(timeout=30) as client:
         shuffler = _shuffler_config(client, config.shuffler_url)
         policy = next((c for c in shuffler.channels if c.id == config.channel_id), None)
         if policy is None:
             raise AuditError(f"channel {config.channel_id!r} is not served by {shuffler.id}")
+        config = _channel_payload_size(config, policy)
         key, plan_game = CanaryKey.fresh(), GamePlan.of(config, policy)
         fleet = CanaryFleet(client, config.shuffler_url, shuffler, key)
         plan = _plan(config, policy)

@@ -232,7 +232,11 @@ def execute(options: Options, console: Console) -> dict[str, Any]:
     prepared = prepare(plan, console.log)
     if options.tokens is not None:
         parties = {"analyzer": plan.analyzer_url, **prepared.parties}
-        options = replace(options, tokens=options.tokens.for_parties(parties))
+        try:
+            options = replace(options, tokens=options.tokens.for_parties(parties))
+        except ValueError as error:
+            prepared.close()
+            raise verify.VerifyError(str(error)) from error
     for skipped in prepared.skipped:
         console.log(f"left out: {skipped}")
     summary: dict[str, Any] = {
