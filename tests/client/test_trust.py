@@ -369,19 +369,24 @@ def _one_shuffler(parties: Parties) -> Parties:
     return parties
 
 
+def _device(config: Path, trust: Path, state: Path, now: float) -> Client:
+    """An offline device reading ``config``, pinning ``trust``, keeping ``state``, at ``now``."""
+    return Client(
+        config_file=config,
+        trust_file=trust,
+        state_path=state,
+        background=False,
+        clock=Clock(now),
+    )
+
+
 def test_the_sdk_refuses_an_older_config_than_its_state_file_accepted(tmp_path: Path) -> None:
     """Rollback through restarts: the issue times a device accepted live in its state file."""
     parties = Parties()
     trust, state = _trust_file(parties, tmp_path), tmp_path / "device.db"
     config = tmp_path / "config.json"
     config.write_text(json.dumps(parties.config(issued=T0 + 100)))
-    with Client(
-        config_file=config,
-        trust_file=trust,
-        state_path=state,
-        background=False,
-        clock=Clock(T0 + 100),
-    ) as c:
+    with _device(config, trust, state, T0 + 100) as c:
         # an older document offered to the running client: refused, the newer stays in use
         config.write_text(json.dumps(parties.config(issued=T0)))
         with pytest.raises(ConfigError, match="older than one this device accepted"):
@@ -389,52 +394,19 @@ def test_the_sdk_refuses_an_older_config_than_its_state_file_accepted(tmp_path: 
         assert _by_document(c._config.versions)[CONFIG] == T0 + 100
     # after a restart: still refused, because the state file remembers
     with pytest.raises(ConfigError, match=f"issued at {T0} is older than one this device accepted"):
-        Client(
-            config_file=config,
-            trust_file=trust,
-            state_path=state,
-            background=False,
-            clock=Clock(T0 + 200),
-        )
+        _device(config, trust, state, T0 + 200)
     # a new config replaying one shuffler's old descriptor is refused the same way
-    config.write_text(
-        json.dumps(
-            parties.config(
-                issued=T0 + 300,
-                shufflers=[
-                    parties.descriptor("shuffler-1", T0),
-                    parties.descriptor("shuffler-2", T0 + 300),
-                ],
-            )
-        )
-    )
+    replaying = [parties.descriptor("shuffler-1", T0), parties.descriptor("shuffler-2", T0 + 300)]
+    config.write_text(json.dumps(parties.config(issued=T0 + 300, shufflers=replaying)))
     with pytest.raises(ConfigError, match="descriptor of shuffler 'shuffler-1'"):
-        Client(
-            config_file=config,
-            trust_file=trust,
-            state_path=state,
-            background=False,
-            clock=Clock(T0 + 300),
-        )
+        _device(config, trust, state, T0 + 300)
     # the refusals came from the state: a device that never saw the newer one takes the old one
     config.write_text(json.dumps(parties.config(issued=T0)))
-    with Client(
-        config_file=config,
-        trust_file=trust,
-        state_path=tmp_path / "other.db",
-        background=False,
-        clock=Clock(T0 + 200),
-    ):
+    with _device(config, trust, tmp_path / "other.db", T0 + 200):
         pass
     # and the first device still takes a newer one
     config.write_text(json.dumps(parties.config(issued=T0 + 400)))
-    with Client(
-        config_file=config,
-        trust_file=trust,
-        state_path=state,
-        background=False,
-        clock=Clock(T0 + 400),
-    ) as c:
+    with _device(config, trust, state, T0 + 400) as c:
         assert _by_document(c._config.versions)[CONFIG] == T0 + 400
 
 
