@@ -37,6 +37,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
+from common.formats import CONTRIBUTION_MAGIC, OLD_CONTRIBUTION_MAGIC
+
 SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
 INNER_INFO = b"esa/2 inner "
 OUTER_INFO = b"esa/1 outer "
@@ -44,9 +46,9 @@ KEY_ID_SIZE = 8
 ENC_SIZE = 32
 TAG_SIZE = 16
 NONCE_SIZE = 16
-MAGIC = b"ESA2"
+MAGIC = CONTRIBUTION_MAGIC
 #: The magic of wire version 1 contributions, refused by name.
-OLD_MAGIC = b"ESA1"
+OLD_MAGIC = OLD_CONTRIBUTION_MAGIC
 PrivateKey = TypeVar("PrivateKey", X25519PrivateKey, Ed25519PrivateKey)
 
 

@@ -1,24 +1,64 @@
 """The ``esa`` command line.
 
-Subcommands import their heavy dependencies lazily, so ``esa account`` works on a plain
-``pip install esa-pipeline`` without the server extras.
+Commands load lazily: ``esa --help`` and ``esa --version`` import only click and the version
+constants, and each command imports its own stack (the servers, dp_accounting, numpy) when it
+runs, so ``esa account`` also works on a plain ``pip install esa-pipeline`` without the server
+extras.
 """
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 
 import click
 
-from services.cli.account import account
-from services.cli.admin import admin
-from services.cli.audit import audit
-from services.cli.demo import demo
-from services.cli.loadtest import loadtest
-from services.cli.servers import analyzer, keys, shuffler, up_command
-from services.cli.simulate import simulate
-from services.cli.train import train
+from common.formats import COLLECTION_CONFIG_VERSION, CONTRIBUTION_MAGIC
+
+#: Every command: its name, where it lives (module, attribute) and what ``esa --help`` says.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "account": (
+        "services.cli.account",
+        "account",
+        "amplification bounds and certificates (certify), the largest ε0 for a target (plan)",
+    ),
+    "simulate": ("services.cli.simulate", "simulate", "paper-scale experiments"),
+    "shuffler": ("services.cli.servers", "shuffler", "run one shuffler instance (serve)"),
+    "analyzer": ("services.cli.servers", "analyzer", "run the analyzer, API and dashboard (serve)"),
+    "up": ("services.cli.servers", "up_command", "the whole deployment as processes on 127.0.0.1"),
+    "demo": ("services.cli.demo", "demo", "a simulated device population through the pipeline"),
+    "loadtest": ("services.cli.loadtest", "loadtest", "load-test a deployment, then verify it"),
+    "keys": ("services.cli.servers", "keys", "create HPKE and signing key files (generate)"),
+    "audit": ("services.cli.audit", "audit", "audit a shuffler: canaries, a sink, statistics"),
+    "train": ("services.cli.train", "train", "federated LDP-SGD training through the pipeline"),
+    "admin": (
+        "services.cli.admin",
+        "admin",
+        "operator actions: esa admin requeue takes up parts set aside once fixed",
+    ),
+}
+
+
+class LazyGroup(click.Group):
+    """A group that imports a command's module only when that command runs (click's
+    "Lazily Loading Subcommands" pattern), and lists commands from :data:`COMMANDS`."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, attribute, _ = COMMANDS[cmd_name]
+        command = getattr(importlib.import_module(module), attribute)
+        assert isinstance(command, click.Command)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, line) for name, (_, _, line) in COMMANDS.items()])
+
 
 #: What ``esa`` with no arguments prints before its help: the two commands to run first.
 START_HERE = """\
@@ -34,13 +74,10 @@ def version_text() -> str:
         installed = package_version("esa-pipeline")
     except PackageNotFoundError:
         installed = "unknown (not installed)"
-    from common.envelope import MAGIC
-    from common.wire import CollectionConfig
-
-    config_version = CollectionConfig.model_fields["version"].default
     return (
         f"esa-pipeline {installed}\n"
-        f"wire: contribution envelope {MAGIC.decode()}, collection config v{config_version}, "
+        f"wire: contribution envelope {CONTRIBUTION_MAGIC.decode()}, collection config "
+        f"v{COLLECTION_CONFIG_VERSION}, "
         "HPKE DHKEM(X25519, HKDF-SHA256)/HKDF-SHA256/AES-128-GCM, Ed25519 signatures"
     )
 
@@ -52,6 +89,7 @@ def _print_version(ctx: click.Context, _: click.Parameter, value: bool) -> None:
 
 
 @click.group(
+    cls=LazyGroup,
     invoke_without_command=True,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
@@ -67,39 +105,13 @@ def _print_version(ctx: click.Context, _: click.Parameter, value: bool) -> None:
 def cli(ctx: click.Context) -> None:
     """Encode–Shuffle–Analyze telemetry pipeline with certified central differential privacy.
 
-    \b
-    esa account certify   every amplification bound for a mechanism, and the certificate
-    esa account plan      the largest local ε0 that certifies a target central ε
-    esa simulate          paper-scale experiments (histograms, images, longitudinal)
-    esa shuffler serve    run one shuffler instance
-    esa analyzer serve    run the analyzer (API and dashboard)
-    esa up                the whole deployment as processes on 127.0.0.1
-    esa demo              a simulated device population through the whole pipeline
-    esa loadtest          load-test a deployment with a simulated population, then verify
-    esa keys generate     create HPKE and signing key files
-    esa audit run         audit a shuffler: canaries, a sink, statistical checks
-    esa admin requeue     take up batch parts a service set aside, once their cause is fixed
+    Run esa COMMAND --help for what a command does and its options.
     """
     if ctx.invoked_subcommand is None:
         click.echo(START_HERE)
         click.echo(ctx.get_help())
 
 
-cli.add_command(account)
-cli.add_command(simulate)
-cli.add_command(shuffler)
-cli.add_command(keys)
-cli.add_command(analyzer)
-cli.add_command(up_command)
-cli.add_command(demo)
-cli.add_command(loadtest)
-cli.add_command(audit)
-cli.add_command(train)
-
-
 def main() -> None:
     """Console-script entry point."""
     cli()
-
-
-cli.add_command(admin)
