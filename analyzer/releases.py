@@ -24,6 +24,7 @@ from analyzer.metrics import Events
 from analyzer.store import AnalyzerStore, BatchProgress, CrowdCheck, ReceivedRange
 from common.accounting import BoundResult
 from common.mechanisms import Estimate, LocalPrivacy, NoDataError
+from common.mechanisms._estimates import FloatArray, IntArray
 from common.wire import Bound, CrowdCheckBody, LocalBound, ReleaseBody
 
 #: Bins kept in a histogram release's stored summary (the dashboard draws the top 20).
@@ -101,7 +102,12 @@ class Release:
             local=None if self.local is None else _local(self.local),
             crowds=self.crowds,
             crowd_check=None if self.crowd_check is None else _crowd_check(self.crowd_check),
+            truncated_values=_at(self.estimate.truncated, index),
         )
+
+
+def _at(values: FloatArray | None, index: IntArray) -> list[float] | None:
+    return None if values is None else [float(values[i]) for i in index]
 
 
 class ReleaseService:

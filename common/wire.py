@@ -503,6 +503,9 @@ class ReleaseBody(BaseModel):
     local: LocalBound | None
     crowds: dict[str, int]
     crowd_check: CrowdCheckBody | None = None
+    #: The paper's truncated estimate of the same ``bins`` (Balcer–Cheu Figure 1 reports bins at
+    #: or below the crowd as 0), beside the unbiased ``values``; absent for other mechanisms.
+    truncated_values: list[float] | None = None
 
 
 class ReleaseRequest(BaseModel):

@@ -25,6 +25,8 @@ class Estimate:
         n: Contributions the estimate is based on.
         clipped: Whether negative estimates were clipped to 0 (changes the bias, not the SE).
         note: How the estimate was formed.
+        truncated: The paper's own estimate where it truncates (Balcer–Cheu Figure 1 zeroes
+            small bins), kept beside the unbiased ``values``; None for other mechanisms.
     """
 
     values: FloatArray
@@ -32,6 +34,7 @@ class Estimate:
     n: int
     clipped: bool = False
     note: str = ""
+    truncated: FloatArray | None = None
 
     def interval(self, z: float = Z95) -> tuple[FloatArray, FloatArray]:
         """Normal-approximation confidence interval ``values ± z · std_errors``."""

@@ -29,7 +29,7 @@ from common.accounting import (
     basic_composition,
     compose_with_deletion,
 )
-from common.mechanisms._estimates import Estimate, FloatArray
+from common.mechanisms._estimates import Estimate
 from common.randomness import RandomSource
 
 #: Device state a mechanism keeps between reports (persisted by the SDK as JSON).
@@ -337,11 +337,6 @@ class Mechanism(ABC, Generic[P, A]):
     @abstractmethod
     def estimate(self, params: P, accumulator: A) -> Estimate:
         """Debiased estimates with standard errors."""
-
-    def expected_estimate(self, params: P, truth: FloatArray, n: int) -> FloatArray:
-        """What the estimator targets for true counts ``truth`` of a crowd of ``n``
-        (the truth itself when the estimator is unbiased)."""
-        return truth
 
     @abstractmethod
     def local_privacy(self, params: P) -> LocalPrivacy:

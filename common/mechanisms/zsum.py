@@ -8,10 +8,11 @@ about ``1 + d p ≈ d`` messages, so the domain is capped at ``MAX_BINS``.
 
 Wire payload: ``uint32 bin`` (mechanism code 4).
 
-Analyzer (Figure 1, in counts, with the received crowd ``m``): ``ĉ_j = |y_j| - m p`` if
-``|y_j| > m`` else 0. Bins nobody holds have ``|y_j| ~ Bin(m, p) <= m`` and are exactly 0. The
-truncation biases small counts toward 0; counts well above ``sqrt(m p (1-p))`` are unbiased with
-``Var = m p (1 - p)``.
+Analyzer, in counts with the received crowd ``m``: ``|y_j| = c_j + Bin(m, p)``, so
+``ĉ_j = |y_j| - m p`` is unbiased with ``Var = m p (1 - p)``; that is the release's estimate.
+Figure 1 also zeroes every bin with ``|y_j| <= m`` (bins nobody holds are then exactly 0), which
+removes every count below about ``m (1 - p)`` (thousands of users at demo scale): it is kept
+beside the unbiased estimate (``Estimate.truncated``), never in its place.
 """
 
 from __future__ import annotations
@@ -114,13 +115,20 @@ def variance(m: int, params: ZSumParams) -> float:
     return m * p * (1.0 - p)
 
 
-def estimate(accumulator: CountAccumulator, params: ZSumParams, clip: bool = True) -> Estimate:
-    """Figure 1's analyzer in counts; ``clip`` is inherent (bins at or below m are 0)."""
+def estimate(accumulator: CountAccumulator, params: ZSumParams) -> Estimate:
+    """The unbiased count ``|y_j| - m p`` per bin, with Figure 1's truncated analyzer (bins
+    with ``|y_j| <= m`` reported as 0) beside it."""
     m = accumulator.n
     counts = accumulator.counts.astype(np.float64)
-    values: FloatArray = np.where(counts > m, counts - m * params.noise_prob, 0.0)
+    values: FloatArray = counts - m * params.noise_prob
+    truncated: FloatArray = np.where(counts > m, values, 0.0)
     std = np.full(params.d, math.sqrt(variance(m, params)))
-    return Estimate(values, std, m, True, "Balcer-Cheu zero-sum analyzer (Figure 1)")
+    zeroed = int(np.count_nonzero((counts <= m) & (values != 0.0)))
+    note = (
+        "unbiased |y_j| - m p (Balcer-Cheu); Figure 1's truncated estimate, beside it, "
+        f"zeroes {zeroed} of {params.d} bins (those at or below the crowd m = {m})"
+    )
+    return Estimate(values, std, m, False, note, truncated)
 
 
 def simulate_aggregate(
@@ -178,11 +186,6 @@ class ZSum(IndexHistogram[ZSumParams]):
 
     def estimate(self, params: ZSumParams, accumulator: CountAccumulator) -> Estimate:
         return estimate(accumulator, params)
-
-    def expected_estimate(self, params: ZSumParams, truth: FloatArray, n: int) -> FloatArray:
-        """Bins holding at most about ``n (1 - p)`` users are reported as exactly 0."""
-        result: FloatArray = np.where(truth > n * (1.0 - params.noise_prob), truth, 0.0)
-        return result
 
     def local_privacy(self, params: ZSumParams) -> LocalPrivacy:
         return local_privacy(params)

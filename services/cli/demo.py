@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 )
 @click.option(
     "--keys",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Each party's own admin and metrics tokens: <KEYS>/<party>/admin-token and "
     "metrics-token, or <KEYS>/<party>-admin-token (default: <var>/keys, where `esa up` keeps "
@@ -452,6 +452,6 @@ def _print_checks(out: Console, found: list[ChannelResult]) -> tuple[int, int]:
     inside = sum(r.inside for r in found)
     out.print(
         f"{inside} of {checked} checked estimates inside their 95% intervals (expected = truth × "
-        "the share kept by randomized deletion; 0 where Balcer–Cheu's analyzer zeroes a bin)"
+        "the share kept by randomized deletion)"
     )
     return inside, checked

@@ -78,7 +78,7 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
 )
 @click.option(
     "--keys",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Each party's own admin and metrics tokens: <KEYS>/<party>/admin-token and "
     "metrics-token (`esa up` keeps them in <var>/keys) or <KEYS>/<party>-admin-token; with "

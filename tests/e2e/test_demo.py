@@ -64,7 +64,7 @@ def test_demo_on_postgresql_reports_estimates_inside_their_intervals(
         assert r["devices"] == 600, r  # every channel, the longitudinal one too
         assert r["delivered"] >= r["devices"], r  # every device's contribution acknowledged
         assert 0.5 < r["kept"] <= 1.0, r  # randomized deletion removes a few, not most
-        # Balcer–Cheu certifies nothing below its declared crowd (n = 2,000 per shuffler).
+        # Balcer–Cheu certifies nothing below its declared crowd (n = 4,000 per shuffler).
         if r["central_eps"] is None:  # JSON's "no bound" (ε = ∞)
             assert r["mechanism"] == "zsum", r
         else:
