@@ -127,6 +127,14 @@ if TYPE_CHECKING:
     "shufflers answer), e.g. to spare a shared staging deployment.",
 )
 @click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="Also print each checked bin against its truth and each channel's privacy over time "
+    "(per-epoch certificates, lifetime ε with its δ split, device budget); the HTML report "
+    "always has them.",
+)
+@click.option(
     "--keep-running/--exit",
     "keep_running",
     default=None,
@@ -148,6 +156,7 @@ def demo(
     workers: int,
     channels: tuple[str, ...],
     rate: float | None,
+    verbose: bool,
     keep_running: bool | None,
 ) -> None:
     """Run a simulated device population through the whole pipeline and check the results.
@@ -156,9 +165,10 @@ def demo(
     Every device is a device in protocol terms (own token at each shuffler, own nonces, CSPRNG
     encoding, HPKE sealing in worker processes, as `esa loadtest`). Afterwards the demo closes
     the epoch at every shuffler, waits for the batches to reach the analyzer, and prints per
-    channel: n, the largest true values against their estimates with 95% intervals, the error,
-    central and local ε, each epoch's certificate, the lifetime ε of a device in every epoch
-    (PLD beside basic composition, δ split) and the device budget in use; and an HTML report.
+    channel: n, the estimates' error against the population's truth and how many fall inside
+    their 95% intervals, central and local ε; with --verbose also every checked bin, each
+    epoch's certificate, the lifetime ε of a device in every epoch (PLD beside basic
+    composition, δ split) and the device budget in use. The HTML report has all of it.
 
     A deployment the demo started stays up with its dashboard until Ctrl-C in a terminal, and
     stops at the end under CI or a pipe (--keep-running / --exit choose).
@@ -170,8 +180,19 @@ def demo(
 
     folder = keys or var / "keys"
     tokens = Credentials.shared(admin_token) if admin_token else Credentials(folder=folder)
-    options = _Options(analyzer_url.rstrip("/"), trust_file, tokens, devices, seed,
-                       workers, report, json_path, channels, rate)  # fmt: skip
+    options = _Options(
+        analyzer_url=analyzer_url.rstrip("/"),
+        trust=trust_file,
+        tokens=tokens,
+        devices=devices,
+        seed=seed,
+        workers=workers,
+        report=report,
+        json_path=json_path,
+        only=channels,
+        rate=rate,
+        verbose=verbose,
+    )
     services: list[launcher.Service] = []
     workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
     try:
@@ -241,6 +262,7 @@ class _Options:
     json_path: Path | None
     only: tuple[str, ...]
     rate: float | None = None
+    verbose: bool = False
 
 
 def _console() -> Console:
@@ -297,8 +319,10 @@ def _run(options: _Options, workdir: Path) -> None:
     found = results(run, sent)
     out = _stdout()
     _print_summary(out, found)
-    inside, checked = _print_checks(out, found)
-    _print_privacy(out, found)
+    if options.verbose:
+        _print_checks(out, found)
+        _print_privacy(out, found)
+    inside, checked = _print_verdicts(out, found)
     dashboard = f"{options.analyzer_url}/"
     shapes = {c.id: c.image_shape for c in target.channels if c.image_shape is not None}
     header = (
@@ -364,33 +388,57 @@ def _simulate(
 
 
 def _print_summary(out: Console, found: list[ChannelResult]) -> None:
-    """One row per channel: n, certified central ε, local ε, took-part ε, error."""
+    """One row per channel: n, the estimates against the truth, certified central ε with its
+    δ, local ε and the took-part ε."""
     from rich.table import Table
 
     summary = Table(title="What the analyzer released")
-    headers = ("channel", "mechanism", "devices", "n", "neighbours", "central ε (δ)", "local ε")
-    for name in (*headers, "took part ε", "RMSE"):
+    headers = ("channel", "mechanism", "n", "RMSE", "inside 95%", "central ε (δ)", "local ε")
+    for name in (*headers, "took part ε (δ)"):
         summary.add_column(name, justify="right")
     for r in found:
+        took_part = r.release.get("with_randomized_deletion") or {}
         summary.add_row(
             r.channel_id,
             r.mechanism,
-            f"{r.devices:,}",
             f"{r.n:,}",
-            r.neighbouring,
-            f"{r.central_eps:.3f} ({r.release['certificate']['delta']:.0e})"
-            if math.isfinite(r.central_eps)
-            else "∞ (see note)",
-            "—" if r.local_eps is None else f"{r.local_eps:.2f}",
-            "—" if r.add_remove_eps is None else f"{r.add_remove_eps:.2f}",
             f"{r.rmse:.1f}",
+            f"{r.inside}/{len(r.checked)}",
+            _eps_delta(r.central_eps, r.release["certificate"]["delta"]),
+            "—" if r.local_eps is None else f"{r.local_eps:.2f}",
+            _eps_delta(took_part.get("eps"), took_part.get("delta")),
         )
     out.print(summary)
     out.print(
-        "central and local ε are in the same neighbouring notion (removal: one user's report "
-        "replaced by the reference input); 'took part ε' covers whether a user contributed at "
-        "all (add-remove, with randomized deletion)."
+        "central and local ε: one user's report replaced (removal notion); took part ε: whether "
+        "a user contributed at all (add-remove, randomized deletion); RMSE and intervals "
+        "against the population's truth × the share deletion kept.",
+        soft_wrap=True,
     )
+
+
+def _eps_delta(eps: float | None, delta: float | None) -> str:
+    if eps is None or delta is None:
+        return "—"
+    return f"{eps:.3f} ({delta:.0e})" if math.isfinite(eps) else "∞ (see below)"
+
+
+def _print_verdicts(out: Console, found: list[ChannelResult]) -> tuple[int, int]:
+    """One line per verdict; returns (estimates inside their interval, checked)."""
+    for r in found:
+        if not math.isfinite(r.central_eps):
+            out.print(
+                f"[yellow]{r.channel_id}:[/] no central bound holds for this crowd: "
+                f"{r.release['certificate']['note']}",
+                soft_wrap=True,
+            )
+    checked = sum(len(r.checked) for r in found)
+    inside = sum(r.inside for r in found)
+    out.print(
+        f"{inside} of {checked} checked estimates inside their 95% intervals (expected = truth × "
+        "the share kept by randomized deletion)"
+    )
+    return inside, checked
 
 
 def _print_privacy(out: Console, found: list[ChannelResult]) -> None:
@@ -422,8 +470,8 @@ def _print_privacy(out: Console, found: list[ChannelResult]) -> None:
         out.print(f"{r.channel_id}: {budget_text(r.privacy.get('device_budget'))}", soft_wrap=True)
 
 
-def _print_checks(out: Console, found: list[ChannelResult]) -> tuple[int, int]:
-    """Truth against estimate per checked bin; returns (inside their interval, checked)."""
+def _print_checks(out: Console, found: list[ChannelResult]) -> None:
+    """Truth against estimate per checked bin (``--verbose``)."""
     from rich.table import Table
 
     for r in found:
@@ -442,16 +490,3 @@ def _print_checks(out: Console, found: list[ChannelResult]) -> tuple[int, int]:
                 "yes" if hit else "[red]no[/]",
             )
         out.print(table)
-    for r in found:
-        if not math.isfinite(r.central_eps):
-            out.print(
-                f"[yellow]{r.channel_id}:[/] no central bound holds for this crowd: "
-                f"{r.release['certificate']['note']}"
-            )
-    checked = sum(len(r.checked) for r in found)
-    inside = sum(r.inside for r in found)
-    out.print(
-        f"{inside} of {checked} checked estimates inside their 95% intervals (expected = truth × "
-        "the share kept by randomized deletion)"
-    )
-    return inside, checked

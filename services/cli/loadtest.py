@@ -235,12 +235,14 @@ def _main(kw: dict[str, Any]) -> None:
     console = Console(stderr=True)
     pace = _pace(kw["rate"], kw["ramp"], kw["as_fast"])
     services: list[launcher.Service] = []
+    own: Path | None = None  # the folder of a deployment this run started
     analyzer_url, trust_file = kw["analyzer_url"], kw["trust_file"]
     tokens = _credentials(kw["admin_token"], kw["keys"])
     try:
         if kw["start_local"]:
             services, trust_file = _start_local(console)
-            tokens = Credentials(folder=trust_file.parent / "keys")
+            own = trust_file.parent
+            tokens = Credentials(folder=own / "keys")
             analyzer_url = services[0].url
         plan = Plan(
             analyzer_url=analyzer_url.rstrip("/"),
@@ -266,8 +268,8 @@ def _main(kw: dict[str, Any]) -> None:
     finally:
         if services:
             launcher.stop(services)
-            # Its keys, tokens and databases served this run only: none is left behind.
-            shutil.rmtree(Path(services[0].log or ".").parent.parent, ignore_errors=True)
+        if own is not None:  # its keys, tokens and databases served this run only
+            shutil.rmtree(own, ignore_errors=True)
     _print(summary, console)
     problems = summary.get("verification", {}).get("problems", [])
     if problems:

@@ -412,16 +412,14 @@ def _replay(
     files: dict[str, dict[int, list[Path]]],
     epochs: dict[str, int],
     rate: float | None = None,
-) -> tuple[loadgen.Driver, int]:
+) -> tuple[loadgen.Driver, loadgen.ChannelSource]:
     """Send every request of the current epoch(s) at ``rate`` per second in all (None: as fast
-    as the shufflers answer); returns the driver (its stats) and how many requests were
-    skipped because their epoch ended."""
-    from services.tools.loadtest.live import ChannelSource
-
-    source = ChannelSource(files, epochs)
+    as the shufflers answer); returns the driver (its stats) and the source (what it handed
+    out, and how many requests it skipped because their epoch ended)."""
+    source = loadgen.ChannelSource(files, epochs)
     driver = loadgen.Driver(urls, concurrency=CONNECTIONS, patience=DEVICE_PATIENCE_SECONDS)
     asyncio.run(driver.run(source, rate, 3600.0, until_empty=True))
-    return driver, source.skipped
+    return driver, source
 
 
 def _pieces(columns: list[list[str]], size: int) -> Iterator[tuple[range, list[list[str]]]]:
@@ -520,73 +518,49 @@ def _replay_guard(run: DemoRun, channels: list[str]) -> float:
     return 3.0 + requests / SLOW_REPLAY_PER_S
 
 
-@dataclass
-class _Series:
-    """A longitudinal channel's requests, sealed ahead: period t in epoch ``first + t - 1``."""
-
-    config: ChannelConfig
-    files: dict[int, list[Path]]
-
-    @property
-    def first(self) -> int:
-        return min(self.files)
-
-    @property
-    def ends(self) -> float:
-        """Unix time at which its last period's epoch ends."""
-        return (max(self.files) + 1) * self.config.epoch_seconds
+#: Outer envelopes a worker pool seals per second, a guess until the first wave measures it.
+SERIES_SEAL_RATE = 1500.0
 
 
-def _seal_series(
+def _add_series(
     run: DemoRun, pool: loadgen.SealerPool, tokens: list[list[str]], configs: list[ChannelConfig]
-) -> list[_Series]:
+) -> list[loadgen.SeriesWaves]:
     """Every longitudinal device runs its tree through each channel's periods (Erlingsson
-    et al. 2019, Algorithm 1), encoded and sealed ahead of time; the channels' periods then
-    follow one another. The outer envelopes name the epoch, so the first one starts after
-    the outer sealing, which is planned at the inner sealing's pace (no slower) and done
-    again, later, if it took longer."""
-    if not configs:
-        return []
-    started, items = time.monotonic(), 0
+    et al. 2019, Algorithm 1), encoded and sealed to the analyzer ahead of time; the outer
+    envelopes are sealed wave by wave (:class:`loadgen.SeriesWaves`)."""
+    found = []
     for config in configs:
         truth = run.truths[config.id]
         assert truth.changes is not None
         changes: list[list[int]] = [[] for _ in range(run.devices)]
         for user, period in zip(truth.changes.user, truth.changes.period, strict=True):
             changes[int(user)].append(int(period))
-        items += pool.add_series(tokens, changes, config.id).items
-    ahead = 2.0 + 1.5 * (time.monotonic() - started)
-    for _ in range(3):
-        found, start = [], time.time() + ahead
-        for config in configs:
-            first = int(start // config.epoch_seconds) + 1
-            where = run.workdir / "requests" / config.id
-            found.append(_Series(config, pool.seal_series(first, where, config.id)[0]))
-            start = found[-1].ends
-        if time.time() < found[0].first * found[0].config.epoch_seconds:
-            return found
-        ahead *= 2  # sealing took longer than planned: the first period is already open
-    raise DemoError(f"could not seal {items} longitudinal reports ahead of their periods")
+        pool.add_series(tokens, changes, config.id)
+        where = run.workdir / "requests" / config.id
+        found.append(loadgen.SeriesWaves(pool, config, where, SERIES_SEAL_RATE))
+    return found
 
 
-def _send_series(run: DemoRun, series: _Series, seen: _Seen) -> _Delivery:
-    """Period t of a longitudinal channel is sent during epoch ``first + t - 1``; ``seen``
-    holds the epochs that have started (what to close if the run fails)."""
-    config, delivery = series.config, _Delivery()
-    for t, epoch in enumerate(sorted(series.files), start=1):
-        time.sleep(max(0.0, epoch * config.epoch_seconds + 0.05 - time.time()))
-        seen.epochs[config.id] = (series.first, epoch)
-        driver, skipped = _replay(run.target.shuffler_urls,
-                                  {config.id: {epoch: series.files[epoch]}},
-                                  {config.id: config.epoch_seconds}, run.rate)  # fmt: skip
-        if skipped:  # the epoch ended before all of its requests were sent
-            raise DemoError(
-                f"period {t} of {config.id!r} overran its {config.epoch_seconds}-second epoch: "
-                "this machine is too busy (stop other work, try fewer --devices, or --channel "
-                "to leave the longitudinal channel out)"
-            )
-        delivery.add([config.id], driver, skipped)
-        run.progress(config.id, 1)
+def _send_series(run: DemoRun, waves: loadgen.SeriesWaves, seen: _Seen) -> _Delivery:
+    """A longitudinal channel's waves, each sent during its own epoch; what an epoch's end
+    left unsent goes in a later wave. ``seen`` holds the epochs used (what to close if the
+    run fails)."""
+    config, delivery, done = waves.channel, _Delivery(), 0
+    while (wave := waves.next_wave()) is not None:
+        time.sleep(max(0.0, wave.epoch * config.epoch_seconds + 0.05 - time.time()))
+        seen.epochs[config.id] = (waves.epochs[0], wave.epoch)
+        files = {config.id: {wave.epoch: wave.files}}
+        driver, source = _replay(run.target.shuffler_urls, files,
+                                 {config.id: config.epoch_seconds}, run.rate)  # fmt: skip
+        delivery.add([config.id], driver, 0)
+        periods = waves.settle(source.handed)
+        run.progress(config.id, periods - done)
+        done = periods
+    if waves.rolled_over:
+        run.say(
+            f"{config.id}: {waves.rolled_over:,} reports sent in a later epoch than their "
+            f"period's ({len(waves.waves)} epochs for {done} periods: a busy machine)"
+        )
     return delivery
 
 
@@ -789,12 +763,12 @@ class _Seen:
         self.closed.add(channel_id)
 
 
-def _send_all(run: DemoRun, series: list[_Series], seen: _Seen) -> None:
+def _send_all(run: DemoRun, series: list[loadgen.SeriesWaves], seen: _Seen) -> None:
     """Every longitudinal channel's periods, one channel after the other, each closed once
-    its last period is sent."""
-    for found in series:
-        seen.delivery.merge(_send_series(run, found, seen))
-        seen.close(run.target, found.config.id)
+    its last report is sent."""
+    for waves in series:
+        seen.delivery.merge(_send_series(run, waves, seen))
+        seen.close(run.target, waves.channel.id)
 
 
 def _drive(
@@ -810,7 +784,7 @@ def _drive(
     (:data:`SEALER_NICENESS`, for the workers' whole life); then the histogram requests are
     replayed inside one epoch (:func:`_in_time`). Each channel is closed once it is sent."""
     histograms = [c.id for c in channels if _kind(c) is not ValueKind.STATE]
-    series = _seal_series(run, pool, tokens, [c for c in channels if _kind(c) is ValueKind.STATE])
+    series = _add_series(run, pool, tokens, [c for c in channels if _kind(c) is ValueKind.STATE])
     if not histograms:
         _send_all(run, series, seen)
         return
@@ -825,8 +799,8 @@ def _drive(
         files = sealing.result()
     files = _in_time(run, pool, files)
     seconds = {cid: run.config(cid).epoch_seconds for cid in histograms}
-    driver, skipped = _replay(run.target.shuffler_urls, files, seconds, run.rate)
-    seen.delivery.add(histograms, driver, skipped)
+    driver, source = _replay(run.target.shuffler_urls, files, seconds, run.rate)
+    seen.delivery.add(histograms, driver, source.skipped)
     seen.epochs |= {cid: (min(f), max(f)) for cid, f in files.items()}
     for cid in histograms:
         seen.close(run.target, cid)

@@ -17,8 +17,10 @@ each epoch; ``fresh=True`` re-encodes it for every epoch. One pool serves every 
 config (``channel=``), and a device's report can carry a given value (``values=``: the
 population's truth, for ``esa loadtest``'s verification). A longitudinal channel's devices
 (:meth:`SealerPool.add_series`) run their own tree state (Erlingsson et al. 2019, Algorithm 1)
-through every period ahead of time, and :meth:`SealerPool.seal_series` writes one file per
-period, each for its own epoch (``esa demo``).
+through every period ahead of time; :class:`SeriesWaves` then sends them in waves, one epoch
+each and at most one report per device in it, a report left unsent when its epoch ended going
+in a later wave (``esa demo``, ``esa loadtest``): a slow machine takes more epochs, never loses a
+period.
 
 :class:`Driver` replays those files (:class:`EpochSource`: only the current epoch's requests,
 switching at each boundary) over keep-alive HTTP/1.1 connections with bounded concurrency,
@@ -42,6 +44,7 @@ import os
 import secrets
 import ssl
 import struct
+import threading
 import time
 from array import array
 from collections import Counter
@@ -303,6 +306,10 @@ class _Sealer:
         self.devices: list[_Device] = []
         #: Longitudinal devices: tokens and, per period, the sealed routes of its report.
         self.series: list[tuple[tuple[str, ...], list[tuple[Any, ...]]]] = []
+        #: Per longitudinal device, the periods (0-based) whose report is not sent yet.
+        self.pending: list[list[int]] = []
+        #: The token each device of the last wave used, to that device's index.
+        self.waved: dict[str, int] = {}
 
     def report(self, value: int | None = None) -> tuple[tuple[int | None, tuple[bytes, ...]], ...]:
         """Encode ``value`` (default: one drawn from the population)."""
@@ -352,23 +359,35 @@ class _Sealer:
                 periods.append(encoded.routes)
                 sealed += len(encoded.routes)
             self.series.append((device_tokens, periods))
+            self.pending.append([t for t, routes in enumerate(periods) if routes])
         return sealed
 
-    def seal_series(self, first: int, directory: str, worker: int) -> list[int]:
-        """Write period t's reports of this shard's longitudinal devices, each in a new
-        outer envelope for epoch ``first + t - 1``, to ``epoch-{epoch}-{worker}.bin`` in
-        ``directory``; returns the requests written per period."""
-        counts = []
-        for t in range(len(self.series[0][1]) if self.series else 0):
-            written = 0
-            with open(f"{directory}/epoch-{first + t}-{worker}.bin", "wb") as out:
-                for tokens, periods in self.series:
-                    device = _Device(tokens, ())
-                    for slot, fragments in periods[t]:
-                        self._write(out, device, first + t, slot, fragments)
-                        written += 1
-            counts.append(written)
-        return counts
+    def seal_wave(self, epoch: int, period: int, path: str) -> int:
+        """Write, for every longitudinal device with a report not sent yet of a period up to
+        ``period`` (0-based), its earliest such report in a new outer envelope for ``epoch``
+        to ``path``: at most one request per device, as a shuffler takes one per epoch.
+        Returns how many requests were written."""
+        self.waved = {}
+        with open(path, "wb") as out:
+            for index, periods in enumerate(self.pending):
+                if not periods or periods[0] > period:
+                    continue
+                tokens, routes = self.series[index]
+                for slot, fragments in routes[periods[0]]:
+                    token = self._write(out, _Device(tokens, ()), epoch, slot, fragments)
+                    self.waved[token] = index
+        return len(self.waved)
+
+    def settle(self, handed: set[str]) -> tuple[int, int | None]:
+        """The last wave's requests whose token is in ``handed`` were sent: those reports
+        are done, the others stay first in line. Returns the reports still pending and the
+        earliest period (0-based) among them (None: none)."""
+        for token, index in self.waved.items():
+            if token in handed:
+                del self.pending[index][0]
+        self.waved = {}
+        heads = [periods[0] for periods in self.pending if periods]
+        return sum(len(periods) for periods in self.pending), min(heads, default=None)
 
     def _write(
         self,
@@ -377,9 +396,9 @@ class _Sealer:
         epoch: int,
         slot: int | None,
         fragments: tuple[bytes, ...],
-    ) -> None:
+    ) -> str:
         """One contribution of ``device`` for ``epoch``: its fragments sealed to the analyzer
-        for this epoch, a new nonce, sealed to its shuffler."""
+        for this epoch, a new nonce, sealed to its shuffler; returns the token it uses."""
         k = len(self.shufflers)
         target = secrets.randbelow(k) if slot is None else slot % k  # the SDK's routing
         shuffler_id, key = self.shufflers[target]
@@ -390,8 +409,10 @@ class _Sealer:
         )
         contribution = Contribution(channel.id, crowd, epoch, new_nonce(), sealed)
         body = seal_contribution(contribution, shuffler_id, key)
-        token = device.tokens[target].encode()
-        out.write(RECORD.pack(target, len(token), len(body)) + token + body)
+        token = device.tokens[target]
+        encoded = token.encode()
+        out.write(RECORD.pack(target, len(encoded), len(body)) + encoded + body)
+        return token
 
 
 def _sealer_main(
@@ -421,8 +442,10 @@ def _sealer_main(
                 result = len(args[0])
             elif command == "add_series":
                 result = sealer.add_series(*args)
-            elif command == "seal_series":
-                result = sealer.seal_series(*args)
+            elif command == "seal_wave":
+                result = sealer.seal_wave(*args)
+            elif command == "settle":
+                result = sealer.settle(*args)
             else:
                 result = sealer.seal_epoch(*args)
         except Exception as error:  # reported to the parent, which raises LoadError
@@ -474,6 +497,9 @@ class SealerPool:
         self.shards: dict[str, list[int]] = {target.channel.id: [0] * workers}
         self._pipes: list[Connection] = []
         self._processes = []
+        #: One step at a time on the pipes (``esa demo`` seals a longitudinal wave while a
+        #: thread seals histogram devices in the same workers).
+        self._lock = threading.Lock()
         for _ in range(workers):
             parent, child = context.Pipe()
             process = context.Process(
@@ -510,9 +536,10 @@ class SealerPool:
         """
         results = []
         try:
-            for pipe, message in zip(self._pipes, messages, strict=True):
-                pipe.send(message)
-            answers = [pipe.recv() for pipe in self._pipes]
+            with self._lock:
+                for pipe, message in zip(self._pipes, messages, strict=True):
+                    pipe.send(message)
+                answers = [pipe.recv() for pipe in self._pipes]
         except (EOFError, OSError) as error:
             raise LoadError(f"a sealing worker died ({type(error).__name__})") from error
         for status, result in answers:
@@ -598,27 +625,28 @@ class SealerPool:
         return SealTiming(sum(r[0] for r in results), time.perf_counter() - start,
                           sum(r[2] for r in results))  # fmt: skip
 
-    def seal_series(
-        self, first: int, directory: Path, channel: str
-    ) -> tuple[dict[int, list[Path]], SealTiming]:
-        """Files of every period's requests of ``channel``'s longitudinal devices, period t
-        for epoch ``first + t - 1``: ``{epoch: one file per worker}``."""
+    def seal_wave(
+        self, epoch: int, period: int, directory: Path, channel: str
+    ) -> tuple[list[Path], SealTiming]:
+        """Files (one per worker) of a wave of ``channel``'s longitudinal reports for
+        ``epoch``: each device's earliest unsent report of a period up to ``period``
+        (0-based), in a new outer envelope (:meth:`_Sealer.seal_wave`)."""
         directory.mkdir(parents=True, exist_ok=True)
+        paths = [directory / f"epoch-{epoch}-{i}.bin" for i in range(len(self._pipes))]
         start = time.perf_counter()
         results = self._all(
-            [("seal_series", channel, (first, str(directory), i)) for i in range(len(self._pipes))]
-        )
-        periods = max((len(r[0]) for r in results), default=0)
-        files = {
-            first + t: [
-                directory / f"epoch-{first + t}-{i}.bin"
-                for i, r in enumerate(results)
-                if len(r[0]) > t
-            ]
-            for t in range(periods)
-        }
-        written = sum(sum(r[0]) for r in results)
-        return files, SealTiming(written, time.perf_counter() - start, sum(r[2] for r in results))
+            [("seal_wave", channel, (epoch, period, str(p))) for p in paths]
+        )  # fmt: skip
+        written = sum(r[0] for r in results)
+        cpu = sum(r[2] for r in results)
+        return paths, SealTiming(written, time.perf_counter() - start, cpu)
+
+    def settle(self, channel: str, handed: set[str]) -> tuple[int, int | None]:
+        """Tell every worker which requests of the last wave were sent (their tokens);
+        returns the reports still pending and the earliest period among them."""
+        results = self._all([("settle", channel, (handed,))] * len(self._pipes))
+        heads = [r[0][1] for r in results if r[0][1] is not None]
+        return sum(r[0][0] for r in results), min(heads, default=None)
 
     def close(self) -> None:
         """Stop the workers (again: nothing)."""
@@ -636,6 +664,91 @@ class SealerPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Waves in a row that may hand out nothing before a longitudinal phase gives up: each was
+#: sealed for an epoch that ended before its sealing did.
+EMPTY_WAVES = 3
+
+
+@dataclass(frozen=True)
+class Wave:
+    """One epoch of a longitudinal phase: the epoch, the latest period (1-based) its reports
+    may be of, its request files (one per worker) and how many requests they hold."""
+
+    epoch: int
+    period: int
+    files: list[Path]
+    requests: int
+
+
+class SeriesWaves:
+    """A longitudinal channel's reports (:meth:`SealerPool.add_series`) sent in waves, one
+    epoch each: wave w holds every device's earliest unsent report of a period up to w, at
+    most one per device (a shuffler takes one contribution per client, channel and epoch).
+    A report left unsent when its epoch ended goes in a later wave, sealed anew for that
+    epoch; the analyzer reads each report's period from the report itself (Erlingsson et al.
+    2019, Algorithm 2), never from the epoch, so a slow machine takes more epochs and never
+    loses a period. With nothing slow, wave t is period t, as devices in the field send it.
+    """
+
+    def __init__(
+        self, pool: SealerPool, channel: ChannelConfig, directory: Path, seal_rate: float
+    ) -> None:
+        self.pool, self.channel, self.directory = pool, channel, directory
+        #: Outer envelopes sealed per second: a guess until a wave measures it.
+        self.seal_rate = seal_rate
+        self.waves: list[Wave] = []
+        #: Requests sealed that their epoch ended before sending (sent again later).
+        self.rolled_over = 0
+        self._pending: int | None = None
+        self._empty = 0
+
+    @property
+    def epochs(self) -> list[int]:
+        """The epochs of the waves so far."""
+        return [wave.epoch for wave in self.waves]
+
+    def next_wave(self) -> Wave | None:
+        """Seal the next wave for the first epoch that starts after the sealing is likely
+        done (never the previous wave's); None once every report is sent."""
+        if self._pending == 0:
+            return None
+        seconds = self.channel.epoch_seconds
+        devices = sum(self.pool.shards.get(self.channel.id, [0]))
+        ahead = 1.0 + devices / max(self.seal_rate, 1.0)
+        after = self.waves[-1].epoch + 1 if self.waves else 0
+        epoch = max(after, int((time.time() + ahead) // seconds))
+        period = len(self.waves) + 1
+        files, timing = self.pool.seal_wave(epoch, period - 1, self.directory, self.channel.id)
+        if timing.items:
+            self.seal_rate = timing.rate
+        self.waves.append(Wave(epoch, period, files, timing.items))
+        return self.waves[-1]
+
+    def settle(self, handed: set[str]) -> int:
+        """The last wave was sent as far as ``handed`` (its requests' tokens) says; returns
+        how many periods are complete (every report of them sent).
+
+        Raises:
+            LoadError: :data:`EMPTY_WAVES` waves in a row sent nothing.
+        """
+        wave = self.waves[-1]
+        self.rolled_over += wave.requests - len(handed)
+        self._pending, earliest = self.pool.settle(self.channel.id, handed)
+        self._empty = 0 if handed or not wave.requests else self._empty + 1
+        if self._empty >= EMPTY_WAVES:
+            raise LoadError(
+                f"{self.channel.id}: {EMPTY_WAVES} waves in a row sent nothing: sealing "
+                f"{wave.requests:,} reports takes longer than a {self.channel.epoch_seconds}-s "
+                "epoch on this machine (fewer devices, or more sealing workers)"
+            )
+        return self._periods(earliest)
+
+    def _periods(self, earliest: int | None) -> int:
+        mechanism = get_mechanism(self.channel.mechanism)
+        total = mechanism.domain_size(mechanism.parse_params(self.channel.params))
+        return total if earliest is None else earliest
 
 
 def _split(total: int, capacities: list[int]) -> list[int]:
@@ -694,6 +807,8 @@ class EpochSource:
         self.files = dict(files)
         self.epoch_seconds = epoch_seconds
         self.skipped = 0
+        #: The tokens of the requests handed out (a longitudinal wave's settlement).
+        self.handed: set[str] = set()
         self._epoch: int | None = None
         self._readers: list[Iterator[Request]] = []
         self._turn = 0
@@ -714,9 +829,52 @@ class EpochSource:
             self._turn = (self._turn + 1) % len(self._readers)
             found = next(self._readers[self._turn], None)
             if found is not None:
+                self.handed.add(found.token)
                 return found
             del self._readers[self._turn]
         return None
+
+
+class ChannelSource:
+    """Every channel's :class:`EpochSource` in turn (one contribution from each)."""
+
+    def __init__(
+        self, files: Mapping[str, Mapping[int, Sequence[Path]]], epochs: Mapping[str, int]
+    ):
+        self.sources = [EpochSource(f, epochs[cid]) for cid, f in files.items()]
+        #: The channels in :attr:`sources`' order (a request's tag is its channel's index).
+        self.channels = list(files)
+        self._turn = 0
+
+    def next_of(self, tag: int, now: float) -> Request | None:
+        """The next request of the channel of index ``tag`` alone (None if it has none now)."""
+        found = self.sources[tag].next(now)
+        if found is None:
+            return None
+        return Request(found.shuffler, found.token, found.body, tag)
+
+    def next(self, now: float) -> Request | None:
+        """The next request of the next channel that has one now."""
+        for _ in range(len(self.sources)):
+            self._turn = (self._turn + 1) % len(self.sources)
+            found = self.sources[self._turn].next(now)
+            if found is not None:
+                return Request(found.shuffler, found.token, found.body, self._turn)
+        return None
+
+    def finished(self, now: float) -> bool:
+        """No channel has a request left for the epoch of ``now`` or a later one."""
+        return all(s.finished(now) for s in self.sources)
+
+    @property
+    def skipped(self) -> int:
+        """Requests left unsent because their epoch ended."""
+        return sum(s.skipped for s in self.sources)
+
+    @property
+    def handed(self) -> set[str]:
+        """The tokens of every request handed out to be sent."""
+        return set().union(*(s.handed for s in self.sources))
 
 
 @dataclass

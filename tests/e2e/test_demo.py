@@ -8,6 +8,7 @@ of ``esa up``), with the PostgreSQL backend of docker-compose.yml and a smaller 
 from __future__ import annotations
 
 import fcntl
+import html
 import json
 import math
 import os
@@ -79,8 +80,11 @@ def test_demo_on_postgresql_reports_estimates_inside_their_intervals(
     floor = stats.binom.ppf(1e-4, checked, 0.85)
     assert inside >= floor, (inside, checked, results)
     assert f"{inside} of {checked} checked estimates inside" in done.stdout
-    _check_privacy_over_time(results, done.stdout)
+    # a summary a person reads: one table and a line per verdict; the rest is in the report
+    assert len(done.stdout.splitlines()) <= 30, done.stdout
+    assert "privacy over time" not in done.stdout
     report = (tmp_path / "report.html").read_text()
+    _check_privacy_over_time(results, html.unescape(report))
     assert report.count("data:image/png;base64,") == len(DEFAULT_CHANNELS)
     assert "Privacy over time" in report and report.count('class="lifetime"') == len(results)
     assert f"http://127.0.0.1:{base}/" in done.stdout  # the dashboard URL is printed
@@ -93,11 +97,11 @@ def test_demo_on_postgresql_reports_estimates_inside_their_intervals(
 PAIRED = {"krappor", "krr", "longitudinal"}
 
 
-def _check_privacy_over_time(results: list[dict[str, Any]], stdout: str) -> None:
+def _check_privacy_over_time(results: list[dict[str, Any]], report: str) -> None:
     """Per channel: per-epoch certificates, the lifetime ε (PLD) beside basic composition with
-    the δ split, and the device budget in use — in the JSON and printed."""
+    the δ split, and the device budget in use — in the JSON and the report."""
     for r in results:
-        cid, epochs, life = r["channel_id"], r["epochs"], r["lifetime"]
+        epochs, life = r["epochs"], r["lifetime"]
         assert epochs and all(e["n"] > 0 and 0 <= e["delta"] < 1 for e in epochs), r
         expected = "pair" if r["mechanism"] in PAIRED else "certificate"
         assert {e["composed_as"] for e in epochs} == {expected}, r
@@ -114,10 +118,17 @@ def _check_privacy_over_time(results: list[dict[str, Any]], stdout: str) -> None
         if budget["local_eps"] is not None:
             assert budget["spent"] == pytest.approx(len(epochs) * budget["local_eps"]), r
         assert r["lifetime_with_deletion"]["neighbouring"] == "add-remove", r
-        assert f"{cid}: privacy over time" in stdout
-        assert f"{cid}: lifetime ε (PLD) = " in stdout and "beside basic composition" in stdout
-        assert f"{cid}: took part at all (with deletion): lifetime ε (PLD)" in stdout
-        assert f"{cid}: device budget: local ε per report" in stdout
+    assert report.count("lifetime ε (PLD) = ") >= len(results)
+    assert "beside basic composition" in report and "device budget: local ε per report" in report
+
+
+def _check_verbose(stdout: str) -> None:
+    """``--verbose`` adds the checked bins and the privacy over time of each channel."""
+    assert "homepage: largest true values" in stdout
+    assert "homepage: privacy over time" in stdout
+    assert "homepage: lifetime ε (PLD) = " in stdout and "beside basic composition" in stdout
+    assert "homepage: took part at all (with deletion): lifetime ε (PLD)" in stdout
+    assert "homepage: device budget: local ε per report" in stdout
 
 
 def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Path) -> None:
@@ -138,19 +149,20 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
             assert line, "esa up exited"
         args = ["--devices", "500", "--analyzer-url", f"http://127.0.0.1:{base}"]
         args += ["--var", str(var), "--keys", str(var / "keys")]
-        args += ["--channel", "homepage", "--report", str(tmp_path / "r.html")]
+        args += ["--channel", "homepage", "--report", str(tmp_path / "r.html"), "--verbose"]
         for _ in range(2):  # once more if the hourly epoch turned between the two runs
             epoch = time.time() // 3600
             first = _demo(*args)
             assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
             assert f"using the deployment at http://127.0.0.1:{base}" in first.stderr
             assert "no --trust file" not in first.stderr  # it pinned var/trust.json
+            _check_verbose(first.stdout)
             again = _demo(*args)
             if time.time() // 3600 == epoch:
                 break
         assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-3000:]
         assert "was already closed and released" in again.stderr
-        unknown = _demo(*args[:-4], "--channel", "nope")
+        unknown = _demo(*args[:-5], "--channel", "nope")
         assert unknown.returncode == 1 and "unknown channel(s) nope" in unknown.stderr
         # Keys the deployment's shufflers never signed with: the config is refused, naming why.
         trust = json.loads((var / "trust.json").read_text())
@@ -162,7 +174,8 @@ def test_demo_uses_a_running_deployment_and_refuses_a_closed_epoch(tmp_path: Pat
         assert "descriptor of shuffler 'shuffler-2' is not signed by the key pinned" in " ".join(
             refused.stderr.split()
         )
-        _assert_a_wrong_admin_token_is_named(tmp_path, var, args[:-6])  # no --keys, --channel
+        without = args[:-7]  # no --keys, --channel, --report, --verbose
+        _assert_a_wrong_admin_token_is_named(tmp_path, var, without)
     finally:
         up.terminate()
         up.wait(30)

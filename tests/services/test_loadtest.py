@@ -43,7 +43,7 @@ from services.tools.loadtest.refusals import RefusedError, check_answers, unexpe
 from services.tools.loadtest.verify import channel_problems
 from tests.support import LOADTEST_PAGES as PAGES
 from tests.support import LOADTEST_SERIES as ABROAD
-from tests.support import TEST_SHUFFLER_SETTINGS, own_token
+from tests.support import TEST_SHUFFLER_SETTINGS
 
 HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
 FEATURES = next(c for c in DEFAULT_CHANNELS if c.id == "features")
@@ -167,7 +167,9 @@ def test_loadtest_drives_a_longitudinal_channel_through_its_periods(
     summary = json.loads((tmp_path / "loadtest.json").read_text())
     run, check = summary["series"]["abroad"], summary["verification"]
     first, last = run["epochs"]
-    assert run["periods"] == 4 and last - first == 3 and run["skipped"] == 0
+    # one wave per period on a quiet machine; a busy one may take more epochs, never fewer
+    assert run["periods"] == 4 and run["waves"] == last - first + 1 >= 4
+    assert run["waves"] == 4 or run["rolled_over"] > 0
     # Every device reports in the periods its level asks (d / 2^(h-1) of 4): ~7/3 each.
     assert 300 < run["accepted"] == run["offered"] < 4 * 300 and run["errors"] == {}
     totals = check["conservation"]["totals"]
@@ -470,10 +472,9 @@ def test_loadtest_up_verifies_with_its_own_deployments_tokens(tmp_path: Path) ->
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "verification: PASS" in done.stdout
-    (var,) = tmp_path.glob("esa-loadtest-*")
-    tokens = [own_token(var, party) for party in ("analyzer", "shuffler-1", "shuffler-2")]
-    tokens += [own_token(var, "shuffler-1", launcher.METRICS_TOKEN_FILE)]
-    assert len(set(tokens)) == len(tokens) and "development" not in tokens
+    assert "starting a fresh deployment under " in done.stderr
+    # its keys, tokens and databases served this run only: nothing of them is left behind
+    assert not list(tmp_path.glob("esa-loadtest-*"))
 
 
 def test_populations_add_up_to_the_devices(tmp_path: Path) -> None:

@@ -12,9 +12,8 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
@@ -22,45 +21,9 @@ from rich.live import Live
 from rich.table import Table
 
 from services.tools import loadgen
+from services.tools.loadgen import ChannelSource
 
 SAMPLE_SECONDS = 1.0
-
-
-class ChannelSource:
-    """Every channel's :class:`loadgen.EpochSource` in turn (one contribution from each)."""
-
-    def __init__(
-        self, files: Mapping[str, Mapping[int, Sequence[Path]]], epochs: Mapping[str, int]
-    ):
-        self.sources = [loadgen.EpochSource(f, epochs[cid]) for cid, f in files.items()]
-        #: The channels in :attr:`sources`' order (a request's tag is its channel's index).
-        self.channels = list(files)
-        self._turn = 0
-
-    def next_of(self, tag: int, now: float) -> loadgen.Request | None:
-        """The next request of the channel of index ``tag`` alone (None if it has none now)."""
-        found = self.sources[tag].next(now)
-        if found is None:
-            return None
-        return loadgen.Request(found.shuffler, found.token, found.body, tag)
-
-    def next(self, now: float) -> loadgen.Request | None:
-        """The next request of the next channel that has one now."""
-        for _ in range(len(self.sources)):
-            self._turn = (self._turn + 1) % len(self.sources)
-            found = self.sources[self._turn].next(now)
-            if found is not None:
-                return loadgen.Request(found.shuffler, found.token, found.body, self._turn)
-        return None
-
-    def finished(self, now: float) -> bool:
-        """No channel has a request left for the epoch of ``now`` or a later one."""
-        return all(s.finished(now) for s in self.sources)
-
-    @property
-    def skipped(self) -> int:
-        """Requests left unsent because their epoch ended."""
-        return sum(s.skipped for s in self.sources)
 
 
 @dataclass
@@ -181,40 +144,36 @@ async def replay(
             monitor.sample(monitor.samples[-1] if monitor.samples else {})
 
 
-async def replay_periods(
+async def replay_waves(
     monitor: Monitor,
-    channel_id: str,
-    files: Mapping[int, Sequence[Path]],
-    epoch_seconds: int,
+    waves: loadgen.SeriesWaves,
     rate: float | None,
     console: Console,
     live: bool = True,
-) -> tuple[float, int]:
-    """A longitudinal channel's phase: each period's requests sent during its own epoch (the
-    files' epochs in order, period t in the t-th), sampling every second. Returns the seconds
-    from the start of the first period's epoch to the last answer, and the requests left
-    unsent because their period's epoch ended first."""
-    title = f"esa loadtest: {channel_id}, {len(files)} periods"
-    skipped = 0
+) -> float:
+    """A longitudinal channel's phase: its waves (:class:`loadgen.SeriesWaves`), each sealed
+    and then sent during its own epoch, what an epoch's end left unsent going in a later
+    wave, sampling every second. Returns the seconds from the start of the first wave's
+    epoch to the last answer."""
+    channel, seconds = waves.channel.id, waves.channel.epoch_seconds
+    title = f"esa loadtest: {channel}, periods in waves of one {seconds}-s epoch"
     monitor.started = time.monotonic()
     with (
         Live(Table(title=title), console=console, refresh_per_second=2) if live else _Null()
     ) as display:
         task = asyncio.create_task(_sampling(monitor, display if live else None, title))
         try:
-            for epoch in sorted(files):
-                await asyncio.sleep(max(0.0, epoch * epoch_seconds + 0.05 - time.time()))
-                source = ChannelSource(
-                    {channel_id: {epoch: list(files[epoch])}}, {channel_id: epoch_seconds}
-                )
-                left = (epoch + 1) * epoch_seconds - time.time()
-                # Past the epoch's end the source counts what is left as skipped and stops.
-                await monitor.driver.run(source, rate, left + 2 * epoch_seconds, until_empty=True)
-                skipped += source.skipped
+            while (wave := await asyncio.to_thread(waves.next_wave)) is not None:
+                await asyncio.sleep(max(0.0, wave.epoch * seconds + 0.05 - time.time()))
+                source = ChannelSource({channel: {wave.epoch: wave.files}}, {channel: seconds})
+                left = (wave.epoch + 1) * seconds - time.time()
+                # Past the epoch's end the source stops handing out requests.
+                await monitor.driver.run(source, rate, left + 2 * seconds, until_empty=True)
+                await asyncio.to_thread(waves.settle, source.handed)
         finally:
             task.cancel()
             monitor.sample(monitor.samples[-1] if monitor.samples else {})
-    return time.monotonic() - monitor.started, skipped
+    return time.monotonic() - monitor.started
 
 
 class _Null:

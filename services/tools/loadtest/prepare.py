@@ -12,8 +12,9 @@ make the tool the bottleneck.
 A longitudinal (state) channel's devices run their own tree state (Erlingsson et al. 2019,
 Algorithm 1) through the channel's d periods in the workers, every period's report sealed to the
 analyzer ahead of time (:meth:`loadgen.SealerPool.add_series`); the outer envelopes name the
-epoch, so they are sealed just before that channel's own phase (:func:`seal_series`), period t
-for the t-th epoch of the phase. The pool stays open until :meth:`Prepared.close`.
+epoch, so they are sealed during that channel's own phase, one wave (one epoch, at most one
+report per device) at a time (:func:`series_waves`). The pool stays open until
+:meth:`Prepared.close`.
 """
 
 from __future__ import annotations
@@ -312,25 +313,18 @@ def _seal_epochs(
     return files, (written, max(seconds, 1e-9), max(cpu, 1e-9))
 
 
-def seal_series(
-    prepared: Prepared, channel_id: str, workdir: Path
-) -> tuple[dict[int, list[Path]], float]:
-    """The outer envelopes of a longitudinal channel's phase: period t's reports for the t-th
-    epoch after the sealing is done; returns ``{epoch: files}`` and the outer seals per second.
+def series_waves(prepared: Prepared, channel_id: str, workdir: Path) -> loadgen.SeriesWaves:
+    """The waves of a longitudinal channel's phase (:class:`loadgen.SeriesWaves`), whose
+    outer envelopes are sealed one wave, one epoch, at a time.
 
     Raises:
-        loadgen.LoadError: the pool is closed or a worker failed.
+        loadgen.LoadError: the pool is closed.
     """
     if prepared.pool is None:
         raise loadgen.LoadError("the sealing workers are closed")
-    target = prepared.series[channel_id]
-    # A device of level h reports d / 2^(h-1) times, its level uniform over L = log2 d + 1.
-    d = prepared.populations[channel_id].k
-    reports = sum(prepared.pool.shards.get(channel_id, [0])) * (2 * d - 1) / d.bit_length()
-    ahead = 1.0 + reports / OUTER_SEALS_PER_S
-    first = target.epoch(time.time() + ahead) + 1
-    found, timing = prepared.pool.seal_series(first, workdir / "requests" / channel_id, channel_id)
-    return found, timing.rate
+    where = workdir / "requests" / channel_id
+    channel = prepared.series[channel_id].channel
+    return loadgen.SeriesWaves(prepared.pool, channel, where, OUTER_SEALS_PER_S)
 
 
 def planned_rate(prepared: Prepared, duration: float) -> float:

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from services.tools import loadgen
-from services.tools.loadtest.live import ChannelSource
+from services.tools.loadgen import ChannelSource
 
 #: The shuffler's error code for a contribution to an epoch that is not open (closed by an
 #: admin, or past): ``shuffler.errors.EpochNotOpenError.code``.

@@ -18,7 +18,7 @@ from services.tools import loadgen
 from services.tools.credentials import Credentials
 from services.tools.loadtest import live, refusals, report, verify
 from services.tools.loadtest.population import Population
-from services.tools.loadtest.prepare import Plan, Prepared, prepare, seal_series
+from services.tools.loadtest.prepare import Plan, Prepared, prepare, series_waves
 
 
 @dataclass(frozen=True)
@@ -120,50 +120,49 @@ def verification(
 def series_phase(
     options: Options, prepared: Prepared, cid: str, console: Console
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """A longitudinal channel on its own: its devices' reports of period t sent during the
-    t-th epoch of the phase (each period in its own epoch, Erlingsson et al. 2019), then with
-    the admin token: close, drain, conservation (received = the analyzer's fragments opened
-    meanwhile: one per contribution) and every period's estimate against the truth (not if a
-    shuffler refused more than it acknowledged: :func:`refusals.check_answers` raises). Returns
-    the phase's run summary and its verification."""
+    """A longitudinal channel on its own: its devices' reports sent in waves, one epoch each
+    (:class:`loadgen.SeriesWaves`: period t in the t-th, unless an epoch ended before its wave
+    was sent, whose rest goes in the next), then with the admin token: close, drain,
+    conservation (received = the analyzer's fragments opened meanwhile: one per contribution)
+    and every period's estimate against the truth (not if a shuffler refused more than it
+    acknowledged: :func:`refusals.check_answers` raises). Returns the phase's run summary and
+    its verification."""
     target, token = prepared.series[cid], options.tokens
     urls, analyzer = prepared.shuffler_urls, options.plan.analyzer_url
-    files, sealed = seal_series(prepared, cid, options.out)
+    waves = series_waves(prepared, cid, options.out)
     before = verify.shuffler_state(urls, token) if token else {}
     opened = verify.analyzer_fragments(analyzer, token, cid) if token else {}
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
     monitor = live.Monitor(driver, urls, options.local)
     rate = options.rate if isinstance(options.rate, int | float) else None
-    seconds = target.channel.epoch_seconds
+    console.log(f"{cid}: periods in waves of one {target.channel.epoch_seconds}-s epoch")
+    spent = asyncio.run(live.replay_waves(monitor, waves, rate, console, options.live))
+    epochs, periods = waves.epochs, prepared.populations[cid].k
+    run = live.summary(monitor, spent) | {"periods": periods, "waves": len(epochs)}
+    run |= {"rolled_over": waves.rolled_over, "epochs": [min(epochs), max(epochs)]}
+    run |= {"samples": report.public(monitor.samples)}
     console.log(
-        f"{cid}: {len(files)} periods of {seconds} s from epoch {min(files)} "
-        f"({sealed:,.0f} outer envelopes sealed/s)"
+        f"{cid}: {driver.stats.accepted:,} accepted over {periods} periods in {len(epochs)} "
+        f"epochs ({waves.rolled_over:,} reports sent in a later epoch than their period's)"
     )
-    spent, skipped = asyncio.run(
-        live.replay_periods(monitor, cid, files, seconds, rate, console, options.live)
-    )
-    run = live.summary(monitor, spent) | {"periods": len(files), "skipped": skipped}
-    run |= {"epochs": [min(files), max(files)], "samples": report.public(monitor.samples)}
-    console.log(f"{cid}: {driver.stats.accepted:,} accepted over {len(files)} periods")
     if token is None:
         return run, None
-    refusals.check_answers(driver.stats, urls, [cid], {cid: sorted(files)})
-    stats = (driver.stats.accepted, skipped)
-    checked = _series_verification(options, prepared, cid, sorted(files), before, opened, stats)
+    refusals.check_answers(driver.stats, urls, [cid], {cid: epochs})
+    checked = _series_verification(
+        options, prepared, cid, epochs, before, opened, driver.stats.accepted
+    )
     checked["problems"] += refusals.unexpected(driver.stats.refusals)
     return run, checked
 
 
 def _series_verification(
     options: Options, prepared: Prepared, cid: str, epochs: list[int],
-    before: dict[str, dict[str, float]], opened: dict[str, float], sent: tuple[int, int],
+    before: dict[str, dict[str, float]], opened: dict[str, float], acknowledged: int,
 ) -> dict[str, Any]:  # fmt: skip
     """A longitudinal phase's verification: close, drain, conservation with received = the
-    analyzer's fragments opened since ``opened``, every period's estimate; ``sent``:
-    (acknowledged, left unsent)."""
+    analyzer's fragments opened since ``opened``, every period's estimate."""
     assert options.tokens is not None
     token, urls, analyzer = options.tokens, prepared.shuffler_urls, options.plan.analyzer_url
-    (acknowledged, skipped), seconds = sent, prepared.series[cid].channel.epoch_seconds
     verify.close_epochs(urls, token, {cid: [max(epochs)]})  # closes every epoch up to it
     drained = verify.drain(analyzer, urls, token, options.drain_timeout)
     after, now = verify.shuffler_state(urls, token), verify.analyzer_fragments(analyzer, token, cid)
@@ -176,11 +175,6 @@ def _series_verification(
         problems.append(
             f"{cid}: {now['invalid'] - opened['invalid']:,.0f} fragments failed to "
             "open or parse at the analyzer"
-        )
-    if skipped:
-        problems.append(
-            f"{cid}: {skipped:,} contributions unsent: a period overran its "
-            f"{seconds}-second epoch (fewer --devices, or a quieter machine)"
         )
     return {"name": cid, "drain_seconds": drained, "check": check,
             "channels": {cid: row}, "problems": problems}  # fmt: skip
@@ -197,7 +191,7 @@ def _histograms(
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
     monitor = live.Monitor(driver, urls, options.local)
     epochs = {cid: t.channel.epoch_seconds for cid, t in prepared.targets.items()}
-    source = live.ChannelSource(prepared.files, epochs)
+    source = loadgen.ChannelSource(prepared.files, epochs)
     start = min(min(e) * epochs[c] for c, e in prepared.epochs.items())
     time.sleep(max(0.0, start - time.time()))
     say(f"run: {prepared.count:,} contributions prepared, {len(prepared.targets)} channels")
