@@ -11,7 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import click
@@ -142,23 +142,7 @@ if TYPE_CHECKING:
     "stop it when the demo ends. Default: keep it up when stdin and stdout are a terminal, "
     "stop it otherwise (CI, pipes).",
 )
-def demo(
-    devices: int,
-    analyzer_url: str,
-    trust_file: Path | None,
-    admin_token: str | None,
-    keys: Path | None,
-    var: Path,
-    database_url_template: str | None,
-    report: Path,
-    json_path: Path | None,
-    seed: int,
-    workers: int,
-    channels: tuple[str, ...],
-    rate: float | None,
-    verbose: bool,
-    keep_running: bool | None,
-) -> None:
+def demo(**kw: Any) -> None:
     """Run a simulated device population through the whole pipeline and check the results.
 
     \b
@@ -178,27 +162,14 @@ def demo(
     from encoder_client import EsaError
     from services.tools.demo import DemoError
 
-    folder = keys or var / "keys"
-    tokens = Credentials.shared(admin_token) if admin_token else Credentials(folder=folder)
-    options = _Options(
-        analyzer_url=analyzer_url.rstrip("/"),
-        trust=trust_file,
-        tokens=tokens,
-        devices=devices,
-        seed=seed,
-        workers=workers,
-        report=report,
-        json_path=json_path,
-        only=channels,
-        rate=rate,
-        verbose=verbose,
-    )
+    options, var = _options(kw), kw["var"]
     services: list[launcher.Service] = []
     workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
     try:
-        services, options.trust = _deployment(options, var, workdir, database_url_template)
+        template = kw["database_url_template"]
+        services, options.trust = _deployment(options, var, workdir, template)
         _run(options, workdir)
-        keep = keep_up(bool(services), keep_running, interactive())
+        keep = keep_up(bool(services), kw["keep_running"], interactive())
         finish(services, f"{options.analyzer_url}/", keep)
     except (DemoError, launcher.LaunchError) as error:
         raise click.ClickException(str(error)) from error
@@ -210,6 +181,25 @@ def demo(
         if services:
             launcher.stop(services)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _options(kw: dict[str, Any]) -> _Options:
+    """What the command line asked for; each party's own tokens from ``--keys`` (default
+    ``<var>/keys``) unless one ``--admin-token`` serves every shuffler."""
+    token, folder = kw["admin_token"], kw["keys"] or kw["var"] / "keys"
+    return _Options(
+        analyzer_url=kw["analyzer_url"].rstrip("/"),
+        trust=kw["trust_file"],
+        tokens=Credentials.shared(token) if token else Credentials(folder=folder),
+        devices=kw["devices"],
+        seed=kw["seed"],
+        workers=kw["workers"],
+        report=kw["report"],
+        json_path=kw["json_path"],
+        only=kw["channels"],
+        rate=kw["rate"],
+        verbose=kw["verbose"],
+    )
 
 
 def interactive() -> bool:

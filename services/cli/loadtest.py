@@ -89,7 +89,8 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
     "start_local",
     is_flag=True,
     help="Start a fresh local deployment (as `esa up`, on free ports) for this run, "
-    "verify against it (admin token 'development') and stop it at the end.",
+    "verify against it with each of its parties' own tokens, then stop it and remove its "
+    "folder (keys, tokens, databases).",
 )
 @click.option(
     "--channel",
@@ -206,8 +207,9 @@ def loadtest(
        in worker processes, written to files before the run;
     2. run: replay them over keep-alive connections at --rate, a --ramp or --max, with a
        live view (offered/accepted rate, p50/p95/p99, errors by status, per shuffler);
-    A longitudinal channel follows in a phase of its own: period t of every device's tree
-    is sent during the t-th epoch of the phase (rate: --rate, else as fast as answered).
+    A longitudinal channel follows in a phase of its own, in waves of one epoch each (at most
+    one report per device): period t in the t-th, and what an epoch's end left unsent in the
+    next, so any --devices and --rate verify (rate: --rate, else as fast as answered).
     3. verify (with --admin-token, --keys or --up): close the run's epochs, wait for every batch,
        check acknowledged = received at the analyzer + removed by randomized deletion +
        held, estimates against the population's truth, and print the certified ε per

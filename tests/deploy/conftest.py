@@ -1,6 +1,7 @@
 """The ``deploy`` marker: tests that run docker-compose.yml on a real Docker engine, and the
-compose project they share (``stack``, started once per session: the base deployment, to
-which test_monitoring.py and test_replicas.py add their profiles).
+compose project they share (``stack``, started once for the package and taken down after its
+last test, so its dozen idle containers do not slow the rest of the suite: the base
+deployment, to which test_monitoring.py and test_replicas.py add their profiles).
 
 They need root (to install and start the engine when missing: deploy/engine.sh) or an engine
 that answers already. Elsewhere they are skipped, except under ``CI=true``, where they are
@@ -30,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     images = prepare_engine()
     # Every party's secrets, made as a user makes them (deploy/party_secrets.py), in a
