@@ -84,10 +84,14 @@ def test_garbage_from_a_few_clients_costs_an_honest_batch_one_contribution_each(
             timeout=60,
         )
         assert closed.status_code == 200, closed.text
-    wait_until(lambda: unopened_parts(deployment.analyzer.url) == 0, timeout=60)
-    release = httpx.get(
-        f"{deployment.analyzer.url}/v1/channels/{CLICKS.id}/estimate", params={"epoch": epoch}
-    ).json()
+    url = f"{deployment.analyzer.url}/v1/channels/{CLICKS.id}/estimate"
+
+    def every_batch_in() -> bool:  # each shuffler forwards after its close, in the background
+        found = httpx.get(url, params={"epoch": epoch}, timeout=30)
+        return found.status_code == 200 and found.json()["crowd_check"]["batches"] == 3
+
+    wait_until(lambda: unopened_parts(deployment.analyzer.url) == 0 and every_batch_in(), 120)
+    release = httpx.get(url, params={"epoch": epoch}, timeout=30).json()
     check = release["crowd_check"]
     print("120 honest devices and 4 clients sending 16 garbage fragments each:", check)
     assert check["batches"] == 3 and check["withheld_batches"] == 0
