@@ -12,7 +12,7 @@ pure read), ``POST /v1/channels/{id}/releases`` (admin: publish and record a rel
 (lifetime ε across channels), ``GET /`` (dashboard),
 ``/healthz``, ``/readyz``, ``/metrics``. Every non-2xx answer is JSON ``{"error", "detail"}``
 (:mod:`services.runtime.http`), and the OpenAPI document states every status each route can
-answer, with that shape (issue 12: a fuzzer checks it).
+answer, with that shape (a fuzzer checks it).
 
 Cheap refusals come before expensive work: a batch from a shuffler the ``ESA-Shuffler``
 header does not name among the registered ones, without a well-formed ``ESA-Signature``, whose

@@ -144,7 +144,7 @@ class NothingReceivedError(AnalyzerError):
 
 
 class IncompleteBatchesError(NothingReceivedError):
-    """Every batch of the requested range still has parts missing or unopened (issue 11: a
+    """Every batch of the requested range still has parts missing or unopened (a
     release never uses a batch with missing parts)."""
 
     code = "incomplete"

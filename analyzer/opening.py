@@ -1,4 +1,4 @@
-"""Opening stored batch parts in the background (issue 11, "Intake that cannot time out").
+"""Opening stored batch parts in the background ("Intake that cannot time out").
 
 ``POST /v1/batches`` only stores a verified part (:mod:`analyzer.intake`); :class:`PartOpener`
 then opens each stored part, chunk by chunk, on a pool of processes (:class:`FragmentOpener`:
@@ -44,7 +44,7 @@ from common.wire import Batch
 
 log = logging.getLogger("esa.analyzer")
 
-#: Failed openings after which a stored part is quarantined (issue 11: a part that cannot be
+#: Failed openings after which a stored part is quarantined (a part that cannot be
 #: opened is neither retried forever nor allowed to hold up the parts behind it).
 OPEN_ATTEMPTS = 5
 

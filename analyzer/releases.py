@@ -157,7 +157,7 @@ class ReleaseService:
     ) -> Release:
         """Estimate over the epochs with its certificate (writes nothing).
 
-        Only complete batches count (every part received and opened, issue 11); the others in
+        Only complete batches count (every part received and opened); the others in
         range are left out and named in the release's note.
 
         Raises:

@@ -1,6 +1,6 @@
 """The analyzer as one object: what the HTTP routes call, built from settings.
 
-It wires intake, the background part opener (issue 11), releases and the ledger over one
+It wires intake, the background part opener, releases and the ledger over one
 :class:`~analyzer.store.AnalyzerStore` and answers in :mod:`common.wire` models; every refusal
 is an :class:`~analyzer.errors.AnalyzerError`.
 """

@@ -35,7 +35,7 @@ from services.runtime.secrets import SecretFileSettings, refuse_placeholder
 _SECRETS = ("admin_token", "metrics_token", "database_url")
 #: Default lifetime δ of every lifetime ε the ledger states: δ well below 1/n for deployments up
 #: to 10^6 devices (Dwork & Roth, *The Algorithmic Foundations of DP*, §2.3: δ << 1/n); the
-#: issue-13 example states its lifetime at 1e-5.
+#: accounting reference example states its lifetime at 1e-5.
 LIFETIME_DELTA = 1e-6
 #: Bytes of a batch part besides its fragments: the JSON keys and the longest ids and numbers
 #: they can hold (< 500 bytes), with room to spare.
@@ -124,7 +124,7 @@ class AnalyzerSettings(SecretFileSettings):
     #: channels' own ``budget``.
     device_budget: DeviceBudget | None = None
     log_level: str = "INFO"
-    #: Processes that open stored batch parts (issue 11: HPKE opening is the bottleneck; 1
+    #: Processes that open stored batch parts (HPKE opening is the bottleneck; 1
     #: opens in the service process itself).
     opening_processes: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     #: Fragments one opening task handles (a pool round trip costs ~1 ms; ~2,000 HPKE opens
@@ -132,7 +132,7 @@ class AnalyzerSettings(SecretFileSettings):
     opening_chunk: int = Field(2000, ge=1)
     #: How often the opener looks for stored parts when nothing wakes it.
     opening_poll_seconds: float = Field(1.0, gt=0)
-    #: Fault hooks for the crash tests only (issue 11), refused in production:
+    #: Fault hooks for the crash tests only, refused in production:
     #: ``exit`` ends the process between a part's commit and its answer; ``kill`` SIGKILLs it
     #: after opening a stored part and before folding it in.
     fault_after_commit: Literal["exit"] | None = None

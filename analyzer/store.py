@@ -3,7 +3,7 @@
 Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
 
 * ``batch_parts``: one row per stored part (idempotency by (``batch_id``, ``part``)): the raw
-  signed body until it is opened, then only its counts (issue 11: acknowledged once stored,
+  signed body until it is opened, then only its counts (acknowledged once stored,
   opened in the background). ``status`` is ``stored`` (waiting for the opener), ``opened``
   (folded in: ``invalid`` of its fragments failed to open or parse, ``n_opened`` opened, NULL
   for parts opened before migration 0006) or ``quarantined`` (its opening failed
@@ -343,7 +343,7 @@ class AnalyzerStore:
         self.clock = clock
         self._storing = threading.Lock()
 
-    # --- intake (issue 11: store a part, open it in the background) ----------------------
+    # --- intake (store a part, open it in the background) ---------------------------------
 
     def stored_parts(self, batch_id: str) -> list[PartHeader]:
         """The headers of a batch's parts stored so far (the first part fixes the batch)."""
@@ -408,7 +408,7 @@ class AnalyzerStore:
 
     @contextlib.contextmanager
     def opening(self, header: PartHeader) -> Iterator[bool]:
-        """Whether this process may open ``header``'s part now (issue 17, analyzer workers).
+        """Whether this process may open ``header``'s part now (analyzer workers).
 
         SQLite: always (one analyzer process per database). PostgreSQL: a session advisory
         lock on the part, tried (``pg_try_advisory_lock``) on a dedicated connection held while

@@ -85,8 +85,8 @@ class ChannelPolicy(BaseModel):
             other crowd (``400 unknown_crowd``); the SDK uses the first unless told otherwise.
 
     A group is evaluated only when its epoch closes, whole (PROTOCOL.md: never split a group by
-    arrival). The ``max_batch`` key of configs signed before issue 11 (evaluate early at that
-    many contributions) is accepted and ignored, so such a saved signed config still verifies.
+    arrival). The ``max_batch`` key of older signed configs (evaluate early at that many
+    contributions) is accepted and ignored, so such a saved signed config still verifies.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -1,5 +1,5 @@
 """The streamed shuffle: a released group's fragments as ONE uniformly random permutation, cut
-into parts of at most ``cap`` fragments, without ever holding the group in memory (issue 11).
+into parts of at most ``cap`` fragments, without ever holding the group in memory.
 
 This is the "flatten the survivors' fragments and shuffle" step of ESA-revisited (Girgis et
 al.) §V, Algorithm 3, done in bounded memory by dealing cards into hands:

@@ -1,4 +1,4 @@
-"""HAProxy in front of replicated services (issue 17): configuration and process.
+"""HAProxy in front of replicated services: configuration and process.
 
 One HTTP frontend per public address (the analyzer, each shuffler trust domain), each balancing
 over that service's processes on loopback, with an active health check on ``GET /readyz``

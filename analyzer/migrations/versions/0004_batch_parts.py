@@ -1,5 +1,5 @@
 """Add ``batch_parts`` and ``open_batches``: a batch arrives in parts, each stored raw and
-acknowledged, then opened in the background (issue 11).
+acknowledged, then opened in the background.
 
 ``receipts`` and ``accumulators`` keep meaning complete batches only; batches accepted whole
 before this revision stay as they are (their ``batch_id`` is known, so a repeat is a duplicate).

@@ -1,5 +1,5 @@
 """``batch_parts.status`` (``stored``, ``opened``, ``quarantined``), ``attempts`` and
-``last_error`` in place of the ``opened`` flag (issue 11): a part whose opening keeps failing is
+``last_error`` in place of the ``opened`` flag: a part whose opening keeps failing is
 quarantined after a bounded number of attempts instead of being retried forever, and an
 operator sees which one, how often it failed and why.
 

@@ -1,4 +1,4 @@
-"""``esa audit``: a black-box audit of a shuffler run by another party (issue 15).
+"""``esa audit``: a black-box audit of a shuffler run by another party.
 
 * :mod:`~services.tools.audit.sink`: the process the audited shuffler forwards to; it records
   every batch part exactly as the analyzer would receive it and answers as the analyzer does.

@@ -1,4 +1,4 @@
-"""The audit's checks over what the sink recorded (issue 15): each a :class:`Finding` with
+"""The audit's checks over what the sink recorded: each a :class:`Finding` with
 pass/fail, its statistic and, for the statistical ones, a p-value.
 
 Statistical checks fail at p < :data:`ALPHA` = 1e-7, so the ten of them together wrongly fail a

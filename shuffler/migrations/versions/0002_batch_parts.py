@@ -1,5 +1,5 @@
 """Batches in parts: ``batch_parts`` holds each signed part and its forwarding lease; ``batches``
-keeps one row of counts per released group (issue 11).
+keeps one row of counts per released group.
 
 Revision ID: 0002
 Revises: 0001

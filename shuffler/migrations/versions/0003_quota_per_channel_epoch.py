@@ -1,5 +1,5 @@
 """The quota is one contribution per (client, channel, epoch), whatever crowd it names
-(PROTOCOL.md, "Crowds"; issue 12): ``uq_contribution_quota`` loses ``crowd_id``.
+(PROTOCOL.md, "Crowds"): ``uq_contribution_quota`` loses ``crowd_id``.
 
 Before this revision a client could store one contribution per crowd it made up. Of the
 contributions stored that way, the first (lowest id) of each (client, channel, epoch) is kept;
