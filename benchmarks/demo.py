@@ -118,7 +118,7 @@ Command: `flock /tmp/esa-bench.lock .venv/bin/python benchmarks/demo.py{beside} 
 {where};
 each run starts its own analyzer + 3 shufflers on SQLite, enrolls every device at every
 shuffler, sends the longitudinal channel's reports in waves of one ten-second epoch while 2
-worker processes (niceness 10) encode and seal the histogram devices, replays the histogram
+worker processes encode and seal the histogram devices, replays the histogram
 requests inside one epoch, closes each channel once sent, reads every release and writes the
 HTML report). Machine: {machine(pinned=False)} (services, devices and the demo share the 2
 cores). CPU: every process of the run, user + system.

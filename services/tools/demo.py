@@ -56,9 +56,6 @@ SHOWN = 5
 CONNECTIONS = 32
 
 
-#: Niceness of the sealing workers: sealing the histogram devices ahead runs while a
-#: longitudinal channel's periods are sent, which must end within their short epochs.
-SEALER_NICENESS = 10
 #: Contributions per second a busy machine replays at least (~3,600 on an idle one): how long
 #: before its epoch ends the histogram replay does not start (:func:`_replay_guard`).
 SLOW_REPLAY_PER_S = 2000.0
@@ -716,9 +713,7 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     seen = _Seen()
     first = loadgen.Target(target.config, channels[0])
     try:
-        with loadgen.SealerPool(
-            first, run.workers, loadgen.ZipfValues(2), niceness=SEALER_NICENESS
-        ) as pool:
+        with loadgen.SealerPool(first, run.workers, loadgen.ZipfValues(2)) as pool:
             tokens = asyncio.run(loadgen.enroll(target.shuffler_urls, run.devices))
             pool.ready()
             try:
@@ -780,8 +775,8 @@ def _drive(
 ) -> None:
     """Longitudinal channels are sealed first; while their periods are sent (at most one
     request per device in each 10-second epoch, far below what the shufflers accept), the
-    histogram devices encode and seal in the pool's workers, at a lower priority
-    (:data:`SEALER_NICENESS`, for the workers' whole life); then the histogram requests are
+    histogram devices encode and seal in the pool's workers (a report a wave could not send
+    in its epoch goes in the next wave); then the histogram requests are
     replayed inside one epoch (:func:`_in_time`). Each channel is closed once it is sent."""
     histograms = [c.id for c in channels if _kind(c) is not ValueKind.STATE]
     series = _add_series(run, pool, tokens, [c for c in channels if _kind(c) is ValueKind.STATE])

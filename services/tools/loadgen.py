@@ -420,13 +420,9 @@ def _sealer_main(
     config: dict[str, Any],
     channel_id: str,
     values: ZipfValues,
-    niceness: int = 0,
 ) -> None:
     """A sealing worker: answers (command, channel, args) messages until ``None``; it keeps
-    one :class:`_Sealer` (devices and keys) per channel of the config. ``niceness`` > 0
-    yields the CPU to the processes sending and serving requests on the same machine."""
-    if niceness:
-        os.nice(niceness)
+    one :class:`_Sealer` (devices and keys) per channel of the config."""
     sealers = {channel_id: _Sealer(config, channel_id, values)}
     while (message := connection.recv()) is not None:
         command, channel, args = message
@@ -475,16 +471,13 @@ class SealTiming:
 
 
 class SealerPool:
-    """Worker processes that each hold a shard of devices and seal their requests
-    (``niceness``: scheduling priority given up, as ``nice``, so that sealing ahead runs on
-    the CPU that sending and serving leave)."""
+    """Worker processes that each hold a shard of devices and seal their requests."""
 
     def __init__(
         self,
         target: Target,
         workers: int = 2,
         values: ZipfValues | None = None,
-        niceness: int = 0,
     ):
         context = multiprocessing.get_context("spawn")
         values = values or ZipfValues(domain_of(target.channel))
@@ -504,7 +497,7 @@ class SealerPool:
             parent, child = context.Pipe()
             process = context.Process(
                 target=_sealer_main,
-                args=(child, config, target.channel.id, values, niceness),
+                args=(child, config, target.channel.id, values),
                 daemon=True,
             )
             process.start()
