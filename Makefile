@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint typecheck unit demo bench clean fuzz
+.PHONY: venv test check lint typecheck unit fast demo bench clean fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,13 @@ typecheck: venv
 
 unit: venv
 	$(BIN)/pytest
+
+# The inner loop's tier: in-process tests only (no `system` or `slow` mark; tests/conftest.py).
+fast: venv
+	$(BIN)/pytest -q -m "not system and not slow"
+
+# Lint, types and the fast tier (< 3 min on 2 cores); `make test` runs everything, as CI.
+check: lint typecheck fast
 
 test: lint typecheck unit
 

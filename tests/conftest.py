@@ -1,4 +1,10 @@
-"""Shared fixtures: database URLs for SQLite and PostgreSQL.
+"""Shared fixtures (database URLs for SQLite and PostgreSQL) and the two test tiers.
+
+Tiers: a test that starts a process, a container or a browser is marked ``system`` (every
+test under ``tests/e2e``, ``tests/deploy`` and ``tests/adversary`` is, by its folder); an
+in-process test that takes more than ~2 s is marked ``slow``. ``make check`` runs the rest;
+``make test`` runs everything. A test that starts a process without the ``system`` mark
+fails (:func:`_tier_guard`), so the fast tier stays in-process.
 
 PostgreSQL is reached at ``ESA_TEST_POSTGRES`` (default ``127.0.0.1:5432``, user postgres,
 trust auth). Each test gets a fresh database that is dropped afterwards. Under ``CI=true`` a
@@ -7,8 +13,10 @@ missing PostgreSQL is a failure, not a skip (ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import secrets
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,3 +90,65 @@ def postgres_template() -> Iterator[str]:
         for name in names:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[attr-defined]
         admin.close()  # type: ignore[attr-defined]
+
+
+#: Folders whose every test runs real processes or containers.
+SYSTEM_FOLDERS = ("e2e", "deploy", "adversary")
+#: Processes started while each test ran (its setup included), by node id.
+_STARTED: dict[str, list[str]] = {}
+_current: list[str] = []
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test of :data:`SYSTEM_FOLDERS` ``system``."""
+    here = Path(__file__).parent
+    for item in items:
+        parts = Path(item.path).relative_to(here).parts
+        if parts and parts[0] in SYSTEM_FOLDERS:
+            item.add_marker(pytest.mark.system)
+
+
+def _record(what: str) -> None:
+    if _current:
+        _STARTED.setdefault(_current[0], []).append(what)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Count the processes each test starts: ``subprocess`` (and so asyncio's) and
+    ``multiprocessing`` (process pools included)."""
+    popen_init = subprocess.Popen.__init__
+    process_start = multiprocessing.process.BaseProcess.start
+
+    def counted_popen(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+        _record(f"subprocess {str(args)[:80]}")
+        popen_init(self, args, *rest, **kw)
+
+    def counted_start(self: multiprocessing.process.BaseProcess) -> None:
+        _record(f"multiprocessing {self.name}")
+        process_start(self)
+
+    subprocess.Popen.__init__ = counted_popen  # type: ignore[assignment, method-assign]
+    multiprocessing.process.BaseProcess.start = counted_start  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Attribute what starts during the test's setup, call and teardown to it."""
+    _current[:] = [item.nodeid]
+    try:
+        return (yield)
+    finally:
+        _current.clear()
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that started a process without the ``system`` mark: the fast tier
+    (``make check``) must stay in-process."""
+    yield
+    started = _STARTED.pop(request.node.nodeid, [])
+    if started and request.node.get_closest_marker("system") is None:
+        pytest.fail(
+            f"this test started {len(started)} process(es) ({started[0]}, ...) but is not "
+            "marked system: add @pytest.mark.system (or pytestmark) so make check leaves it out"
+        )
