@@ -117,11 +117,11 @@ class ChannelRuntime:
         """What the mechanism certifies from: each stored (epoch, shuffler) with its batches."""
         return [
             Received(
-                s.epoch,
-                s.shuffler_id,
-                received.batch_sizes.get((s.epoch, s.shuffler_id), ()),
-                self.load(s.state),
-                self.source(s.shuffler_id),
+                epoch=s.epoch,
+                shuffler_id=s.shuffler_id,
+                batches=received.batch_sizes.get((s.epoch, s.shuffler_id), ()),
+                accumulator=self.load(s.state),
+                source=self.source(s.shuffler_id),
             )
             for s in received.states
         ]

@@ -133,7 +133,7 @@ def _total_delta(epochs: Iterable[Epoch], delta: float) -> tuple[float, float]:
     return spent, delta if spent < delta else DELTA_HEADROOM * spent
 
 
-def stated(epochs: Sequence[Epoch], delta: float = LIFETIME_DELTA) -> Lifetime | None:
+def compose_lifetime(epochs: Sequence[Epoch], delta: float = LIFETIME_DELTA) -> Lifetime | None:
     """The composition of ``epochs`` (one neighbouring notion) at total δ ``delta``, or at
     :data:`DELTA_HEADROOM` times the certificates' own δ when those exhaust ``delta`` (said in
     the note). None without epochs.
@@ -160,7 +160,7 @@ def lifetime(bounds: Sequence[Bound], delta: float = LIFETIME_DELTA) -> Lifetime
     Raises:
         ValueError: if the bounds mix neighbouring notions.
     """
-    return stated([epoch_of(b) for b in bounds], delta)
+    return compose_lifetime([epoch_of(b) for b in bounds], delta)
 
 
 def common_notion(rows: Sequence[LedgerRow]) -> list[Bound]:
@@ -236,7 +236,7 @@ def compose_items(
     spent, total = _total_delta((epoch for epoch, _ in built), delta)
     if (total - spent) / count != delta / count:
         built = _epochs(items, crowds, (total - spent) / count, deleted, replacement)
-    body = stated([epoch for epoch, _ in built], delta)
+    body = compose_lifetime([epoch for epoch, _ in built], delta)
     used = [how for _, how in built]
     paired = [(items[i][1].n, crowds[i]) for i, how in enumerate(used) if how == "pair"]
     if body is not None and any(n != charged for n, charged in paired):

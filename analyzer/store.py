@@ -658,12 +658,12 @@ class AnalyzerStore:
             rows = conn.execute(query).all()
         return [
             StoredCharge(
-                row.channel_id,
-                row.crowd_id,
-                int(row.epoch),
-                row.certificate,
-                int(row.batches),
-                float(row.charged_at),
+                channel_id=row.channel_id,
+                crowd_id=row.crowd_id,
+                epoch=int(row.epoch),
+                certificate=row.certificate,
+                batches=int(row.batches),
+                charged_at=float(row.charged_at),
             )
             for row in rows
         ]
@@ -736,12 +736,12 @@ class AnalyzerStore:
             rows = conn.execute(query).all()
         return [
             StoredRelease(
-                int(row.id),
-                int(row.epoch_from),
-                int(row.epoch_to),
-                int(row.n),
-                Bound.model_validate(json.loads(row.certificate)["certificate"]),
-                float(row.released_at),
+                id=int(row.id),
+                epoch_from=int(row.epoch_from),
+                epoch_to=int(row.epoch_to),
+                n=int(row.n),
+                certificate=Bound.model_validate(json.loads(row.certificate)["certificate"]),
+                released_at=float(row.released_at),
             )
             for row in rows
         ]

@@ -143,13 +143,13 @@ class Trainer:
         gradient = ldpsgd.noisy_gradient(params, merged.sums[state.round], used)
         theta = ldpsgd.server_step(params, np.asarray(state.theta), gradient)
         record = StepRecord(
-            state.round,
-            (state.next_epoch, last),
-            used,
-            sum(merged.counts.values()) - used,
-            merged.n,
-            float(np.linalg.norm(gradient)),
-            runtime.certify(crowds).certified.eps,
+            round=state.round,
+            epochs=(state.next_epoch, last),
+            reports=used,
+            refused_other_rounds=sum(merged.counts.values()) - used,
+            devices=merged.n,
+            gradient_norm=float(np.linalg.norm(gradient)),
+            eps_central=runtime.certify(crowds).certified.eps,
         )
         steps = [*state.steps, record]
         self._save(channel_id, TrainingState(state.round + 1, theta.tolist(), last + 1, steps))

@@ -84,9 +84,16 @@ def audit_once(
     try:
         wait_until(lambda: _ready(sink_url), timeout=30)
         shuffler.start()
-        config = AuditConfig(shuffler.url, sink_url, TOKEN, "audit", admin_token="development",
-                             game_trials=game_trials, skew_seconds=0.5,
-                             game_channel=game_channel)  # fmt: skip
+        config = AuditConfig(
+            shuffler_url=shuffler.url,
+            sink_url=sink_url,
+            sink_token=TOKEN,
+            channel_id="audit",
+            admin_token="development",
+            game_trials=game_trials,
+            skew_seconds=0.5,
+            game_channel=game_channel,
+        )
         start = time.perf_counter()
         result = run_audit(config, lambda text: print(f"  {text}", file=sys.stderr))
         return time.perf_counter() - start, result

@@ -36,7 +36,7 @@ from sqlalchemy import func, insert, select
 from common.wire import PART_FRAGMENTS, ChannelPolicy
 from services.cli import launcher
 from services.runtime import db
-from shuffler import storage
+from shuffler import tables
 from shuffler.app import MIGRATIONS
 from shuffler.records import pack_fragments
 
@@ -67,7 +67,7 @@ def _fill(url: str, contributions: int, epoch: int) -> None:
             for _ in range(min(INSERT_CHUNK, contributions - start))
         ]
         with engine.begin() as conn:
-            conn.execute(insert(storage.contributions), rows)
+            conn.execute(insert(tables.contributions), rows)
     engine.dispose()
 
 
@@ -130,12 +130,12 @@ def _close(service: launcher.Service, epoch: int) -> tuple[dict[str, Any], float
 
 def _stored(url: str) -> dict[str, int]:
     engine = db.make_engine(url)
-    b, p = storage.batches.c, storage.batch_parts.c
+    b, p = tables.batches.c, tables.batch_parts.c
     with engine.connect() as conn:
         kept = conn.execute(select(func.coalesce(func.sum(b.n_contributions), 0))).scalar_one()
-        parts = conn.execute(select(func.count()).select_from(storage.batch_parts)).scalar_one()
+        parts = conn.execute(select(func.count()).select_from(tables.batch_parts)).scalar_one()
         largest = conn.execute(select(func.max(func.length(p.body)))).scalar_one()
-        left = conn.execute(select(func.count()).select_from(storage.contributions)).scalar_one()
+        left = conn.execute(select(func.count()).select_from(tables.contributions)).scalar_one()
     engine.dispose()
     return {"kept": int(kept), "parts": int(parts), "largest": int(largest or 0), "left": left}
 

@@ -295,7 +295,7 @@ def epoch(contributions: int, pool_size: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="esa-epoch-analyzer-") as tmp:
         var = Path(tmp)
         service, signer, public = _start_analyzer(var)
-        memory = Memory(service.process.pid)
+        memory = Memory(pid=service.process.pid)
         try:
             start = time.perf_counter()
             pool = _sealed_pool(public, pool_size)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.envelope import Contribution
 from services.runtime import db
-from shuffler import storage, store
+from shuffler import store, tables
 from shuffler.records import Pending
 
 POSTGRES = os.environ.get("ESA_BENCH_POSTGRES", "postgres@127.0.0.1:5432")
@@ -49,7 +49,13 @@ def batches(size: int, count: int, start: int, args: argparse.Namespace) -> list
         [
             Pending(
                 f"client{start + b * size + i:012d}",
-                Contribution("homepage", "default", 1_000, os.urandom(16), fragments),
+                Contribution(
+                    channel_id="homepage",
+                    crowd_id="default",
+                    epoch=1_000,
+                    nonce=os.urandom(16),
+                    fragments=fragments,
+                ),
                 time.time(),
             )
             for i in range(size)
@@ -93,7 +99,7 @@ def main() -> None:
     user, hostport = POSTGRES.split("@")
     engine = db.make_engine(f"postgresql+psycopg://{user}@{hostport}/{DATABASE}")
     try:
-        storage.metadata.create_all(engine)
+        tables.metadata.create_all(engine)
         target = store.make_store(engine)
         measure(target, args)
         target.close()

@@ -320,15 +320,15 @@ def one_round(
     result = step(analyzer_url, epoch)
     closing = time.perf_counter() - started
     return Round(
-        round_,
-        epoch,
-        driver.stats.accepted,
-        driver.stats.errors,
-        sealing.seconds,
-        sent,
-        closing,
-        result["step"],
-        0.0,
+        round=round_,
+        epoch=epoch,
+        accepted=driver.stats.accepted,
+        refused=driver.stats.errors,
+        seal_seconds=sealing.seconds,
+        send_seconds=sent,
+        close_seconds=closing,
+        step=result["step"],
+        accuracy=0.0,
     )
 
 

@@ -123,7 +123,15 @@ def generation(var: Path, url: str, trust: TrustAnchors, devices: int) -> dict[s
     """Prepare phase with one worker: reports and contributions sealed per second."""
     found = {}
     for channel in ("homepage", "pages"):
-        plan = Plan(url, trust, devices, 10, var / f"gen-{channel}", (channel,), workers=1)
+        plan = Plan(
+            analyzer_url=url,
+            trust=trust,
+            devices=devices,
+            duration=10,
+            workdir=var / f"gen-{channel}",
+            channels=(channel,),
+            workers=1,
+        )
         prepared = prepare(plan)
         prepared.close()
         found[channel] = {k: round(v) for k, v in prepared.timings.items()}
@@ -151,7 +159,11 @@ def bodies(
         sid, public = keys[index]
         inner = tuple(os.urandom(size) for _ in range(fragments))
         body = seal_contribution(
-            Contribution("homepage", "", epoch, new_nonce(), inner), sid, public
+            Contribution(
+                channel_id="homepage", crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=inner
+            ),
+            sid,
+            public,
         )
         out.append(loadgen.Request(index, authorities[index].issue(), body))
     return out
@@ -294,7 +306,7 @@ def run_phase(
             out.write(loadgen.RECORD.pack(r.shuffler, len(token), len(r.body)) + token + r.body)
     epoch = int(time.time() // 3600)
     driver = loadgen.Driver(urls, max(1, connections // len(urls)))
-    monitor = live.Monitor(driver, urls)
+    monitor = live.Monitor(driver=driver, shuffler_urls=urls)
     source = loadgen.EpochSource({epoch: [path]}, 3600)
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115
     spent = asyncio.run(live.replay(monitor, source, rate, seconds, quiet, live=False))

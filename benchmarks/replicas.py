@@ -74,7 +74,7 @@ from services.cli import launcher
 from services.runtime import db
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
-from shuffler import storage
+from shuffler import tables
 from shuffler.store import make_store
 
 POSTGRES = os.environ.get("ESA_BENCH_POSTGRES", "postgres@127.0.0.1:5432")
@@ -203,7 +203,7 @@ def stored_contributions() -> dict[str, int]:
         engine = engine_of(service)
         try:
             with engine.connect() as conn:
-                query = select(func.count()).select_from(storage.contributions)
+                query = select(func.count()).select_from(tables.contributions)
                 counts[service] = int(conn.execute(query).scalar_one())
         finally:
             engine.dispose()
@@ -302,7 +302,7 @@ def _post_close(url: str, epoch: int) -> int:
 
 
 def _batches_built(engines: list[Any]) -> bool:
-    p = storage.batch_parts.c
+    p = tables.batch_parts.c
     for engine in engines:
         ledger = make_store(engine).ledger()
         with engine.connect() as conn:

@@ -140,7 +140,13 @@ def _ingest(tmp: Path) -> dict[str, Any]:
                     _post(
                         tokens.issue(),
                         seal_contribution(
-                            Contribution("bench", "", epoch, new_nonce(), (fragment,) * 6),
+                            Contribution(
+                                channel_id="bench",
+                                crowd_id="",
+                                epoch=epoch,
+                                nonce=new_nonce(),
+                                fragments=(fragment,) * 6,
+                            ),
                             "shuffler-1",
                             public,
                         ),
@@ -191,7 +197,7 @@ def _big_batch(tmp: Path) -> tuple[float, int]:
     from common.envelope import KeyRing
     from common.wire import ChannelPolicy
     from services.runtime import db
-    from shuffler import storage
+    from shuffler import tables
     from shuffler.app import MIGRATIONS
     from shuffler.service import ShufflerService
     from shuffler.settings import ShufflerSettings
@@ -225,7 +231,7 @@ def _big_batch(tmp: Path) -> tuple[float, int]:
         for _ in range(contributions)
     ]
     with engine.begin() as conn:
-        conn.execute(insert(storage.contributions), rows)
+        conn.execute(insert(tables.contributions), rows)
     start = time.perf_counter()
     outcome = service.evaluate(GroupKey("bench", "", 0))
     seconds = time.perf_counter() - start

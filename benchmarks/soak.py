@@ -638,7 +638,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         target = loadgen.fetch_target(services[0].url, trust, CHANNEL)
         with loadgen.SealerPool(target, args.workers) as pool:
             driver = loadgen.Driver(target.shuffler_urls, max(1, args.concurrency // 3))
-            soak = Soak(args, var, services, target, pool, driver)
+            soak = Soak(
+                args=args, var=var, services=services, target=target, pool=pool, driver=driver
+            )
             with Live(Table(title="soak: starting"), console=console, refresh_per_second=1) as live:
                 sampler = asyncio.create_task(sample_forever(soak, live))
                 try:

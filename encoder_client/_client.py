@@ -478,7 +478,9 @@ class Client:
         sealed = tuple(
             seal_fragment(f, context, config.payload_size, self._analyzer_key) for f in fragments
         )
-        contribution = Contribution(config.id, crowd, epoch, new_nonce(), sealed)
+        contribution = Contribution(
+            channel_id=config.id, crowd_id=crowd, epoch=epoch, nonce=new_nonce(), fragments=sealed
+        )
         key = self._shuffler_keys[shuffler.id]
         return shuffler.id, seal_contribution(contribution, shuffler.id, key)
 

@@ -185,7 +185,9 @@ class Batcher:
             yield SealedPart(batch.batch_id, part, body, b64(sign(body, self.signing_key)))
 
 
-def due(policy: ChannelPolicy, epoch: int, now: float, grace: float, closed_upto: int) -> bool:
+def group_due(
+    policy: ChannelPolicy, epoch: int, now: float, grace: float, closed_upto: int
+) -> bool:
     """Whether a group is evaluated now: only once its epoch closed (``grace`` seconds after its
     end, or closed by an admin), and then whole, however many contributions it has."""
     return now >= closes_at(policy, epoch, grace) or epoch <= closed_upto

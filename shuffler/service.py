@@ -35,7 +35,7 @@ from common.retry import Backoff
 from common.wire import HpkeKey, ShufflerConfig, ShufflerDescriptor, SignedDescriptor, b64
 from services.runtime import db
 from services.runtime.publish import publish
-from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, due
+from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, group_due
 from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
 from shuffler.forwarder import Forwarder
 from shuffler.intake import Intake, TokenAuthority, refusal
@@ -190,7 +190,7 @@ class ShufflerService:
             if policy is None:
                 continue
             closed = self.intake.closed_upto.get(key.channel_id, -1)
-            if due(policy, key.epoch, now, self.settings.epoch_grace_seconds, closed):
+            if group_due(policy, key.epoch, now, self.settings.epoch_grace_seconds, closed):
                 found.append(key)
         return found
 

@@ -1,7 +1,7 @@
 """The contribution store: every SQL statement the shuffler runs, behind one interface.
 
 :class:`ContributionStore` holds the dialect-neutral queries (SQLAlchemy Core over the tables of
-:mod:`shuffler.storage`); :class:`SqliteContributionStore` and :class:`PostgresContributionStore`
+:mod:`shuffler.tables`); :class:`SqliteContributionStore` and :class:`PostgresContributionStore`
 supply what differs (the insert-ignore construct, the driver's placeholder, connection tuning).
 :func:`make_store` picks one for an engine; nothing else in the shuffler looks at the dialect.
 
@@ -43,8 +43,8 @@ from sqlalchemy.sql.dml import Insert
 
 from common.wire import ChannelPolicy
 from services.runtime import db
-from services.runtime.ledger import LEDGER_CAUSES
-from shuffler import storage
+from services.runtime.conservation import LEDGER_CAUSES
+from shuffler import tables
 from shuffler.batcher import Batcher, Deletion, Evaluation, GroupStatus, Release, ReleasedBatch
 from shuffler.records import (
     Conflict,
@@ -118,7 +118,7 @@ def _insert_sql(mark: str, rows: int) -> str:
     """``INSERT INTO contributions (...) VALUES (...), ... ON CONFLICT DO NOTHING``."""
     values = "(" + ", ".join([mark] * len(_COLUMNS)) + ")"
     return (
-        f"INSERT INTO {storage.contributions.name} ({', '.join(_COLUMNS)}) "
+        f"INSERT INTO {tables.contributions.name} ({', '.join(_COLUMNS)}) "
         f"VALUES {', '.join([values] * rows)} ON CONFLICT DO NOTHING"
     )
 
@@ -133,12 +133,12 @@ WITH v AS (
                        %b::bytea[], %b::integer[], %b::float8[], %b::text[])
     AS v({", ".join(_COLUMNS)})
 ), r AS (
-  SELECT client_id FROM {storage.revoked.name} WHERE client_id IN (SELECT client_id FROM v)
+  SELECT client_id FROM {tables.revoked.name} WHERE client_id IN (SELECT client_id FROM v)
 ), e AS (
-  SELECT channel_id, max(epoch) AS epoch FROM {storage.closed_epochs.name}
+  SELECT channel_id, max(epoch) AS epoch FROM {tables.closed_epochs.name}
   WHERE channel_id IN (SELECT channel_id FROM v) GROUP BY channel_id
 ), i AS (
-  INSERT INTO {storage.contributions.name} ({", ".join(_COLUMNS)})
+  INSERT INTO {tables.contributions.name} ({", ".join(_COLUMNS)})
   SELECT {", ".join(_COLUMNS)} FROM v
   WHERE v.client_id NOT IN (SELECT client_id FROM r)
     AND v.epoch > COALESCE((SELECT e.epoch FROM e WHERE e.channel_id = v.channel_id), -1)
@@ -210,7 +210,7 @@ class ContributionStore(ABC):
         itself. When the database reports every row inserted (the common case) that is the
         whole transaction; otherwise the rows that landed are the receipts found afterwards.
         """
-        c = storage.contributions.c
+        c = tables.contributions.c
         with self.engine.begin() as conn:
             self.begin_writing(conn)  # SQLite: no close commits between these reads and the insert
             revoked = _revoked_among(conn, {row[_CLIENT] for row in rows})
@@ -245,19 +245,19 @@ class ContributionStore(ABC):
         """Persist a revocation (idempotent)."""
         with self.engine.begin() as conn:
             conn.execute(
-                self.insert_ignore(storage.revoked).values(client_id=client_id, revoked_at=now)
+                self.insert_ignore(tables.revoked).values(client_id=client_id, revoked_at=now)
             )
 
     def revoked(self) -> set[str]:
         """Every revoked client id."""
         with self.engine.connect() as conn:
-            return set(conn.execute(select(storage.revoked.c.client_id)).scalars())
+            return set(conn.execute(select(tables.revoked.c.client_id)).scalars())
 
     def close_epoch(self, channel_id: str, epoch: int, now: float) -> None:
         """Persist that every epoch <= ``epoch`` of a channel is closed (idempotent)."""
         values = {"channel_id": channel_id, "epoch": epoch, "closed_at": now}
         with self.engine.begin() as conn:
-            conn.execute(self.insert_ignore(storage.closed_epochs).values(**values))
+            conn.execute(self.insert_ignore(tables.closed_epochs).values(**values))
 
     def closed_epochs(self) -> dict[str, int]:
         """The latest closed epoch of each channel."""
@@ -268,7 +268,7 @@ class ContributionStore(ABC):
 
     def open_groups(self) -> list[tuple[GroupKey, int]]:
         """Every group with contributions awaiting evaluation, and how many."""
-        c = storage.contributions.c
+        c = tables.contributions.c
         query = (
             select(c.channel_id, c.crowd_id, c.epoch, func.count())
             .where(c.held_part.is_(None))
@@ -382,7 +382,7 @@ class ContributionStore(ABC):
         try:
             for sealed in release.parts:
                 with self.engine.begin() as conn:
-                    conn.execute(insert(storage.batch_parts).values(**_part_row(sealed, now)))
+                    conn.execute(insert(tables.batch_parts).values(**_part_row(sealed, now)))
                 parts += 1
             if parts != batch.parts:
                 raise RuntimeError(
@@ -421,12 +421,12 @@ class ContributionStore(ABC):
         """Delete a batch's staged parts (an evaluation that did not commit), trying a few
         times: the failure that stopped the evaluation may be a dropped connection. What a
         crash leaves behind, retention deletes (:data:`STAGED_GRACE_SECONDS`)."""
-        p = storage.batch_parts.c
+        p = tables.batch_parts.c
         for attempt in range(UNSTAGE_ATTEMPTS):
             try:
                 with self.engine.begin() as conn:
                     conn.execute(
-                        delete(storage.batch_parts).where(
+                        delete(tables.batch_parts).where(
                             p.batch_id == batch_id, p.status == "staged"
                         )
                     )
@@ -441,7 +441,7 @@ class ContributionStore(ABC):
     def due_parts(self, now: float) -> list[PartKey]:
         """Undelivered parts whose next attempt is due and that no forwarder holds, oldest
         first (one round); a forwarder must :meth:`claim` each before sending it."""
-        p = storage.batch_parts.c
+        p = tables.batch_parts.c
         query = (
             select(p.batch_id, p.part)
             .where(p.status == "pending", p.next_attempt_at <= now, _unleased(now))
@@ -459,10 +459,10 @@ class ContributionStore(ABC):
         locked and SQLite serializes writers, so of two racing forwarders exactly one sees a
         row updated (PROTOCOL.md: exactly one forwarder at a time).
         """
-        p = storage.batch_parts.c
+        p = tables.batch_parts.c
         with self.engine.begin() as conn:
             taken = conn.execute(
-                update(storage.batch_parts)
+                update(tables.batch_parts)
                 .where(*_part_filter(key), p.status == "pending", _unleased(now))
                 .values(lease_until=now + lease_seconds)
             ).rowcount
@@ -471,7 +471,13 @@ class ContributionStore(ABC):
             row = conn.execute(
                 select(p.body, p.signature, p.attempts).where(*_part_filter(key))
             ).one()
-        return DuePart(key.batch_id, key.part, row[0], row[1], int(row[2]))
+        return DuePart(
+            batch_id=key.batch_id,
+            part=key.part,
+            body=row[0],
+            signature=row[1],
+            attempts=int(row[2]),
+        )
 
     def record_forwarded(self, key: PartKey, now: float) -> None:
         """The analyzer acknowledged the part; the batch is forwarded once all its parts are.
@@ -479,17 +485,17 @@ class ContributionStore(ABC):
         The batch row is locked first (PostgreSQL), so when the last two parts are acknowledged
         concurrently the second transaction sees the first's part and marks the batch.
         """
-        p, b = storage.batch_parts.c, storage.batches.c
+        p, b = tables.batch_parts.c, tables.batches.c
         waiting = exists().where(p.batch_id == key.batch_id, p.status != "forwarded")
         with self.engine.begin() as conn:
             conn.execute(select(b.batch_id).where(b.batch_id == key.batch_id).with_for_update())
             conn.execute(
-                update(storage.batch_parts)
+                update(tables.batch_parts)
                 .where(*_part_filter(key))
                 .values(status="forwarded", forwarded_at=now, lease_until=None, last_error=None)
             )
             conn.execute(
-                update(storage.batches)
+                update(tables.batches)
                 .where(b.batch_id == key.batch_id, b.status != "forwarded", ~waiting)
                 .values(status="forwarded", forwarded_at=now)
             )
@@ -509,10 +515,10 @@ class ContributionStore(ABC):
     def _update_part(self, key: PartKey, **changes: Any) -> None:
         # Only a part still pending: a forwarder whose lease ran out must not mark failed (or
         # reschedule) a part another forwarder has meanwhile delivered.
-        pending = storage.batch_parts.c.status == "pending"
+        pending = tables.batch_parts.c.status == "pending"
         with self.engine.begin() as conn:
             conn.execute(
-                update(storage.batch_parts).where(*_part_filter(key), pending).values(**changes)
+                update(tables.batch_parts).where(*_part_filter(key), pending).values(**changes)
             )
 
     # --- retention and accounting ---------------------------------------------------------
@@ -532,7 +538,7 @@ class ContributionStore(ABC):
         under the lock, so a forwarder's lease or a requeue between the two reads either
         commits first (the batch is kept) or waits and finds the batch gone.
         """
-        c, b = storage.contributions.c, storage.batches.c
+        c, b = tables.contributions.c, tables.batches.c
         with self.engine.begin() as conn:
             self.begin_writing(conn)
             old = list(conn.execute(select(c.id).where(c.received_at < cutoff)).scalars())
@@ -544,9 +550,9 @@ class ContributionStore(ABC):
             if stale:
                 ids = list(stale)
                 conn.execute(
-                    delete(storage.batch_parts).where(storage.batch_parts.c.batch_id.in_(ids))
+                    delete(tables.batch_parts).where(tables.batch_parts.c.batch_id.in_(ids))
                 )
-                conn.execute(delete(storage.batches).where(b.batch_id.in_(ids)))
+                conn.execute(delete(tables.batches).where(b.batch_id.in_(ids)))
             _delete_orphans(conn, now - STAGED_GRACE_SECONDS)
             for n, refused in stale.values():
                 removed["refused" if refused else "retention"] += n
@@ -556,15 +562,15 @@ class ContributionStore(ABC):
                 if n
             ]
             if rows:
-                conn.execute(insert(storage.purges), rows)
+                conn.execute(insert(tables.purges), rows)
         return removed
 
     def requeue_refused(self, now: float, batch_id: str | None = None) -> int:
         """Send the parts the analyzer refused again (of ``batch_id``, or of every batch), from
         the first attempt on: after an operator fixed what the analyzer refused them for.
         Returns how many parts were requeued."""
-        p = storage.batch_parts.c
-        query = update(storage.batch_parts).where(p.status == "failed")
+        p = tables.batch_parts.c
+        query = update(tables.batch_parts).where(p.status == "failed")
         if batch_id is not None:
             query = query.where(p.batch_id == batch_id)
         with self.engine.begin() as conn:
@@ -585,12 +591,12 @@ class ContributionStore(ABC):
         ``groups.deleted`` by status, purges by reason; a purge reason not listed keeps its
         name), read in ONE snapshot (:meth:`_snapshot`): a batch forwarded or a group
         evaluated between separate reads would be counted twice or not at all."""
-        c, b, g, p = (t.c for t in (storage.contributions, storage.batches, storage.groups,
-                                    storage.purges))  # fmt: skip
-        count = select(func.count()).select_from(storage.contributions)
+        c, b, g, p = (t.c for t in (tables.contributions, tables.batches, tables.groups,
+                                    tables.purges))  # fmt: skip
+        count = select(func.count()).select_from(tables.contributions)
         in_batches = select(func.sum(b.n_contributions))
         refused = exists().where(
-            storage.batch_parts.c.batch_id == b.batch_id, storage.batch_parts.c.status == "failed"
+            tables.batch_parts.c.batch_id == b.batch_id, tables.batch_parts.c.status == "failed"
         )
         queries = {
             "pending": count.where(c.held_part.is_(None)),
@@ -628,7 +634,7 @@ def _stale_batches(
     """Undelivered batches created before ``cutoff`` with no part leased and, unless the
     analyzer refused one of their parts, none delivered, as ``{batch_id: (n_contributions,
     refused)}`` (only those in ``among`` when given)."""
-    b, p = storage.batches.c, storage.batch_parts.c
+    b, p = tables.batches.c, tables.batch_parts.c
     refused = exists().where(p.batch_id == b.batch_id, p.status == "failed")
     leased = exists().where(p.batch_id == b.batch_id, p.lease_until >= now)
     delivered = exists().where(p.batch_id == b.batch_id, p.status == "forwarded")
@@ -642,14 +648,14 @@ def _stale_batches(
 
 def _lock_parts(conn: Connection, batch_ids: list[str]) -> None:
     """Lock every part of these batches until the transaction ends (PostgreSQL)."""
-    p = storage.batch_parts.c
+    p = tables.batch_parts.c
     conn.execute(select(p.batch_id).where(p.batch_id.in_(batch_ids)).with_for_update()).all()
 
 
 def _delete_orphans(conn: Connection, before: float) -> None:
     """Delete staged parts older than ``before`` (an evaluation that crashed mid-staging)."""
-    p = storage.batch_parts.c
-    conn.execute(delete(storage.batch_parts).where(p.status == "staged", p.created_at < before))
+    p = tables.batch_parts.c
+    conn.execute(delete(tables.batch_parts).where(p.status == "staged", p.created_at < before))
 
 
 def _landing(
@@ -674,7 +680,7 @@ def _pg_landings(found: Sequence[Row]) -> Landings:
 def _nonces_among(conn: Connection, nonces: list[bytes]) -> set[bytes]:
     """Which of ``nonces`` are stored (after the insert committed: a nonce it hit is in the
     table, or in an evaluated group's batch since, and then reads as over quota; both 409)."""
-    c = storage.contributions.c
+    c = tables.contributions.c
     return set(conn.execute(select(c.nonce).where(c.nonce.in_(nonces))).scalars())
 
 
@@ -683,7 +689,7 @@ def _revoked_among(conn: Connection, clients: set[str]) -> set[str]:
     reads them in the insert statement itself, :data:`_PG_INSERT`): a replica of the same trust
     domain may have revoked one since this process loaded its revocations, and a revocation
     answered by any replica must hold at every replica from then on."""
-    r = storage.revoked.c
+    r = tables.revoked.c
     return set(conn.execute(select(r.client_id).where(r.client_id.in_(clients))).scalars())
 
 
@@ -693,7 +699,7 @@ def _closed_among(conn: Connection, channels: set[str] | None = None) -> dict[st
     :data:`_PG_INSERT`): an admin close answered by one replica of the trust domain
     persists it, and from then on no replica may acknowledge a contribution for that epoch (the
     group is evaluated once; a later one would only be deleted as late, after its 202)."""
-    e = storage.closed_epochs.c
+    e = tables.closed_epochs.c
     query = select(e.channel_id, func.max(e.epoch)).group_by(e.channel_id)
     if channels is not None:
         query = query.where(e.channel_id.in_(channels))
@@ -721,14 +727,14 @@ def _group_rows(conn: Connection, key: GroupKey, lock: bool) -> tuple[Ids, Ids]:
     with ``lock`` every row is locked until the transaction ends (``FOR UPDATE``; SQLite
     compiles it away, its writer already holds the database). Pages by id until one comes back
     empty: PostgreSQL may return a short page when a row it waited for was deleted meanwhile."""
-    c = storage.contributions.c
+    c = tables.contributions.c
     ids: list[Ids] = []
     sizes: list[Ids] = []
     last = -1
     while True:
         query = (
             select(c.id, c.n_fragments)
-            .where(*_group_filter(key, storage.contributions), c.held_part.is_(None), c.id > last)
+            .where(*_group_filter(key, tables.contributions), c.held_part.is_(None), c.id > last)
             .order_by(c.id)
             .limit(_LOCK_PAGE)
         )
@@ -748,7 +754,7 @@ def _purge_late(conn: Connection, ids: Ids, now: float) -> None:
     removed = _delete_ids(conn, ids.tolist())
     if removed:
         conn.execute(
-            insert(storage.purges).values(reason="late", contributions=removed, purged_at=now)
+            insert(tables.purges).values(reason="late", contributions=removed, purged_at=now)
         )
 
 
@@ -762,7 +768,7 @@ def _packed(conn: Connection, survivors: Ids) -> Iterator[list[bytes]]:
     Raises:
         _VanishedError: a survivor's row was deleted meanwhile (a retention purge).
     """
-    c = storage.contributions.c
+    c = tables.contributions.c
     for start in range(0, survivors.size, _READ_ROWS):
         chunk = survivors[start : start + _READ_ROWS].tolist()
         rows = conn.execute(select(c.fragments).where(c.id.in_(chunk))).scalars()
@@ -774,7 +780,7 @@ def _packed(conn: Connection, survivors: Ids) -> Iterator[list[bytes]]:
 
 def _evaluated(conn: Connection, key: GroupKey) -> int:
     """How many times the group was evaluated (0 or 1: a group is evaluated once, whole)."""
-    g = storage.groups
+    g = tables.groups
     return int(
         conn.execute(select(func.count()).select_from(g).where(*_group_filter(key, g))).scalar_one()
     )
@@ -785,17 +791,15 @@ def _apply(
 ) -> None:
     """Store Algorithm 3's outcome: hold the group's contributions, or delete them all (the
     survivors' fragments are in the batch already stored)."""
-    c = storage.contributions.c
+    c = tables.contributions.c
     if deletion.status is GroupStatus.HELD:
         for start in range(0, ids.size, _IDS_PER_DELETE):
             chunk = ids[start : start + _IDS_PER_DELETE].tolist()
-            conn.execute(
-                update(storage.contributions).where(c.id.in_(chunk)).values(held_part=part)
-            )
+            conn.execute(update(tables.contributions).where(c.id.in_(chunk)).values(held_part=part))
     else:
         _delete_ids(conn, ids.tolist())
     conn.execute(
-        insert(storage.groups).values(
+        insert(tables.groups).values(
             channel_id=key.channel_id,
             crowd_id=key.crowd_id,
             epoch=key.epoch,
@@ -829,16 +833,16 @@ def _publish(conn: Connection, key: GroupKey, batch: ReleasedBatch, now: float) 
     Raises:
         RuntimeError: the staged parts are not the parts the batch announced.
     """
-    p = storage.batch_parts.c
+    p = tables.batch_parts.c
     ready = conn.execute(
-        update(storage.batch_parts)
+        update(tables.batch_parts)
         .where(p.batch_id == batch.batch_id, p.status == "staged")
         .values(status="pending", next_attempt_at=now)
     ).rowcount
     if ready != batch.parts:
         raise RuntimeError(f"batch {batch.batch_id} has {ready} of its {batch.parts} parts")
     conn.execute(
-        insert(storage.batches).values(
+        insert(tables.batches).values(
             batch_id=batch.batch_id,
             channel_id=key.channel_id,
             epoch=key.epoch,
@@ -851,12 +855,12 @@ def _publish(conn: Connection, key: GroupKey, batch: ReleasedBatch, now: float) 
 
 
 def _part_filter(key: PartKey) -> list[Any]:
-    p = storage.batch_parts.c
+    p = tables.batch_parts.c
     return [p.batch_id == key.batch_id, p.part == key.part]
 
 
 def _unleased(now: float) -> Any:
-    lease = storage.batch_parts.c.lease_until
+    lease = tables.batch_parts.c.lease_until
     return or_(lease.is_(None), lease < now)
 
 
@@ -867,7 +871,7 @@ def _delete_ids(conn: Connection, ids: Sequence[int]) -> int:
     for start in range(0, len(ids), _IDS_PER_DELETE):
         chunk = ids[start : start + _IDS_PER_DELETE]
         result = conn.execute(
-            delete(storage.contributions).where(storage.contributions.c.id.in_(chunk))
+            delete(tables.contributions).where(tables.contributions.c.id.in_(chunk))
         )
         deleted += result.rowcount
     return deleted
@@ -983,7 +987,7 @@ class PostgresContributionStore(ContributionStore):
         """
         with self.engine.begin() as conn:
             conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{BARRIER_TIMEOUT_MS}ms'")
-            conn.exec_driver_sql(f"LOCK TABLE {storage.contributions.name} IN SHARE MODE")
+            conn.exec_driver_sql(f"LOCK TABLE {tables.contributions.name} IN SHARE MODE")
 
     @contextlib.contextmanager
     def _autocommit(self) -> Iterator[Connection]:

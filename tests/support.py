@@ -429,7 +429,13 @@ def offline_config(
     )
     path = tmp / "config.json"
     path.write_text(sign_config(config, signer).model_dump_json())
-    found = OfflineConfig(path, signer, analyzer, shuffler, shuffler_signer)
+    found = OfflineConfig(
+        path=path,
+        signer=signer,
+        analyzer=analyzer,
+        shuffler=shuffler,
+        shuffler_signer=shuffler_signer,
+    )
     trust = TrustAnchors(signer.public_key(), {"shuffler-1": shuffler_signer.public_key()})
     found.trust_file.write_text(json.dumps(trust.to_json()))
     return found

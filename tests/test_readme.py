@@ -103,6 +103,7 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.language != "python"], ids=lambda b: b.id)
 def test_commands_print_what_the_readme_shows(block: Block) -> None:
     for argv, shown in _commands(block):
@@ -148,6 +149,7 @@ def _ready(base: int) -> bool:
         return False
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "python"], ids=lambda b: b.id)
 def test_python_examples_run_as_written_after_esa_up(
     block: Block, esa_up: tuple[Path, int]

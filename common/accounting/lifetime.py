@@ -548,25 +548,42 @@ def _check_epochs(epochs: Sequence[Epoch]) -> tuple[tuple[Epoch, ...], Neighbour
 def _no_bound(
     delta: float, notion: Neighbouring, epochs: int, parts: int, pair_parts: int
 ) -> LifetimeResult:
-    split = DeltaSplit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    split = DeltaSplit(
+        certificates=0.0,
+        pld_pairs=0.0,
+        pld_truncation=0.0,
+        basic_per_part=0.0,
+        advanced_per_step=0.0,
+        advanced_slack=0.0,
+    )
     note = "a part certifies no finite ε (e.g. zsum below its declared crowd)"
     inf = math.inf
     return LifetimeResult(
-        inf,
-        delta,
-        "none",
-        notion,
-        inf,
-        inf,
-        inf,
-        "none",
-        split,
-        epochs,
-        parts,
-        pair_parts,
-        0.0,
-        note,
+        eps=inf,
+        delta=delta,
+        method="none",
+        neighbouring=notion,
+        eps_pld=inf,
+        eps_basic=inf,
+        eps_advanced=inf,
+        advanced_rule="none",
+        delta_split=split,
+        epochs=epochs,
+        parts=parts,
+        pair_parts=pair_parts,
+        discretization=0.0,
+        note=note,
     )
+
+
+def _certificates_delta(certs: Counter[Certificate], delta: float) -> float:
+    """Σ δ of the certificate parts, which must leave some of ``delta`` to the pairs."""
+    spent = float(sum(c.delta * k for c, k in certs.items()))
+    if spent >= delta:
+        raise ValueError(
+            f"delta must exceed the certificates' total δ = {spent:g}, got delta={delta}"
+        )
+    return spent
 
 
 def compose_epochs(epochs: Sequence[Epoch], delta: float) -> LifetimeResult:
@@ -584,9 +601,6 @@ def compose_epochs(epochs: Sequence[Epoch], delta: float) -> LifetimeResult:
         epochs: One :class:`Epoch` per epoch, all in the same neighbouring notion.
         delta: The lifetime δ in (0, 1); must exceed the certificates' total δ.
 
-    Returns:
-        The :class:`LifetimeResult`.
-
     Raises:
         ValueError: on an empty or mixed list of epochs, δ outside (0, 1), or certificates
             whose δ add up to ``delta`` or more.
@@ -596,17 +610,20 @@ def compose_epochs(epochs: Sequence[Epoch], delta: float) -> LifetimeResult:
     pairs = Counter(pair for epoch in epochs for pair in epoch.pairs)
     certs = Counter(cert for epoch in epochs for cert in epoch.certificates)
     parts = sum(pairs.values()) + sum(certs.values())
-    cert_delta = float(sum(c.delta * k for c, k in certs.items()))
-    if cert_delta >= delta:
-        raise ValueError(
-            f"delta must exceed the certificates' total δ = {cert_delta:g}, got delta={delta}"
-        )
+    cert_delta = _certificates_delta(certs, delta)
     if any(math.isinf(c.eps) for c in certs):
         return _no_bound(delta, notion, len(epochs), parts, sum(pairs.values()))
     eps_pld, step, charged = _pld_part(pairs, certs, delta)
     basic, share = _basic_part(pairs, certs, delta - cert_delta)
     advanced, adv_step, adv_slack = _advanced_part(pairs, certs, delta)
-    split = DeltaSplit(cert_delta, delta - cert_delta, charged, share, adv_step, adv_slack)
+    split = DeltaSplit(
+        certificates=cert_delta,
+        pld_pairs=delta - cert_delta,
+        pld_truncation=charged,
+        basic_per_part=share,
+        advanced_per_step=adv_step,
+        advanced_slack=adv_slack,
+    )
     options = [(eps_pld, "pld"), (basic.eps, "basic"), (advanced.eps, advanced.rule)]
     eps, method = min(options, key=lambda option: option[0])
     note = (
@@ -614,20 +631,20 @@ def compose_epochs(epochs: Sequence[Epoch], delta: float) -> LifetimeResult:
         f"basic and advanced composition for reference"
     )
     return LifetimeResult(
-        eps,
-        delta,
-        method,
-        notion,
-        eps_pld,
-        basic.eps,
-        advanced.eps,
-        advanced.rule,
-        split,
-        len(epochs),
-        parts,
-        sum(pairs.values()),
-        step,
-        note,
+        eps=eps,
+        delta=delta,
+        method=method,
+        neighbouring=notion,
+        eps_pld=eps_pld,
+        eps_basic=basic.eps,
+        eps_advanced=advanced.eps,
+        advanced_rule=advanced.rule,
+        delta_split=split,
+        epochs=len(epochs),
+        parts=parts,
+        pair_parts=sum(pairs.values()),
+        discretization=step,
+        note=note,
     )
 
 

@@ -268,21 +268,36 @@ def _zsum_bound(e: float, n: int, d: float, p: MechanismParams) -> BoundResult:
 
 SPECS: dict[Mechanism, MechanismSpec] = {
     Mechanism.GENERIC: MechanismSpec(
-        "replacement", _generic_methods("replacement"), lambda e, p: e, lambda p: True
+        natural="replacement",
+        methods=_generic_methods("replacement"),
+        local_eps=lambda e, p: e,
+        has_lower=lambda p: True,
     ),
     Mechanism.KRAPPOR: MechanismSpec(
-        "removal", _binary_rr_methods(lambda e, p: e, "removal"), lambda e, p: e, lambda p: True
+        natural="removal",
+        methods=_binary_rr_methods(lambda e, p: e, "removal"),
+        local_eps=lambda e, p: e,
+        has_lower=lambda p: True,
     ),
-    Mechanism.RFRAG: MechanismSpec("removal", _rfrag_methods(), _rfrag_eps_inf),
+    Mechanism.RFRAG: MechanismSpec(
+        natural="removal", methods=_rfrag_methods(), local_eps=_rfrag_eps_inf
+    ),
     Mechanism.LONGITUDINAL: MechanismSpec(
-        "removal", _binary_rr_methods(lambda e, p: e / 2.0, "removal"), lambda e, p: e / 2.0
+        natural="removal",
+        methods=_binary_rr_methods(lambda e, p: e / 2.0, "removal"),
+        local_eps=lambda e, p: e / 2.0,
     ),
     Mechanism.ZSUM: MechanismSpec(
-        "replacement",
-        (MethodSpec(Method.BALCER_CHEU_THM12, _zsum_bound),),
-        lambda e, p: math.inf,
+        natural="replacement",
+        methods=(MethodSpec(Method.BALCER_CHEU_THM12, _zsum_bound),),
+        local_eps=lambda e, p: math.inf,
     ),
-    Mechanism.KRR: MechanismSpec("replacement", _krr_methods(), lambda e, p: e, lambda p: p.k == 2),
+    Mechanism.KRR: MechanismSpec(
+        natural="replacement",
+        methods=_krr_methods(),
+        local_eps=lambda e, p: e,
+        has_lower=lambda p: p.k == 2,
+    ),
 }
 
 
@@ -335,7 +350,15 @@ def rfrag_across_batches(
         ("delta", delta),
     )
     note = f"per-batch composition (ε_M = {eps_m:.4g}) mixed by the backstop"
-    result = BoundResult(value, delta, Method.RFRAG_PER_BATCH, "removal", inputs, True, note)
+    result = BoundResult(
+        eps=value,
+        delta=delta,
+        method=Method.RFRAG_PER_BATCH,
+        neighbouring="removal",
+        inputs=inputs,
+        valid_regime=True,
+        note=note,
+    )
     return _clamp(result, local)
 
 
@@ -550,5 +573,13 @@ def _local(mech: Mechanism, eps0: float, params: MechanismParams) -> tuple[Bound
     spec = SPECS[mech]
     local = spec.local_eps(eps0, params)
     inputs = (("eps0", eps0),)
-    statement = BoundResult(local, 0.0, Method.LOCAL, spec.natural, inputs, True, "local ε")
+    statement = BoundResult(
+        eps=local,
+        delta=0.0,
+        method=Method.LOCAL,
+        neighbouring=spec.natural,
+        inputs=inputs,
+        valid_regime=True,
+        note="local ε",
+    )
     return (statement,)

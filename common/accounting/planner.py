@@ -197,4 +197,14 @@ def plan_eps0(
     eps0, method = max(found)
     eps0, cert = _verified(mech, eps0, method, target_eps, n, delta, params, bound is not None)
     capped = eps0 >= EPS0_MAX
-    return Plan(target_eps, delta, n, mech, eps0, method, cert, tuple(per_method), capped)
+    return Plan(
+        target_eps=target_eps,
+        delta=delta,
+        n=n,
+        mechanism=mech,
+        eps0=eps0,
+        method=method,
+        certification=cert,
+        per_method=tuple(per_method),
+        capped=capped,
+    )

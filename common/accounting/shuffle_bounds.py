@@ -355,26 +355,32 @@ def balcer_cheu_thm12(
     if eps > 1.0 or n_declared < required:
         failure = f"needs ε <= 1 and n >= 100 ln(2/δ)/ε² = {required:.4g}"
         return BoundResult(
-            2 * eps,
-            2 * delta,
-            Method.BALCER_CHEU_THM12,
-            "replacement",
-            inputs,
-            False,
-            f"outside the stated regime ({failure}); mechanism refused",
+            eps=2 * eps,
+            delta=2 * delta,
+            method=Method.BALCER_CHEU_THM12,
+            neighbouring="replacement",
+            inputs=inputs,
+            valid_regime=False,
+            note=f"outside the stated regime ({failure}); mechanism refused",
         )
     if eps_eff > 1.0:
         failure = f"the actual crowd {m} gives ε' = ε sqrt(n_declared/m) = {eps_eff:.4g} > 1"
         return BoundResult(
-            math.inf,
-            2 * delta,
-            Method.BALCER_CHEU_THM12,
-            "replacement",
-            inputs,
-            False,
-            f"outside the stated regime ({failure}); no amplification",
+            eps=math.inf,
+            delta=2 * delta,
+            method=Method.BALCER_CHEU_THM12,
+            neighbouring="replacement",
+            inputs=inputs,
+            valid_regime=False,
+            note=f"outside the stated regime ({failure}); no amplification",
         )
     note = "per bin (ε', δ) with ε' = ε sqrt(n_declared/n_actual); histogram (2ε', 2δ)"
     return BoundResult(
-        2 * eps_eff, 2 * delta, Method.BALCER_CHEU_THM12, "replacement", inputs, True, note
+        eps=2 * eps_eff,
+        delta=2 * delta,
+        method=Method.BALCER_CHEU_THM12,
+        neighbouring="replacement",
+        inputs=inputs,
+        valid_regime=True,
+        note=note,
     )

@@ -415,13 +415,13 @@ def compose_epochs(results: Sequence[BoundResult]) -> BoundResult:
     total = basic_composition([(r.eps, r.delta) for r in results])
     first = results[0]
     return BoundResult(
-        total.eps,
-        total.delta,
-        first.method,
-        first.neighbouring,
-        first.inputs,
-        all(r.valid_regime for r in results),
-        f"basic composition over {len(results)} epochs",
+        eps=total.eps,
+        delta=total.delta,
+        method=first.method,
+        neighbouring=first.neighbouring,
+        inputs=first.inputs,
+        valid_regime=all(r.valid_regime for r in results),
+        note=f"basic composition over {len(results)} epochs",
     )
 
 
@@ -436,9 +436,9 @@ def certify_smallest_batch(
     certs = [certify_at(min(c.values())) for c in per_epoch.values()]
     crowds = {f"{e}/{k}": v for e, c in per_epoch.items() for k, v in c.items()}
     return ReleaseCertificate(
-        compose_epochs([c.certified for c in certs]),
-        compose_epochs([c.other_notion for c in certs]),
-        certs[0].lower if len(certs) == 1 else None,
-        crowds,
-        len(per_epoch),
+        certified=compose_epochs([c.certified for c in certs]),
+        other=compose_epochs([c.other_notion for c in certs]),
+        lower=certs[0].lower if len(certs) == 1 else None,
+        crowds=crowds,
+        epochs=len(per_epoch),
     )

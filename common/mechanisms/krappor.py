@@ -26,19 +26,19 @@ import numpy as np
 
 from common.accounting import Certification, Epoch, MechanismParams, certify
 from common.accounting.lifetime import mechanism_epoch
-from common.mechanisms._base import (
+from common.mechanisms._estimates import (
+    CountAccumulator,
+    Estimate,
+    IntArray,
+    clip_estimate,
+)
+from common.mechanisms._histogram import (
     IndexHistogram,
     add_index_fragments,
     check_bins,
     check_eps,
     check_value,
     index_fragment,
-)
-from common.mechanisms._estimates import (
-    CountAccumulator,
-    Estimate,
-    IntArray,
-    clip_estimate,
 )
 from common.mechanisms._random import randomized_onehot
 from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
@@ -106,7 +106,9 @@ def estimate(accumulator: CountAccumulator, params: KRapporParams, clip: bool = 
     values = np.asarray(((e + 1.0) * accumulator.counts - n) / (e - 1.0), dtype=np.float64)
     std = np.full(params.k, math.sqrt(variance(n, params)))
     note = "k-RAPPOR debiasing, ESA-revisited §III" + ("; negatives clipped to 0" if clip else "")
-    return Estimate(clip_estimate(values, clip), std, n, clip, note)
+    return Estimate(
+        values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
+    )
 
 
 def simulate_aggregate(
@@ -122,7 +124,13 @@ def simulate_aggregate(
 
 def local_privacy(params: KRapporParams) -> LocalPrivacy:
     """Removal ε, replacement 2ε; every fragment is a post-processing of the whole report."""
-    return LocalPrivacy(params.eps, 2.0 * params.eps, params.eps, params.eps, "per-bit binary RR")
+    return LocalPrivacy(
+        removal=params.eps,
+        replacement=2.0 * params.eps,
+        eps_l_inf=params.eps,
+        eps_l1=params.eps,
+        note="per-bit binary RR",
+    )
 
 
 def central(params: KRapporParams, n: int, delta: float) -> Certification:

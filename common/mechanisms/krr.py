@@ -23,20 +23,20 @@ import numpy as np
 
 from common.accounting import Certification, Epoch, MechanismParams, certify
 from common.accounting.lifetime import mechanism_epoch
-from common.mechanisms._base import (
-    IndexHistogram,
-    add_index_fragments,
-    check_bins,
-    check_eps,
-    check_value,
-    index_fragment,
-)
 from common.mechanisms._estimates import (
     CountAccumulator,
     Estimate,
     FloatArray,
     IntArray,
     clip_estimate,
+)
+from common.mechanisms._histogram import (
+    IndexHistogram,
+    add_index_fragments,
+    check_bins,
+    check_eps,
+    check_value,
+    index_fragment,
 )
 from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
 from common.randomness import RandomSource, bernoulli, default_source
@@ -106,7 +106,9 @@ def estimate(accumulator: CountAccumulator, params: KRRParams, clip: bool = Fals
     values = np.asarray((accumulator.counts - n * b) / (a - b), dtype=np.float64)
     std = np.sqrt(variance(np.clip(values, 0, n), n, params))
     note = "k-RR debiasing" + ("; negatives clipped to 0" if clip else "")
-    return Estimate(clip_estimate(values, clip), std, n, clip, note)
+    return Estimate(
+        values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
+    )
 
 
 def simulate_aggregate(
@@ -123,7 +125,13 @@ def simulate_aggregate(
 def local_privacy(params: KRRParams) -> LocalPrivacy:
     """Replacement ε; removal against the uniform reference ``ln(k e^ε/(e^ε + k - 1))``."""
     removal = math.log(params.k * params.truth_prob)
-    return LocalPrivacy(removal, params.eps, removal, removal, "single message")
+    return LocalPrivacy(
+        removal=removal,
+        replacement=params.eps,
+        eps_l_inf=removal,
+        eps_l1=removal,
+        note="single message",
+    )
 
 
 def central(params: KRRParams, n: int, delta: float) -> Certification:

@@ -50,8 +50,8 @@ import numpy as np
 from common.accounting import BoundResult, Certification, Epoch, MechanismParams, certify
 from common.accounting.lifetime import compose_epochs as compose_lifetime
 from common.accounting.lifetime import mechanism_epoch
-from common.mechanisms._base import check_eps
 from common.mechanisms._estimates import Estimate, FloatArray
+from common.mechanisms._histogram import check_eps
 from common.mechanisms._wire import FragmentError, frame, unframe
 from common.mechanisms.base import (
     BatchContext,
@@ -332,11 +332,11 @@ def local_privacy(params: LdpSgdParams) -> LocalPrivacy:
     ε); removal against a uniform sign: ``ln(2e^ε/(e^ε + 1))`` per report."""
     removal = math.log(2.0 / (1.0 + math.exp(-params.eps)))
     return LocalPrivacy(
-        params.tau * removal,
-        params.tau * params.eps,
-        params.tau * removal,
-        removal,
-        f"{params.tau} binary-RR report(s) per device per round",
+        removal=params.tau * removal,
+        replacement=params.tau * params.eps,
+        eps_l_inf=params.tau * removal,
+        eps_l1=removal,
+        note=f"{params.tau} binary-RR report(s) per device per round",
     )
 
 
@@ -452,18 +452,18 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
     def estimate(self, params: LdpSgdParams, accumulator: LdpSgdAccumulator) -> Estimate:
         if not accumulator.counts:
             return Estimate(
-                np.zeros(params.dim),
-                np.zeros(params.dim),
-                accumulator.n,
-                False,
-                "LDP-SGD: no report",
+                values=np.zeros(params.dim),
+                std_errors=np.zeros(params.dim),
+                n=accumulator.n,
+                clipped=False,
+                note="LDP-SGD: no report",
             )
         round_ = max(accumulator.counts, key=lambda r: (accumulator.counts[r], r))
         count = accumulator.counts[round_]
         values = noisy_gradient(params, accumulator.sums[round_], count)
         std = np.full(params.dim, params.scale / math.sqrt(params.dim * count))
         note = f"LDP-SGD noisy gradient of round {round_} ({count} reports), Algorithm 5 line 5"
-        return Estimate(values, std, accumulator.n, False, note)
+        return Estimate(values=values, std_errors=std, n=accumulator.n, clipped=False, note=note)
 
     def local_privacy(self, params: LdpSgdParams) -> LocalPrivacy:
         return local_privacy(params)
@@ -477,11 +477,11 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
         certs = [round_certificate(params, min(c.values()), delta) for c in per_epoch.values()]
         crowds = {f"{e}/{k}": v for e, c in per_epoch.items() for k, v in c.items()}
         return ReleaseCertificate(
-            compose_epochs([c[0] for c in certs]),
-            compose_epochs([c[1] for c in certs]),
-            None,
-            crowds,
-            len(per_epoch),
+            certified=compose_epochs([c[0] for c in certs]),
+            other=compose_epochs([c[1] for c in certs]),
+            lower=None,
+            crowds=crowds,
+            epochs=len(per_epoch),
         )
 
     def epoch_pair(

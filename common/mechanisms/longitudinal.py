@@ -37,8 +37,8 @@ import numpy as np
 
 from common.accounting import Certification, Epoch, MechanismParams, certify
 from common.accounting.lifetime import mechanism_epoch
-from common.mechanisms._base import check_eps
 from common.mechanisms._estimates import Estimate, FloatArray, IntArray
+from common.mechanisms._histogram import check_eps
 from common.mechanisms._wire import FragmentError, frame, unframe
 from common.mechanisms.base import (
     BatchContext,
@@ -275,7 +275,13 @@ def estimate(accumulator: TreeAccumulator, params: LongitudinalParams) -> Estima
     np.add.at(reports, rows, accumulator.reports[cols])
     values: FloatArray = scale * sums
     std: FloatArray = scale * np.sqrt(reports)
-    return Estimate(values, std, accumulator.n, False, "Algorithm 2 scaled by L = log2 d + 1")
+    return Estimate(
+        values=values,
+        std_errors=std,
+        n=accumulator.n,
+        clipped=False,
+        note="Algorithm 2 scaled by L = log2 d + 1",
+    )
 
 
 @dataclass(frozen=True)
@@ -332,7 +338,13 @@ def simulate_aggregate(
 def local_privacy(params: LongitudinalParams) -> LocalPrivacy:
     """Theorem 5: the sequence is ε-LDP; a single report is (ε/2)-DP."""
     half = params.eps / 2.0
-    return LocalPrivacy(half, params.eps, params.eps, half, "sequence ε (Theorem 5); report ε/2")
+    return LocalPrivacy(
+        removal=half,
+        replacement=params.eps,
+        eps_l_inf=params.eps,
+        eps_l1=half,
+        note="sequence ε (Theorem 5); report ε/2",
+    )
 
 
 def central(params: LongitudinalParams, crowd: int, delta: float) -> Certification:
@@ -468,7 +480,13 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
             raise NoDataError("no report in any tree node yet")
         cert = central(params, min(crowds.values()), delta)
         periods = len({item.epoch for item in received})
-        return ReleaseCertificate(cert.certified, cert.other_notion, cert.lower, crowds, periods)
+        return ReleaseCertificate(
+            certified=cert.certified,
+            other=cert.other_notion,
+            lower=cert.lower,
+            crowds=crowds,
+            epochs=periods,
+        )
 
     def epoch_pair(
         self,

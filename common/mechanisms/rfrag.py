@@ -42,7 +42,6 @@ from common.accounting import (
     removal_to_replacement,
     rfrag_across_batches,
 )
-from common.mechanisms._base import check_bins, check_eps, check_value
 from common.mechanisms._estimates import (
     CountAccumulator,
     Estimate,
@@ -50,6 +49,7 @@ from common.mechanisms._estimates import (
     IntArray,
     clip_estimate,
 )
+from common.mechanisms._histogram import check_bins, check_eps, check_value
 from common.mechanisms._random import geometric_positions, randomized_onehot
 from common.mechanisms._wire import FragmentError, frame, unframe
 from common.mechanisms.base import (
@@ -258,7 +258,9 @@ def estimate(accumulator: CountAccumulator, params: RFragParams, clip: bool = Fa
     n = round(float(accumulator.rows.mean())) if accumulator.rows.size else 0
     std = np.full(params.k, math.sqrt(variance(n, params)))
     note = "two-stage debiasing (ESA-revisited §IV)" + ("; negatives clipped to 0" if clip else "")
-    return Estimate(clip_estimate(values, clip), std, n, clip, note)
+    return Estimate(
+        values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
+    )
 
 
 def simulate_aggregate(
@@ -277,7 +279,13 @@ def local_privacy(params: RFragParams) -> LocalPrivacy:
     """Theorem IV.1: removal ε_ℓ∞ = ε(τ), ε_ℓ1 = ε(1); replacement touches two bits: 2 ε(τ)."""
     eps_inf = fragment_eps(params.eps_b, params.eps_f, params.tau)
     eps_one = fragment_eps(params.eps_b, params.eps_f, 1)
-    return LocalPrivacy(eps_inf, 2 * eps_inf, eps_inf, eps_one, "Theorem IV.1")
+    return LocalPrivacy(
+        removal=eps_inf,
+        replacement=2 * eps_inf,
+        eps_l_inf=eps_inf,
+        eps_l1=eps_one,
+        note="Theorem IV.1",
+    )
 
 
 def central(params: RFragParams, n: int, delta: float) -> Certification:
@@ -410,5 +418,9 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
         others = [removal_to_replacement(r, independent_parts=False) for r in results]
         crowds_flat = {f"{e}/{k}": v for e, c in per_epoch.items() for k, v in c.items()}
         return ReleaseCertificate(
-            compose_epochs(results), compose_epochs(others), None, crowds_flat, len(per_epoch)
+            certified=compose_epochs(results),
+            other=compose_epochs(others),
+            lower=None,
+            crowds=crowds_flat,
+            epochs=len(per_epoch),
         )

@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 
 from common.accounting import Certification, MechanismParams, certify
-from common.mechanisms._base import (
+from common.mechanisms._estimates import CountAccumulator, Estimate, FloatArray, IntArray
+from common.mechanisms._histogram import (
     IndexHistogram,
     add_index_fragments,
     check_bins,
     check_value,
     index_fragment,
 )
-from common.mechanisms._estimates import CountAccumulator, Estimate, FloatArray, IntArray
 from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
 from common.randomness import RandomSource, bernoulli, default_source
 
@@ -128,7 +128,9 @@ def estimate(accumulator: CountAccumulator, params: ZSumParams) -> Estimate:
         "unbiased |y_j| - m p (Balcer-Cheu); Figure 1's truncated estimate, beside it, "
         f"zeroes {zeroed} of {params.d} bins (those at or below the crowd m = {m})"
     )
-    return Estimate(values, std, m, False, note, truncated)
+    return Estimate(
+        values=values, std_errors=std, n=m, clipped=False, note=note, truncated=truncated
+    )
 
 
 def simulate_aggregate(
@@ -143,7 +145,13 @@ def simulate_aggregate(
 
 def local_privacy(params: ZSumParams) -> LocalPrivacy:
     """None: a user's own messages reveal its value (the privacy is all in the shuffle)."""
-    return LocalPrivacy(math.inf, math.inf, math.inf, math.inf, "no local privacy (multi-message)")
+    return LocalPrivacy(
+        removal=math.inf,
+        replacement=math.inf,
+        eps_l_inf=math.inf,
+        eps_l1=math.inf,
+        note="no local privacy (multi-message)",
+    )
 
 
 def central(params: ZSumParams, m: int, delta: float | None = None) -> Certification:

@@ -62,7 +62,9 @@ def sink(
     if len(token) < 16:
         raise click.UsageError("--token must be at least 16 characters")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    state = SinkState(token, record, relay, frozenset(keep_channel))
+    state = SinkState(
+        token=token, record_file=record, relay=relay, keep_channels=frozenset(keep_channel)
+    )
     server = serve(state, host, port)
     click.echo(f"audit sink on http://{host}:{port} (relay: {relay or 'none'})", err=True)
     try:

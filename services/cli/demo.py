@@ -22,7 +22,7 @@ from services.tools.credentials import Credentials
 
 if TYPE_CHECKING:
     from common.wire import ChannelConfig
-    from services.tools.demo import ChannelResult, DemoRun, Target
+    from services.tools.demo import ChannelResult, DemoDeployment, DemoRun
 
 
 @click.command("demo")
@@ -331,7 +331,7 @@ def _run(options: _Options, workdir: Path) -> None:
 
 
 def _simulate(
-    options: _Options, target: Target, channels: list[ChannelConfig], workdir: Path
+    options: _Options, target: DemoDeployment, channels: list[ChannelConfig], workdir: Path
 ) -> tuple[DemoRun, dict[str, tuple[int, int, int, int]]]:
     """Every device reports with a progress bar per population; epochs are closed after."""
     from rich.progress import (
@@ -361,12 +361,12 @@ def _simulate(
             if count is not None:
                 tasks[config.id] = progress.add_task(f"{config.id}: periods", total=count)
         run = DemoRun(
-            target,
-            options.devices,
-            workdir,
-            options.seed,
-            options.workers,
-            options.only,
+            target=target,
+            devices=options.devices,
+            workdir=workdir,
+            seed=options.seed,
+            workers=options.workers,
+            only=options.only,
             rate=options.rate,
             progress=lambda name, done: progress.advance(tasks[name], done),
             say=progress.console.print,

@@ -342,7 +342,7 @@ def start(spec: ServiceSpec, log: Path) -> Service:
             stderr=handle,
             start_new_session=True,
         )
-    return Service(spec.name, spec.url, process, log, spec)
+    return Service(name=spec.name, url=spec.url, process=process, log=log, spec=spec)
 
 
 def start_all(specs: Sequence[ServiceSpec], logs: Path, timeout: float = 60.0) -> list[Service]:
@@ -602,7 +602,12 @@ def start_scaled(
         started += start_all(processes, logs, timeout)
         proxy = haproxy.start(config, logs / "haproxy.log")
         started += [
-            Service(f"haproxy:{f.name}", f"http://127.0.0.1:{f.port}", proxy, logs / "haproxy.log")
+            Service(
+                name=f"haproxy:{f.name}",
+                url=f"http://127.0.0.1:{f.port}",
+                process=proxy,
+                log=logs / "haproxy.log",
+            )
             for f in frontends
         ]
         wait_ready(started, timeout)
@@ -626,7 +631,7 @@ RESTART_TIMEOUT = 60.0
 _SCALED_NAME = re.compile(r"^(?P<service>analyzer|shuffler-\d+)\.[rw]\d+$")
 
 
-def say(message: str) -> None:
+def print_status(message: str) -> None:
     """One line of supervision news on stderr, with the time of day (``esa up``'s console)."""
     click.echo(f"{time.strftime('%H:%M:%S')} {message}", err=True)
 
@@ -654,7 +659,7 @@ class Supervisor:
     without siblings died, a process crash-loops, or a restart did not become ready."""
 
     services: list[Service]
-    report: Callable[[str], None] = say
+    report: Callable[[str], None] = print_status
     max_deaths: int = MAX_DEATHS
     window: float = CRASH_WINDOW
     restart_timeout: float = RESTART_TIMEOUT
@@ -729,7 +734,7 @@ class Supervisor:
                 raise LaunchError(f"{name} did not come back after a restart: {failure}")
 
 
-def serve_forever(services: list[Service], report: Callable[[str], None] = say) -> None:
+def serve_forever(services: list[Service], report: Callable[[str], None] = print_status) -> None:
     """Block until Ctrl-C / SIGTERM or a death a restart cannot help, then stop everything.
 
     A process with siblings behind HAProxy (a shuffler replica ``shuffler-<i>.r<n>``, an
@@ -749,7 +754,7 @@ def serve_forever(services: list[Service], report: Callable[[str], None] = say) 
 
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
-    supervisor = Supervisor(services, report)
+    supervisor = Supervisor(services=services, report=report)
     try:
         while not stopping["flag"]:
             supervisor.check()

@@ -259,9 +259,15 @@ def _main(kw: dict[str, Any]) -> None:
         )
         local = {s.name: s.process.pid for s in services}
         options = Options(
-            plan, pace, kw["concurrency"], tokens, kw["out"], kw["drain_timeout"],
-            not kw["no_live"], local,
-        )  # fmt: skip
+            plan=plan,
+            rate=pace,
+            concurrency=kw["concurrency"],
+            tokens=tokens,
+            out=kw["out"],
+            drain_timeout=kw["drain_timeout"],
+            live=not kw["no_live"],
+            local=local,
+        )
         summary = execute(options, console)
     except (LoadError, PopulationError, verify.VerifyError, launcher.LaunchError) as error:
         raise click.ClickException(str(error)) from error

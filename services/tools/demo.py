@@ -1,4 +1,4 @@
-"""``esa demo``: a population of simulated devices through a real deployment, end to end.
+"""The demo's engine: a population of simulated devices through a real deployment, end to end.
 
 The devices run on the load generator's fast path (:mod:`services.tools.loadgen`, as
 ``esa loadtest``): each is a device in protocol terms, with its own client token enrolled over
@@ -70,7 +70,7 @@ class DemoError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Target:
+class DemoDeployment:
     """A running deployment as the demo reaches it."""
 
     analyzer_url: str
@@ -258,7 +258,7 @@ def served_config(url: str, wait: float = CONFIG_WAIT_SECONDS) -> SignedConfig:
         time.sleep(0.5)
 
 
-def connect(analyzer_url: str, trust_file: Path | None, tokens: Credentials) -> Target:
+def connect(analyzer_url: str, trust_file: Path | None, tokens: Credentials) -> DemoDeployment:
     """Fetch and verify the collection config as a device would, with the keys of
     ``trust_file`` (a trust file or a folder of published keys; None: the keys the deployment
     serves itself, trusted on first use), and ``tokens`` for its parties' admin routes.
@@ -279,7 +279,9 @@ def connect(analyzer_url: str, trust_file: Path | None, tokens: Credentials) -> 
         tokens = tokens.for_parties(parties)
     except ValueError as error:
         raise DemoError(f"{error}: pass --keys or --admin-token") from error
-    target = Target(analyzer_url, trust, tokens, document, config)
+    target = DemoDeployment(
+        analyzer_url=analyzer_url, trust=trust, tokens=tokens, document=document, config=config
+    )
     for url in target.shuffler_urls:
         try:
             httpx.get(url + "/readyz", timeout=5.0).raise_for_status()
@@ -303,7 +305,7 @@ def served_keys(document: SignedConfig) -> TrustAnchors:
     return TrustAnchors.from_json({"analyzer": config.analyzer.signing_key, "shufflers": shufflers})
 
 
-def check_fresh_epochs(target: Target, channels: list[ChannelConfig], now: float) -> None:
+def check_fresh_epochs(target: DemoDeployment, channels: list[ChannelConfig], now: float) -> None:
     """Refuse to run into an epoch an earlier run already closed and released.
 
     Raises:
@@ -568,7 +570,7 @@ def _send_series(run: DemoRun, waves: loadgen.SeriesWaves, seen: _Seen) -> _Deli
 class DemoRun:
     """Inputs of one demo run."""
 
-    target: Target
+    target: DemoDeployment
     devices: int
     workdir: Path
     seed: int = 0
@@ -599,7 +601,7 @@ def periods(config: ChannelConfig) -> int | None:
     return mechanism.domain_size(mechanism.parse_params(config.params))
 
 
-def selected(target: Target, only: tuple[str, ...]) -> list[ChannelConfig]:
+def selected(target: DemoDeployment, only: tuple[str, ...]) -> list[ChannelConfig]:
     """The channels to drive: all of the config's, or those named in ``only``.
 
     Raises:
@@ -642,7 +644,7 @@ def _patiently(send: Callable[[], httpx.Response], what: str) -> httpx.Response:
         delay = min(2 * delay, 3.0)
 
 
-def _close(target: Target, channel_id: str, epoch: int) -> None:
+def _close(target: DemoDeployment, channel_id: str, epoch: int) -> None:
     for url in target.shuffler_urls:
         send = functools.partial(
             httpx.post,
@@ -686,7 +688,7 @@ def _wait_metric(
             time.sleep(0.2)
 
 
-def _wait_forwarded(target: Target, timeout: float = 600.0) -> None:
+def _wait_forwarded(target: DemoDeployment, timeout: float = 600.0) -> None:
     """Until every shuffler has forwarded its batches and the analyzer has opened them all."""
     deadline = time.monotonic() + timeout
     for url in target.shuffler_urls:
@@ -729,7 +731,7 @@ def simulate(run: DemoRun) -> dict[str, tuple[int, int, int, int]]:
     return {cid: (run.devices, accepted.get(cid, 0), *seen.epochs[cid]) for cid in run.truths}
 
 
-def _close_all(target: Target, seen: _Seen, failing: bool) -> None:
+def _close_all(target: DemoDeployment, seen: _Seen, failing: bool) -> None:
     """Close every epoch the run used that is not closed yet, even when it failed (so that
     a later run never merges with it), then wait until the analyzer has opened everything.
     While an error is on its way (``failing``), a failure here is not raised in its place."""
@@ -751,7 +753,7 @@ class _Seen:
     epochs: dict[str, tuple[int, int]] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)
 
-    def close(self, target: Target, channel_id: str) -> None:
+    def close(self, target: DemoDeployment, channel_id: str) -> None:
         """Close the channel's last epoch at every shuffler: the analyzer opens its
         batches while the run goes on."""
         _close(target, channel_id, self.epochs[channel_id][1])
@@ -827,14 +829,14 @@ def results(run: DemoRun, sent: dict[str, tuple[int, int, int, int]]) -> list[Ch
                 "compared with this run's truth (run the demo on its own deployment)"
             )
         result = ChannelResult(
-            config.id,
-            config.title or config.id,
-            config.mechanism,
-            config.display,
-            devices,
-            delivered,
-            release,
-            [int(c) for c in truth.counts],
+            channel_id=config.id,
+            title=config.title or config.id,
+            mechanism=config.mechanism,
+            display=config.display,
+            devices=devices,
+            delivered=delivered,
+            release=release,
+            truth=[int(c) for c in truth.counts],
         )
         _check(result, truth)
         result.privacy = privacy(run.target, config.id)
@@ -888,7 +890,7 @@ def budget_text(budget: dict[str, Any] | None) -> str:
     )
 
 
-def privacy(target: Target, channel_id: str) -> dict[str, Any]:
+def privacy(target: DemoDeployment, channel_id: str) -> dict[str, Any]:
     """The channel's privacy ledger: each epoch's certificate, the lifetime ε of a device in
     every epoch so far (dp_accounting PLD beside basic composition, δ split) and the device
     budget in use.

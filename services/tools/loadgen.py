@@ -407,7 +407,9 @@ class _Sealer:
         sealed = tuple(
             seal_fragment(f, context, channel.payload_size, self.analyzer) for f in fragments
         )
-        contribution = Contribution(channel.id, crowd, epoch, new_nonce(), sealed)
+        contribution = Contribution(
+            channel_id=channel.id, crowd_id=crowd, epoch=epoch, nonce=new_nonce(), fragments=sealed
+        )
         body = seal_contribution(contribution, shuffler_id, key)
         token = device.tokens[target]
         encoded = token.encode()

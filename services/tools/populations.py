@@ -105,7 +105,7 @@ def heavy_hitters(n: int = TABLE_I_N, k: int = TABLE_I_K, seed: int = 0) -> Hist
     probs = np.concatenate([HEAVY_MASS * heavy / heavy.sum(), (1 - HEAVY_MASS) * tail / tail.sum()])
     counts = np.random.default_rng(seed).multinomial(n, probs).astype(np.int64)
     note = f"{HEAVY_HITTERS} heavy hitters ({HEAVY_MASS:.0%} of mass) + x^-{POWER_LAW} power law"
-    return HistogramPopulation("zipf", counts, note=note)
+    return HistogramPopulation(name="zipf", counts=counts, note=note)
 
 
 def _image_array(name: str) -> npt.NDArray[np.float64]:
@@ -133,7 +133,7 @@ def image(name: str, n: int | None = None) -> HistogramPopulation:
         counts = rescale(counts, n)
         note += f", rescaled to n={n}"
     shape = (int(pixels.shape[0]), int(pixels.shape[1]))
-    return HistogramPopulation(name, counts, shape=shape, note=note)
+    return HistogramPopulation(name=name, counts=counts, shape=shape, note=note)
 
 
 def words(n: int = 1_000_000, top: int = 10_000, lang: str = "en") -> HistogramPopulation:
@@ -144,7 +144,7 @@ def words(n: int = 1_000_000, top: int = 10_000, lang: str = "en") -> HistogramP
     freqs = np.array([wordfreq.word_frequency(w, lang) for w in vocabulary], dtype=np.float64)
     counts = rescale(np.round(freqs * 1e9).astype(np.int64), n)
     note = f"wordfreq top {top} {lang} words, frequencies scaled to n={n}"
-    return HistogramPopulation("words", counts, labels=tuple(vocabulary), note=note)
+    return HistogramPopulation(name="words", counts=counts, labels=tuple(vocabulary), note=note)
 
 
 def histogram(dataset: str, n: int | None = None, seed: int = 0) -> HistogramPopulation:
@@ -185,5 +185,7 @@ def longitudinal(
         users.append(np.repeat(who, count))
         periods.append(times.ravel())
         signs.append(np.tile(np.where(np.arange(count) % 2 == 0, 1, -1), who.size))
-    log = ChangeLog(n, d, _concat(users), _concat(periods), _concat(signs))
+    log = ChangeLog(
+        n_users=n, d=d, user=_concat(users), period=_concat(periods), sign=_concat(signs)
+    )
     return LongitudinalPopulation(log, k, {"change_rate": change_rate, "over_k": over_k})

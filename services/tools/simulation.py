@@ -134,18 +134,18 @@ def run_histogram(
             predicted = math.sqrt(rfrag.variance(n, r_params))
             l_inf, l_one = fragment_eps(eps0, fragment, tau), fragment_eps(eps0, fragment, 1)
         row = ResultRow(
-            population.name,
-            n,
-            k,
-            eps_c,
-            delta,
-            bound,
-            tau,
-            eps0,
-            l_inf,
-            l_one,
-            _rmse(estimate.values, population.counts),
-            predicted,
+            dataset=population.name,
+            n=n,
+            k=k,
+            eps_c=eps_c,
+            delta=delta,
+            bound=bound,
+            tau=tau,
+            eps0=eps0,
+            eps_l_inf=l_inf,
+            eps_l1=l_one,
+            rmse=_rmse(estimate.values, population.counts),
+            rmse_predicted=predicted,
         )
         if on_done is not None:
             on_done()
@@ -189,11 +189,7 @@ def run_longitudinal(
             accumulator = longitudinal.simulate_aggregate(changes, params, gen)
             estimate = longitudinal.estimate(accumulator, params)
             squared = [float(np.mean((estimate.values - truth) ** 2))]
-            for _ in range(repeats - 1):
-                again = longitudinal.simulate_aggregate(changes, params, gen)
-                squared.append(
-                    float(np.mean((longitudinal.estimate(again, params).values - truth) ** 2))
-                )
+            squared += _repeated_errors(changes, params, truth, gen, repeats - 1)
             first_nodes = longitudinal.TreeAccumulator.offsets(changes.d)[:-1]
             observed = int(accumulator.reports[first_nodes].min())
             method = BOUNDS[bound]
@@ -201,22 +197,43 @@ def run_longitudinal(
             mech = MechanismParams(d=params.d, k=params.k)
             certified = certify("longitudinal", eps, observed, delta, mech, methods).certified.eps
             row = ResultRow(
-                "longitudinal",
-                changes.n_users,
-                population.k,
-                eps_c,
-                delta,
-                bound,
-                1,
-                eps,
-                eps,
-                eps / 2.0,
-                math.sqrt(float(np.mean(squared))),
-                float(np.sqrt(np.mean(estimate.std_errors**2))),
+                dataset="longitudinal",
+                n=changes.n_users,
+                k=population.k,
+                eps_c=eps_c,
+                delta=delta,
+                bound=bound,
+                tau=1,
+                eps0=eps,
+                eps_l_inf=eps,
+                eps_l1=eps / 2.0,
+                rmse=math.sqrt(float(np.mean(squared))),
+                rmse_predicted=float(np.sqrt(np.mean(estimate.std_errors**2))),
             )
             if on_done is not None:
                 on_done()
-            yield LongitudinalRun(row, truth, estimate.values, estimate.std_errors, certified)
+            yield LongitudinalRun(
+                row=row,
+                truth=truth,
+                estimate=estimate.values,
+                std_error=estimate.std_errors,
+                certified_eps=certified,
+            )
+
+
+def _repeated_errors(
+    changes: longitudinal.ChangeLog,
+    params: LongitudinalParams,
+    truth: FloatArray,
+    gen: np.random.Generator,
+    repeats: int,
+) -> list[float]:
+    """Mean squared errors of ``repeats`` more independent simulations of the tree."""
+    errors = []
+    for _ in range(repeats):
+        again = longitudinal.estimate(longitudinal.simulate_aggregate(changes, params, gen), params)
+        errors.append(float(np.mean((again.values - truth) ** 2)))
+    return errors
 
 
 def write_results(rows: Sequence[ResultRow], path: Path) -> None:

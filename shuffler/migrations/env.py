@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from shuffler.storage import metadata
+from shuffler.tables import metadata
 
 connection = context.config.attributes["connection"]
 context.configure(

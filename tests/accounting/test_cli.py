@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.system  # starts real processes
+
 ESA = [sys.executable, "-m", "services.cli"]
 
 

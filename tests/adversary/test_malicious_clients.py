@@ -40,7 +40,13 @@ def _garbage(deployment: Deployment, fragments: list[bytes]) -> httpx.Response:
     key = load_x25519_public(base64.b64decode(shuffler.public_key))
     token = httpx.post(shuffler.url + "/v1/enroll", timeout=10).json()["client_token"]
     epoch = int(time.time() // CLICKS.epoch_seconds)
-    contribution = Contribution(CLICKS.id, "", epoch, new_nonce(), tuple(fragments))
+    contribution = Contribution(
+        channel_id=CLICKS.id,
+        crowd_id="",
+        epoch=epoch,
+        nonce=new_nonce(),
+        fragments=tuple(fragments),
+    )
     return httpx.post(
         shuffler.url + "/v1/contributions",
         content=seal_contribution(contribution, shuffler.id, key),

@@ -84,12 +84,12 @@ def build(url: str, channels: Iterable[ChannelConfig] = (CHANNEL,)) -> Layers:
         max_batch_bytes=64 * 1024 * 1024,
     )
     return Layers(
-        store,
-        BatchIntake(store, policy, events),
-        ReleaseService(store, runtimes, events),
-        LedgerService(store, runtimes),
-        events,
-        PartOpener(store, runtimes, FragmentOpener(policy.ring, 1, 500), events),
+        store=store,
+        intake=BatchIntake(store, policy, events),
+        releases=ReleaseService(store, runtimes, events),
+        ledger=LedgerService(store, runtimes),
+        events=events,
+        opener=PartOpener(store, runtimes, FragmentOpener(policy.ring, 1, 500), events),
     )
 
 

@@ -209,6 +209,7 @@ def _publish(url: str) -> dict[str, Any]:
     return releases
 
 
+@pytest.mark.system
 def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     browser = _chromium()
     keys = tmp_path / "shuffler-1"

@@ -90,6 +90,7 @@ def test_an_expired_descriptor_is_missing() -> None:
         held.current()
 
 
+@pytest.mark.system
 def test_the_config_waits_for_the_shuffler_and_carries_its_own_descriptor(tmp_path: Path) -> None:
     """A real analyzer and a real shuffler: ``GET /v1/config`` answers 503 until the shuffler
     is up, then carries the descriptor exactly as the shuffler signs it."""

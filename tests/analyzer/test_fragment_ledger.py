@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import numpy.typing as npt
+import pytest
 from alembic import command
 from alembic.config import Config
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
@@ -194,6 +195,7 @@ def _worker(tmp: Path, database_url: str, name: str) -> ServiceProcess:
     return dataclasses.replace(process, log_path=tmp / f"{name}.log")
 
 
+@pytest.mark.system
 def test_two_analyzer_processes_report_one_ledger(postgres_url: str, tmp_path: Path) -> None:
     engine = db.make_engine(postgres_url)
     db.upgrade(engine, MIGRATIONS)  # as esa up does before starting several workers

@@ -301,6 +301,7 @@ def session() -> Iterator[requests.Session]:
         yield shared
 
 
+@pytest.mark.system
 @schema.parametrize()
 @settings(
     max_examples=EXAMPLES,

@@ -130,6 +130,7 @@ class _MeetingRuntime(ChannelRuntime):
         return super().charge(received)
 
 
+@pytest.mark.slow
 def test_two_analyzer_processes_charging_one_epoch_at_once_miss_no_batch(
     postgres_url: str,
 ) -> None:

@@ -56,7 +56,13 @@ def _runtime(config: ChannelConfig) -> ChannelRuntime:
 def _row(runtime: ChannelRuntime, epoch: int, n: int) -> LedgerRow:
     """The ledger row the analyzer writes for one epoch with one batch of ``n`` (the same
     certificates as :meth:`ChannelRuntime.charge`)."""
-    received = Received(epoch, "shuffler-1", (n,), runtime.new_accumulator(), BatchContext(0, 1))
+    received = Received(
+        epoch=epoch,
+        shuffler_id="shuffler-1",
+        batches=(n,),
+        accumulator=runtime.new_accumulator(),
+        source=BatchContext(0, 1),
+    )
     certs = runtime.certify([received])
     return LedgerRow(
         epoch=epoch,

@@ -45,15 +45,15 @@ CONTEXT = FragmentContext(CHANNEL.id, 7, "")
 def _header(body: bytes) -> PartHeader:
     batch = Batch.model_validate_json(body)
     return PartHeader(
-        batch.batch_id,
-        batch.part,
-        batch.parts,
-        batch.shuffler_id,
-        batch.channel_id,
-        batch.crowd_id,
-        batch.epoch,
-        batch.n_contributions,
-        len(batch.fragments),
+        batch_id=batch.batch_id,
+        part=batch.part,
+        parts=batch.parts,
+        shuffler_id=batch.shuffler_id,
+        channel_id=batch.channel_id,
+        crowd_id=batch.crowd_id,
+        epoch=batch.epoch,
+        n_contributions=batch.n_contributions,
+        n_fragments=len(batch.fragments),
     )
 
 
@@ -145,6 +145,7 @@ def test_a_part_that_keeps_failing_is_quarantined_and_never_blocks_the_others(
     assert layers.store.charges(CHANNEL.id)[0].batches == 1
 
 
+@pytest.mark.slow
 def test_a_database_failure_is_not_counted_against_the_part(tmp_path: Path) -> None:
     path = tmp_path / "analyzer.db"
     layers = build(f"sqlite:///{path}")
@@ -166,6 +167,7 @@ def test_a_database_failure_is_not_counted_against_the_part(tmp_path: Path) -> N
     assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == 300
 
 
+@pytest.mark.system
 def test_a_dead_pool_worker_fails_one_opening_and_the_pool_starts_again() -> None:
     key = X25519PrivateKey.generate()
     texts = [b64(seal_fragment(b"x" * 8, CONTEXT, 16, key.public_key())) for _ in range(40)]
@@ -184,6 +186,7 @@ def test_a_dead_pool_worker_fails_one_opening_and_the_pool_starts_again() -> Non
         opener.close()
 
 
+@pytest.mark.system
 def test_warming_starts_every_pool_worker_before_the_first_part() -> None:
     """The analyzer warms its pool at start-up: every worker process is running (its key
     ring loaded) before any part arrives, and opening then uses those same processes."""
@@ -260,6 +263,7 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.system
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_pool_workers_end_when_the_analyzer_is_killed() -> None:
     # A crash (kill -9) runs no shutdown: the workers must notice and end on their own.

@@ -141,6 +141,14 @@ def test_the_api_answers_steps_and_state_and_concurrent_steps_train_once(tmp_pat
     assert body.theta_norm == pytest.approx(result.theta_norm) and len(body.theta) == 4
     with pytest.raises(UnknownChannelError):
         training_body(trainer, CHANNEL.id)
-    uncertified = StepRecord(0, (0, 0), 5, 0, 5, 1.0, math.inf)
+    uncertified = StepRecord(
+        round=0,
+        epochs=(0, 0),
+        reports=5,
+        refused_other_rounds=0,
+        devices=5,
+        gradient_norm=1.0,
+        eps_central=math.inf,
+    )
     assert StepBody.of(uncertified).eps_central is None
     assert "Infinity" not in StepBody.of(uncertified).model_dump_json()

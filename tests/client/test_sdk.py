@@ -31,6 +31,8 @@ from encoder_client import (
 
 from ..support import Deployment, close_epoch, start_deployment, wait_until
 
+pytestmark = pytest.mark.system  # starts real processes
+
 # epoch_seconds=10**8 on the channels whose tests span seconds (200 reports; a shuffler
 # restart): with hour-long epochs a run straddled an epoch boundary (contributions refused as
 # epoch_not_open, or split over two epochs) with probability ~(test duration)/3600, ~1% in all.

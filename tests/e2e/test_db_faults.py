@@ -41,7 +41,7 @@ from common.envelope import (
 from common.mechanisms import krappor
 from services.cli import launcher
 from services.runtime import db
-from shuffler import storage
+from shuffler import tables
 
 from ..support import (
     LONG_EPOCH_CHANNEL,
@@ -187,7 +187,11 @@ def _contribute(
         return
     fragments = pool[random.randrange(len(pool))]
     blob = seal_contribution(
-        Contribution(CHANNEL.id, "", epoch, new_nonce(), fragments), "shuffler-1", public
+        Contribution(
+            channel_id=CHANNEL.id, crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=fragments
+        ),
+        "shuffler-1",
+        public,
     )
     answer = client.post(
         "/v1/contributions",
@@ -231,13 +235,13 @@ def _read(engine: Engine, query: Callable[[Engine], int]) -> int | None:
 
 
 def _undelivered(engine: Engine) -> int:
-    p = storage.batch_parts.c
+    p = tables.batch_parts.c
     with engine.connect() as conn:
         # Staged parts belong to no batch yet (an evaluation that had not committed when its
         # connection dropped): they are never sent, and retention deletes what is left.
         undelivered = p.status.not_in(["forwarded", "staged"])
         parts = conn.execute(select(func.count()).where(undelivered)).scalar_one()
-        batches = conn.execute(select(func.count()).select_from(storage.batches)).scalar_one()
+        batches = conn.execute(select(func.count()).select_from(tables.batches)).scalar_one()
     return int(parts) if batches else -1
 
 
@@ -251,7 +255,7 @@ def _waiting(engine: Engine) -> int:
 
 def _shuffler_counts(engine: Engine) -> tuple[int, int, int]:
     """(removed by randomized deletion, held, contributions in released batches)."""
-    g, c, b = storage.groups.c, storage.contributions.c, storage.batches.c
+    g, c, b = tables.groups.c, tables.contributions.c, tables.batches.c
     with engine.connect() as conn:
         deleted = conn.execute(select(func.coalesce(func.sum(g.deleted), 0))).scalar_one()
         held = conn.execute(select(func.count()).where(c.held_part.is_not(None))).scalar_one()
@@ -288,7 +292,8 @@ def test_dropped_database_connections_lose_nothing_and_count_nothing_twice(
     analyzer, shuffler = deployment
     urls = {s: postgres_template.replace("{service}", s) for s in ("analyzer", "shuffler_1")}
     terminator = Terminator(
-        urls["analyzer"], [make_url(url).database or "" for url in urls.values()]
+        admin_url=urls["analyzer"],
+        databases=[make_url(url).database or "" for url in urls.values()],
     )
     pool = _sealed_pool(analyzer.url, 200)
     seen, stop = Answers(), threading.Event()

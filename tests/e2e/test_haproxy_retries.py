@@ -50,7 +50,7 @@ from common.envelope import (
 from common.mechanisms import krappor
 from services.cli import launcher
 from services.runtime import db, haproxy
-from shuffler import storage
+from shuffler import tables
 
 from ..support import LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS
 
@@ -169,7 +169,13 @@ def _client_loop(
             enrolled = _send(client, "/v1/enroll", requests)
             if enrolled is None or enrolled.status_code != 200:
                 continue
-            contribution = Contribution(CHANNEL.id, "", epoch, new_nonce(), pool[n % len(pool)])
+            contribution = Contribution(
+                channel_id=CHANNEL.id,
+                crowd_id="",
+                epoch=epoch,
+                nonce=new_nonce(),
+                fragments=pool[n % len(pool)],
+            )
             headers = {
                 "Authorization": f"Bearer {enrolled.json()['client_token']}",
                 "Content-Type": OCTETS,
@@ -182,7 +188,7 @@ def _stored(postgres_template: str) -> int:
     engine = db.make_engine(postgres_template.replace("{service}", "shuffler_1"))
     try:
         with engine.connect() as conn:
-            query = select(func.count()).select_from(storage.contributions)
+            query = select(func.count()).select_from(tables.contributions)
             return int(conn.execute(query).scalar_one())
     finally:
         engine.dispose()

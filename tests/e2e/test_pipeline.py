@@ -90,7 +90,9 @@ def _report(deployment: Deployment, values: np.ndarray) -> int:
             seal_fragment(f, context, CHANNEL.payload_size, analyzer_key)
             for f in krappor.encode(int(value), params)
         )
-        contribution = Contribution(CHANNEL.id, "", epoch, new_nonce(), fragments)
+        contribution = Contribution(
+            channel_id=CHANNEL.id, crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=fragments
+        )
         token = httpx.post(target.url + "/v1/enroll", timeout=30).json()["client_token"]
         tokens[target.id].append(token)
         blob = seal_contribution(

@@ -46,7 +46,7 @@ from services.cli import launcher
 from services.cli.servers import up_command
 from services.runtime import db
 from services.runtime import db as runtime_db
-from shuffler import storage
+from shuffler import tables
 from shuffler.records import GroupKey
 from shuffler.store import group_lock_identity, make_store
 
@@ -78,7 +78,7 @@ def test_two_replicas_deal_and_evaluate_a_group_once(postgres_url: str, tmp_path
             {"k": runtime_db.lock_key(group_lock_identity(key))},
         )
         assert second.run_batching() == 0
-        parts = storage.batch_parts.c
+        parts = tables.batch_parts.c
         assert held.execute(select(func.count()).where(parts.status == "staged")).scalar() == 0
         held.execute(
             text("SELECT pg_advisory_unlock(:k)"),
@@ -100,7 +100,7 @@ def test_two_replicas_deal_and_evaluate_a_group_once(postgres_url: str, tmp_path
         thread.join()
     assert sorted(done) == [0, 1]
     with first.store.engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(storage.groups)).scalar() == 1
+        assert conn.execute(select(func.count()).select_from(tables.groups)).scalar() == 1
     ledger = second.ledger()
     assert ledger["pending"] == ledger["held"] == ledger["purged"] == 0
     assert ledger["in_batches_unforwarded"] + ledger["deleted_by_algorithm_3"] == 40
@@ -202,7 +202,13 @@ def _contribute(
         return
     epoch = int(time.time() // CHANNEL.epoch_seconds)
     fragments = pool[random.randrange(len(pool))]
-    blob = seal_contribution(Contribution(CHANNEL.id, "", epoch, new_nonce(), fragments), sid, key)
+    blob = seal_contribution(
+        Contribution(
+            channel_id=CHANNEL.id, crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=fragments
+        ),
+        sid,
+        key,
+    )
     headers = {
         "Authorization": f"Bearer {enrolled.json()['client_token']}",
         "Content-Type": "application/octet-stream",
@@ -233,12 +239,12 @@ def _count(engine: Engine, query: object) -> int:
 def _delivering(engine: Engine) -> bool:
     """Delivery has begun: a part of the released batch was acknowledged (usually others still
     wait; on a slow poll all may be in, and conservation must hold either way)."""
-    p = storage.batch_parts.c
+    p = tables.batch_parts.c
     return _count(engine, select(func.count()).where(p.status == "forwarded")) > 0
 
 
 def _settled(shufflers: dict[str, Engine], analyzer: Engine) -> bool:
-    p, a = storage.batch_parts.c, analyzer_tables.batch_parts.c
+    p, a = tables.batch_parts.c, analyzer_tables.batch_parts.c
     undelivered = sum(
         _count(e, select(func.count()).where(p.status.not_in(["forwarded", "staged"])))
         for e in shufflers.values()
@@ -341,7 +347,7 @@ def test_replicas_and_workers_behind_haproxy_lose_nothing_and_count_nothing_twic
             ), (sid, ledger, tally.landed)
             # 0 counted twice: the analyzer counts exactly what the shuffler released.
             assert received.get(sid, 0) == ledger["in_batches_forwarded"], (sid, received)
-            groups = _count(engine, select(func.count()).select_from(storage.groups))
+            groups = _count(engine, select(func.count()).select_from(tables.groups))
             assert groups == 1, (sid, groups)
     finally:
         for engine in [*engines.values(), analyzer]:
@@ -353,7 +359,15 @@ def _refuses(url: str, sid: str, epoch: int, pool: list[tuple[bytes, ...]]) -> b
     with httpx.Client(base_url=url, timeout=30) as client:
         token = client.post("/v1/enroll").json()["client_token"]
         blob = seal_contribution(
-            Contribution(CHANNEL.id, "", epoch, new_nonce(), pool[0]), sid, _public_key(url)
+            Contribution(
+                channel_id=CHANNEL.id,
+                crowd_id="",
+                epoch=epoch,
+                nonce=new_nonce(),
+                fragments=pool[0],
+            ),
+            sid,
+            _public_key(url),
         )
         answer = client.post(
             "/v1/contributions",

@@ -84,7 +84,9 @@ def test_fragment_context_info_is_unambiguous() -> None:
 
 def test_contribution_sealed_for_shuffler_1_does_not_open_at_shuffler_2() -> None:
     ring = KeyRing.of(SHUFFLER)
-    contribution = Contribution("channel-a", "", 42, new_nonce(), (b"x" * 72,))
+    contribution = Contribution(
+        channel_id="channel-a", crowd_id="", epoch=42, nonce=new_nonce(), fragments=(b"x" * 72,)
+    )
     blob = seal_contribution(contribution, "shuffler-1", SHUFFLER.public_key())
     assert open_contribution(blob, "shuffler-1", ring) == contribution
     with pytest.raises(EnvelopeError):
@@ -160,7 +162,9 @@ def test_malformed_contributions_are_rejected(data: bytes) -> None:
 def test_wire_version_1_contributions_are_refused_by_name() -> None:
     """A well-formed version 1 contribution (fragments bound to their channel only) is refused
     as a version the client must update from, not parsed, not as merely malformed."""
-    current = Contribution("channel-a", "", 42, new_nonce(), (b"x" * 72,))
+    current = Contribution(
+        channel_id="channel-a", crowd_id="", epoch=42, nonce=new_nonce(), fragments=(b"x" * 72,)
+    )
     encoded = current.encode()
     assert encoded[:4] == b"ESA2"
     assert Contribution.decode(encoded) == current

@@ -37,28 +37,28 @@ class Case:
 def _krappor() -> Case:
     p = krappor.KRapporParams(k=8, eps=1.5)
     return Case(
-        "krappor",
-        lambda v, rng: krappor.encode(v, p, rng),
-        lambda: krappor.new_accumulator(p),
-        lambda acc, frags, n: krappor.add_fragments(acc, p, frags, n),
-        lambda acc: krappor.estimate(acc, p),
-        lambda c, g: krappor.simulate_aggregate(c, p, g),
-        lambda c: np.full(c.size, krappor.variance(int(c.sum()), p)),
-        np.arange(8),
+        name="krappor",
+        report=lambda v, rng: krappor.encode(v, p, rng),
+        empty=lambda: krappor.new_accumulator(p),
+        add=lambda acc, frags, n: krappor.add_fragments(acc, p, frags, n),
+        estimate=lambda acc: krappor.estimate(acc, p),
+        simulate=lambda c, g: krappor.simulate_aggregate(c, p, g),
+        variance=lambda c: np.full(c.size, krappor.variance(int(c.sum()), p)),
+        checked=np.arange(8),
     )
 
 
 def _krr() -> Case:
     p = krr.KRRParams(k=8, eps=2.0)
     return Case(
-        "krr",
-        lambda v, rng: krr.encode(v, p, rng),
-        lambda: krr.new_accumulator(p),
-        lambda acc, frags, n: krr.add_fragments(acc, p, frags, n),
-        lambda acc: krr.estimate(acc, p),
-        lambda c, g: krr.simulate_aggregate(c, p, g),
-        lambda c: krr.variance(c, int(c.sum()), p),
-        np.arange(8),
+        name="krr",
+        report=lambda v, rng: krr.encode(v, p, rng),
+        empty=lambda: krr.new_accumulator(p),
+        add=lambda acc, frags, n: krr.add_fragments(acc, p, frags, n),
+        estimate=lambda acc: krr.estimate(acc, p),
+        simulate=lambda c, g: krr.simulate_aggregate(c, p, g),
+        variance=lambda c: krr.variance(c, int(c.sum()), p),
+        checked=np.arange(8),
     )
 
 
@@ -70,14 +70,14 @@ def _rfrag() -> Case:
         return [f for row in rows for f in row]
 
     return Case(
-        "rfrag",
-        report,
-        lambda: rfrag.new_accumulator(p),
-        lambda acc, frags, n: rfrag.add_fragments(acc, p, frags, n),
-        lambda acc: rfrag.estimate(acc, p),
-        lambda c, g: rfrag.simulate_aggregate(c, p, g),
-        lambda c: np.full(c.size, rfrag.variance(int(c.sum()), p)),
-        np.arange(8),
+        name="rfrag",
+        report=report,
+        empty=lambda: rfrag.new_accumulator(p),
+        add=lambda acc, frags, n: rfrag.add_fragments(acc, p, frags, n),
+        estimate=lambda acc: rfrag.estimate(acc, p),
+        simulate=lambda c, g: rfrag.simulate_aggregate(c, p, g),
+        variance=lambda c: np.full(c.size, rfrag.variance(int(c.sum()), p)),
+        checked=np.arange(8),
     )
 
 
@@ -88,18 +88,20 @@ def _zsum(counts: np.ndarray) -> Case:
     n = int(counts.sum())
     p = zsum.ZSumParams(d=8, eps=1.0, delta=0.5, n=n)
     return Case(
-        "zsum",
-        lambda v, rng: zsum.encode(v, p, rng),
-        lambda: zsum.new_accumulator(p),
-        lambda acc, frags, m: zsum.add_fragments(acc, p, frags, m),
-        lambda acc: zsum.estimate(acc, p),
-        lambda c, g: zsum.simulate_aggregate(c, p, g),
-        lambda c: np.full(c.size, zsum.variance(int(c.sum()), p)),
-        np.arange(8),  # the release is unbiased in every bin, small and empty ones too
+        name="zsum",
+        report=lambda v, rng: zsum.encode(v, p, rng),
+        empty=lambda: zsum.new_accumulator(p),
+        add=lambda acc, frags, m: zsum.add_fragments(acc, p, frags, m),
+        estimate=lambda acc: zsum.estimate(acc, p),
+        simulate=lambda c, g: zsum.simulate_aggregate(c, p, g),
+        variance=lambda c: np.full(c.size, zsum.variance(int(c.sum()), p)),
+        checked=np.arange(8),  # the release is unbiased in every bin, small and empty ones too
     )
 
 
 CASES = {"krappor": _krappor, "krr": _krr, "rfrag": _rfrag}
+#: The cases, rfrag's (~2 s each: τ fragments per report) in the slow tier.
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "rfrag" else n for n in sorted(CASES)]
 
 
 def _per_report_runs(case: Case, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -130,7 +132,7 @@ def _check_unbiased_and_variance(case: Case, counts: np.ndarray, estimates: np.n
     assert abs(ratio - 1) <= 0.15, ratio
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_per_report_path_unbiased_with_reported_variance(name: str) -> None:
     case = CASES[name]()
     estimates, _ = _per_report_runs(case, SMALL)
@@ -145,7 +147,7 @@ def test_aggregate_path_unbiased_at_large_n(name: str) -> None:
     _check_unbiased_and_variance(case, counts, estimates)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_per_report_and_aggregate_paths_agree_in_distribution(name: str) -> None:
     case = CASES[name]()
     _, per_report = _per_report_runs(case, SMALL)

@@ -142,7 +142,9 @@ def test_certificate_is_binary_rr_and_tau_composes() -> None:
     mechanism = get("ldp-sgd")
     one = mechanism.parse_params({"dim": 10, "eps": 2.0})
     state = m.LdpSgdAccumulator(10)
-    received = [Received(0, "s1", (5000, 7000), state, BATCH)]
+    received = [
+        Received(epoch=0, shuffler_id="s1", batches=(5000, 7000), accumulator=state, source=BATCH)
+    ]
     cert = mechanism.certify(one, 1e-6, received)
     expected = certify("krr", 2.0, 5000, 1e-6, MechanismParams(k=2))
     assert cert.certified.eps == pytest.approx(expected.certified.eps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from scipy import stats
 
 from common.mechanisms import SeededSource, longitudinal
@@ -64,6 +65,7 @@ def test_per_report_path_unbiased_with_l_levels() -> None:
     assert PARAMS.levels == 4
 
 
+@pytest.mark.slow
 def test_aggregate_path_unbiased_and_agrees_with_per_report_path() -> None:
     big = populations.longitudinal(200_000, PARAMS.d, PARAMS.k, seed=2).changes
     gen = np.random.default_rng(3)
@@ -85,6 +87,7 @@ def test_aggregate_path_unbiased_and_agrees_with_per_report_path() -> None:
     assert stats.ks_2samp(per_report, aggregate).pvalue > 1e-3
 
 
+@pytest.mark.slow
 def test_changes_beyond_k_are_ignored() -> None:
     pop = populations.longitudinal(100_000, PARAMS.d, PARAMS.k, seed=4, over_k=1.0).changes
     order = np.lexsort((pop.period, pop.user))
@@ -92,7 +95,9 @@ def test_changes_beyond_k_are_ignored() -> None:
     first = np.r_[True, user[1:] != user[:-1]]
     rank = np.arange(user.size) - np.maximum.accumulate(np.where(first, np.arange(user.size), 0))
     kept = rank < PARAMS.k
-    capped = ChangeLog(pop.n_users, pop.d, user[kept], period[kept], sign[kept])
+    capped = ChangeLog(
+        n_users=pop.n_users, d=pop.d, user=user[kept], period=period[kept], sign=sign[kept]
+    )
     gen = np.random.default_rng(5)
     estimates = np.array(
         [

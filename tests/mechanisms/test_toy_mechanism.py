@@ -126,10 +126,22 @@ class ToyBit(Mechanism[ToyParams, ToyAccumulator]):
         p, n = params.flip, accumulator.n
         ones = (accumulator.ones - n * p) / (1 - 2 * p)
         std = math.sqrt(n * p * (1 - p)) / (1 - 2 * p)
-        return Estimate(np.array([n - ones, ones]), np.array([std, std]), n, False, "toy")
+        return Estimate(
+            values=np.array([n - ones, ones]),
+            std_errors=np.array([std, std]),
+            n=n,
+            clipped=False,
+            note="toy",
+        )
 
     def local_privacy(self, params: ToyParams) -> LocalPrivacy:
-        return LocalPrivacy(params.eps, 2 * params.eps, params.eps, params.eps, "toy bit")
+        return LocalPrivacy(
+            removal=params.eps,
+            replacement=2 * params.eps,
+            eps_l_inf=params.eps,
+            eps_l1=params.eps,
+            note="toy bit",
+        )
 
     def certify(
         self, params: ToyParams, delta: float, received: Sequence[Received[ToyAccumulator]]
@@ -178,7 +190,7 @@ def deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]
     running.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_toy_mechanism_runs_through_the_whole_pipeline(deployment: Any, tmp_path: Path) -> None:
     from encoder_client import Client
 

@@ -18,7 +18,7 @@ from common.envelope import (
     open_fragment,
 )
 from common.mechanisms import krr
-from common.mechanisms._base import parse_indices
+from common.mechanisms._histogram import parse_indices
 from common.wire import (
     ChannelConfig,
     DeviceBudget,
@@ -126,4 +126,4 @@ def device(tmp: Path, channels: list[ChannelConfig], overall: DeviceBudget | Non
         background=False,
         clock=clock,
     )
-    return Device(client, clock, config.shuffler, config.analyzer)
+    return Device(client=client, clock=clock, shuffler=config.shuffler, analyzer=config.analyzer)

@@ -23,6 +23,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "otel_app"
 sys.path.insert(0, str(EXAMPLE))
 import shop_traffic  # noqa: E402  # the example app's own traffic driver
 
+pytestmark = pytest.mark.system  # starts real processes
+
 # The example mapping's channel ids (esa up's catalogue) with parameters that make the check
 # sharp for 24 devices: k-RR at ε = 10 (a report differs from the truth with probability
 # 7/(e^10 + 7) < 3.2e-4), one shuffler, and randomized deletion that removes few (ε_cr = 20:

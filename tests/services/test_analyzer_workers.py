@@ -17,12 +17,15 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from encoder_client import Client
 from services.cli import launcher
 
 from ..support import wait_until
 from .test_supervise import esa_up
+
+pytestmark = pytest.mark.system  # starts real processes
 
 
 def _descriptor_issued_at(port: int) -> int:

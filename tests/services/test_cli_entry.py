@@ -64,6 +64,7 @@ def test_a_subcommand_still_runs_without_the_banner() -> None:
 HEAVY = ("numpy", "scipy", "dp_accounting", "pydantic", "cryptography", "httpx", "sqlalchemy")
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("arguments", [["--help"], ["--version"], []], ids=str)
 def test_help_and_version_load_no_command_stack(arguments: list[str]) -> None:
     probe = (

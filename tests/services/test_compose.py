@@ -351,6 +351,7 @@ def _generate(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
 
 
+@pytest.mark.system
 def test_the_secrets_generator_makes_distinct_secrets_and_never_overwrites(tmp_path: Path) -> None:
     folder = tmp_path / "secrets"
     done = _generate(folder)
@@ -377,6 +378,7 @@ def test_the_secrets_generator_makes_distinct_secrets_and_never_overwrites(tmp_p
     ]
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("file", "value", "why"),
     [
@@ -402,6 +404,7 @@ def test_the_secrets_generator_refuses_shared_and_placeholder_secrets(
         assert text.strip() not in done.stdout + done.stderr
 
 
+@pytest.mark.system
 def test_the_secrets_generator_refuses_a_url_of_another_partys_database(tmp_path: Path) -> None:
     folder = tmp_path / "secrets"
     assert _generate(folder).returncode == 0
@@ -412,6 +415,7 @@ def test_the_secrets_generator_refuses_a_url_of_another_partys_database(tmp_path
     assert _generate(tmp_path / "none", "--check").returncode == 1  # no folder: nothing to run
 
 
+@pytest.mark.system
 def test_secret_files_satisfy_the_production_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

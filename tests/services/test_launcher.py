@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from common.collection import TrustAnchors, verify_collection
 from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_bytes
@@ -52,6 +53,7 @@ def _processes_mentioning(marker: str) -> list[int]:
     return [pid for pid, parent in found.items() if parent not in found]
 
 
+@pytest.mark.system
 def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_path: Path) -> None:
     var, base = tmp_path / "var", _base_port()
     command = [

@@ -22,6 +22,8 @@ from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from tests.support import TEST_SHUFFLER_SETTINGS, offline_config, own_headers
 
+pytestmark = pytest.mark.system  # starts real processes
+
 DEVICES = 30
 
 

@@ -45,6 +45,8 @@ from tests.support import LOADTEST_PAGES as PAGES
 from tests.support import LOADTEST_SERIES as ABROAD
 from tests.support import TEST_SHUFFLER_SETTINGS
 
+pytestmark = pytest.mark.system  # starts real processes
+
 HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
 FEATURES = next(c for c in DEFAULT_CHANNELS if c.id == "features")
 #: A k-RR channel of 3-second epochs: a 12-second run spans 4-5 of them.
@@ -199,9 +201,23 @@ def test_state_populations_and_specs() -> None:
     with pytest.raises(PopulationError, match=r"\[0, 1\]"):
         draw_changes("changes:2", "abroad", 4, 2, 10, seed=0)
     trust = TrustAnchors(Ed25519PrivateKey.generate().public_key(), {})
-    plan = Plan("http://x", trust, 10, 1, Path("."), populations={"*": "words"})
+    plan = Plan(
+        analyzer_url="http://x",
+        trust=trust,
+        devices=10,
+        duration=1,
+        workdir=Path("."),
+        populations={"*": "words"},
+    )
     assert spec_for(plan, "homepage") == "words" and spec_for(plan, "abroad", True) == "changes"
-    plan = Plan("http://x", trust, 10, 1, Path("."), populations={"*": "changes:0.2"})
+    plan = Plan(
+        analyzer_url="http://x",
+        trust=trust,
+        devices=10,
+        duration=1,
+        workdir=Path("."),
+        populations={"*": "changes:0.2"},
+    )
     assert spec_for(plan, "homepage") == "zipf" and spec_for(plan, "abroad", True) == "changes:0.2"
 
 

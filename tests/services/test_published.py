@@ -47,6 +47,8 @@ from ..support import (
     shuffler_process,
 )
 
+pytestmark = pytest.mark.system  # starts real processes
+
 SHUFFLERS = ("shuffler-1", "shuffler-2")
 CHANNEL = LONG_EPOCH_CHANNEL
 

@@ -9,6 +9,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from common.collection import TrustAnchors, verify_collection
 from common.envelope import FragmentContext, KeyRing, open_contribution, open_fragment
 from common.mechanisms import longitudinal
@@ -16,6 +18,8 @@ from common.wire import SignedConfig
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from tests.support import OfflineConfig, offline_config
+
+pytestmark = pytest.mark.system  # starts real processes
 
 ABROAD = next(c for c in DEFAULT_CHANNELS if c.id == "abroad")
 PARAMS = longitudinal.LongitudinalParams(**ABROAD.params)

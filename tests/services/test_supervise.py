@@ -21,10 +21,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 from services.cli import launcher
 
 from ..support import wait_until
+
+pytestmark = pytest.mark.system  # starts real processes
 
 READY_SECONDS = 60.0
 
@@ -173,7 +176,7 @@ def _sleeper(name: str) -> launcher.Service:
     """A real process standing in for a service named ``name`` (never restarted here)."""
     process = subprocess.Popen(["sleep", "60"])
     spec = launcher.ServiceSpec(name, ("shuffler", "serve"), {}, 9)
-    return launcher.Service(name, spec.url, process, None, spec)
+    return launcher.Service(name=name, url=spec.url, process=process, log=None, spec=spec)
 
 
 def test_haproxy_or_a_process_with_no_sibling_dying_cannot_be_helped() -> None:
@@ -188,7 +191,7 @@ def test_haproxy_or_a_process_with_no_sibling_dying_cannot_be_helped() -> None:
         assert launcher.siblings(by_name["analyzer.w1"], services) == []
         assert launcher.siblings(by_name["haproxy:analyzer"], services) == []
         for name in ("haproxy:analyzer", "analyzer.w1"):
-            supervisor = launcher.Supervisor(services, report=print)
+            supervisor = launcher.Supervisor(services=services, report=print)
             supervisor.check()  # all up: nothing to do
             by_name[name].kill()
             try:

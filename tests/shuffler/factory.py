@@ -80,11 +80,11 @@ def sealed(
     """A contribution sealed for ``service``; with a ``tag``, each of its fragments starts with
     it (4 bytes) and then its index, so a test can tell whose fragment lands where."""
     contribution = Contribution(
-        channel,
-        "",
-        epoch,
-        nonce or new_nonce(),
-        tuple(
+        channel_id=channel,
+        crowd_id="",
+        epoch=epoch,
+        nonce=nonce or new_nonce(),
+        fragments=tuple(
             bytes([i % 256]) * 72 if tag is None else tag.to_bytes(4, "big") + bytes([i]) * 68
             for i in range(fragments)
         ),

@@ -111,7 +111,9 @@ def sealed(draw: st.DrawFn) -> bytes:
         count = draw(st.integers(0, least - 1))
     fragments = tuple(draw(st.binary(max_size=80)) for _ in range(count))
     nonce = bytes(16) if flaw == "replay" else new_nonce()
-    contribution = Contribution(channel_id, crowd, epoch, nonce, fragments)
+    contribution = Contribution(
+        channel_id=channel_id, crowd_id=crowd, epoch=epoch, nonce=nonce, fragments=fragments
+    )
     try:
         if flaw == "version":  # what a wire version 1 client sends: refused by name
             return seal(OLD_MAGIC + contribution.encode()[4:], KEY, outer_info(SHUFFLER_ID))

@@ -21,7 +21,7 @@ from scipy import stats
 from common.envelope import verify
 from common.randomness import SeededSource, default_source, laplace
 from common.wire import Batch, ChannelPolicy
-from shuffler.batcher import Batcher, GroupStatus, due, randomized_deletion
+from shuffler.batcher import Batcher, GroupStatus, group_due, randomized_deletion
 from shuffler.dealing import deal
 from shuffler.records import GroupKey, pack_fragments
 
@@ -176,11 +176,11 @@ def test_groups_fall_due_only_when_their_epoch_closes() -> None:
     the grace period, or closed by an admin), never early (PROTOCOL.md: never split a group by
     arrival)."""
     policy = ChannelPolicy(id="c", epoch_seconds=100, min_crowd=5)
-    assert due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=-1) is False
-    assert due(policy, epoch=5, now=601.0, grace=2.0, closed_upto=-1) is False
-    assert due(policy, epoch=5, now=602.0, grace=2.0, closed_upto=-1) is True
-    assert due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=5) is True
-    assert due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=4) is False
+    assert group_due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=-1) is False
+    assert group_due(policy, epoch=5, now=601.0, grace=2.0, closed_upto=-1) is False
+    assert group_due(policy, epoch=5, now=602.0, grace=2.0, closed_upto=-1) is True
+    assert group_due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=5) is True
+    assert group_due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=4) is False
 
 
 def test_a_legacy_max_batch_key_is_accepted_and_means_nothing() -> None:

@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from sqlalchemy import create_engine, func, select
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution, verify
-from shuffler import storage
+from shuffler import tables
 
 from ..support import (
     SMALL_CHANNEL,
@@ -26,6 +27,8 @@ from ..support import (
     shuffler_process,
     wait_until,
 )
+
+pytestmark = pytest.mark.system  # starts real processes
 
 # ε_cr = 4, δ_cr = 1e-7 (Algorithm 3): a group of 40 aborts with probability δ_cr / 4 = 2.5e-8
 # and is held below min_crowd = 5 with probability ~1e-12, so a batch always comes out of
@@ -42,7 +45,15 @@ def _send(service: ServiceProcess, count: int) -> int:
     for _ in range(count):
         token = httpx.post(service.url + "/v1/enroll").json()["client_token"]
         blob = seal_contribution(
-            Contribution("homepage", "", epoch, new_nonce(), (bytes(72),) * 2), "shuffler-1", public
+            Contribution(
+                channel_id="homepage",
+                crowd_id="",
+                epoch=epoch,
+                nonce=new_nonce(),
+                fragments=(bytes(72),) * 2,
+            ),
+            "shuffler-1",
+            public,
         )
         response = httpx.post(
             service.url + "/v1/contributions",
@@ -60,7 +71,7 @@ def _deleted(db_path: Path) -> int:
     engine = create_engine(f"sqlite:///{db_path}")
     with engine.connect() as conn:
         return int(
-            conn.execute(select(func.coalesce(func.sum(storage.groups.c.deleted), 0))).scalar_one()
+            conn.execute(select(func.coalesce(func.sum(tables.groups.c.deleted), 0))).scalar_one()
         )
 
 
@@ -68,7 +79,7 @@ def _statuses(db_path: Path) -> list[str]:
     engine = create_engine(f"sqlite:///{db_path}")
     try:
         with engine.connect() as conn:
-            return list(conn.execute(select(storage.batches.c.status)).scalars())
+            return list(conn.execute(select(tables.batches.c.status)).scalars())
     finally:
         engine.dispose()
 

@@ -15,7 +15,7 @@ from sqlalchemy import inspect, select, text
 from common.envelope import Contribution, new_nonce, seal_contribution
 from common.wire import MAX_CROWDS, ChannelConfig, ChannelPolicy
 from services.runtime import db
-from shuffler import storage
+from shuffler import tables
 from shuffler.app import MIGRATIONS
 from shuffler.errors import QuotaExceededError, UnknownCrowdError
 from shuffler.records import Conflict, GroupKey, Pending
@@ -31,7 +31,13 @@ def _policy(**changes: Any) -> ChannelPolicy:
 
 
 def _pending(service: ShufflerService, token: str, epoch: int, crowd: str) -> Pending:
-    contribution = Contribution("homepage", crowd, epoch, new_nonce(), (bytes(72),))
+    contribution = Contribution(
+        channel_id="homepage",
+        crowd_id=crowd,
+        epoch=epoch,
+        nonce=new_nonce(),
+        fragments=(bytes(72),),
+    )
     blob = seal_contribution(contribution, service.settings.shuffler_id, service.ring.public())
     return service.validate(token, blob)
 
@@ -130,9 +136,9 @@ def test_migration_keeps_the_first_contribution_per_client_channel_epoch(
                 },
             )
         command.upgrade(config, "head")
-        c = storage.contributions.c
+        c = tables.contributions.c
         kept = conn.execute(select(c.client_id, c.crowd_id, c.epoch).order_by(c.id)).all()
-        purged = conn.execute(select(storage.purges.c.reason, storage.purges.c.contributions))
+        purged = conn.execute(select(tables.purges.c.reason, tables.purges.c.contributions))
         purges = purged.all()
         quota = [
             u["column_names"]

@@ -75,6 +75,7 @@ def _fetch(service: ServiceProcess) -> SignedDescriptor:
     return SignedDescriptor.model_validate(response.json())
 
 
+@pytest.mark.system
 def test_the_descriptor_is_signed_by_the_shuffler_and_names_its_url_and_key(
     service: ServiceProcess, keys: Path
 ) -> None:
@@ -103,6 +104,7 @@ def test_the_descriptor_is_signed_by_the_shuffler_and_names_its_url_and_key(
     assert config["signing_key"] == descriptor.signing_key
 
 
+@pytest.mark.system
 def test_a_contribution_sealed_to_the_vouched_key_is_accepted(service: ServiceProcess) -> None:
     """The key in the descriptor is the one that opens contributions: a device that takes it
     from there gets a 202."""
@@ -111,7 +113,15 @@ def test_a_contribution_sealed_to_the_vouched_key_is_accepted(service: ServicePr
     token = httpx.post(service.url + "/v1/enroll", timeout=10).json()["client_token"]
     epoch = int(time.time() // int(SMALL_CHANNEL["epoch_seconds"]))  # type: ignore[call-overload]
     blob = seal_contribution(
-        Contribution("homepage", "", epoch, new_nonce(), (bytes(72),)), descriptor.id, key
+        Contribution(
+            channel_id="homepage",
+            crowd_id="",
+            epoch=epoch,
+            nonce=new_nonce(),
+            fragments=(bytes(72),),
+        ),
+        descriptor.id,
+        key,
     )
     sent = httpx.post(
         service.url + "/v1/contributions",
@@ -122,6 +132,7 @@ def test_a_contribution_sealed_to_the_vouched_key_is_accepted(service: ServicePr
     assert sent.status_code == 202, sent.text
 
 
+@pytest.mark.system
 def test_no_one_else_can_vouch_and_nothing_in_it_can_be_changed(
     service: ServiceProcess, keys: Path
 ) -> None:
@@ -150,6 +161,7 @@ def test_no_one_else_can_vouch_and_nothing_in_it_can_be_changed(
             verify_descriptor(forged, signer, time.time())
 
 
+@pytest.mark.system
 def test_a_descriptor_is_refused_once_expired_and_each_fetch_is_fresh(
     service: ServiceProcess, keys: Path
 ) -> None:
@@ -204,7 +216,13 @@ def test_every_live_key_is_listed_with_the_current_one_first(tmp_path: Path) -> 
         verify_descriptor(document, signer.public_key(), clock.now + 3601)
     for key in (current, previous):
         blob = seal_contribution(
-            Contribution("homepage", "", clock.epoch, new_nonce(), (bytes(72),)),
+            Contribution(
+                channel_id="homepage",
+                crowd_id="",
+                epoch=clock.epoch,
+                nonce=new_nonce(),
+                fragments=(bytes(72),),
+            ),
             "shuffler-1",
             key.public_key(),
         )

@@ -21,9 +21,11 @@ from sqlalchemy import func, select
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
 from services.runtime import db
-from shuffler import storage
+from shuffler import tables
 
 from ..support import SMALL_CHANNEL, ServiceProcess, receiver, shuffler_process, wait_until
+
+pytestmark = pytest.mark.system  # starts real processes
 
 ADMIN = {"Authorization": "Bearer development"}
 FRAGMENTS = 2
@@ -42,7 +44,13 @@ def _send_until(service: ServiceProcess, stop: threading.Event, counts: list[int
             try:
                 token = client.post("/v1/enroll").json()["client_token"]
                 blob = seal_contribution(
-                    Contribution("homepage", "", epoch, new_nonce(), (bytes(72),) * FRAGMENTS),
+                    Contribution(
+                        channel_id="homepage",
+                        crowd_id="",
+                        epoch=epoch,
+                        nonce=new_nonce(),
+                        fragments=(bytes(72),) * FRAGMENTS,
+                    ),
                     "shuffler-1",
                     public,
                 )
@@ -75,7 +83,7 @@ def _ingest(service: ServiceProcess, seconds: float, kill: bool) -> tuple[int, i
 def _shuffler_counts(database_url: str) -> tuple[int, int, int]:
     """(deleted by Algorithm 3, held, undelivered parts) from the shuffler's database."""
     engine = db.make_engine(database_url)
-    g, c, p = storage.groups.c, storage.contributions.c, storage.batch_parts.c
+    g, c, p = tables.groups.c, tables.contributions.c, tables.batch_parts.c
     try:
         with engine.connect() as conn:
             deleted = conn.execute(select(func.coalesce(func.sum(g.deleted), 0))).scalar_one()

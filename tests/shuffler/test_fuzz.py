@@ -28,8 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ..support import SMALL_CHANNEL, ServiceProcess, shuffler_process
+
+pytestmark = pytest.mark.system  # starts real processes
 
 #: Generated cases per operation (the fuzzing phase; ``make fuzz`` sets more).
 EXAMPLES = int(os.environ.get("ESA_FUZZ_EXAMPLES", "200"))

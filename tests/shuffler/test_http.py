@@ -25,6 +25,8 @@ from common.envelope import (
 
 from ..support import SMALL_CHANNEL, ServiceProcess, shuffler_process
 
+pytestmark = pytest.mark.system  # starts real processes
+
 CHANNEL = {**SMALL_CHANNEL, "crowds": ["", "eu", "us"], "min_fragments": 1}
 ANALYZER = X25519PrivateKey.generate()
 
@@ -59,11 +61,11 @@ def _blob(
     crowd: str = "",
 ) -> bytes:
     contribution = Contribution(
-        channel,
-        crowd,
-        int(time.time() // 3600),
-        nonce or new_nonce(),
-        tuple(bytes(72) for _ in range(fragments)),
+        channel_id=channel,
+        crowd_id=crowd,
+        epoch=int(time.time() // 3600),
+        nonce=nonce or new_nonce(),
+        fragments=tuple(bytes(72) for _ in range(fragments)),
     )
     return seal_contribution(contribution, shuffler, _public(service))  # type: ignore[arg-type]
 
@@ -110,7 +112,11 @@ def test_400_unsupported_version_for_a_wire_version_1_contribution(
     contribution as version 2 is taken, and the refusal used up neither quota nor nonce."""
     token, nonce = _token(service), new_nonce()
     contribution = Contribution(
-        "homepage", "", int(time.time() // 3600), nonce, tuple(bytes(72) for _ in range(2))
+        channel_id="homepage",
+        crowd_id="",
+        epoch=int(time.time() // 3600),
+        nonce=nonce,
+        fragments=tuple(bytes(72) for _ in range(2)),
     )
     encoded = contribution.encode()
     assert encoded.startswith(MAGIC)

@@ -101,7 +101,13 @@ def test_a_wire_version_1_contribution_and_too_few_fragments_are_refused(
     policy = POLICY.model_copy(update={"min_fragments": 1})
     service, clock = make_service(database_url, tmp_path, policy=policy)
     token = service.tokens.issue()
-    body = Contribution("homepage", "", clock.epoch, new_nonce(), (bytes(72),)).encode()
+    body = Contribution(
+        channel_id="homepage",
+        crowd_id="",
+        epoch=clock.epoch,
+        nonce=new_nonce(),
+        fragments=(bytes(72),),
+    ).encode()
     old = seal(OLD_MAGIC + body[4:], service.ring.public(), outer_info("shuffler-1"))
     with pytest.raises(UnsupportedVersionError, match="wire version 1") as raised:
         service.validate(token, old)

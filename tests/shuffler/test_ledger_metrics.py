@@ -17,7 +17,7 @@ from sqlalchemy import select
 from common.randomness import SeededSource
 from common.wire import ChannelPolicy
 from services.tools.loadtest import verify
-from shuffler import storage
+from shuffler import tables
 from shuffler.metrics import ShufflerCollector
 from shuffler.records import PartKey
 from shuffler.service import ShufflerService
@@ -80,7 +80,7 @@ def test_ledger_gauges_account_for_every_contribution_by_state_and_cause(
         clock.now = (clock.epoch + 1) * EPOCH_SECONDS + 10
         assert service.run_batching() == 1
     with service.store.engine.connect() as conn:
-        statuses = conn.execute(select(storage.groups.c.status)).scalars().all()
+        statuses = conn.execute(select(tables.groups.c.status)).scalars().all()
     assert sorted(statuses) == ["aborted", "held", "released", "released"]
     evaluated = _family(registry, "esa_shuffler_ledger_contributions", "state")
     assert evaluated["held"] == SIZES[-1] and evaluated["pending"] == 0
@@ -89,8 +89,8 @@ def test_ledger_gauges_account_for_every_contribution_by_state_and_cause(
     # The analyzer refuses a part of one batch for good (what the forwarder records on a 422).
     with service.store.engine.connect() as conn:
         first = conn.execute(
-            select(storage.batches.c.batch_id, storage.batches.c.n_contributions)
-            .order_by(storage.batches.c.created_at)
+            select(tables.batches.c.batch_id, tables.batches.c.n_contributions)
+            .order_by(tables.batches.c.created_at)
             .limit(1)
         ).one()
     service.store.record_failed(PartKey(first[0], 0), "HTTP 422: duplicate_group")
@@ -168,7 +168,7 @@ def test_the_ledger_is_read_in_one_snapshot(database_url: str, tmp_path: Path) -
     every statement its own snapshot, and a batch forwarded between two of the ledger's reads
     was counted in neither (a reviewer's reproduction)."""
     service, _ = make_service(database_url, tmp_path, policy=POLICY)
-    p = storage.purges
+    p = tables.purges
     count = select(p.c.contributions).select_from(p)
     with service.store._snapshot() as reading:
         assert reading.execute(count).all() == []  # the snapshot starts at this read

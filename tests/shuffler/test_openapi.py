@@ -55,6 +55,7 @@ def _error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
 # --- the document ---------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_contributions_are_documented_with_body_answer_and_every_refusal(
     document: dict[str, Any],
 ) -> None:
@@ -74,6 +75,7 @@ def test_contributions_are_documented_with_body_answer_and_every_refusal(
     assert operation["security"] == [{"ClientToken": []}]
 
 
+@pytest.mark.system
 def test_every_error_is_the_error_shape_and_no_status_is_invented(
     document: dict[str, Any],
 ) -> None:
@@ -105,6 +107,7 @@ def test_every_error_is_the_error_shape_and_no_status_is_invented(
     assert schemas["CloseRequest"]["properties"]["channel_id"]["enum"] == ["homepage"]
 
 
+@pytest.mark.system
 def test_metrics_are_documented_as_text_behind_a_token(document: dict[str, Any]) -> None:
     operation = document["paths"]["/metrics"]["get"]
     assert operation["responses"]["200"]["content"] == {
@@ -121,6 +124,7 @@ def test_metrics_are_documented_as_text_behind_a_token(document: dict[str, Any])
         assert document["paths"][path]["post"]["security"] == [{"AdminToken": []}]
 
 
+@pytest.mark.system
 def test_the_descriptor_and_requeue_are_documented_with_their_schemas(
     document: dict[str, Any],
 ) -> None:
@@ -152,6 +156,7 @@ def test_the_descriptor_and_requeue_are_documented_with_their_schemas(
 # --- answers --------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("method", "path", "allowed"),
     [
@@ -182,6 +187,7 @@ BAD_BODIES = [
 ]
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("path", ["/v1/admin/close", "/v1/admin/revoke", "/v1/admin/requeue"])
 def test_the_admin_token_is_checked_before_the_body(service: ServiceProcess, path: str) -> None:
     for body in BAD_BODIES:
@@ -196,12 +202,14 @@ def test_the_admin_token_is_checked_before_the_body(service: ServiceProcess, pat
                "invalid_request")  # fmt: skip
 
 
+@pytest.mark.system
 def test_a_json_body_that_is_not_utf8_gets_the_error_shape(service: ServiceProcess) -> None:
     body = b'{"channel_id": "homepage\xff", "epoch": 1}'
     sent = httpx.post(service.url + "/v1/admin/close", content=body, headers={**JSON, **ADMIN})
     assert "UTF-8" in _error(sent, 400, "invalid_request")["detail"]
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("epoch", [False, True, "1", 1.5, -1, 2**53, 2**64])
 def test_close_takes_a_json_integer_epoch_only(service: ServiceProcess, epoch: object) -> None:
     body = {"channel_id": "homepage", "epoch": epoch}
@@ -209,6 +217,7 @@ def test_close_takes_a_json_integer_epoch_only(service: ServiceProcess, epoch: o
     _error(sent, 400, "invalid_request")
 
 
+@pytest.mark.system
 def test_close_of_a_channel_outside_the_documented_enum_is_400(service: ServiceProcess) -> None:
     for channel in ("", "nope", "x" * 10_000):
         body = {"channel_id": channel, "epoch": 0}
@@ -249,6 +258,7 @@ def _get_with_header(size: int) -> bytes:
     return b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
 
 
+@pytest.mark.system
 def test_a_request_head_over_the_limit_is_431_json(service: ServiceProcess) -> None:
     status, _, _ = _answer(_raw(service, _get_with_header(HEAD_LIMIT - 1024)))
     assert status == 200
@@ -258,6 +268,7 @@ def test_a_request_head_over_the_limit_is_431_json(service: ServiceProcess) -> N
     assert httpx.Response(431, content=body).json()["error"] == "head_too_large"
 
 
+@pytest.mark.system
 def test_an_endless_header_is_cut_off_before_it_ends(service: ServiceProcess) -> None:
     """A header that never ends is refused once :data:`RAW_HEAD_LIMIT` bytes have arrived."""
     with socket.create_connection(_address(service), timeout=10) as conn:
@@ -272,6 +283,7 @@ def test_an_endless_header_is_cut_off_before_it_ends(service: ServiceProcess) ->
     assert httpx.Response(431, content=body).json()["error"] == "head_too_large"
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     "request_bytes",
     [
@@ -289,6 +301,7 @@ def test_malformed_framing_is_400_json(service: ServiceProcess, request_bytes: b
     assert httpx.Response(400, content=body).json()["error"] == "malformed_http"
 
 
+@pytest.mark.system
 def test_an_upgrade_request_is_an_ordinary_request(service: ServiceProcess) -> None:
     """No WebSocket is served: an upgrade gets the route's JSON answer, not uvicorn's 403."""
     request = (
@@ -309,6 +322,7 @@ def _counter(text: str, name: str, **labels: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+@pytest.mark.system
 def test_refusals_are_counted_per_route_apart_from_contributions(service: ServiceProcess) -> None:
     def scrape() -> str:
         return httpx.get(service.url + "/metrics", headers=ADMIN, timeout=10).text
@@ -363,7 +377,11 @@ def test_the_fastapi_route_answers_like_the_fast_path(tmp_path: Path) -> None:
         key = load_x25519_public(base64.b64decode(client.get("/v1/config").json()["public_key"]))
         epoch = int(time.time() // SMALL_CHANNEL["epoch_seconds"])
         blob = seal_contribution(
-            Contribution("homepage", "", epoch, new_nonce(), ()), "shuffler-1", key
+            Contribution(
+                channel_id="homepage", crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=()
+            ),
+            "shuffler-1",
+            key,
         )
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
         stored = client.post("/v1/contributions", content=blob, headers=headers)
@@ -378,7 +396,11 @@ def test_an_unexpected_ingest_failure_is_a_json_500(tmp_path: Path) -> None:
     key = load_x25519_public(base64.b64decode(client.get("/v1/config").json()["public_key"]))
     epoch = int(time.time() // SMALL_CHANNEL["epoch_seconds"])
     blob = seal_contribution(
-        Contribution("homepage", "", epoch, new_nonce(), ()), "shuffler-1", key
+        Contribution(
+            channel_id="homepage", crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=()
+        ),
+        "shuffler-1",
+        key,
     )
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
     failed = client.post("/v1/contributions", content=blob, headers=headers)

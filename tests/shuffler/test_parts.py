@@ -18,7 +18,7 @@ from sqlalchemy import select, text
 from common.randomness import SeededSource
 from common.wire import Batch, BatchAck
 from services.runtime import db
-from shuffler import storage
+from shuffler import tables
 from shuffler.app import MIGRATIONS
 from shuffler.forwarder import Outcome
 from shuffler.service import ShufflerService
@@ -55,7 +55,7 @@ def _closed(
 
 def _bodies(service: ShufflerService) -> list[Batch]:
     with service.store.engine.connect() as conn:
-        rows = conn.execute(select(storage.batch_parts.c.body)).scalars()
+        rows = conn.execute(select(tables.batch_parts.c.body)).scalars()
         return [Batch.model_validate_json(body) for body in rows]
 
 
@@ -162,8 +162,8 @@ def test_migration_moves_a_stored_batch_into_part_0_of_1(database_url: str) -> N
             {"body": b"{}"},
         )
         command.upgrade(config, "head")
-        part = conn.execute(select(storage.batch_parts)).one()
-        batch = conn.execute(select(storage.batches)).one()
+        part = conn.execute(select(tables.batch_parts)).one()
+        batch = conn.execute(select(tables.batches)).one()
         command.downgrade(config, "0001")
         body = conn.execute(text("SELECT body FROM batches")).scalar_one()
     engine.dispose()

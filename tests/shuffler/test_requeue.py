@@ -43,7 +43,7 @@ from common.envelope import (
 from common.mechanisms import krr
 from common.wire import Batch, ChannelConfig
 from services.cli import launcher
-from shuffler import storage
+from shuffler import tables
 
 from ..support import (
     ADMIN_HEADERS,
@@ -54,6 +54,8 @@ from ..support import (
     unopened_parts,
     wait_until,
 )
+
+pytestmark = pytest.mark.system  # starts real processes
 
 ROOT = Path(__file__).resolve().parents[2]
 #: k-RR, exactly one fragment per contribution; one epoch for the whole test; two crowds, so
@@ -97,11 +99,11 @@ class Setup:
         """The shuffler's batches by crowd: (batch id, contributions, parts), from its database
         (part 0's signed body names the crowd)."""
         engine = create_engine(f"sqlite:///{self.tmp / 'shuffler-1' / 'db.sqlite'}")
-        b, p = storage.batches.c, storage.batch_parts.c
+        b, p = tables.batches.c, tables.batch_parts.c
         with engine.connect() as conn:
             rows = conn.execute(
                 select(b.batch_id, b.n_contributions, b.parts, p.body)
-                .join(storage.batch_parts, p.batch_id == b.batch_id)
+                .join(tables.batch_parts, p.batch_id == b.batch_id)
                 .where(p.part == 0)
             ).all()
         engine.dispose()
@@ -177,7 +179,15 @@ def _contribute(setup: Setup, config: VerifiedConfig, crowd: str, epoch: int) ->
                 for f in krr.encode(value % 4, params)
             )
             blob = seal_contribution(
-                Contribution(CHANNEL.id, crowd, epoch, new_nonce(), fragments), shuffler.id, outer
+                Contribution(
+                    channel_id=CHANNEL.id,
+                    crowd_id=crowd,
+                    epoch=epoch,
+                    nonce=new_nonce(),
+                    fragments=fragments,
+                ),
+                shuffler.id,
+                outer,
             )
             sent = client.post(
                 "/v1/contributions",

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from common.envelope import new_nonce, verify
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelPolicy
-from shuffler import storage
+from shuffler import tables
 
 from .factory import EPOCH_SECONDS, contribute, fill, make_service, pending
 
@@ -29,9 +29,9 @@ def test_epoch_close_releases_one_signed_batch_and_accounts_for_everyone(
     assert service.run_batching() == 1
     assert service.run_batching() == 0  # never evaluated twice
     with service.store.engine.connect() as conn:
-        group = conn.execute(select(storage.groups)).one()
+        group = conn.execute(select(tables.groups)).one()
         body, signature = conn.execute(
-            select(storage.batch_parts.c.body, storage.batch_parts.c.signature)
+            select(tables.batch_parts.c.body, tables.batch_parts.c.signature)
         ).one()
     batch = Batch.model_validate_json(body)
     assert group.status == "released" and batch.n_contributions == group.kept
@@ -55,7 +55,7 @@ def test_small_groups_are_held_then_purged(database_url: str, tmp_path: Path) ->
     clock.now = (epoch + 1) * EPOCH_SECONDS + 10
     assert service.run_batching() == 1
     with service.store.engine.connect() as conn:
-        assert conn.execute(select(storage.groups.c.status)).scalar_one() == "held"
+        assert conn.execute(select(tables.groups.c.status)).scalar_one() == "held"
     ledger = service.ledger()
     assert ledger["held"] == 8 and ledger["in_batches_unforwarded"] == 0
     assert service.run_batching() == 0  # a held group is not evaluated again
@@ -88,12 +88,12 @@ def test_a_group_is_never_split_by_arrival_and_is_shuffled_whole(
     assert service.run_batching() == 0
     assert service.ledger()["pending"] == arrivals
     with service.store.engine.connect() as conn:
-        assert conn.execute(select(storage.groups)).all() == []
+        assert conn.execute(select(tables.groups)).all() == []
     clock.now = (clock.epoch + 1) * EPOCH_SECONDS + 10
     assert service.run_batching() == 1 and service.ledger()["pending"] == 0
     with service.store.engine.connect() as conn:
-        group = conn.execute(select(storage.groups)).one()
-        bodies = conn.execute(select(storage.batch_parts.c.body)).scalars().all()
+        group = conn.execute(select(tables.groups)).one()
+        bodies = conn.execute(select(tables.batch_parts.c.body)).scalars().all()
     parts = [Batch.model_validate_json(body) for body in bodies]
     assert (group.n, group.status) == (arrivals, "released")
     assert len({p.batch_id for p in parts}) == 1 and len(parts) >= 2 * group.kept / 100
@@ -112,11 +112,11 @@ def test_batch_contains_no_identifiers(database_url: str, tmp_path: Path) -> Non
         sent.append((token, nonce))
         assert contribute(service, token, epoch, nonce=nonce).receipt
     with service.store.engine.connect() as conn:
-        received = conn.execute(select(storage.contributions.c.received_at)).scalars().all()
+        received = conn.execute(select(tables.contributions.c.received_at)).scalars().all()
     clock.now = (epoch + 1) * EPOCH_SECONDS + 10
     service.run_batching()
     with service.store.engine.connect() as conn:
-        body = conn.execute(select(storage.batch_parts.c.body)).scalar_one()
+        body = conn.execute(select(tables.batch_parts.c.body)).scalar_one()
     assert set(json.loads(body)) == {
         "batch_id",
         "part",
@@ -154,7 +154,7 @@ def test_overlapping_batching_runs_release_each_group_once(
         thread.join()
     assert sorted(results) == [0, 0, 0, 1]
     with service.store.engine.connect() as conn:
-        assert len(conn.execute(select(storage.groups)).all()) == 1
+        assert len(conn.execute(select(tables.groups)).all()) == 1
 
 
 def test_contributions_reaching_an_evaluated_group_are_refused_never_acknowledged(
@@ -176,5 +176,5 @@ def test_contributions_reaching_an_evaluated_group_are_refused_never_acknowledge
     assert service.run_batching() == 0
     assert service.ledger() == before
     with service.store.engine.connect() as conn:
-        groups = conn.execute(select(storage.groups.c.part)).scalars().all()
+        groups = conn.execute(select(tables.groups.c.part)).scalars().all()
     assert groups == [0]

@@ -21,8 +21,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from common.envelope import new_nonce
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelPolicy
-from shuffler import storage
 from shuffler import store as store_module
+from shuffler import tables
 from shuffler.batcher import Batcher, Deletion, Evaluation, Release
 from shuffler.errors import (
     EpochNotOpenError,
@@ -407,11 +407,9 @@ def test_retention_purges_a_batch_with_a_refused_part_but_never_one_partly_deliv
     _, causes = service.store.ledger_by_cause()
     assert causes["refused"] == refused[1] and causes["retention"] == waiting[1]
     with service.store.engine.connect() as conn:
-        kept = set(conn.execute(select(storage.batches.c.batch_id)).scalars())
+        kept = set(conn.execute(select(tables.batches.c.batch_id)).scalars())
         parts = conn.execute(
-            select(storage.batch_parts.c.batch_id).where(
-                storage.batch_parts.c.batch_id == refused[0]
-            )
+            select(tables.batch_parts.c.batch_id).where(tables.batch_parts.c.batch_id == refused[0])
         ).all()
     assert kept == {partial[0]} and parts == []
     # Much later still: the partly delivered batch stays until the analyzer has every part.
@@ -502,8 +500,8 @@ def test_a_purge_during_an_evaluation_wins_and_the_evaluation_records_nothing(
     assert ledger["purged"] == 60 and ledger["pending"] == 0
     assert ledger["in_batches_unforwarded"] == ledger["deleted_by_algorithm_3"] == 0
     with service.store.engine.connect() as conn:
-        assert conn.execute(select(storage.batch_parts)).all() == []
-        assert conn.execute(select(storage.groups)).all() == []
+        assert conn.execute(select(tables.batch_parts)).all() == []
+        assert conn.execute(select(tables.groups)).all() == []
 
 
 @dataclass
@@ -576,12 +574,12 @@ def test_a_purge_never_deletes_a_batch_whose_lease_is_taken_while_it_looks(
     )
     assert outcome is not None and outcome.batch is not None
     later = clock.now + 10_000
-    parts = storage.batch_parts.c
+    parts = tables.batch_parts.c
     purged: list[dict[str, int]] = []
     with service.store.engine.connect() as conn:
         lease = conn.begin()
         conn.execute(
-            storage.batch_parts.update().where(parts.part == 0).values(lease_until=later + 60)
+            tables.batch_parts.update().where(parts.part == 0).values(lease_until=later + 60)
         )
         purge = threading.Thread(target=lambda: purged.append(service.store.purge(later, later)))
         purge.start()
@@ -619,8 +617,8 @@ def test_evaluation_streams_the_group_and_conserves_every_survivor(
     assert outcome is not None and outcome.batch is not None
     kept = outcome.deletion.kept
     with service.store.engine.connect() as conn:
-        bodies = conn.execute(select(storage.batch_parts.c.body)).scalars().all()
-        stored = conn.execute(select(storage.batches.c.parts)).scalar_one()
+        bodies = conn.execute(select(tables.batch_parts.c.body)).scalars().all()
+        stored = conn.execute(select(tables.batches.c.parts)).scalar_one()
     parts = [Batch.model_validate_json(b) for b in bodies]
     fragments = [base64.b64decode(f) for p in parts for f in p.fragments]
     owners = Counter(int.from_bytes(f[:4], "big") for f in fragments)
@@ -665,8 +663,8 @@ def test_a_failed_evaluation_stores_nothing_and_leaves_no_spill(
     ledger = service.ledger()
     assert ledger["pending"] == 40 and ledger["in_batches_unforwarded"] == 0
     with service.store.engine.connect() as conn:
-        assert conn.execute(select(storage.groups)).all() == []
-        assert conn.execute(select(storage.batch_parts)).all() == []
+        assert conn.execute(select(tables.groups)).all() == []
+        assert conn.execute(select(tables.batch_parts)).all() == []
     assert not [f for f in open_files() if "esa-deal-" in f]
     outcome = service.store.evaluate_group(key, service.batcher, POLICY, clock.now)
     assert outcome is not None and service.ledger()["pending"] == 0

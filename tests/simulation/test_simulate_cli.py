@@ -12,6 +12,8 @@ import pytest
 from common.accounting import plan_eps0
 from services.tools.simulation import COLUMNS, balanced_fragment_eps
 
+pytestmark = pytest.mark.system  # starts real processes
+
 ESA = [sys.executable, "-m", "services.cli"]
 
 

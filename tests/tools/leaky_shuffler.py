@@ -68,7 +68,7 @@ def apply(leaks: set[str]) -> None:
 
         shuffler.batcher.Batcher.survivors = oldest  # type: ignore[method-assign]
     if "early" in leaks:
-        shuffler.service.due = lambda *args: True  # type: ignore[attr-defined]
+        shuffler.service.group_due = lambda *args: True  # type: ignore[attr-defined]
     if "openmetrics" in leaks:
         real = shuffler.app.add_operational_routes  # type: ignore[attr-defined]
 

@@ -54,6 +54,8 @@ from services.tools.audit.runner import AuditConfig, run_audit
 from services.tools.audit.sink import SinkState, answer_batch, fetch_records
 from tests.support import ServiceProcess, free_port, shuffler_process, wait_until
 
+pytestmark = pytest.mark.system  # starts real processes
+
 TOKEN = "sink-token-for-the-audit-tests"
 CHANNEL = {
     "id": "audit",
@@ -119,7 +121,9 @@ def _shuffler(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    process.service = launcher.Service(spec.name, spec.url, popen, process.log_path, spec)
+    process.service = launcher.Service(
+        name=spec.name, url=spec.url, process=popen, log=process.log_path, spec=spec
+    )
     try:
         wait_until(lambda: popen.poll() is not None or _ready(spec.url), timeout=60)
     except AssertionError:
@@ -343,7 +347,7 @@ def test_sink_answers_like_the_analyzer(sink: str) -> None:
 
 def test_sink_relays_other_channels_byte_for_byte(sink: str) -> None:
     """A second sink (in this process) relays to the sink process, except its kept channel."""
-    relaying = SinkState("t" * 16, relay=sink, keep_channels=frozenset({"kept"}))
+    relaying = SinkState(token="t" * 16, relay=sink, keep_channels=frozenset({"kept"}))
     body = _part()
     signature = {
         "esa-shuffler": "shuffler-1",
@@ -424,9 +428,17 @@ def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
     channel = {**CHANNEL, "max_fragments": 16, "crowds": crowds, "payload_size": payload}
     shuffler = _shuffler(tmp_path, sink, channel=channel)
     try:
-        config = AuditConfig(shuffler.url, sink, TOKEN, "audit", admin_token="development",
-                             skew_seconds=0.2, game_channel="features", seed=1,
-                             group_size=GROUP_SIZE)  # fmt: skip
+        config = AuditConfig(
+            shuffler_url=shuffler.url,
+            sink_url=sink,
+            sink_token=TOKEN,
+            channel_id="audit",
+            admin_token="development",
+            skew_seconds=0.2,
+            game_channel="features",
+            seed=1,
+            group_size=GROUP_SIZE,
+        )
         result = run_audit(config)
     finally:
         shuffler.stop()
@@ -451,8 +463,15 @@ def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
 def test_canaries_take_the_audited_channels_fragment_size(tmp_path: Path, sink: str) -> None:
     shuffler = _shuffler(tmp_path, sink, channel={**CHANNEL, "payload_size": 32})
     try:
-        config = AuditConfig(shuffler.url, sink, TOKEN, "audit", admin_token="development",
-                             skew_seconds=0.2, group_size=GROUP_SIZE)  # fmt: skip
+        config = AuditConfig(
+            shuffler_url=shuffler.url,
+            sink_url=sink,
+            sink_token=TOKEN,
+            channel_id="audit",
+            admin_token="development",
+            skew_seconds=0.2,
+            group_size=GROUP_SIZE,
+        )
         result = run_audit(config)  # payload_size left at its default
     finally:
         shuffler.stop()

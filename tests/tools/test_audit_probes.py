@@ -13,6 +13,8 @@ import pytest
 from services.tools.audit.probes import snapshot, surface_check
 from tests.support import SMALL_CHANNEL, ServiceProcess, shuffler_process
 
+pytestmark = pytest.mark.system  # starts real processes
+
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:

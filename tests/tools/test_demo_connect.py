@@ -39,6 +39,8 @@ from ..support import (
     start_deployment,
 )
 
+pytestmark = pytest.mark.system  # starts real processes
+
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:

@@ -155,7 +155,13 @@ class CanaryFleet:
         fragments = tuple(
             seal_fragment(m.encode(), context, payload_size, self.key.public) for m in markers
         )
-        contribution = Contribution(channel_id, crowd_id, epoch, new_nonce(), fragments)
+        contribution = Contribution(
+            channel_id=channel_id,
+            crowd_id=crowd_id,
+            epoch=epoch,
+            nonce=new_nonce(),
+            fragments=fragments,
+        )
         return seal_contribution(contribution, self.config.id, self.shuffler_key)
 
     def post(self, blob: bytes, token: str) -> httpx.Response:
@@ -191,7 +197,15 @@ class CanaryFleet:
         carried = [b""] * fragments if payloads is None else list(payloads)
         fragments = len(carried)
         markers = [
-            Marker(self.key.run, seq, i, fragments, crowd[0], report, payload)
+            Marker(
+                run=self.key.run,
+                seq=seq,
+                index=i,
+                count=fragments,
+                crowd=crowd[0],
+                report=report,
+                payload=payload,
+            )
             for i, payload in enumerate(carried)
         ]
         blob = self.seal(channel_id, payload_size, crowd[1], epoch, markers)
@@ -202,4 +216,13 @@ class CanaryFleet:
             raise RuntimeError(
                 f"canary {seq} refused: HTTP {response.status_code} {response.text[:200]}"
             )
-        return Sent(seq, crowd[0], crowd[1], epoch, fragments, sent_at, blob, token)
+        return Sent(
+            seq=seq,
+            crowd=crowd[0],
+            crowd_id=crowd[1],
+            epoch=epoch,
+            fragments=fragments,
+            sent_at=sent_at,
+            blob=blob,
+            token=token,
+        )

@@ -49,9 +49,9 @@ class Finding:
     check: str
     name: str
     passed: bool
-    statistic: float | None
-    p_value: float | None
     detail: str
+    statistic: float | None = None
+    p_value: float | None = None
     plot: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -60,7 +60,14 @@ class Finding:
 
 def statistical(check: str, name: str, statistic: float, p_value: float, detail: str) -> Finding:
     """A finding that fails at p < :data:`ALPHA`."""
-    return Finding(check, name, bool(p_value >= ALPHA), statistic, p_value, detail)
+    return Finding(
+        check=check,
+        name=name,
+        passed=bool(p_value >= ALPHA),
+        statistic=statistic,
+        p_value=p_value,
+        detail=detail,
+    )
 
 
 @dataclass
@@ -105,7 +112,14 @@ def parse_parts(records: Iterable[dict[str, Any]], key: CanaryKey) -> list[Part]
             )
         except ValidationError:
             batch = None
-        part = Part(record["seq"], record["received_at"], headers, body, data, batch)
+        part = Part(
+            seq=record["seq"],
+            received_at=record["received_at"],
+            headers=headers,
+            body=body,
+            data=data,
+            batch=batch,
+        )
         if batch is not None:
             for position, text in enumerate(batch.fragments):
                 context = FragmentContext(batch.channel_id, batch.epoch, batch.crowd_id)
@@ -133,7 +147,13 @@ def assemble(parts: Sequence[Part], channel_id: str) -> list[ReleasedBatch]:
         first = next(iter(pieces.values())).batch
         assert first is not None
         batches.append(
-            ReleasedBatch(batch_id, first.crowd_id, first.n_contributions, offset, canaries)
+            ReleasedBatch(
+                batch_id=batch_id,
+                crowd_id=first.crowd_id,
+                n_contributions=first.n_contributions,
+                fragments=offset,
+                canaries=canaries,
+            )
         )
     return batches
 
@@ -147,13 +167,8 @@ def order_checks(batches: Sequence[ReleasedBatch]) -> list[Finding]:
     positions of each batch's earliest-sent quarter of canaries, uniform over ten position bins
     (χ², 9 df); and how often two fragments of one contribution sit side by side (Poisson with
     mean Σ_c f_c(f_c − 1)/N per batch under a uniform shuffle)."""
-    scores, early, expected_early, adjacent, mean_adjacent = (
-        [],
-        np.zeros(BINS),
-        np.zeros(BINS),
-        0,
-        0.0,
-    )
+    scores: list[float] = []
+    early, expected_early, adjacent, mean_adjacent = np.zeros(BINS), np.zeros(BINS), 0, 0.0
     scatter: list[tuple[float, float]] = []
     for batch in batches:
         marks = sorted(batch.canaries, key=lambda pm: (pm[1].seq, pm[1].index))
@@ -174,7 +189,11 @@ def order_checks(batches: Sequence[ReleasedBatch]) -> list[Finding]:
         adjacent_b, mean_b = _adjacency(marks, n)
         adjacent, mean_adjacent = adjacent + adjacent_b, mean_adjacent + mean_b
     if not scores:
-        return [Finding("order", "rank_correlation", False, None, None, "no canary batch found")]
+        return [
+            Finding(
+                check="order", name="rank_correlation", passed=False, detail="no canary batch found"
+            )
+        ]
     z = float(sum(scores) / math.sqrt(len(scores)))
     rank = statistical(
         "order", "rank_correlation", z, float(2 * stats.norm.sf(abs(z))),
@@ -252,7 +271,14 @@ def _signed(part: Part, key: Ed25519PublicKey) -> bool:
 
 def _count(check: str, name: str, bad: Sequence[Any], what: str) -> Finding:
     shown = ", ".join(map(str, list(bad)[:5]))
-    return Finding(check, name, not bad, float(len(bad)), None, f"{len(bad)} {what}: {shown}")
+    return Finding(
+        check=check,
+        name=name,
+        passed=not bad,
+        statistic=float(len(bad)),
+        p_value=None,
+        detail=f"{len(bad)} {what}: {shown}",
+    )
 
 
 # --- 4. crowd threshold ------------------------------------------------------------------
@@ -345,7 +371,7 @@ def deletion_checks(
     law.plot = {"kind": "deleted", "histogram": dict(hist)}
     if var_sum == 0:
         survivors = Finding(
-            "deletion", "survivors_random", True, None, None, "no group had deletions"
+            check="deletion", name="survivors_random", passed=True, detail="no group had deletions"
         )
     else:
         z = z_sum / math.sqrt(var_sum)
@@ -397,7 +423,7 @@ def arrival_pattern_check(
     name = "release_independent_of_arrival"
     if early == late or early not in released or late not in released:
         why = "needs two full groups" if early == late else "a burst group was not released"
-        return Finding("timing", name, True, None, None, why)
+        return Finding(check="timing", name=name, passed=True, detail=why)
     others = [t for c, t in released.items() if c not in crowds]
     spread = max(others) - min(others) if len(others) > 1 else 0.0
     first_sent = {c: min(s.sent_at for s in sent if s.crowd_id == c) for c in crowds}
@@ -409,4 +435,11 @@ def arrival_pattern_check(
         f"apart (allowed ±{allowed:.2f} s: a batching round plus the {spread:.2f} s the other "
         "groups' releases took, at most half the separation)"
     )
-    return Finding("timing", name, abs(gap) <= allowed, gap, None, detail)
+    return Finding(
+        check="timing",
+        name=name,
+        passed=abs(gap) <= allowed,
+        statistic=gap,
+        p_value=None,
+        detail=detail,
+    )

@@ -159,7 +159,12 @@ def privacy_game(trials: Sequence[Trial], eps0: float, delta: float) -> Finding:
     like every other check."""
     released = [t.n_contributions for t in trials if t.reports is not None]
     if not released:
-        return Finding("privacy", "distinguishing_game", True, None, None, "no group released")
+        return Finding(
+            check="privacy",
+            name="distinguishing_game",
+            passed=True,
+            detail="no group released",
+        )
     crowd = min(released)
     per_rate, per_class = 1 - (1 - CONFIDENCE) / 4, max(1, len(trials) // 2)
     thresholds = {n: count_threshold(n, eps0, per_class, delta, per_rate) for n in set(released)}
@@ -174,7 +179,14 @@ def privacy_game(trials: Sequence[Trial], eps0: float, delta: float) -> Finding:
         f"{shown['first']:.3f}; {strict:.3f} at 1−{ALPHA:g}) over {len(trials)} groups vs "
         f"certified ε={certified:.3f} (binary RR ε0={eps0}, crowd {crowd}, δ={delta:g})"
     )
-    finding = Finding("privacy", "distinguishing_game", strict <= certified, lower, None, detail)
+    finding = Finding(
+        check="privacy",
+        name="distinguishing_game",
+        passed=strict <= certified,
+        statistic=lower,
+        p_value=None,
+        detail=detail,
+    )
     finding.plot = {"kind": "game", "bounds": shown, "certified": certified}
     return finding
 

@@ -229,7 +229,11 @@ class MechanismGame:
         through the mechanism's ``certify`` as the analyzer calls it."""
         mechanism, params = self.mechanism, self.params
         received = Received(
-            0, "audited", (n,), mechanism.new_accumulator(params), BatchContext(0, 1)
+            epoch=0,
+            shuffler_id="audited",
+            batches=(n,),
+            accumulator=mechanism.new_accumulator(params),
+            source=BatchContext(0, 1),
         )
         cert = mechanism.certify(params, self.delta, [received])
         return cert.certified if cert.certified.neighbouring == "replacement" else cert.other
@@ -323,7 +327,12 @@ def mechanism_game(trials: Sequence[MechTrial], game: MechanismGame) -> Finding:
     exceeds it (so a correct shuffler fails with probability below ALPHA)."""
     released = [t.n_contributions for t in trials if t.view is not None]
     if not released:
-        return Finding("privacy", "distinguishing_game", True, None, None, "no group released")
+        return Finding(
+            check="privacy",
+            name="distinguishing_game",
+            passed=True,
+            detail="no group released",
+        )
     crowd = min(released)
     cert = game.certified(crowd)
     delta, per_class = cert.delta, max(1, len(trials) // 2)
@@ -338,7 +347,14 @@ def mechanism_game(trials: Sequence[MechTrial], game: MechanismGame) -> Finding:
         f"{len(trials)} groups vs certified ε={cert.eps:.3f} (replacement, {cert.method}; "
         f"{game.describe()}, crowd {crowd}, δ={delta:g})"
     )
-    finding = Finding("privacy", "distinguishing_game", strict <= cert.eps, lower, None, detail)
+    finding = Finding(
+        check="privacy",
+        name="distinguishing_game",
+        passed=strict <= cert.eps,
+        statistic=lower,
+        p_value=None,
+        detail=detail,
+    )
     finding.plot = {"kind": "game", "bounds": shown,
                     "certified": cert.eps if math.isfinite(cert.eps) else None}  # fmt: skip
     return finding

@@ -44,16 +44,28 @@ class Probe:
 
 
 PROBES = (
-    Probe("healthz", "GET", "/healthz"),
-    Probe("readyz", "GET", "/readyz"),
-    Probe("metrics", "GET", "/metrics"),
-    Probe("config", "GET", "/v1/config"),
-    Probe("openapi", "GET", "/openapi.json"),
-    Probe("docs", "GET", "/docs"),
-    Probe("unknown_path", "GET", "/v1/groups"),
-    Probe("contribution_no_token", "POST", "/v1/contributions", b"x", CONTRIBUTION_TYPE),
-    Probe("close_no_token", "POST", "/v1/admin/close", b"{}", "application/json"),
-    Probe("enroll", "POST", "/v1/enroll"),
+    Probe(name="healthz", method="GET", path="/healthz"),
+    Probe(name="readyz", method="GET", path="/readyz"),
+    Probe(name="metrics", method="GET", path="/metrics"),
+    Probe(name="config", method="GET", path="/v1/config"),
+    Probe(name="openapi", method="GET", path="/openapi.json"),
+    Probe(name="docs", method="GET", path="/docs"),
+    Probe(name="unknown_path", method="GET", path="/v1/groups"),
+    Probe(
+        name="contribution_no_token",
+        method="POST",
+        path="/v1/contributions",
+        body=b"x",
+        content_type=CONTRIBUTION_TYPE,
+    ),
+    Probe(
+        name="close_no_token",
+        method="POST",
+        path="/v1/admin/close",
+        body=b"{}",
+        content_type="application/json",
+    ),
+    Probe(name="enroll", method="POST", path="/v1/enroll"),
 )
 
 
@@ -109,7 +121,16 @@ def surface_check(snapshots: list[tuple[int, dict[str, str]]]) -> list[Finding]:
             if moved
             else f"same answer at {[s for s, _ in answers]} pending contributions"
         )
-        findings.append(Finding("surface", probe.name, not moved, float(moved), None, detail))
+        findings.append(
+            Finding(
+                check="surface",
+                name=probe.name,
+                passed=not moved,
+                statistic=float(moved),
+                p_value=None,
+                detail=detail,
+            )
+        )
     return findings
 
 
@@ -154,13 +175,28 @@ def intake_checks(
         got = _code(response)
         passed = response.status_code == status and got == code
         detail = f"expected {status} {code}, got {response.status_code} {got}"
-        findings.append(Finding("intake", name, passed, float(response.status_code), None, detail))
+        findings.append(
+            Finding(
+                check="intake",
+                name=name,
+                passed=passed,
+                statistic=float(response.status_code),
+                p_value=None,
+                detail=detail,
+            )
+        )
     return findings
 
 
 def _for_other_shuffler(fleet: CanaryFleet, channel_id: str, original: Sent) -> bytes:
     """A contribution sealed with this shuffler's key but bound to another shuffler's id."""
-    contribution = Contribution(channel_id, original.crowd_id, original.epoch, new_nonce(), ())
+    contribution = Contribution(
+        channel_id=channel_id,
+        crowd_id=original.crowd_id,
+        epoch=original.epoch,
+        nonce=new_nonce(),
+        fragments=(),
+    )
     return seal(contribution.encode(), fleet.shuffler_key, outer_info(fleet.config.id + "-other"))
 
 

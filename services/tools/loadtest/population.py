@@ -137,7 +137,7 @@ def draw(spec: str, channel: ChannelConfig, k: int, devices: int, seed: int) -> 
     counts = counts_for(spec, channel, k, devices, seed)
     rng = np.random.default_rng(seed + 1)
     values: IntArray = rng.permutation(np.repeat(np.arange(k), counts)).astype(np.int64)
-    return Population(channel.id, spec, values, k)
+    return Population(channel_id=channel.id, spec=spec, values=values, k=k)
 
 
 def is_changes(spec: str) -> bool:
@@ -160,4 +160,4 @@ def draw_changes(spec: str, channel_id: str, d: int, k: int, devices: int, seed:
     except ValueError as error:
         raise PopulationError(f"population {spec!r} of {channel_id}: {error}") from error
     values: IntArray = np.zeros(devices, dtype=np.int64)
-    return Population(channel_id, spec, values, d, drawn.changes)
+    return Population(channel_id=channel_id, spec=spec, values=values, k=d, changes=drawn.changes)

@@ -232,7 +232,16 @@ def prepare(plan: Plan, say: Callable[[str], None] = lambda _: None) -> Prepared
         "contributions_sealed_per_cpu_s": outer[0] / outer[2],
         "workers": plan.workers,
     }
-    return Prepared(targets, pops, files, timings, skipped, outer[0], series, pool)
+    return Prepared(
+        targets=targets,
+        populations=pops,
+        files=files,
+        timings=timings,
+        skipped=skipped,
+        count=outer[0],
+        series=series,
+        pool=pool,
+    )
 
 
 def _seal_run(

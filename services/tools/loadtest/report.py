@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def public(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def public_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Samples without the monitor's private fields."""
     return [{k: v for k, v in s.items() if not k.startswith("_")} for s in samples]
 

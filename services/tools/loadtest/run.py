@@ -70,7 +70,7 @@ def _row(
         "n": int(found["n"]),
         "received": got,
         "checked": checked,
-        "inside": verify.inside(checked),
+        "inside": verify.count_inside(checked),
         "central_eps": None if eps is None or not math.isfinite(eps) else float(eps),
         "delta": certificate["delta"],
         "method": certificate["method"],
@@ -133,14 +133,14 @@ def series_phase(
     before = verify.shuffler_state(urls, token) if token else {}
     opened = verify.analyzer_fragments(analyzer, token, cid) if token else {}
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
-    monitor = live.Monitor(driver, urls, options.local)
+    monitor = live.Monitor(driver=driver, shuffler_urls=urls, local=options.local)
     rate = options.rate if isinstance(options.rate, int | float) else None
     console.log(f"{cid}: periods in waves of one {target.channel.epoch_seconds}-s epoch")
     spent = asyncio.run(live.replay_waves(monitor, waves, rate, console, options.live))
     epochs, periods = waves.epochs, prepared.populations[cid].k
     run = live.summary(monitor, spent) | {"periods": periods, "waves": len(epochs)}
     run |= {"rolled_over": waves.rolled_over, "epochs": [min(epochs), max(epochs)]}
-    run |= {"samples": report.public(monitor.samples)}
+    run |= {"samples": report.public_samples(monitor.samples)}
     console.log(
         f"{cid}: {driver.stats.accepted:,} accepted over {periods} periods in {len(epochs)} "
         f"epochs ({waves.rolled_over:,} reports sent in a later epoch than their period's)"
@@ -189,7 +189,7 @@ def _histograms(
     plan, urls, say = options.plan, prepared.shuffler_urls, console.log
     before = verify.shuffler_state(urls, options.tokens) if options.tokens else {}
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
-    monitor = live.Monitor(driver, urls, options.local)
+    monitor = live.Monitor(driver=driver, shuffler_urls=urls, local=options.local)
     epochs = {cid: t.channel.epoch_seconds for cid, t in prepared.targets.items()}
     source = loadgen.ChannelSource(prepared.files, epochs)
     start = min(min(e) * epochs[c] for c, e in prepared.epochs.items())
@@ -209,7 +209,7 @@ def _histograms(
         refusals.check_answers(driver.stats, urls, source.channels, prepared.epochs)
         checked = verification(options, prepared, before, driver.stats, say)
         checked["problems"] += refusals.unexpected(driver.stats.refusals - after_preflight)
-    return run, report.public(monitor.samples), checked
+    return run, report.public_samples(monitor.samples), checked
 
 
 def execute(options: Options, console: Console) -> dict[str, Any]:

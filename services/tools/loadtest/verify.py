@@ -10,7 +10,7 @@ answers it) before and after the run, from the gauges the shuffler reads from it
 the trust domain's ledger (``esa_shuffler_ledger_contributions{state}``, whose sum is every
 contribution the trust domain ever acknowledged, so its change is what it acknowledged during
 the run) and its deletions by cause (``esa_shuffler_ledger_deleted{cause}``); the names are
-the shuffler's metrics contract, :mod:`services.runtime.ledger`. Every replica of a trust
+the shuffler's metrics contract, :mod:`services.runtime.conservation`. Every replica of a trust
 domain shares the database, so the scrape sees the whole domain whichever replica answers it
 (behind HAProxy always the same one): the per-process counters
 (``esa_shuffler_contributions_received_total``, ``…_deleted_total``) would see only that
@@ -54,7 +54,7 @@ import httpx
 import numpy as np
 from scipy import stats
 
-from services.runtime.ledger import (
+from services.runtime.conservation import (
     ANALYZER_FRAGMENTS,
     DELETION_CAUSES,
     FRAGMENT_STATES,
@@ -291,7 +291,7 @@ def check_epochs(
         got = received_contributions(found)
         rows = check_estimates(target, population, found, got / count)
         per_epoch[epoch] = {"received": got, "prepared": count, "kept": got / count}
-        per_epoch[epoch] |= {"checked": rows, "inside": inside(rows)}
+        per_epoch[epoch] |= {"checked": rows, "inside": count_inside(rows)}
     return combine([e["checked"] for e in per_epoch.values()]), per_epoch
 
 
@@ -323,7 +323,7 @@ def combine(epochs: Sequence[Sequence[Mapping[str, float]]]) -> list[dict[str, f
     return combined
 
 
-def inside(rows: Sequence[Mapping[str, float]]) -> int:
+def count_inside(rows: Sequence[Mapping[str, float]]) -> int:
     """How many rows' 95% intervals hold what the estimator targets."""
     return sum(1 for r in rows if r["lo"] <= r["expected"] <= r["hi"])
 

@@ -1,4 +1,5 @@
-"""Small pieces shared by the mechanism modules: argument checks and uint32 fragment parsing."""
+"""Index histograms (k-RAPPOR, k-RR and Balcer–Cheu share them) and the argument checks
+every mechanism module uses."""
 
 from __future__ import annotations
 

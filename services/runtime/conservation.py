@@ -1,4 +1,4 @@
-"""The ledger metrics: the contract between the services' ``/metrics`` and ``esa loadtest``'s
+"""Conservation metrics: the contract between the services' ``/metrics`` and ``esa loadtest``'s
 verification.
 
 The shuffler (``shuffler.metrics``, ``shuffler.store``) reads its trust domain's ledger from the
