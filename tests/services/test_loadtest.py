@@ -201,24 +201,19 @@ def test_state_populations_and_specs() -> None:
     with pytest.raises(PopulationError, match=r"\[0, 1\]"):
         draw_changes("changes:2", "abroad", 4, 2, 10, seed=0)
     trust = TrustAnchors(Ed25519PrivateKey.generate().public_key(), {})
-    plan = Plan(
-        analyzer_url="http://x",
-        trust=trust,
-        devices=10,
-        duration=1,
-        workdir=Path("."),
-        populations={"*": "words"},
-    )
-    assert spec_for(plan, "homepage") == "words" and spec_for(plan, "abroad", True) == "changes"
-    plan = Plan(
-        analyzer_url="http://x",
-        trust=trust,
-        devices=10,
-        duration=1,
-        workdir=Path("."),
-        populations={"*": "changes:0.2"},
-    )
-    assert spec_for(plan, "homepage") == "zipf" and spec_for(plan, "abroad", True) == "changes:0.2"
+    for given, histogram, series in [
+        ("words", "words", "changes"),
+        ("changes:0.2", "zipf", "changes:0.2"),
+    ]:
+        plan = Plan(
+            analyzer_url="http://x",
+            trust=trust,
+            devices=10,
+            duration=1,
+            workdir=Path("."),
+            populations={"*": given},
+        )
+        assert spec_for(plan, "homepage") == histogram and spec_for(plan, "abroad", True) == series
 
 
 def _target(url: str, trust: Path, channel: str) -> loadgen.Target:

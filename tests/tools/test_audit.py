@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -142,6 +143,21 @@ def _audit(shuffler: ServiceProcess, sink: str, out: Path) -> tuple[int, dict[st
     report = json.loads((out / "audit.json").read_text())
     assert (out / "audit.html").read_text().count("<img") >= 3
     return result.exit_code, {f"{f['check']}.{f['name']}": f["passed"] for f in report["findings"]}
+
+
+def _config(shuffler: ServiceProcess, sink: str, **settings: Any) -> AuditConfig:
+    """An in-process audit of ``shuffler`` (the runner's API, not the command) on the
+    ``audit`` channel with small groups."""
+    return AuditConfig(
+        shuffler_url=shuffler.url,
+        sink_url=sink,
+        sink_token=TOKEN,
+        channel_id="audit",
+        admin_token="development",
+        skew_seconds=0.2,
+        group_size=GROUP_SIZE,
+        **settings,
+    )
 
 
 def _failed_with(tmp_path: Path, sink: str, leaks: str) -> set[str]:
@@ -428,17 +444,7 @@ def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
     channel = {**CHANNEL, "max_fragments": 16, "crowds": crowds, "payload_size": payload}
     shuffler = _shuffler(tmp_path, sink, channel=channel)
     try:
-        config = AuditConfig(
-            shuffler_url=shuffler.url,
-            sink_url=sink,
-            sink_token=TOKEN,
-            channel_id="audit",
-            admin_token="development",
-            skew_seconds=0.2,
-            game_channel="features",
-            seed=1,
-            group_size=GROUP_SIZE,
-        )
+        config = _config(shuffler, sink, game_channel="features", seed=1)
         result = run_audit(config)
     finally:
         shuffler.stop()
@@ -463,15 +469,7 @@ def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
 def test_canaries_take_the_audited_channels_fragment_size(tmp_path: Path, sink: str) -> None:
     shuffler = _shuffler(tmp_path, sink, channel={**CHANNEL, "payload_size": 32})
     try:
-        config = AuditConfig(
-            shuffler_url=shuffler.url,
-            sink_url=sink,
-            sink_token=TOKEN,
-            channel_id="audit",
-            admin_token="development",
-            skew_seconds=0.2,
-            group_size=GROUP_SIZE,
-        )
+        config = _config(shuffler, sink)
         result = run_audit(config)  # payload_size left at its default
     finally:
         shuffler.stop()
