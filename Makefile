@@ -18,7 +18,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 typecheck: venv
-	$(BIN)/mypy --strict common encoder_client shuffler analyzer services
+	$(BIN)/mypy --strict common encoder_client runtime shuffler analyzer services
 
 unit: venv
 	$(BIN)/pytest

@@ -11,7 +11,7 @@ pure read), ``POST /v1/channels/{id}/releases`` (admin: publish and record a rel
 ``GET /v1/privacy``
 (lifetime ε across channels), ``GET /`` (dashboard),
 ``/healthz``, ``/readyz``, ``/metrics``. Every non-2xx answer is JSON ``{"error", "detail"}``
-(:mod:`services.runtime.http`), and the OpenAPI document states every status each route can
+(:mod:`runtime.http`), and the OpenAPI document states every status each route can
 answer, with that shape (a fuzzer checks it).
 
 Cheap refusals come before expensive work: a batch from a shuffler the ``ESA-Shuffler``
@@ -63,8 +63,8 @@ from common.wire import (
     RequeueResult,
     SignedConfig,
 )
-from services.runtime import logs
-from services.runtime.http import (
+from runtime import logs
+from runtime.http import (
     add_operational_routes,
     bearer_check,
     bearer_scheme,
@@ -117,7 +117,7 @@ BATCH_REQUEST: dict[str, Any] = {
     },
 }
 #: Answered on every path: a method it does not serve (405, with ``Allow``); the server-level
-#: 400, 431 and 500 are added by :func:`services.runtime.http.document_errors`.
+#: 400, 431 and 500 are added by :func:`runtime.http.document_errors`.
 EVERY_ROUTE = (405,)
 
 

@@ -1,10 +1,10 @@
 """What the analyzer refuses: one base class, one subclass per meaning, no HTTP.
 
 Each class has a stable ``code`` (the ``error`` field clients read) and a
-:class:`~services.runtime.errors.Kind`; :data:`services.runtime.http.STATUS` turns the kind into
+:class:`~runtime.errors.Kind`; :data:`runtime.http.STATUS` turns the kind into
 a status at the edge. Callers catch :class:`AnalyzerError`::
 
-    DomainError (services.runtime.errors)
+    DomainError (runtime.errors)
     └── AnalyzerError
         ├── InvalidChannelError          invalid          a configured channel its mechanism rejects
         ├── MalformedBatchError          malformed        400: the body is not a batch
@@ -33,7 +33,7 @@ a status at the edge. Callers catch :class:`AnalyzerError`::
 
 from __future__ import annotations
 
-from services.runtime.errors import BadAdminTokenError, DomainError, Kind, TooLargeError
+from runtime.errors import BadAdminTokenError, DomainError, Kind, TooLargeError
 
 
 class AnalyzerError(DomainError):

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
-from services.runtime.conservation import ANALYZER_FRAGMENTS, FRAGMENT_STATES
+from runtime.conservation import ANALYZER_FRAGMENTS, FRAGMENT_STATES
 
 log = logging.getLogger("esa.analyzer")
 

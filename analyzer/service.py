@@ -42,8 +42,8 @@ from common.wire import (
     b64,
     unb64,
 )
-from services.runtime import db
-from services.runtime.publish import publish
+from runtime import db
+from runtime.publish import publish
 
 log = logging.getLogger("esa.analyzer")
 MIGRATIONS = Path(__file__).parent / "migrations"

@@ -29,7 +29,7 @@ from common.wire import (
     SignedDescriptor,
     b64,
 )
-from services.runtime.secrets import SecretFileSettings, refuse_placeholder
+from runtime.secrets import SecretFileSettings, refuse_placeholder
 
 #: Settings that may be given as files (``ESA_ANALYZER_<NAME>_FILE``: Docker secrets).
 _SECRETS = ("admin_token", "metrics_token", "database_url")

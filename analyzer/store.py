@@ -75,7 +75,7 @@ from sqlalchemy.exc import IntegrityError
 
 from analyzer.errors import StorageConflictError
 from common.wire import Bound, ReleaseBody
-from services.runtime import db
+from runtime import db
 
 metadata = MetaData()
 

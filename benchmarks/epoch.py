@@ -34,8 +34,8 @@ from _report import machine, write_section
 from sqlalchemy import func, insert, select
 
 from common.wire import PART_FRAGMENTS, ChannelPolicy
+from runtime import db
 from services.cli import launcher
-from services.runtime import db
 from shuffler import tables
 from shuffler.app import MIGRATIONS
 from shuffler.records import pack_fragments

@@ -25,7 +25,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.envelope import Contribution
-from services.runtime import db
+from runtime import db
 from shuffler import store, tables
 from shuffler.records import Pending
 

@@ -70,8 +70,8 @@ from rich.console import Console
 
 from analyzer import store as analyzer_tables
 from common.collection import TrustAnchors
+from runtime import db
 from services.cli import launcher
-from services.runtime import db
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from shuffler import tables

@@ -196,7 +196,7 @@ def _big_batch(tmp: Path) -> tuple[float, int]:
 
     from common.envelope import KeyRing
     from common.wire import ChannelPolicy
-    from services.runtime import db
+    from runtime import db
     from shuffler import tables
     from shuffler.app import MIGRATIONS
     from shuffler.service import ShufflerService

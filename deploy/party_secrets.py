@@ -41,7 +41,7 @@ KINDS = {
     "analyzer": ("admin-token", "metrics-token", "db-password", "database-url"),
     "shuffler": ("token-secret", "admin-token", "metrics-token", "db-password", "database-url"),
 }
-#: Values refused as secrets (as the services refuse them: services/runtime/secrets.py).
+#: Values refused as secrets (as the services refuse them: runtime/secrets.py).
 PLACEHOLDERS = frozenset(
     {"", "changeme", "change-me", "secret", "development", "password", "postgres"}
 )

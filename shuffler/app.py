@@ -3,7 +3,7 @@ route (:mod:`shuffler.ingest`), operational routes and background loops over one
 :class:`~shuffler.service.ShufflerService`.
 
 Serve with ``uvicorn shuffler.app:create_asgi --factory`` (what ``esa shuffler serve`` runs).
-Every error is JSON ``{"error", "detail"}`` (:mod:`services.runtime.http`).
+Every error is JSON ``{"error", "detail"}`` (:mod:`runtime.http`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from services.runtime import db, logs
-from services.runtime.http import (
+from runtime import db, logs
+from runtime.http import (
     add_operational_routes,
     document_errors,
     install_error_handlers,
 )
-from services.runtime.server import HEAD_LIMIT
+from runtime.server import HEAD_LIMIT
 from shuffler import routes
 from shuffler.ingest import CommitQueue, Ingest, IngestFastPath
 from shuffler.metrics import ShufflerCollector

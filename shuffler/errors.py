@@ -1,12 +1,12 @@
 """What a shuffler refuses, as domain errors with stable codes (no HTTP here).
 
-:mod:`services.runtime.http` maps each error's :class:`~services.runtime.errors.Kind` to the
+:mod:`runtime.http` maps each error's :class:`~runtime.errors.Kind` to the
 status clients see (PROTOCOL.md, "HTTP endpoints"); the ``code`` is the ``error`` field of the
 answer and never changes. Details name the problem, never a client id, token or timestamp.
 
 ::
 
-    DomainError (services.runtime.errors)
+    DomainError (runtime.errors)
     └── ShufflerError
         ├── BadTokenError               bad_token            401
         ├── RevokedTokenError           revoked              401
@@ -30,7 +30,7 @@ answer and never changes. Details name the problem, never a client id, token or 
 
 from __future__ import annotations
 
-from services.runtime.errors import (
+from runtime.errors import (
     BadAdminTokenError,
     DomainError,
     Kind,

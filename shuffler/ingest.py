@@ -4,8 +4,8 @@ after the contribution's transaction committed).
 Profiling showed FastAPI's per-request machinery (middleware, exception wrappers, dependency
 solving) costing more than the ingest work itself, so this one route skips it. It keeps the
 same error contract as every other route: refusals are :class:`~shuffler.errors.ShufflerError`
-answered through :func:`services.runtime.http.error_body` and
-:func:`~services.runtime.http.status_of`.
+answered through :func:`runtime.http.error_body` and
+:func:`~runtime.http.status_of`.
 
 Concurrent requests are committed together by one writer thread (:class:`CommitQueue`), so
 durability costs one sync per batch of requests rather than per request.
@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 
 from common.wire import Receipt
-from services.runtime.http import error_body, status_of
+from runtime.http import error_body, status_of
 from shuffler.errors import (
     BadContentTypeError,
     BadTokenError,

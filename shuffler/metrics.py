@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
-from services.runtime.conservation import DELETION_CAUSES, LEDGER_CONTRIBUTIONS, LEDGER_DELETED
+from runtime.conservation import DELETION_CAUSES, LEDGER_CONTRIBUTIONS, LEDGER_DELETED
 
 COUNTERS = {
     "contributions_received": "contributions acknowledged (202)",

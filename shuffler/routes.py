@@ -1,13 +1,13 @@
 """The shuffler's FastAPI routes (PROTOCOL.md, "HTTP endpoints"), thin over
 :class:`~shuffler.service.ShufflerService` with typed dependencies; each documents every status
 it answers (the server-level 400/431/500 are added by
-:func:`services.runtime.http.document_errors`).
+:func:`runtime.http.document_errors`).
 
 ``POST /v1/contributions`` is served by the raw ASGI fast path of :mod:`shuffler.ingest` in
 front of this app; the route here is the same :class:`~shuffler.ingest.Ingest` call (what an
 in-process client reaches) and what documents it, so a wrong method on its path is a 405.
 Admin routes check the admin token before FastAPI reads the body
-(:func:`services.runtime.http.checked_route`): without the token any body is a 401.
+(:func:`runtime.http.checked_route`): without the token any body is a 401.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from common.wire import (
     ShufflerConfig,
     SignedDescriptor,
 )
-from services.runtime.http import bearer_check, bearer_scheme, checked_route, error_responses
+from runtime.http import bearer_check, bearer_scheme, checked_route, error_responses
 from shuffler.errors import AdminTokenError
 from shuffler.ingest import CONTENT_TYPE, Ingest
 from shuffler.service import ShufflerService

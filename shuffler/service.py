@@ -33,8 +33,8 @@ from common.envelope import (
 from common.randomness import RandomSource
 from common.retry import Backoff
 from common.wire import HpkeKey, ShufflerConfig, ShufflerDescriptor, SignedDescriptor, b64
-from services.runtime import db
-from services.runtime.publish import publish
+from runtime import db
+from runtime.publish import publish
 from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, group_due
 from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
 from shuffler.forwarder import Forwarder

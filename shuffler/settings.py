@@ -15,7 +15,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from common.wire import PART_FRAGMENTS, ChannelPolicy
-from services.runtime.secrets import SecretFileSettings, refuse_placeholder
+from runtime.secrets import SecretFileSettings, refuse_placeholder
 
 #: Bind addresses that name no reachable host (a descriptor cannot vouch for them).
 WILDCARDS = frozenset({"0.0.0.0", "::", "", "[::]"})

@@ -42,8 +42,8 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.sql.dml import Insert
 
 from common.wire import ChannelPolicy
-from services.runtime import db
-from services.runtime.conservation import LEDGER_CAUSES
+from runtime import db
+from runtime.conservation import LEDGER_CAUSES
 from shuffler import tables
 from shuffler.batcher import Batcher, Deletion, Evaluation, GroupStatus, Release, ReleasedBatch
 from shuffler.records import (

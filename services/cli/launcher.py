@@ -34,7 +34,7 @@ import httpx
 from common.collection import TrustAnchors
 from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_bytes
 from common.wire import ChannelConfig, b64
-from services.runtime import haproxy
+from runtime import haproxy
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 ANALYZER_PORT = 8100
@@ -562,7 +562,7 @@ def migrate(specs: Sequence[ServiceSpec]) -> None:
     """
     import analyzer
     import shuffler
-    from services.runtime import db
+    from runtime import db
 
     for spec in specs:
         shuffler_side = spec.command[0] == "shuffler"

@@ -22,8 +22,8 @@ def shuffler_serve(host: str | None, port: int | None) -> None:
     import uvicorn
     from pydantic import ValidationError
 
-    from services.runtime.secrets import settings_problems
-    from services.runtime.server import uvicorn_options
+    from runtime.secrets import settings_problems
+    from runtime.server import uvicorn_options
     from shuffler.app import create_asgi
     from shuffler.settings import ShufflerSettings
 
@@ -61,8 +61,8 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
     from analyzer.app import create_app
     from analyzer.errors import InvalidChannelError
     from analyzer.settings import AnalyzerSettings
-    from services.runtime.secrets import settings_problems
-    from services.runtime.server import uvicorn_options
+    from runtime.secrets import settings_problems
+    from runtime.server import uvicorn_options
 
     try:
         settings = AnalyzerSettings()

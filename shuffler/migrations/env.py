@@ -1,4 +1,4 @@
-"""Alembic environment: run against the connection that services.runtime.db.upgrade passes in."""
+"""Alembic environment: run against the connection that runtime.db.upgrade passes in."""
 
 from alembic import context
 

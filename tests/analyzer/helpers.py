@@ -33,7 +33,7 @@ from common.envelope import FragmentContext, KeyRing, seal_fragment, sign
 from common.mechanisms import krappor
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelConfig, b64
-from services.runtime import db
+from runtime import db
 
 from ..support import descriptor, registry_entry
 

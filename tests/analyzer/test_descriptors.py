@@ -24,7 +24,7 @@ from common.collection import (
 )
 from common.envelope import load_or_create_ed25519
 from common.wire import ShufflerDescriptor, ShufflerEntry
-from services.runtime import db
+from runtime import db
 
 from ..support import (
     SMALL_CHANNEL,

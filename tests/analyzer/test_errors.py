@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from analyzer import errors
-from services.runtime.errors import DomainError, TooLargeError
-from services.runtime.http import status_of
+from runtime.errors import DomainError, TooLargeError
+from runtime.http import status_of
 
 #: Every refusal a client can see: (code, status), as PROTOCOL.md documents them.
 EXPECTED = {

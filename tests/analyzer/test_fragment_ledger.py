@@ -41,7 +41,7 @@ from common.envelope import (
 from common.mechanisms import krappor
 from common.randomness import SeededSource
 from common.wire import Batch, b64
-from services.runtime import db
+from runtime import db
 
 from ..support import ServiceProcess, analyzer_process, unopened_parts, wait_until
 from .helpers import (

@@ -32,7 +32,7 @@ from common.envelope import FragmentContext, KeyRing, seal_fragment, sign
 from common.mechanisms import krr
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelConfig, b64
-from services.runtime import db
+from runtime import db
 
 from ..support import wait_until
 from .helpers import CHANNEL, SHUFFLERS, VALUES, Layers, build, make_batch, seal, signed

@@ -5,7 +5,7 @@ test_monitoring.py and test_replicas.py run them for real).
   (``promtool test rules alerts.test.yml``: each alert fires on the series it is about and
   none on a healthy deployment); every metric the rules name is one the services export.
 * deploy/haproxy/<domain>.cfg: what deploy/haproxy/render.py generates from
-  services/runtime/haproxy.py now (no drift), and ``haproxy -c`` accepts it.
+  runtime/haproxy.py now (no drift), and ``haproxy -c`` accepts it.
 * deploy/compose.audit.yml (docs/audit.md's staging audit): ``docker compose -f
   docker-compose.yml -f deploy/compose.audit.yml config`` accepts it and wires shuffler-1 to
   the audit sink (which relays every other channel to the analyzer), leaving every other

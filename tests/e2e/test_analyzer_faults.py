@@ -31,7 +31,7 @@ from common.envelope import FragmentContext, load_or_create_ed25519, load_or_cre
 from common.mechanisms import krappor
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelConfig
-from services.runtime import db
+from runtime import db
 
 from ..support import ServiceProcess, analyzer_process, registry_entry, wait_until
 from .forge import fragments, krappor_reports, post_part

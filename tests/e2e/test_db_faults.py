@@ -39,8 +39,8 @@ from common.envelope import (
     seal_fragment,
 )
 from common.mechanisms import krappor
+from runtime import db
 from services.cli import launcher
-from services.runtime import db
 from shuffler import tables
 
 from ..support import (

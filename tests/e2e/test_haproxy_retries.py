@@ -1,4 +1,4 @@
-"""HAProxy's retry policy (issue 17, :data:`services.runtime.haproxy.RETRY_POLICY`): a replica
+"""HAProxy's retry policy (issue 17, :data:`runtime.haproxy.RETRY_POLICY`): a replica
 that dies under load costs its clients nothing they can see.
 
 One trust domain as ``esa up --replicas 3 --database-url-template`` starts it (three shuffler
@@ -48,8 +48,8 @@ from common.envelope import (
     seal_fragment,
 )
 from common.mechanisms import krappor
+from runtime import db, haproxy
 from services.cli import launcher
-from services.runtime import db, haproxy
 from shuffler import tables
 
 from ..support import LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS
@@ -235,7 +235,7 @@ def test_a_replica_killed_under_load_costs_its_clients_nothing(
 
 def test_esa_up_and_compose_carry_one_retry_policy(tmp_path: Path) -> None:
     """The ``defaults`` of ``esa up``'s configuration and of every compose configuration hold
-    :data:`~services.runtime.haproxy.RETRY_POLICY` (written once, in render), and
+    :data:`~runtime.haproxy.RETRY_POLICY` (written once, in render), and
     ``haproxy -c`` accepts ``esa up``'s."""
     frontends = [
         haproxy.Frontend("analyzer", 18000, (18010, 18011), shuffler=False),

@@ -42,10 +42,10 @@ from common.envelope import (
 )
 from common.mechanisms import krappor
 from common.randomness import SeededSource
+from runtime import db
+from runtime import db as runtime_db
 from services.cli import launcher
 from services.cli.servers import up_command
-from services.runtime import db
-from services.runtime import db as runtime_db
 from shuffler import tables
 from shuffler.records import GroupKey
 from shuffler.store import group_lock_identity, make_store

@@ -38,8 +38,8 @@ import httpx
 import pytest
 
 from common.wire import ChannelConfig
+from runtime import haproxy
 from services.cli import launcher
-from services.runtime import haproxy
 from services.tools.audit.runner import AuditConfig, run_audit
 from tests.support import TEST_SHUFFLER_SETTINGS, own_headers, own_token
 from tests.tools.test_audit import CHANNEL, FAST, GROUP_SIZE, TOKEN, sink

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from runtime.conservation import DELETION_CAUSES
 from services.cli import launcher
-from services.runtime.conservation import DELETION_CAUSES
 from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
 from tests.support import LOADTEST_PAGES as PAGES

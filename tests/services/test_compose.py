@@ -37,8 +37,8 @@ from common.envelope import (
     public_bytes,
 )
 from common.wire import HpkeKey, ShufflerDescriptor, ShufflerEntry, b64
+from runtime.publish import publish
 from services.cli.launcher import LOCAL_SETTINGS, PARTY_SECRETS, SHARED_SETTINGS, service_specs
-from services.runtime.publish import publish
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 ROOT = Path(__file__).resolve().parents[2]

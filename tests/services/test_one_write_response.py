@@ -1,5 +1,5 @@
 """A response's head leaves in the same write as its first body bytes
-(services/runtime/server.py): a process killed between two writes must never leave a head
+(runtime/server.py): a process killed between two writes must never leave a head
 without its body on the wire, which HAProxy cannot resend to another replica."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from services.runtime.server import OneWriteResponse, uvicorn_options
+from runtime.server import OneWriteResponse, uvicorn_options
 
 from ..support import free_port
 

@@ -1,6 +1,6 @@
 """Secrets given as files (``ESA_<SERVICE>_<NAME>_FILE``, Docker secrets) reach the settings,
 never both ways at once, and placeholders are refused outside development whichever way they
-come (services/runtime/secrets.py)."""
+come (runtime/secrets.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from analyzer.settings import AnalyzerSettings
-from services.runtime.secrets import settings_problems
+from runtime.secrets import settings_problems
 from shuffler.settings import ShufflerSettings
 
 

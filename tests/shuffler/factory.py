@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from common.envelope import Contribution, KeyRing, new_nonce, seal_contribution
 from common.randomness import RandomSource
 from common.wire import ChannelPolicy
-from services.runtime import db
+from runtime import db
 from shuffler.app import MIGRATIONS
 from shuffler.records import Pending
 from shuffler.service import ShufflerService, Stored

@@ -14,7 +14,7 @@ from sqlalchemy import inspect, select, text
 
 from common.envelope import Contribution, new_nonce, seal_contribution
 from common.wire import MAX_CROWDS, ChannelConfig, ChannelPolicy
-from services.runtime import db
+from runtime import db
 from shuffler import tables
 from shuffler.app import MIGRATIONS
 from shuffler.errors import QuotaExceededError, UnknownCrowdError

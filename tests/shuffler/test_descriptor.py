@@ -36,7 +36,7 @@ from common.envelope import (
     seal_contribution,
 )
 from common.wire import ShufflerDescriptor, SignedDescriptor, b64
-from services.runtime import db
+from runtime import db
 from shuffler.app import MIGRATIONS
 from shuffler.service import ShufflerService
 from shuffler.settings import ShufflerSettings

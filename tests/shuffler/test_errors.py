@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.errors import DomainError
-from services.runtime.http import status_of
+from runtime.errors import DomainError
+from runtime.http import status_of
 from shuffler import errors
 
 EXPECTED = {

@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import func, select
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
-from services.runtime import db
+from runtime import db
 from shuffler import tables
 
 from ..support import SMALL_CHANNEL, ServiceProcess, receiver, shuffler_process, wait_until

@@ -12,7 +12,7 @@ import pytest
 
 from common.randomness import SeededSource
 from common.wire import ChannelPolicy
-from services.runtime.logs import JsonFormatter
+from runtime.logs import JsonFormatter
 from shuffler.batcher import GroupStatus, randomized_deletion
 
 from .factory import POLICY, fill, make_service

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
 from common.wire import ChannelPolicy
-from services.runtime.server import HEAD_LIMIT, RAW_HEAD_LIMIT
+from runtime.server import HEAD_LIMIT, RAW_HEAD_LIMIT
 from shuffler.app import create_app
 from shuffler.settings import ShufflerSettings
 

@@ -17,7 +17,7 @@ from sqlalchemy import select, text
 
 from common.randomness import SeededSource
 from common.wire import Batch, BatchAck
-from services.runtime import db
+from runtime import db
 from shuffler import tables
 from shuffler.app import MIGRATIONS
 from shuffler.forwarder import Outcome

@@ -10,7 +10,7 @@ answers it) before and after the run, from the gauges the shuffler reads from it
 the trust domain's ledger (``esa_shuffler_ledger_contributions{state}``, whose sum is every
 contribution the trust domain ever acknowledged, so its change is what it acknowledged during
 the run) and its deletions by cause (``esa_shuffler_ledger_deleted{cause}``); the names are
-the shuffler's metrics contract, :mod:`services.runtime.conservation`. Every replica of a trust
+the shuffler's metrics contract, :mod:`runtime.conservation`. Every replica of a trust
 domain shares the database, so the scrape sees the whole domain whichever replica answers it
 (behind HAProxy always the same one): the per-process counters
 (``esa_shuffler_contributions_received_total``, ``…_deleted_total``) would see only that
@@ -54,7 +54,7 @@ import httpx
 import numpy as np
 from scipy import stats
 
-from services.runtime.conservation import (
+from runtime.conservation import (
     ANALYZER_FRAGMENTS,
     DELETION_CAUSES,
     FRAGMENT_STATES,

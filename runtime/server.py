@@ -14,8 +14,8 @@ both before any application code runs:
   uvicorn writes the head alone on ``http.response.start``, and a process killed between the
   two writes left a head without a body on the wire, which a proxy cannot resend elsewhere.
 
-Both answers are JSON ``{"error", "detail"}`` like every other (:mod:`services.runtime.http`);
-the OpenAPI documents them on every operation (:data:`services.runtime.http.SERVER_STATUSES`).
+Both answers are JSON ``{"error", "detail"}`` like every other (:mod:`runtime.http`);
+the OpenAPI documents them on every operation (:data:`runtime.http.SERVER_STATUSES`).
 Serve with ``uvicorn.run(app, **uvicorn_options())``.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, ClassVar, cast
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from services.runtime.http import error_body
+from runtime.http import error_body
 
 #: Largest request head (request line and headers, in bytes) a service accepts.
 HEAD_LIMIT = 32 * 1024

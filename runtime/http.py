@@ -9,7 +9,7 @@ with ``Allow``), invalid bodies or parameters (400, the first problems in plain 
 Python repr; a body that is not UTF-8 JSON too), database failures (503) and unexpected
 exceptions (500, logged with a traceback, answered with a fixed sentence so nothing internal
 leaks). Answers given before any route is chosen — malformed HTTP framing (400) and an
-oversized request head (431) — come from :mod:`services.runtime.server` in the same shape.
+oversized request head (431) — come from :mod:`runtime.server` in the same shape.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.wire import ErrorBody
-from services.runtime.errors import DomainError, Kind, MetricsTokenError
+from runtime.errors import DomainError, Kind, MetricsTokenError
 
 #: The one table from what a refusal is to the status a client sees.
 STATUS: dict[Kind, int] = {

@@ -2,7 +2,7 @@
 
 Each service has one base class (``ShufflerError``, ``AnalyzerError``) and one subclass per
 meaning; every subclass has a stable ``code`` (the ``error`` field clients see) and a
-:class:`Kind` that says what sort of refusal it is. :mod:`services.runtime.http` maps kinds to
+:class:`Kind` that says what sort of refusal it is. :mod:`runtime.http` maps kinds to
 HTTP statuses in one table; cores never mention a status.
 """
 
