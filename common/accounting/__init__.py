@@ -6,53 +6,117 @@ that apply to a mechanism and picks the certificate; :func:`plan_eps0` inverts i
 epochs (privacy-loss distributions), and :func:`plan_eps0_lifetime` inverts that.
 """
 
-from common.accounting.composition import (
-    EpsDelta,
-    advanced_composition_bun_steinke,
-    advanced_composition_drv,
-    basic_composition,
-    best_composition,
-    compose_with_deletion,
-    deletion_offset,
-    deletion_utility_bound,
-    removal_to_replacement,
-    replacement_to_removal,
-    subsample,
-)
-from common.accounting.lifetime import (
-    Certificate,
-    DeltaSplit,
-    Epoch,
-    LifetimeResult,
-    compose_epochs,
-    lifetime_for_mechanism,
-    plan_eps0_lifetime,
-)
-from common.accounting.local import composed_randomizer_eps, esa_thm_iv1, fragment_eps
-from common.accounting.lower import lower_2rr
-from common.accounting.mechanisms import (
-    Certification,
-    MechanismParams,
-    best_bound,
-    certify,
-    compute_bounds,
-    methods_for,
-    rfrag_across_batches,
-)
-from common.accounting.planner import Plan, plan_eps0
-from common.accounting.results import BoundResult, Mechanism, Method, Neighbouring
-from common.accounting.shuffle_bounds import (
-    balcer_cheu_thm12,
-    blanket_binary_rr,
-    blanket_krr,
-    cheu_lemma_ii6,
-    efmrtt19_thm7,
-    esa_thm_iii1,
-    fmt21_clones,
-    fmt21_closed,
-    fmt21_krr_cor42,
-    fmt21_thm38,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.accounting.composition import (
+        EpsDelta,
+        advanced_composition_bun_steinke,
+        advanced_composition_drv,
+        basic_composition,
+        best_composition,
+        compose_with_deletion,
+        deletion_offset,
+        deletion_utility_bound,
+        removal_to_replacement,
+        replacement_to_removal,
+        subsample,
+    )
+    from common.accounting.lifetime import (
+        Certificate,
+        DeltaSplit,
+        Epoch,
+        LifetimeResult,
+        compose_epochs,
+        lifetime_for_mechanism,
+        plan_eps0_lifetime,
+    )
+    from common.accounting.local import composed_randomizer_eps, esa_thm_iv1, fragment_eps
+    from common.accounting.lower import lower_2rr
+    from common.accounting.mechanisms import (
+        Certification,
+        MechanismParams,
+        best_bound,
+        certify,
+        compute_bounds,
+        methods_for,
+        rfrag_across_batches,
+    )
+    from common.accounting.planner import Plan, plan_eps0
+    from common.accounting.results import BoundResult, Mechanism, Method, Neighbouring
+    from common.accounting.shuffle_bounds import (
+        balcer_cheu_thm12,
+        blanket_binary_rr,
+        blanket_krr,
+        cheu_lemma_ii6,
+        efmrtt19_thm7,
+        esa_thm_iii1,
+        fmt21_clones,
+        fmt21_closed,
+        fmt21_krr_cor42,
+        fmt21_thm38,
+    )
+
+#: The submodule of every public name: the package imports it on first use (PEP 562), so that
+#: reading the identifiers of :mod:`.results` does not load dp_accounting and scipy.
+_WHERE = {
+    "BoundResult": "results",
+    "Certificate": "lifetime",
+    "Certification": "mechanisms",
+    "DeltaSplit": "lifetime",
+    "Epoch": "lifetime",
+    "EpsDelta": "composition",
+    "LifetimeResult": "lifetime",
+    "Mechanism": "results",
+    "MechanismParams": "mechanisms",
+    "Method": "results",
+    "Neighbouring": "results",
+    "Plan": "planner",
+    "advanced_composition_bun_steinke": "composition",
+    "advanced_composition_drv": "composition",
+    "balcer_cheu_thm12": "shuffle_bounds",
+    "basic_composition": "composition",
+    "best_bound": "mechanisms",
+    "best_composition": "composition",
+    "blanket_binary_rr": "shuffle_bounds",
+    "blanket_krr": "shuffle_bounds",
+    "certify": "mechanisms",
+    "cheu_lemma_ii6": "shuffle_bounds",
+    "compose_epochs": "lifetime",
+    "compose_with_deletion": "composition",
+    "composed_randomizer_eps": "local",
+    "compute_bounds": "mechanisms",
+    "deletion_offset": "composition",
+    "deletion_utility_bound": "composition",
+    "efmrtt19_thm7": "shuffle_bounds",
+    "esa_thm_iii1": "shuffle_bounds",
+    "esa_thm_iv1": "local",
+    "fmt21_clones": "shuffle_bounds",
+    "fmt21_closed": "shuffle_bounds",
+    "fmt21_krr_cor42": "shuffle_bounds",
+    "fmt21_thm38": "shuffle_bounds",
+    "fragment_eps": "local",
+    "lifetime_for_mechanism": "lifetime",
+    "lower_2rr": "lower",
+    "methods_for": "mechanisms",
+    "plan_eps0": "planner",
+    "plan_eps0_lifetime": "lifetime",
+    "removal_to_replacement": "composition",
+    "replacement_to_removal": "composition",
+    "rfrag_across_batches": "mechanisms",
+    "subsample": "composition",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the submodule that defines ``name`` on first use."""
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BoundResult",

@@ -5,25 +5,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from common.accounting import (
-    BoundResult,
-    Certification,
-    LifetimeResult,
-    Mechanism,
-    MechanismParams,
-    Method,
-    Plan,
-    certify,
-    lifetime_for_mechanism,
-    plan_eps0,
-    plan_eps0_lifetime,
-)
+from common import accounting
+from common.accounting.results import BoundResult, Mechanism, Method
+
+if TYPE_CHECKING:
+    from common.accounting import Certification, LifetimeResult, MechanismParams, Plan
 
 _MECHANISMS = [m.value for m in Mechanism]
 _METHODS = [
@@ -113,7 +105,9 @@ def _params(
     delta0: float,
     n_declared: int | None,
 ) -> MechanismParams:
-    return MechanismParams(k=k, eps_f=eps_f, tau=tau, d=d, delta0=delta0, n_declared=n_declared)
+    return accounting.MechanismParams(
+        k=k, eps_f=eps_f, tau=tau, d=d, delta0=delta0, n_declared=n_declared
+    )
 
 
 def _fmt(value: float) -> str:
@@ -197,7 +191,7 @@ def certify_command(
         raise click.UsageError("give --eps0 (or --eps-b for rfrag)")
     params = _params(k, tau, eps_f, d, delta0, n_declared)
     methods = None if bound is None else [bound]
-    cert = _run(lambda: certify(mechanism, local, n, delta, params, methods))
+    cert = _run(lambda: accounting.certify(mechanism, local, n, delta, params, methods))
     if as_json:
         click.echo(json.dumps(cert.as_dict()))
         return
@@ -253,7 +247,7 @@ def plan_command(
             raise click.UsageError("--bound applies to one epoch; it cannot be used with --epochs")
         _plan_lifetime(target_eps, epochs, mechanism, n, delta, params, as_json)
         return
-    plan: Plan = _run(lambda: plan_eps0(target_eps, delta, n, mechanism, params, bound))
+    plan: Plan = _run(lambda: accounting.plan_eps0(target_eps, delta, n, mechanism, params, bound))
     if as_json:
         click.echo(json.dumps(plan.as_dict()))
         return
@@ -381,7 +375,9 @@ def compose_command(
     params = _params(**param_values)
     deletion = None if eps_cr is None or delta_cr is None else (eps_cr, delta_cr)
     result: LifetimeResult = _run(
-        lambda: lifetime_for_mechanism(mechanism, local, sizes, delta, params, deletion=deletion)
+        lambda: accounting.lifetime_for_mechanism(
+            mechanism, local, sizes, delta, params, deletion=deletion
+        )
     )
     if as_json:
         click.echo(json.dumps(result.as_dict()))
@@ -402,8 +398,10 @@ def _plan_lifetime(
     params: MechanismParams,
     as_json: bool,
 ) -> None:
-    eps0: float = _run(lambda: plan_eps0_lifetime(target_eps, delta, n, epochs, mechanism, params))
-    result = lifetime_for_mechanism(mechanism, eps0, [n] * epochs, delta, params)
+    eps0: float = _run(
+        lambda: accounting.plan_eps0_lifetime(target_eps, delta, n, epochs, mechanism, params)
+    )
+    result = accounting.lifetime_for_mechanism(mechanism, eps0, [n] * epochs, delta, params)
     if as_json:
         certified = {
             "method": result.method,

@@ -1,4 +1,5 @@
-"""``esa`` with no arguments and ``esa --version`` (issue 20: the first hour of a new user)."""
+"""``esa`` with no arguments, ``esa --version`` and the start-up cost of ``--help``: the first
+hour of a new user."""
 
 from __future__ import annotations
 
@@ -58,14 +59,16 @@ def test_a_subcommand_still_runs_without_the_banner() -> None:
     assert "Start here" not in result.output
 
 
-#: What ``esa --help``, ``esa --version`` and plain ``esa`` may not load: each command's stack
-#: loads only when that command runs (a guard by modules, not seconds; the time and memory are
+#: What ``esa --help``, ``esa --version``, plain ``esa`` and a command's own ``--help`` (``esa
+#: account --help``) may not load: each command's stack loads only when that command runs (a guard by modules, not seconds; the time and memory are
 #: in docs/benchmarks.md, "CLI start-up").
 HEAVY = ("numpy", "scipy", "dp_accounting", "pydantic", "cryptography", "httpx", "sqlalchemy")
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("arguments", [["--help"], ["--version"], []], ids=str)
+@pytest.mark.parametrize(
+    "arguments", [["--help"], ["--version"], [], ["account", "--help"]], ids=str
+)
 def test_help_and_version_load_no_command_stack(arguments: list[str]) -> None:
     probe = (
         "import sys\n"
