@@ -63,6 +63,7 @@ from common.mechanisms import ldpsgd
 from common.wire import ChannelConfig
 from services.cli import launcher
 from services.tools import loadgen
+from services.tools.loadgen import devices
 
 Floats = npt.NDArray[np.float64]
 ADMIN = {"Authorization": "Bearer development"}
@@ -129,7 +130,7 @@ def _worker_main(connection: Connection, config: dict[str, Any], shard: Shard) -
     """A device worker: per message ``(round, θ bytes, epoch, path)`` every device of the shard
     computes its gradient at θ, encodes it (Algorithm 4, OS CSPRNG), seals it and writes one
     request for ``epoch`` to ``path``; answers ``(requests, wall s, cpu s)``. ``None`` stops."""
-    sealer = loadgen._Sealer(config, CHANNEL_ID, loadgen.ZipfValues(2))
+    sealer = devices._Sealer(config, CHANNEL_ID, loadgen.ZipfValues(2))
     shufflers = len(sealer.shufflers)
     while (message := connection.recv()) is not None:
         round_, theta_bytes, epoch, path = message
@@ -145,7 +146,7 @@ def _worker_main(connection: Connection, config: dict[str, Any], shard: Shard) -
                         sealer.params, report, None, sealer.rng, shufflers
                     )
                     # Fragments are sealed (to this channel, epoch and crowd) as written.
-                    device = loadgen._Device(tokens, encoded.routes)
+                    device = devices._Device(tokens, encoded.routes)
                     for slot, fragments in device.routes:
                         sealer._write(out, device, epoch, slot, fragments)
                         written += 1

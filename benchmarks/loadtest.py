@@ -10,7 +10,7 @@ the "Load test" section of docs/benchmarks.md as Markdown (append it by hand).
    second on one core.
 2. Generator ceiling: the same prepared requests (homepage-sized bodies) replayed for
    ``--seconds`` against benchmarks/trivial_app.py (answers 202 without work) by the asyncio
-   driver (services/tools/loadgen.py) and by a minimal Locust ``FastHttpUser`` (one process
+   driver (services/tools/loadgen/) and by a minimal Locust ``FastHttpUser`` (one process
    each, the same number of connections/users): requests/s and client CPU µs per request.
 3. Run phase against 1 analyzer + 3 shufflers (``esa up`` settings, SQLite): fresh outer-sealed
    contributions (distinct client tokens issued with each shuffler's secret, a new nonce each),

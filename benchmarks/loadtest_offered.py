@@ -8,7 +8,7 @@ The deployment (``esa up`` settings: 1 analyzer + 3 shufflers, SQLite, homepage 
 benchmarks/loadtest.py ``--capacity`` starts it) runs pinned to core 0 — every thread of every
 process of it — and this process, which runs ``esa loadtest``'s run phase (benchmarks/
 loadtest.py ``run_phase``: services/tools/loadtest/live.py ``replay`` driving services/tools/
-loadgen.py's ``Driver`` over a prepared epoch file), is pinned to core 1. Homepage-sized fresh
+loadgen's ``Driver`` over a prepared epoch file), is pinned to core 1. Homepage-sized fresh
 contributions (31 fragments of 72 bytes, ~2.4 KB; distinct client tokens, new nonces).
 
 1. Capacity A: the run phase as fast as answered (``--rounds`` times ``--contributions``);

@@ -9,7 +9,7 @@ script creates and drops its own databases (``esa_rb_*``, prefix ``ESA_BENCH_DB_
 replica per domain doubles the shuffler processes on them; with 1, the second replica has the
 machine's spare core, as on a trust domain's own host).
 
-1. Devices (services/tools/loadgen.py): ``--devices`` devices enroll over HTTP at each
+1. Devices (services/tools/loadgen/): ``--devices`` devices enroll over HTTP at each
    shuffler, encode and seal a k-RAPPOR ``homepage`` report (~31 fragments) in worker
    processes, and one sealed contribution each is written to disk ahead of the run. Client
    tokens are HMACs under each shuffler's secret (kept under the var folder), so the very same
@@ -511,7 +511,7 @@ def section(summary: dict[str, Any]) -> str:
         f"**Ingest**, {summary['shufflers']} shuffler(s): the same {summary['devices']:,} "
         "sealed contributions (k-RAPPOR",
         f"`homepage`, ~{summary['request_bytes'] / 1024:.1f} KB per request, distinct devices",
-        "enrolled over HTTP, services/tools/loadgen.py) replayed in each round against fresh",
+        "enrolled over HTTP, services/tools/loadgen/) replayed in each round against fresh",
         f"databases over {summary['concurrency']} keep-alive connections, as fast as the "
         "shufflers answer.",
         "",

@@ -5,7 +5,7 @@ Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/soak.py --write`` (
 
 1. Start the deployment with one k-RAPPOR homepage-like channel (the catalogue's ``homepage``:
    k = 64, ε = 2, ~8 fragments per contribution) whose epoch is ``--epoch-seconds``.
-2. Prepare devices (services/tools/loadgen.py): each enrolls over HTTP at every shuffler,
+2. Prepare devices (services/tools/loadgen/): each enrolls over HTTP at every shuffler,
    encodes and seals its report in a worker process, and gets one sealed contribution per epoch
    of the run, all ahead of time: sealing is slower than ingest in Python, so sealing during
    the run would measure the load generator.
@@ -595,7 +595,7 @@ sessions' work share the 2 cores.
 One `esa up`-style deployment (launcher: 1 analyzer + 3 shufflers, SQLite, default settings)
 with the catalogue's `homepage` channel (k-RAPPOR, k = 64, ε = 2: ~8 sealed fragments,
 ~0.8 KB per contribution) and a {summary["epoch_seconds"]}-second epoch. Load
-(services/tools/loadgen.py): every device enrolls over HTTP at each shuffler, encodes its value
+(services/tools/loadgen/): every device enrolls over HTTP at each shuffler, encodes its value
 (Zipf over the 64 pages) with the OS CSPRNG and seals every fragment to the analyzer in worker
 processes, once (a memoized report), and for each epoch gets a new contribution (new nonce, that
 epoch) sealed to a shuffler picked uniformly, all written ahead of the run: reports sealed at

@@ -60,8 +60,9 @@ def test_a_subcommand_still_runs_without_the_banner() -> None:
 
 
 #: What ``esa --help``, ``esa --version``, plain ``esa`` and a command's own ``--help`` (``esa
-#: account --help``) may not load: each command's stack loads only when that command runs (a guard by modules, not seconds; the time and memory are
-#: in docs/benchmarks.md, "CLI start-up").
+#: account --help``) may not load: each command's stack loads only when that command runs (a
+#: guard by modules, not seconds; the time and memory are in docs/benchmarks.md, "CLI
+#: start-up").
 HEAVY = ("numpy", "scipy", "dp_accounting", "pydantic", "cryptography", "httpx", "sqlalchemy")
 
 

@@ -1,4 +1,4 @@
-"""The load generator (services/tools/loadgen.py) against a real deployment: devices enrolled
+"""The load generator (services/tools/loadgen/) against a real deployment: devices enrolled
 over HTTP (through the shufflers' enrolment limit), sealed in a worker process, replayed; every
 contribution acknowledged and counted where it went."""
 

@@ -36,6 +36,7 @@ from services.cli.loadtest import loadtest
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from services.tools.credentials import Credentials
+from services.tools.loadgen import devices
 from services.tools.loadtest import verify
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
 from services.tools.loadtest.prepare import Plan, spec_for
@@ -233,7 +234,7 @@ def _foreign_contributions(
         "config": target.config.config.model_dump(mode="json"),
         "shufflers": [s.model_dump() for s in target.config.shufflers],
     }
-    sealer = loadgen._Sealer(config, channel, loadgen.ZipfValues(8))
+    sealer = devices._Sealer(config, channel, loadgen.ZipfValues(8))
     sealer.add(list(zip(*tokens, strict=True)))
     sealer.seal_epoch(epoch, count, str(out / "foreign.bin"), fresh=False)
     return loadgen.EpochSource({epoch: [out / "foreign.bin"]}, target.channel.epoch_seconds)

@@ -1,4 +1,4 @@
-"""A longitudinal channel's reports in waves (services/tools/loadgen.py ``SeriesWaves``): a
+"""A longitudinal channel's reports in waves (services/tools/loadgen/waves.py ``SeriesWaves``): a
 wave whose epoch ends before all of it is sent costs time, never a report. No servers: the
 waves' request files are opened with the offline config's real keys, as a shuffler and the
 analyzer would, and what was "sent" is chosen by the test."""

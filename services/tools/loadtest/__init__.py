@@ -3,7 +3,7 @@
 * :mod:`.population` — who holds which value, per channel (zipf, uniform, shipped datasets, CSV);
 * :mod:`.prepare` — devices enrolled at every shuffler, reports encoded and sealed in worker
   processes, contributions for the run's epochs written to files ahead of the run
-  (services/tools/loadgen.py);
+  (services/tools/loadgen/);
 * :mod:`.live` — the run: replay at a rate, a ramp or as fast as answered, with a rich live view;
 * :mod:`.refusals` — a run whose epoch the shufflers closed (an earlier run's verification):
   stopped with a clear error before the load or before verification, never verified;
