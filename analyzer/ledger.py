@@ -155,7 +155,7 @@ def compose_lifetime(epochs: Sequence[Epoch], delta: float = LIFETIME_DELTA) -> 
 
 def lifetime(bounds: Sequence[Bound], delta: float = LIFETIME_DELTA) -> Lifetime | None:
     """Lifetime (ε, δ) of one device in every epoch of ``bounds`` (one certificate per epoch,
-    all in one neighbouring notion), composed as certificates (:func:`stated`).
+    all in one neighbouring notion), composed as certificates (:func:`compose_lifetime`).
 
     Raises:
         ValueError: if the bounds mix neighbouring notions.

@@ -56,7 +56,7 @@ def main() -> None:
             "",
             "Target: `esa --help` and `esa --version` under 0.5 s wall and 60 MiB. Commands load "
             "lazily (services/cli/__init__.py); tests/services/test_cli_entry.py guards which "
-            "modules the first three load.",
+            "modules each of them loads.",
             "",
             "| command | wall (s) | peak RSS (MiB) |",
             "| --- | ---: | ---: |",

@@ -15,7 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("common", "encoder_client", "shuffler", "analyzer", "services", "tests", "benchmarks")
+FOLDERS = (
+    "common",
+    "encoder_client",
+    "runtime",
+    "shuffler",
+    "analyzer",
+    "services",
+    "tests",
+    "benchmarks",
+    "deploy",
+)
 #: Fields above which a value object is built by keyword.
 MOST_POSITIONAL_FIELDS = 4
 

@@ -136,7 +136,8 @@ def test_a_replayed_nonce_means_an_earlier_attempt_landed() -> None:
     """Behind a load balancer that resends a request whose replica died after committing it,
     the driver sees 409 ``replayed_nonce`` without a transport error of its own: that
     contribution was acknowledged once, not refused. Any other 409 (quota) stays a refusal."""
-    from services.tools.loadgen import Response, _replayed
+    from services.tools.loadgen import Response
+    from services.tools.loadgen.replay import _replayed
 
     def answer(body: bytes) -> Response:
         return Response(409, {}, body)
