@@ -22,8 +22,6 @@ from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from tests.support import TEST_SHUFFLER_SETTINGS, offline_config, own_headers
 
-pytestmark = pytest.mark.system  # starts real processes
-
 DEVICES = 30
 
 
@@ -37,6 +35,7 @@ def _received(service: launcher.Service, var: Path) -> float:
     return float(line.split()[-1])
 
 
+@pytest.mark.system
 def test_driver_delivers_every_contribution(tmp_path: Path) -> None:
     homepage = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
     # 600 enrolments a minute per address: a burst of 100, so the last devices get 429s and
@@ -148,6 +147,7 @@ def test_a_replayed_nonce_means_an_earlier_attempt_landed() -> None:
     assert not _replayed(answer(b"[1, 2]"))
 
 
+@pytest.mark.system
 def test_a_sealing_worker_that_dies_fails_the_pool_instead_of_hanging(tmp_path: Path) -> None:
     """A worker killed while it seals (out of memory, a crash) closes its pipe: the step
     raises LoadError instead of waiting forever for its answer (the parent keeps no copy of

@@ -46,8 +46,6 @@ from tests.support import LOADTEST_PAGES as PAGES
 from tests.support import LOADTEST_SERIES as ABROAD
 from tests.support import TEST_SHUFFLER_SETTINGS
 
-pytestmark = pytest.mark.system  # starts real processes
-
 HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
 FEATURES = next(c for c in DEFAULT_CHANNELS if c.id == "features")
 #: A k-RR channel of 3-second epochs: a 12-second run spans 4-5 of them.
@@ -95,6 +93,7 @@ def _tokens(url: str, trust: Path) -> Credentials:
     return Credentials(folder=trust.parent / "keys").for_parties(parties)
 
 
+@pytest.mark.system
 def test_loadtest_verifies_conservation_and_estimates(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -123,6 +122,7 @@ def test_loadtest_verifies_conservation_and_estimates(
     assert page.count("data:image/png;base64,") >= 3  # throughput, latency, errors
 
 
+@pytest.mark.system
 def test_loadtest_verifies_estimates_epoch_by_epoch_over_a_multi_epoch_run(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -156,6 +156,7 @@ def test_loadtest_verifies_estimates_epoch_by_epoch_over_a_multi_epoch_run(
     assert "verification: PASS" in done.stdout
 
 
+@pytest.mark.system
 def test_loadtest_drives_a_longitudinal_channel_through_its_periods(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -277,6 +278,7 @@ def _finished(process: subprocess.Popen[str], reader: threading.Thread) -> str:
     return stdout
 
 
+@pytest.mark.system
 def test_loadtest_fails_when_other_traffic_lands_in_its_epoch(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -302,6 +304,7 @@ def _refused(urls: list[str], tokens: Credentials) -> float:
     return sum(verify.scrape(u, tokens).get(key, 0.0) for u in urls)
 
 
+@pytest.mark.system
 def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -339,6 +342,7 @@ def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
     assert sum(s["received"] for s in after.values()) == acknowledged
 
 
+@pytest.mark.system
 def test_a_shuffler_that_refused_every_contribution_stops_the_run(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -375,6 +379,7 @@ def _acknowledged(urls: list[str], tokens: Credentials) -> float:
     return sum(s["received"] for s in verify.shuffler_state(urls, tokens).values())
 
 
+@pytest.mark.system
 def test_an_epoch_closed_at_one_shuffler_while_the_load_runs_stops_the_run(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -424,6 +429,7 @@ def _key_folder(source: Path, into: Path) -> Path:
     return into
 
 
+@pytest.mark.system
 def test_a_wrong_or_missing_token_of_one_shuffler_stops_the_run_naming_it(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -470,6 +476,7 @@ def test_a_wrong_or_missing_token_of_one_shuffler_stops_the_run_naming_it(
     assert all(f"at {other}" not in message for other in urls[:2]), message
 
 
+@pytest.mark.system
 def test_loadtest_up_verifies_with_its_own_deployments_tokens(tmp_path: Path) -> None:
     """``esa loadtest --up`` starts a deployment of its own (``esa up``: every party its own
     tokens) and verifies the run with that deployment's key folder, with no token given."""
@@ -517,6 +524,7 @@ def test_rate_options_are_exclusive() -> None:
     assert result.exit_code == 2 and "No such option '--trusted-key'" in result.output
 
 
+@pytest.mark.system
 def test_a_run_pins_every_party_and_stops_on_a_config_it_does_not_vouch_for(
     deployment: tuple[str, Path], tmp_path: Path
 ) -> None:

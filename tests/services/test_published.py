@@ -47,8 +47,6 @@ from ..support import (
     shuffler_process,
 )
 
-pytestmark = pytest.mark.system  # starts real processes
-
 SHUFFLERS = ("shuffler-1", "shuffler-2")
 CHANNEL = LONG_EPOCH_CHANNEL
 
@@ -124,6 +122,7 @@ def _config(url: str) -> dict[str, object]:
         time.sleep(0.2)
 
 
+@pytest.mark.system
 def test_each_shuffler_publishes_its_descriptor_signed_with_its_own_key(
     parties: Parties,
 ) -> None:
@@ -140,6 +139,7 @@ def test_each_shuffler_publishes_its_descriptor_signed_with_its_own_key(
         assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no leftovers
 
 
+@pytest.mark.system
 def test_the_analyzer_publishes_its_config_signing_key(parties: Parties) -> None:
     path = parties.published / "analyzer" / ANALYZER_KEY_FILE
     assert _mode(path) == "0o644"
@@ -150,6 +150,7 @@ def test_the_analyzer_publishes_its_config_signing_key(parties: Parties) -> None
     assert config["analyzer"]["signing_key"] == published.strip()
 
 
+@pytest.mark.system
 def test_the_analyzer_pins_the_published_keys_and_refuses_batches_signed_otherwise(
     parties: Parties,
 ) -> None:
@@ -187,6 +188,7 @@ def test_the_analyzer_pins_the_published_keys_and_refuses_batches_signed_otherwi
     assert taken.status_code == 201, taken.text
 
 
+@pytest.mark.system
 def test_a_shuffler_publishes_again_on_restart_replacing_the_file_whole(tmp_path: Path) -> None:
     folder = tmp_path / "published"
     process = shuffler_process(tmp_path, "shuffler-1", [SMALL_CHANNEL], publish_dir=str(folder))
@@ -225,6 +227,7 @@ def _refused_at_start(analyzer: ServiceProcess) -> str:
     return " ".join(analyzer.log_path.read_text().split())
 
 
+@pytest.mark.system
 def test_an_analyzer_refuses_to_start_on_a_descriptor_file_it_cannot_pin(
     parties: Parties, tmp_path: Path
 ) -> None:
@@ -264,6 +267,7 @@ def test_an_analyzer_refuses_to_start_on_a_descriptor_file_it_cannot_pin(
     analyzer.stop()
 
 
+@pytest.mark.system
 def test_an_entry_needs_a_key_or_a_descriptor_file(tmp_path: Path) -> None:
     signer = Ed25519PrivateKey.generate()
     entry = registry_entry("shuffler-1", "http://127.0.0.1:9", signer)
@@ -279,6 +283,7 @@ def _copy(parties: Parties, into: Path) -> Path:
     return Path(shutil.copytree(parties.published, into))
 
 
+@pytest.mark.system
 def test_published_keys_pin_what_the_parties_wrote(parties: Parties) -> None:
     anchors = TrustAnchors.from_published(parties.published)
     assert b64(public_bytes(anchors.analyzer)) == _key(parties.signer("analyzer"))
@@ -287,6 +292,7 @@ def test_published_keys_pin_what_the_parties_wrote(parties: Parties) -> None:
     }
 
 
+@pytest.mark.system
 def test_a_folder_without_one_analyzer_key_is_refused(parties: Parties, tmp_path: Path) -> None:
     none = _copy(parties, tmp_path / "none")
     (none / "analyzer" / ANALYZER_KEY_FILE).unlink()
@@ -299,6 +305,7 @@ def test_a_folder_without_one_analyzer_key_is_refused(parties: Parties, tmp_path
         TrustAnchors.from_published(two)
 
 
+@pytest.mark.system
 def test_a_folder_without_a_shuffler_descriptor_is_refused(
     parties: Parties, tmp_path: Path
 ) -> None:
@@ -311,6 +318,7 @@ def test_a_folder_without_a_shuffler_descriptor_is_refused(
         TrustAnchors.read(folder)
 
 
+@pytest.mark.system
 def test_a_tampered_descriptor_is_refused_naming_its_file(parties: Parties, tmp_path: Path) -> None:
     """Its URL changed (the signature no longer verifies), its signing key swapped for another
     (its own signature does not verify with it), or not a descriptor at all."""
@@ -331,6 +339,7 @@ def test_a_tampered_descriptor_is_refused_naming_its_file(parties: Parties, tmp_
         assert str(path) in str(refused.value), (change, refused.value)
 
 
+@pytest.mark.system
 def test_two_descriptors_of_one_shuffler_with_different_keys_are_refused(
     parties: Parties, tmp_path: Path
 ) -> None:

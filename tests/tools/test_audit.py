@@ -55,8 +55,6 @@ from services.tools.audit.runner import AuditConfig, run_audit
 from services.tools.audit.sink import SinkState, answer_batch, fetch_records
 from tests.support import ServiceProcess, free_port, shuffler_process, wait_until
 
-pytestmark = pytest.mark.system  # starts real processes
-
 TOKEN = "sink-token-for-the-audit-tests"
 CHANNEL = {
     "id": "audit",
@@ -172,6 +170,7 @@ def _failed_with(tmp_path: Path, sink: str, leaks: str) -> set[str]:
     return {name for name, passed in verdicts.items() if not passed}
 
 
+@pytest.mark.system
 def test_real_shuffler_passes_every_check(tmp_path: Path, sink: str) -> None:
     shuffler = _shuffler(tmp_path, sink)
     try:
@@ -205,6 +204,7 @@ def _header(record: dict[str, object], name: str) -> str | None:
     return next((value for key, value in pairs if key.lower() == name), None)
 
 
+@pytest.mark.system
 def test_arrival_order_and_oldest_first_deletion_fail(tmp_path: Path, sink: str) -> None:
     failed = _failed_with(tmp_path, sink, "noshuffle,openmetrics,timestamp")
     assert {
@@ -219,6 +219,7 @@ def test_arrival_order_and_oldest_first_deletion_fail(tmp_path: Path, sink: str)
     assert not any(name.startswith(("crowd.", "intake.", "timing.")) for name in failed)
 
 
+@pytest.mark.system
 def test_early_release_without_deletion_or_threshold_fails(tmp_path: Path, sink: str) -> None:
     """Groups released as they arrive, whole and tiny: the crowd, deletion and timing checks
     fail (intake may too: this shuffler forgets released contributions, and with them the
@@ -234,6 +235,7 @@ def test_early_release_without_deletion_or_threshold_fails(tmp_path: Path, sink:
     assert not any(name.startswith(("order.", "metadata.", "surface.")) for name in failed)
 
 
+@pytest.mark.system
 def test_biased_deletion_missing_threshold_and_token_fail_alone(tmp_path: Path, sink: str) -> None:
     """Three faults that touch disjoint parts of the shuffler, each failing only the check that
     names it: ``oldestfirst`` (the batch still shuffled, Algorithm 3's count law intact, but the
@@ -341,6 +343,7 @@ def _part(part: int = 0) -> bytes:
     ).body()
 
 
+@pytest.mark.system
 def test_sink_answers_like_the_analyzer(sink: str) -> None:
     body, headers = _part(), {"ESA-Signature": "A" * 86 + "==", "Content-Type": "application/json"}
     first = HTTP.post(sink + "/v1/batches", content=body, headers=headers)
@@ -361,6 +364,7 @@ def test_sink_answers_like_the_analyzer(sink: str) -> None:
     assert ["ESA-Signature", headers["ESA-Signature"]] in recorded[0]["headers"]
 
 
+@pytest.mark.system
 def test_sink_relays_other_channels_byte_for_byte(sink: str) -> None:
     """A second sink (in this process) relays to the sink process, except its kept channel."""
     relaying = SinkState(token="t" * 16, relay=sink, keep_channels=frozenset({"kept"}))
@@ -434,6 +438,7 @@ def test_mechanism_game_power_and_a_leak() -> None:
         MechanismGame.named("abroad")
 
 
+@pytest.mark.system
 def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
     """The game of the zero-sum channel through a real shuffler: canaries carry Balcer–Cheu
     fragments, the auditor reads them back from the released batches, every check passes, and
@@ -466,6 +471,7 @@ def test_real_shuffler_mechanism_game(tmp_path: Path, sink: str) -> None:
         pool([("run", saved), ("rr", outcomes(_game_trials(True, 4, 20, 4.0, 0), 4.0, 1e-6, "x"))])
 
 
+@pytest.mark.system
 def test_canaries_take_the_audited_channels_fragment_size(tmp_path: Path, sink: str) -> None:
     shuffler = _shuffler(tmp_path, sink, channel={**CHANNEL, "payload_size": 32})
     try:

@@ -39,8 +39,6 @@ from ..support import (
     start_deployment,
 )
 
-pytestmark = pytest.mark.system  # starts real processes
-
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
@@ -57,6 +55,7 @@ def _keys(trust: TrustAnchors) -> object:
     return trust.to_json()
 
 
+@pytest.mark.system
 def test_connect_verifies_the_config_with_the_pinned_keys(deployment: Deployment) -> None:
     target = connect(deployment.analyzer.url, deployment.trust_file, SHARED)
     assert target.shuffler_urls == [s.url for s in deployment.shufflers]
@@ -67,6 +66,7 @@ def test_connect_verifies_the_config_with_the_pinned_keys(deployment: Deployment
     assert _keys(served.trust) == _keys(served_keys(served.document)) == _keys(deployment.trust())
 
 
+@pytest.mark.system
 def test_connect_takes_each_partys_own_tokens_at_the_url_its_config_names(
     deployment: Deployment,
 ) -> None:
@@ -85,6 +85,7 @@ def test_connect_takes_each_partys_own_tokens_at_the_url_its_config_names(
     assert tokens.admin_headers("http://127.0.0.1:9") == {}  # no party there: no token
 
 
+@pytest.mark.system
 def test_connect_refuses_a_config_the_pinned_keys_do_not_vouch_for(
     deployment: Deployment, tmp_path: Path
 ) -> None:
@@ -102,6 +103,7 @@ def test_connect_refuses_a_config_the_pinned_keys_do_not_vouch_for(
         assert reason in str(refused.value)
 
 
+@pytest.mark.system
 def test_the_demo_waits_for_an_analyzer_still_fetching_descriptors(tmp_path: Path) -> None:
     """A live analyzer answers 503 shufflers_unavailable until its shufflers are up: the demo
     takes it for a live analyzer (not a free port) and waits for its config."""
@@ -126,6 +128,7 @@ def test_the_demo_waits_for_an_analyzer_still_fetching_descriptors(tmp_path: Pat
         analyzer.stop()
 
 
+@pytest.mark.system
 def test_a_refused_metrics_token_is_named_at_once(deployment: Deployment) -> None:
     url = deployment.shufflers[0].url
     wrong = Credentials.shared("not-this-shufflers-metrics-token")
