@@ -24,6 +24,7 @@ to their channel only) is refused with :class:`WireVersionError`.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
+from common.files import create_once
 from common.formats import CONTRIBUTION_MAGIC, OLD_CONTRIBUTION_MAGIC
 
 SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.AES_128_GCM)
@@ -326,16 +328,16 @@ def write_private_key(path: Path, key: X25519PrivateKey | Ed25519PrivateKey) -> 
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(pem)
+    if not create_once(path, pem):
+        raise FileExistsError(f"{path} exists: keys are never overwritten")
 
 
 def _load_or_create(path: Path, generate: Callable[[], PrivateKey], kind: str) -> object:
-    """Load the PEM key at ``path``, creating it (mode 0600) with ``generate`` on first use."""
+    """Load the PEM key at ``path``, creating it (mode 0600) with ``generate`` on first use;
+    when processes start together, the first key written is the one every process loads."""
     if not path.exists():
-        write_private_key(path, generate())
+        with contextlib.suppress(FileExistsError):
+            write_private_key(path, generate())
     key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     if not isinstance(key, X25519PrivateKey | Ed25519PrivateKey):
         raise ValueError(f"{path} does not hold a {kind} key")

@@ -33,6 +33,7 @@ import httpx
 
 from common.collection import TrustAnchors
 from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_bytes
+from common.files import create_once
 from common.wire import ChannelConfig, b64
 from runtime import haproxy
 from services.tools.catalogue import DEFAULT_CHANNELS
@@ -235,15 +236,8 @@ def load_or_create_secret(path: Path) -> str:
     Raises:
         LaunchError: the file exists but holds no usable secret (>= 16 characters).
     """
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process created it first: use that one
-            pass
-        else:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(secrets.token_urlsafe(32) + "\n")
+    if not path.exists():  # when another process creates it first, that one is used
+        create_once(path, (secrets.token_urlsafe(32) + "\n").encode())
     secret = path.read_text().strip()
     if len(secret) < 16:
         raise LaunchError(f"{path} holds no secret of >= 16 characters; delete it to renew it")

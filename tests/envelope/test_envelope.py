@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,24 @@ def test_key_files_are_0600_and_never_overwritten(tmp_path: Path) -> None:
     assert load_or_create_x25519(path).private_bytes_raw() == key.private_bytes_raw()
     with pytest.raises(FileExistsError):
         write_private_key(path, X25519PrivateKey.generate())
+
+
+def test_workers_starting_together_load_one_key_and_never_a_partial_file(tmp_path: Path) -> None:
+    """Two analyzer workers start at once on an empty key folder: every one of them loads the
+    same key (the first written), none reads a half-written PEM or fails on the other's file."""
+
+    def start(path: Path, barrier: threading.Barrier) -> bytes:
+        barrier.wait()
+        return load_or_create_x25519(path).private_bytes_raw()
+
+    for round_ in range(20):
+        path = tmp_path / f"round-{round_}" / "hpke.pem"
+        barrier = threading.Barrier(8)
+        with ThreadPoolExecutor(8) as pool:
+            keys = list(pool.map(start, [path] * 8, [barrier] * 8))
+        assert len(set(keys)) == 1
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert [p.name for p in path.parent.iterdir()] == ["hpke.pem"]  # no temporary left
 
 
 def test_signatures_cover_the_exact_bytes() -> None:
