@@ -103,8 +103,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test of :data:`SYSTEM_FOLDERS` ``system``."""
     here = Path(__file__).parent
     for item in items:
-        parts = Path(item.path).parts[len(here.parts) :] if here in Path(item.path).parents else ()
-        if parts and parts[0] in SYSTEM_FOLDERS:
+        folder = Path(item.path).parent
+        if folder.parent == here and folder.name in SYSTEM_FOLDERS:
             item.add_marker(pytest.mark.system)
 
 

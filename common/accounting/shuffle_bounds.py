@@ -352,35 +352,23 @@ def balcer_cheu_thm12(
     inputs = _inputs(eps=eps, delta=delta, n_declared=n_declared, n_actual=m)
     eps_eff = eps * math.sqrt(n_declared / m)
     required = 100.0 * math.log(2.0 / delta) / eps**2
+
+    def result(value: float, valid: bool, note: str) -> BoundResult:
+        return BoundResult(
+            eps=value,
+            delta=2 * delta,
+            method=Method.BALCER_CHEU_THM12,
+            neighbouring="replacement",
+            inputs=inputs,
+            valid_regime=valid,
+            note=note,
+        )
+
     if eps > 1.0 or n_declared < required:
         failure = f"needs ε <= 1 and n >= 100 ln(2/δ)/ε² = {required:.4g}"
-        return BoundResult(
-            eps=2 * eps,
-            delta=2 * delta,
-            method=Method.BALCER_CHEU_THM12,
-            neighbouring="replacement",
-            inputs=inputs,
-            valid_regime=False,
-            note=f"outside the stated regime ({failure}); mechanism refused",
-        )
+        return result(2 * eps, False, f"outside the stated regime ({failure}); mechanism refused")
     if eps_eff > 1.0:
         failure = f"the actual crowd {m} gives ε' = ε sqrt(n_declared/m) = {eps_eff:.4g} > 1"
-        return BoundResult(
-            eps=math.inf,
-            delta=2 * delta,
-            method=Method.BALCER_CHEU_THM12,
-            neighbouring="replacement",
-            inputs=inputs,
-            valid_regime=False,
-            note=f"outside the stated regime ({failure}); no amplification",
-        )
+        return result(math.inf, False, f"outside the stated regime ({failure}); no amplification")
     note = "per bin (ε', δ) with ε' = ε sqrt(n_declared/n_actual); histogram (2ε', 2δ)"
-    return BoundResult(
-        eps=2 * eps_eff,
-        delta=2 * delta,
-        method=Method.BALCER_CHEU_THM12,
-        neighbouring="replacement",
-        inputs=inputs,
-        valid_regime=True,
-        note=note,
-    )
+    return result(2 * eps_eff, True, note)
