@@ -75,7 +75,10 @@ CHANNEL = ChannelConfig(
 )
 #: The analyzer's differing config: no batch here reaches its min_crowd.
 STRICT = CHANNEL.model_copy(update={"min_crowd": 10_000})
-PER_CROWD = 40
+#: Contributions per crowd: Algorithm 3 keeps n - c + Laplace(2/ε_cr), c = (2/ε_cr) ln(2/δ_cr)
+#: ≈ 29 here, so 80 keep ~51 and a group falls below min_crowd (5) with probability ~1e-10
+#: (at 40 it was ~2.5% per group: the test then found one batch instead of two).
+PER_CROWD = 80
 LEDGER = re.compile(r'^esa_shuffler_ledger_contributions\{state="([a-z_0-9]+)"\} (\S+)$', re.M)
 
 
