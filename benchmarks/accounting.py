@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import machine, pin_one_core, write_section
 
-from common.accounting import blanket_binary_rr, certify, hockey_stick, lower, plan_eps0
+from common.accounting import BinaryRR, blanket_binary_rr, certify, hockey_stick, lower, plan_eps0
 
 NS = [10**3, 10**4, 10**5, 10**6, 10**7, 10**9]
 EPS0S = [0.5, 1.0, 2.0, 4.0, 8.0, 12.0]
@@ -68,14 +68,14 @@ def main() -> None:
         "certificate (ms)", lambda e, n: blanket_binary_rr(e, n, DELTA)
     )
     full_lines, full_small, full_large = _grid(
-        "all bounds (ms)", lambda e, n: certify("krappor", e, n, DELTA)
+        "all bounds (ms)", lambda e, n: certify(BinaryRR(), e, n, DELTA)
     )
     plan_lines = ["| target ε | δ | n | planned ε0 | seconds |", "|---|---|---|---|---|"]
     worst_plan = 0.0
     for target, delta, n in PLANS:
         _cold()
         start = time.perf_counter()
-        plan = plan_eps0(target, delta, n, "krappor")
+        plan = plan_eps0(target, delta, n, BinaryRR())
         seconds = time.perf_counter() - start
         worst_plan = max(worst_plan, seconds)
         plan_lines.append(f"| {target:g} | {delta:g} | {n:,} | {plan.eps0:.4f} | {seconds:.2f} |")

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from _report import machine, pin_one_core, write_section  # noqa: E402
 
-from common.accounting import lifetime_for_mechanism  # noqa: E402
+from common.accounting import BinaryRR, lifetime_for_mechanism  # noqa: E402
 from tests.accounting.direct_pld import direct_blanket_lifetime  # noqa: E402
 
 EXAMPLE = {"eps0": 2.0, "n": 5_000, "epochs": 365, "delta": 1e-5}
@@ -32,10 +32,10 @@ SECTION = "## Lifetime accounting"
 def main() -> None:
     pin_one_core()
     e = EXAMPLE
-    result = lifetime_for_mechanism("krappor", e["eps0"], [e["n"]] * e["epochs"], e["delta"])
+    result = lifetime_for_mechanism(BinaryRR(), e["eps0"], [e["n"]] * e["epochs"], e["delta"])
     direct = direct_blanket_lifetime(e["n"], e["eps0"], e["epochs"], e["delta"])
     started = time.perf_counter()
-    large = lifetime_for_mechanism("krappor", LARGE["eps0"], [LARGE["n"]] * 365, LARGE["delta"])
+    large = lifetime_for_mechanism(BinaryRR(), LARGE["eps0"], [LARGE["n"]] * 365, LARGE["delta"])
     seconds = time.perf_counter() - started
     ratio, off = result.eps_basic / result.eps_pld, result.eps_pld / direct - 1
     rows = [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.accounting import MechanismParams
+from common.accounting import KaryRR
 from common.accounting.planner import plan_eps0
 from common.mechanisms import zsum
 
@@ -38,9 +38,9 @@ def main() -> None:
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for n, d in CASES:
         params = zsum.ZSumParams(d=d, eps=1.0, delta=1e-6, n=n)
-        bound = zsum.central(params, n).certified
+        bound = zsum.ZSum().certify_crowd(params, n, params.delta).certified
         m, p = SHUFFLERS * n, params.noise_prob
-        plan = plan_eps0(bound.eps, bound.delta, n, "krr", MechanismParams(k=d))
+        plan = plan_eps0(bound.eps, bound.delta, n, KaryRR(k=d))
         print(
             f"| {n:,} | {d} | {p:.3f} | ({bound.eps:.2f}, {bound.delta:g}) | "
             f"{math.sqrt(zsum.variance(m, params)):.1f} | {m * (1 - p):,.0f} | "

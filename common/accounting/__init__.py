@@ -1,7 +1,8 @@
 """Privacy accounting for the ESA pipeline (``ACCOUNTING.md``).
 
 Every bound returns an immutable :class:`BoundResult`; :func:`certify` gathers the bounds
-that apply to a mechanism and picks the certificate; :func:`plan_eps0` inverts it.
+that apply to a mechanism's :class:`LocalRandomizer` description and picks the certificate;
+:func:`plan_eps0` inverts it.
 :func:`compose_epochs` / :func:`lifetime_for_mechanism` give a user's lifetime ε over all
 epochs (privacy-loss distributions), and :func:`plan_eps0_lifetime` inverts that.
 """
@@ -34,17 +35,25 @@ if TYPE_CHECKING:
     )
     from common.accounting.local import composed_randomizer_eps, esa_thm_iv1, fragment_eps
     from common.accounting.lower import lower_2rr
-    from common.accounting.mechanisms import (
+    from common.accounting.planner import Plan, plan_eps0
+    from common.accounting.randomizers import (
+        BackstopFragments,
+        BalcerCheuNoise,
+        BinaryRR,
+        BinaryRRSequence,
         Certification,
-        MechanismParams,
+        GenericRandomizer,
+        KaryRR,
+        LocalRandomizer,
+        MethodSpec,
+        RemovalRandomizer,
         best_bound,
         certify,
         compute_bounds,
         methods_for,
         rfrag_across_batches,
     )
-    from common.accounting.planner import Plan, plan_eps0
-    from common.accounting.results import BoundResult, Mechanism, Method, Neighbouring
+    from common.accounting.results import BoundResult, Method, Neighbouring
     from common.accounting.shuffle_bounds import (
         balcer_cheu_thm12,
         blanket_binary_rr,
@@ -61,15 +70,22 @@ if TYPE_CHECKING:
 #: The submodule of every public name: the package imports it on first use (PEP 562), so that
 #: reading the identifiers of :mod:`.results` does not load dp_accounting and scipy.
 _WHERE = {
+    "BackstopFragments": "randomizers",
+    "BalcerCheuNoise": "randomizers",
+    "BinaryRR": "randomizers",
+    "BinaryRRSequence": "randomizers",
+    "GenericRandomizer": "randomizers",
+    "KaryRR": "randomizers",
+    "LocalRandomizer": "randomizers",
+    "MethodSpec": "randomizers",
+    "RemovalRandomizer": "randomizers",
     "BoundResult": "results",
     "Certificate": "lifetime",
-    "Certification": "mechanisms",
+    "Certification": "randomizers",
     "DeltaSplit": "lifetime",
     "Epoch": "lifetime",
     "EpsDelta": "composition",
     "LifetimeResult": "lifetime",
-    "Mechanism": "results",
-    "MechanismParams": "mechanisms",
     "Method": "results",
     "Neighbouring": "results",
     "Plan": "planner",
@@ -77,16 +93,16 @@ _WHERE = {
     "advanced_composition_drv": "composition",
     "balcer_cheu_thm12": "shuffle_bounds",
     "basic_composition": "composition",
-    "best_bound": "mechanisms",
+    "best_bound": "randomizers",
     "best_composition": "composition",
     "blanket_binary_rr": "shuffle_bounds",
     "blanket_krr": "shuffle_bounds",
-    "certify": "mechanisms",
+    "certify": "randomizers",
     "cheu_lemma_ii6": "shuffle_bounds",
     "compose_epochs": "lifetime",
     "compose_with_deletion": "composition",
     "composed_randomizer_eps": "local",
-    "compute_bounds": "mechanisms",
+    "compute_bounds": "randomizers",
     "deletion_offset": "composition",
     "deletion_utility_bound": "composition",
     "efmrtt19_thm7": "shuffle_bounds",
@@ -99,12 +115,12 @@ _WHERE = {
     "fragment_eps": "local",
     "lifetime_for_mechanism": "lifetime",
     "lower_2rr": "lower",
-    "methods_for": "mechanisms",
+    "methods_for": "randomizers",
     "plan_eps0": "planner",
     "plan_eps0_lifetime": "lifetime",
     "removal_to_replacement": "composition",
     "replacement_to_removal": "composition",
-    "rfrag_across_batches": "mechanisms",
+    "rfrag_across_batches": "randomizers",
     "subsample": "composition",
 }
 
@@ -119,18 +135,25 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BackstopFragments",
+    "BalcerCheuNoise",
+    "BinaryRR",
+    "BinaryRRSequence",
     "BoundResult",
     "Certificate",
     "Certification",
     "DeltaSplit",
     "Epoch",
     "EpsDelta",
+    "GenericRandomizer",
+    "KaryRR",
     "LifetimeResult",
-    "Mechanism",
-    "MechanismParams",
+    "LocalRandomizer",
     "Method",
+    "MethodSpec",
     "Neighbouring",
     "Plan",
+    "RemovalRandomizer",
     "advanced_composition_bun_steinke",
     "advanced_composition_drv",
     "balcer_cheu_thm12",

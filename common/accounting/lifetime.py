@@ -23,7 +23,7 @@ k-RR pair with weight ``w`` (FMT21 §4.1): the target's report is informative wi
 and identically distributed otherwise; revealing which case happened is a post-processing in
 reverse, so the pair ``(w·P + (1 - w)·R, w·Q + (1 - w)·R)`` with the case revealed dominates,
 and its PLD is that of (P, Q) mixed with an atom of zero loss of mass ``1 - w``. The pairs
-come from ``mechanisms.SPECS`` (:func:`lifetime_for_mechanism`). The pair is symmetric
+come from the randomizer's :class:`~.randomizers.MethodSpec` list. The pair is symmetric
 (``x -> c + 1 - x`` swaps P and Q), so one PLD serves both directions.
 
 **Loss PMF of one pair.** Given ``C = c`` and ``X = x`` (the first coordinate), with
@@ -82,16 +82,9 @@ from common.accounting._checks import (
 )
 from common.accounting.composition import EpsDelta, basic_composition, best_composition
 from common.accounting.hockey_stick import ClonePair, eps_for_delta
-from common.accounting.mechanisms import (
-    SPECS,
-    MechanismParams,
-    _mechanism,
-    _validate,
-    applicable_methods,
-    certify,
-)
 from common.accounting.planner import EPS0_MAX
-from common.accounting.results import Mechanism, Neighbouring
+from common.accounting.randomizers import LocalRandomizer, certify, check_randomizer
+from common.accounting.results import Neighbouring
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -696,7 +689,7 @@ def _no_worse(a: ClonePair, b: ClonePair) -> bool:
 
 @lru_cache(maxsize=4096)
 def _best_pair(
-    mech: Mechanism, eps0: float, crowd: int, delta: float, params: MechanismParams
+    randomizer: LocalRandomizer, eps0: float, crowd: int, delta: float
 ) -> ClonePair | None:
     """Among the mechanism's dominating pairs at ``crowd``, the one with the smallest ε at δ.
 
@@ -704,10 +697,10 @@ def _best_pair(
     comparison runs only when the families do not order (k-RR at a small ε0 against the
     generic clones pair). None when the mechanism has no dominating pair.
     """
-    wanted = applicable_methods(mech, params, None)
+    wanted = randomizer.applicable(None)
     candidates = [
-        spec.pair(eps0, crowd, params)
-        for spec in SPECS[mech].methods
+        spec.pair(eps0, crowd)
+        for spec in randomizer.methods()
         if spec.pair is not None and spec.method in wanted
     ]
     kept = [
@@ -727,18 +720,17 @@ def _best_pair(
 
 
 def mechanism_epoch(
-    mechanism: Mechanism | str,
+    randomizer: LocalRandomizer,
     eps0: float,
     crowd: int,
     delta: float,
-    params: MechanismParams | None = None,
     *,
     deletion: tuple[float, float] | None = None,
     replacement: bool = False,
 ) -> Epoch | None:
-    """One shuffled epoch of ``mechanism`` at ``crowd`` as its dominating pair, or None.
+    """One shuffled epoch of ``randomizer`` at ``crowd`` as its dominating pair, or None.
 
-    The pair is the one of ``mechanisms.SPECS`` with the smallest one-epoch ε at ``delta``
+    The pair is the one of the randomizer's methods with the smallest one-epoch ε at ``delta``
     (the privacy-blanket pair for binary RR, Balle et al. 2019; the k-RR pair with its weight,
     FMT21 §4.1; the generic clones pair, FMT21 Remark 3.5, eq. (20)), in the mechanism's
     natural neighbouring notion. With ``deletion`` = (ε_cr, δ_cr) it is the add/remove
@@ -749,31 +741,28 @@ def mechanism_epoch(
     its epochs with it too (through :meth:`common.mechanisms.Mechanism.epoch_pair`).
 
     Args:
-        mechanism: A mechanism name.
-        eps0: The local ε (as in :func:`~common.accounting.mechanisms.certify`).
+        randomizer: The reports' privacy description.
+        eps0: The local ε (as in :func:`~common.accounting.randomizers.certify`).
         crowd: The epoch's crowd (its smallest shuffled batch).
         delta: The epoch's share of the lifetime δ, at which the pairs are compared.
-        params: Mechanism-specific parameters.
         deletion: Optional per-epoch (ε_cr, δ_cr) of randomized report deletion.
         replacement: State a removal epoch in the replacement notion.
 
     Returns:
-        The :class:`Epoch`, or None for a mechanism without a dominating pair (``zsum``;
-        ``generic`` with δ0 > 0): compose its (ε, δ) certificate instead.
+        The :class:`Epoch`, or None for a randomizer without a dominating pair (Balcer–Cheu;
+        a generic one with δ0 > 0): compose its (ε, δ) certificate instead.
 
     Raises:
         ValueError: on bad arguments, naming the value.
     """
-    mech = _mechanism(mechanism)
-    params = params or MechanismParams()
+    randomizer = check_randomizer(randomizer)
     eps0 = check_positive("eps0", eps0)
     crowd = check_count("crowd", crowd)
     delta = check_probability("delta", delta)
-    _validate(eps0, crowd, delta, params)
-    pair = _best_pair(mech, eps0, crowd, delta, params)
+    pair = _best_pair(randomizer, eps0, crowd, delta)
     if pair is None:
         return None
-    epoch = Epoch.from_pair(pair, SPECS[mech].natural)
+    epoch = Epoch.from_pair(pair, randomizer.natural)
     if deletion is not None:
         return _with_deletion(epoch, deletion)
     if replacement and epoch.neighbouring == "removal":
@@ -781,33 +770,28 @@ def mechanism_epoch(
     return epoch
 
 
-def _certificate_epoch(
-    mech: Mechanism, eps0: float, crowd: int, delta: float, params: MechanismParams
-) -> Epoch:
-    certified = certify(mech, eps0, crowd, delta, params).certified
-    notion = SPECS[mech].natural
+def _certificate_epoch(randomizer: LocalRandomizer, eps0: float, crowd: int, delta: float) -> Epoch:
+    certified = certify(randomizer, eps0, crowd, delta).certified
+    notion = randomizer.natural
     return Epoch.from_certificate(certified.eps, certified.delta, notion, str(certified.method))
 
 
 def _mechanism_epochs(
-    mech: Mechanism,
+    randomizer: LocalRandomizer,
     eps0: float,
     crowds: tuple[int, ...],
     delta: float,
-    params: MechanismParams,
     deletion: tuple[float, float] | None,
 ) -> list[Epoch]:
     """One epoch per crowd: the best dominating pair at that crowd (:func:`mechanism_epoch`,
     compared at ``delta / T``), else the certificate at ``CERTIFICATE_SHARE · delta / T``."""
     share = delta / len(crowds)
-    pairs = {
-        n: mechanism_epoch(mech, eps0, n, share, params, deletion=deletion) for n in set(crowds)
-    }
+    pairs = {n: mechanism_epoch(randomizer, eps0, n, share, deletion=deletion) for n in set(crowds)}
     ready = [epoch for epoch in (pairs[n] for n in crowds) if epoch is not None]
     if len(ready) == len(crowds):
         return ready
     certificate_share = CERTIFICATE_SHARE * share
-    epochs = [_certificate_epoch(mech, eps0, n, certificate_share, params) for n in crowds]
+    epochs = [_certificate_epoch(randomizer, eps0, n, certificate_share) for n in crowds]
     if deletion is not None:
         epochs = [_with_deletion(epoch, deletion) for epoch in epochs]
     return epochs
@@ -819,20 +803,19 @@ def _with_deletion(epoch: Epoch, deletion: tuple[float, float]) -> Epoch:
 
 
 def lifetime_for_mechanism(
-    mechanism: Mechanism | str,
+    randomizer: LocalRandomizer,
     eps0: float,
     crowds: Sequence[int],
     delta: float,
-    params: MechanismParams | None = None,
     *,
     deletion: tuple[float, float] | None = None,
 ) -> LifetimeResult:
-    """Lifetime (ε, δ) of one channel of ``mechanism`` reported once per epoch.
+    """Lifetime (ε, δ) of one channel whose reports ``randomizer`` describes, once per epoch.
 
-    Each epoch is the mechanism's dominating pair at that epoch's crowd
-    (:func:`mechanism_epoch`: the pair of ``mechanisms.SPECS`` with the smallest one-epoch ε at
+    Each epoch is the randomizer's dominating pair at that epoch's crowd
+    (:func:`mechanism_epoch`: the pair of its methods with the smallest one-epoch ε at
     ``δ / T``: the blanket pair for binary RR, the k-RR pair with its weight, the generic
-    clones pair), or, for mechanisms without one (``zsum``; ``generic`` with δ0 > 0), its
+    clones pair), or, for randomizers without one (Balcer–Cheu; generic with δ0 > 0), its
     certificate at ``CERTIFICATE_SHARE · δ / T``. Crowds are charged as
     :func:`charged_crowds` says (rounded down to a relative grid when many are distinct, so
     that epochs share PLDs; a smaller crowd dominates a larger one).
@@ -842,11 +825,10 @@ def lifetime_for_mechanism(
     the deletion counts (:meth:`Epoch.with_deletion`, ESA-revisited Theorem V.1).
 
     Args:
-        mechanism: A :class:`~common.accounting.results.Mechanism` name.
-        eps0: The mechanism's local ε (as in :func:`~common.accounting.mechanisms.certify`).
+        randomizer: The reports' privacy description.
+        eps0: The local ε (as in :func:`~common.accounting.randomizers.certify`).
         crowds: The crowd of each epoch (one per epoch; they may differ).
         delta: Lifetime δ in (0, 1).
-        params: Mechanism-specific parameters.
         deletion: Optional per-epoch (ε_cr, δ_cr) of randomized report deletion.
 
     Returns:
@@ -855,15 +837,13 @@ def lifetime_for_mechanism(
     Raises:
         ValueError: on bad arguments, naming the value.
     """
-    mech = _mechanism(mechanism)
-    params = params or MechanismParams()
+    randomizer = check_randomizer(randomizer)
     crowds = _check_crowds(crowds)
     eps0 = check_positive("eps0", eps0)
     delta = check_probability("delta", delta)
-    _validate(eps0, min(crowds), delta, params)
     free = _delta_left(delta, len(crowds), deletion)
     charged = _snapped(crowds)
-    epochs = _mechanism_epochs(mech, eps0, charged, free, params, deletion)
+    epochs = _mechanism_epochs(randomizer, eps0, charged, free, deletion)
     result = compose_epochs(epochs, delta)
     if charged == crowds:
         return result
@@ -911,8 +891,7 @@ def plan_eps0_lifetime(
     delta: float,
     n: int,
     epochs: int,
-    mechanism: Mechanism | str,
-    params: MechanismParams | None = None,
+    randomizer: LocalRandomizer,
 ) -> float:
     """Largest ε0 whose lifetime ε over ``epochs`` epochs of crowd ``n`` is <= ``target_eps``.
 
@@ -925,8 +904,7 @@ def plan_eps0_lifetime(
         delta: Lifetime δ in (0, 1).
         n: Crowd of every epoch.
         epochs: Number of epochs (>= 1).
-        mechanism: A mechanism name.
-        params: Mechanism-specific parameters.
+        randomizer: The reports' privacy description.
 
     Returns:
         The planned ε0; ``lifetime_for_mechanism(..., eps0, [n] * epochs, delta).eps <=
@@ -939,11 +917,11 @@ def plan_eps0_lifetime(
     delta = check_probability("delta", delta)
     n = check_count("n", n)
     epochs = check_count("epochs", epochs)
-    mech = _mechanism(mechanism)
+    randomizer = check_randomizer(randomizer)
     crowds = (n,) * epochs
 
     def certifies(eps0: float) -> bool:
-        return lifetime_for_mechanism(mech, eps0, crowds, delta, params).eps <= target_eps
+        return lifetime_for_mechanism(randomizer, eps0, crowds, delta).eps <= target_eps
 
     good, bad = _bracket(certifies, min(target_eps / epochs, EPS0_MAX))
     if bad is None:
@@ -951,7 +929,7 @@ def plan_eps0_lifetime(
     if good is None:
         raise ValueError(
             f"no eps0 > 0 certifies target_eps={target_eps} over epochs={epochs} "
-            f"at delta={delta}, n={n} for {mech}"
+            f"at delta={delta}, n={n} for {randomizer.kind}"
         )
     while bad - good > PLAN_TOLERANCE:
         mid = 0.5 * (good + bad)

@@ -24,16 +24,15 @@ import numpy as np
 
 from common.accounting._checks import check_count, check_positive, check_probability
 from common.accounting.hockey_stick import delta_for_eps
-from common.accounting.mechanisms import (
-    SPECS,
+from common.accounting.randomizers import (
     Certification,
-    MechanismParams,
+    GenericRandomizer,
+    LocalRandomizer,
     MethodSpec,
-    _mechanism,
-    applicable_methods,
     certify,
+    check_randomizer,
 )
-from common.accounting.results import Mechanism, Method
+from common.accounting.results import Method
 
 #: Largest ε0 the planner considers; beyond it amplification is negligible for any n <= 1e12.
 EPS0_MAX = 50.0
@@ -59,7 +58,7 @@ class Plan:
     target_eps: float
     delta: float
     n: int
-    mechanism: Mechanism
+    randomizer: LocalRandomizer
     eps0: float
     method: Method
     certification: Certification
@@ -77,11 +76,9 @@ class Plan:
         return out
 
 
-def _feasible(
-    spec: MethodSpec, target: float, n: int, delta: float, p: MechanismParams
-) -> Callable[[float], bool]:
+def _feasible(spec: MethodSpec, target: float, n: int, delta: float) -> Callable[[float], bool]:
     def check(eps0: float) -> bool:
-        result = spec.bound(eps0, n, delta, p)
+        result = spec.bound(eps0, n, delta)
         return result.certifiable and result.eps <= target
 
     return check
@@ -97,14 +94,12 @@ def _bisect_up(ok: Callable[[float], bool], good: float, bad: float) -> float:
     return good
 
 
-def _plan_numerical(
-    spec: MethodSpec, target: float, n: int, delta: float, p: MechanismParams
-) -> float:
+def _plan_numerical(spec: MethodSpec, target: float, n: int, delta: float) -> float:
     assert spec.pair is not None
     pair_of = spec.pair
 
     def ok(eps0: float) -> bool:
-        return delta_for_eps(pair_of(eps0, n, p), target, delta) <= delta
+        return delta_for_eps(pair_of(eps0, n), target, delta) <= delta
 
     if ok(EPS0_MAX):
         return EPS0_MAX
@@ -116,10 +111,8 @@ def _plan_numerical(
     return _bisect_up(ok, low, EPS0_MAX)
 
 
-def _plan_scan(
-    spec: MethodSpec, target: float, n: int, delta: float, p: MechanismParams
-) -> float | None:
-    ok = _feasible(spec, target, n, delta, p)
+def _plan_scan(spec: MethodSpec, target: float, n: int, delta: float) -> float | None:
+    ok = _feasible(spec, target, n, delta)
     feasible = [float(x) for x in _GRID if ok(float(x))]
     if not feasible:
         return None
@@ -128,27 +121,24 @@ def _plan_scan(
     return best if above.size == 0 else _bisect_up(ok, best, float(above[0]))
 
 
-def _plan_one(
-    spec: MethodSpec, target: float, n: int, delta: float, p: MechanismParams
-) -> float | None:
+def _plan_one(spec: MethodSpec, target: float, n: int, delta: float) -> float | None:
     if spec.pair is not None:
-        return _plan_numerical(spec, target, n, delta, p)
-    return _plan_scan(spec, target, n, delta, p)
+        return _plan_numerical(spec, target, n, delta)
+    return _plan_scan(spec, target, n, delta)
 
 
 def _verified(
-    mech: Mechanism,
+    randomizer: LocalRandomizer,
     eps0: float,
     method: Method,
     target: float,
     n: int,
     delta: float,
-    p: MechanismParams,
     restrict: bool,
 ) -> tuple[float, Certification]:
     methods = [method] if restrict else None
     for _ in range(1000):
-        cert = certify(mech, eps0, n, delta, p, methods)
+        cert = certify(randomizer, eps0, n, delta, methods)
         if cert.certified.certifiable and cert.certified.eps <= target:
             return eps0, cert
         if eps0 <= 2 * EPS0_TOL:
@@ -161,8 +151,7 @@ def plan_eps0(
     target_eps: float,
     delta: float,
     n: int,
-    mechanism: Mechanism | str = Mechanism.GENERIC,
-    params: MechanismParams | None = None,
+    randomizer: LocalRandomizer | None = None,
     bound: Method | str | None = None,
 ) -> Plan:
     """Largest ε0 whose certified central ε is <= ``target_eps`` (ACCOUNTING.md, Planner).
@@ -171,8 +160,8 @@ def plan_eps0(
         target_eps: Target central ε (> 0).
         delta: δ of the certificate.
         n: Crowd size.
-        mechanism: Mechanism name.
-        params: Mechanism-specific parameters (ε_f and τ for rfrag plan ε_b; k for krr).
+        randomizer: The reports' privacy description (default: a generic ε0-DP randomizer;
+            :class:`BackstopFragments` plans ε_b at its ε_f and τ).
         bound: Plan with this one method only (e.g. ``cheu-lemma-ii6`` for the paper's tables).
 
     Raises:
@@ -181,27 +170,26 @@ def plan_eps0(
     target_eps = check_positive("target_eps", target_eps)
     delta = check_probability("delta", delta)
     n = check_count("n", n)
-    mech = _mechanism(mechanism)
-    params = params or MechanismParams()
-    wanted = applicable_methods(mech, params, None if bound is None else [bound])
+    model = check_randomizer(randomizer or GenericRandomizer())
+    wanted = model.applicable(None if bound is None else [bound])
     per_method: list[tuple[Method, float | None]] = []
-    for spec in SPECS[mech].methods:
+    for spec in model.methods():
         if spec.method in wanted:
-            per_method.append((spec.method, _plan_one(spec, target_eps, n, delta, params)))
+            per_method.append((spec.method, _plan_one(spec, target_eps, n, delta)))
     found = [(e, m) for m, e in per_method if e is not None and e > 0]
     if not found:
         raise ValueError(
             f"no eps0 in (0, {EPS0_MAX}] certifies target_eps={target_eps} at delta={delta}, "
-            f"n={n} for {mech}" + (f" with {bound}" if bound else "")
+            f"n={n} for {model.kind}" + (f" with {bound}" if bound else "")
         )
     eps0, method = max(found)
-    eps0, cert = _verified(mech, eps0, method, target_eps, n, delta, params, bound is not None)
+    eps0, cert = _verified(model, eps0, method, target_eps, n, delta, bound is not None)
     capped = eps0 >= EPS0_MAX
     return Plan(
         target_eps=target_eps,
         delta=delta,
         n=n,
-        mechanism=mech,
+        randomizer=model,
         eps0=eps0,
         method=method,
         certification=cert,

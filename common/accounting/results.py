@@ -1,4 +1,4 @@
-"""Immutable result objects and the method / mechanism identifiers of ``ACCOUNTING.md``.
+"""Immutable result objects and the method identifiers of ``ACCOUNTING.md``.
 
 A bound is a value, not a float: every function in :mod:`common.accounting` returns a
 :class:`BoundResult` that carries the ε, the δ it holds for, which theorem produced it, the
@@ -35,17 +35,6 @@ class Method(StrEnum):
     RFRAG_PER_BATCH = "rfrag-per-batch"
     LOWER_2RR = "lower-2rr"
     LOCAL = "local"
-
-
-class Mechanism(StrEnum):
-    """Mechanism names shared by accounting, the mechanisms package and the CLI."""
-
-    GENERIC = "generic"
-    KRAPPOR = "krappor"
-    RFRAG = "rfrag"
-    LONGITUDINAL = "longitudinal"
-    ZSUM = "zsum"
-    KRR = "krr"
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Each module owns its parameters (frozen, validated), ``encode`` (fixed-size fragments with the
 documented byte layout, OS CSPRNG by default), device state where the mechanism has one, the
-accumulator, ``estimate``, ``local_privacy``, ``central`` (through :mod:`common.accounting`) and
+accumulator, ``estimate``, ``local_privacy``, ``privacy`` (the typed description
+:mod:`common.accounting` certifies) and
 ``simulate_aggregate`` (vectorized sampling of the accumulator for paper-scale experiments),
 and one class implementing :class:`common.mechanisms.base.Mechanism`, registered below.
 """
@@ -20,6 +21,7 @@ from common.mechanisms.base import (
     Mechanism,
     MechanismError,
     NoDataError,
+    PrivacyDescription,
     Received,
     ReleaseCertificate,
     StaleUpdateError,
@@ -54,6 +56,7 @@ __all__ = [
     "Mechanism",
     "MechanismError",
     "NoDataError",
+    "PrivacyDescription",
     "RandomSource",
     "Received",
     "ReleaseCertificate",

@@ -97,9 +97,9 @@ class IndexHistogram(Mechanism[P, CountAccumulator]):
     def encode_value(self, params: P, value: int, rng: RandomSource) -> list[bytes]:
         """The fragments of one report of ``value`` (already checked against the domain)."""
 
-    @abstractmethod
     def certify_crowd(self, params: P, n: int, delta: float) -> Certification:
         """The certificate of one batch of n contributions."""
+        return self.privacy(params).certify(n, delta)
 
     def encode(
         self, params: P, value: Any, state: DeviceState | None, rng: RandomSource, shufflers: int

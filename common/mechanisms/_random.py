@@ -1,9 +1,13 @@
-"""Sparse binary randomized response for encoders (draws from :mod:`common.randomness`)."""
+"""Sparse binary randomized response for encoders (draws from :mod:`common.randomness`), and
+the exact laws of its bits that audits fit to."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+
+import numpy as np
+import numpy.typing as npt
 
 from common.randomness import RandomSource, bernoulli
 
@@ -40,3 +44,15 @@ def geometric_positions(rng: RandomSource, length: int, p: float) -> Iterator[in
         if position >= length:
             return
         yield position
+
+
+def bit_law(own: bool, flip: float) -> npt.NDArray[np.float64]:
+    """Law ``[P(0), P(1)]`` of a bit of binary RR that is 1 when ``own`` and flipped w.p.
+    ``flip``."""
+    one = 1.0 - flip if own else flip
+    return np.array([1.0 - one, one])
+
+
+def binomial_pmf(n: int, p: float) -> npt.NDArray[np.float64]:
+    """``P(Bin(n, p) = i)`` for i = 0..n."""
+    return np.array([math.comb(n, i) * p**i * (1.0 - p) ** (n - i) for i in range(n + 1)])

@@ -4,8 +4,10 @@ Modelled on libprio-rs's ``Vdaf`` trait (which Janus is generic over): a mechani
 device encodes a value into fragments (``encode``), how the analyzer folds opened fragments
 into sufficient statistics (``new_accumulator`` / ``accumulate`` / ``load_accumulator``, with
 ``merge`` and ``to_bytes`` on the accumulator), how it turns them into an estimate with
-standard errors (``estimate``), what one report reveals locally (``local_privacy``) and how a
-release over the crowds actually received is certified (``certify``). The SDK, the analyzer
+standard errors (``estimate``), what one report reveals locally (``local_privacy``), which
+privacy argument covers its reports (``privacy``: a typed description that accounting
+consumes, with no list of mechanism names there) and how a release over the crowds actually
+received is certified (``certify``). The SDK, the analyzer
 and the tools are generic over this class and never branch on a mechanism's name; a new
 mechanism is one module plus one :func:`common.mechanisms.registry.register` call.
 
@@ -26,10 +28,13 @@ from common.accounting import (
     BoundResult,
     Certification,
     Epoch,
+    LocalRandomizer,
     basic_composition,
+    certify,
     compose_with_deletion,
 )
-from common.mechanisms._estimates import Estimate
+from common.accounting.lifetime import mechanism_epoch
+from common.mechanisms._estimates import Estimate, FloatArray
 from common.randomness import RandomSource
 
 #: Device state a mechanism keeps between reports (persisted by the SDK as JSON).
@@ -246,6 +251,32 @@ class FragmentCount:
         return max(crowd, 1)
 
 
+@dataclass(frozen=True, slots=True)
+class PrivacyDescription:
+    """A channel's reports for accounting: the privacy argument and the ε0 it is taken at."""
+
+    randomizer: LocalRandomizer
+    eps0: float
+
+    def certify(self, n: int, delta: float) -> Certification:
+        """The certificate of one shuffled batch of ``n`` contributions."""
+        return certify(self.randomizer, self.eps0, n, delta)
+
+    def epoch(
+        self,
+        n: int,
+        delta: float,
+        *,
+        deletion: tuple[float, float] | None = None,
+        replacement: bool = False,
+    ) -> Epoch | None:
+        """One epoch at crowd ``n`` as its tightest dominating pair at ``delta`` (None when
+        the argument has none), as :func:`common.accounting.lifetime.mechanism_epoch`."""
+        return mechanism_epoch(
+            self.randomizer, self.eps0, n, delta, deletion=deletion, replacement=replacement
+        )
+
+
 class NoDataError(LookupError):
     """Nothing received that a release could be computed from (the message says what)."""
 
@@ -258,12 +289,16 @@ class Mechanism(ABC, Generic[P, A]):
         code: Wire mechanism code (byte 2 of every inner plaintext, PROTOCOL.md).
         payload_size: Bytes of the mechanism payload after the 2-byte frame.
         value_kind: What an app reports (:class:`ValueKind`).
+        randomizer_type: The :class:`~common.accounting.LocalRandomizer` subclass that
+            :meth:`privacy` returns, for tools that fill its fields from flags (``esa
+            account --mechanism``); None when no such flags describe the mechanism.
     """
 
     name: ClassVar[str]
     code: ClassVar[int]
     payload_size: ClassVar[int]
     value_kind: ClassVar[ValueKind] = ValueKind.CATEGORY
+    randomizer_type: ClassVar[type[LocalRandomizer] | None] = None
 
     # --- configuration ------------------------------------------------------------------
 
@@ -343,6 +378,16 @@ class Mechanism(ABC, Generic[P, A]):
         """What one device's report reveals with no shuffling at all."""
 
     @abstractmethod
+    def privacy(self, params: P) -> PrivacyDescription:
+        """The privacy argument that covers one shuffled batch of this channel's reports."""
+
+    def bin_count_law(self, params: P, value: int, bins: tuple[int, int]) -> FloatArray | None:
+        """Exact joint law of how many fragments of one report of ``value`` name each of two
+        bins (entry [i, j]: i name ``bins[0]`` and j name ``bins[1]``), which the shuffler
+        audit's distinguishing game is fitted to; None when reports do not name bins."""
+        return None
+
+    @abstractmethod
     def certify(
         self, params: P, delta: float, received: Sequence[Received[A]]
     ) -> ReleaseCertificate:
@@ -363,11 +408,11 @@ class Mechanism(ABC, Generic[P, A]):
     ) -> Epoch | None:
         """One epoch of this channel for lifetime composition: the dominating pair of the
         shuffled epoch at crowd ``n`` (FMT21 Remark 3.5, eq. (20); the privacy-blanket pair for
-        binary and k-ary RR), built by :func:`common.accounting.lifetime.mechanism_epoch`.
+        binary and k-ary RR) of its :meth:`privacy` description.
 
         The analyzer's ledger composes a device's epochs from these pairs with dp_accounting
-        PLDs; None (the default) means the mechanism has no dominating pair (Balcer–Cheu,
-        report fragments across batches) and the epoch enters as its (ε, δ) certificate.
+        PLDs; None means the mechanism has no dominating pair (Balcer–Cheu, report fragments
+        across batches) and the epoch enters as its (ε, δ) certificate.
 
         Args:
             params: The channel's parameters.
@@ -377,7 +422,7 @@ class Mechanism(ABC, Generic[P, A]):
                 (:meth:`common.accounting.Epoch.with_deletion`, ESA-revisited Theorem V.1).
             replacement: State the epoch in the replacement notion.
         """
-        return None
+        return self.privacy(params).epoch(n, delta, deletion=deletion, replacement=replacement)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from common.accounting import Certification, Epoch, MechanismParams, certify
-from common.accounting.lifetime import mechanism_epoch
+from common.accounting import BinaryRR
 from common.mechanisms._estimates import (
     CountAccumulator,
     Estimate,
+    FloatArray,
     IntArray,
     clip_estimate,
 )
@@ -40,8 +40,8 @@ from common.mechanisms._histogram import (
     check_value,
     index_fragment,
 )
-from common.mechanisms._random import randomized_onehot
-from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
+from common.mechanisms._random import bit_law, randomized_onehot
+from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy, PrivacyDescription
 from common.randomness import RandomSource, default_source
 
 NAME = "krappor"
@@ -122,49 +122,13 @@ def simulate_aggregate(
     return CountAccumulator(sums.astype(np.int64), n)
 
 
-def local_privacy(params: KRapporParams) -> LocalPrivacy:
-    """Removal ε, replacement 2ε; every fragment is a post-processing of the whole report."""
-    return LocalPrivacy(
-        removal=params.eps,
-        replacement=2.0 * params.eps,
-        eps_l_inf=params.eps,
-        eps_l1=params.eps,
-        note="per-bit binary RR",
-    )
-
-
-def central(params: KRapporParams, n: int, delta: float) -> Certification:
-    """Certified central (ε, δ) for a crowd of n (removal, per attribute)."""
-    return certify("krappor", params.eps, n, delta, MechanismParams())
-
-
-def epoch_pair(
-    params: KRapporParams,
-    n: int,
-    delta: float,
-    deletion: tuple[float, float] | None = None,
-    replacement: bool = False,
-) -> Epoch | None:
-    """One epoch at crowd n as a dominating pair: binary RR's privacy-blanket pair (Balle et
-    al. 2019; FMT21 eq. (20) with ``r = 2/(e^ε + 1)``) per attribute, removal notion (the same
-    family :func:`central` certifies with)."""
-    return mechanism_epoch(
-        "krappor",
-        params.eps,
-        n,
-        delta,
-        MechanismParams(),
-        deletion=deletion,
-        replacement=replacement,
-    )
-
-
 class KRappor(IndexHistogram[KRapporParams]):
     """k-RAPPOR with attribute fragments through the mechanism interface."""
 
     name = NAME
     code = MECHANISM_CODE
     payload_size = PAYLOAD_SIZE
+    randomizer_type = BinaryRR
 
     def parse_params(self, raw: Mapping[str, Any]) -> KRapporParams:
         return KRapporParams(**raw)
@@ -187,18 +151,19 @@ class KRappor(IndexHistogram[KRapporParams]):
         return estimate(accumulator, params)
 
     def local_privacy(self, params: KRapporParams) -> LocalPrivacy:
-        return local_privacy(params)
+        """Removal ε, replacement 2ε; every fragment is a post-processing of the whole report."""
+        return LocalPrivacy(
+            removal=params.eps,
+            replacement=2.0 * params.eps,
+            eps_l_inf=params.eps,
+            eps_l1=params.eps,
+            note="per-bit binary RR",
+        )
 
-    def certify_crowd(self, params: KRapporParams, n: int, delta: float) -> Certification:
-        return central(params, n, delta)
+    def bin_count_law(self, params: KRapporParams, value: int, bins: tuple[int, int]) -> FloatArray:
+        """Each bit is binary RR of its own attribute, independently (Algorithm 1)."""
+        return np.outer(*(bit_law(value == b, params.flip_prob) for b in bins))
 
-    def epoch_pair(
-        self,
-        params: KRapporParams,
-        n: int,
-        delta: float,
-        *,
-        deletion: tuple[float, float] | None = None,
-        replacement: bool = False,
-    ) -> Epoch | None:
-        return epoch_pair(params, n, delta, deletion, replacement)
+    def privacy(self, params: KRapporParams) -> PrivacyDescription:
+        """Per-bit binary RR at ε (removal, per attribute; blanket pair, Balle et al. 2019)."""
+        return PrivacyDescription(BinaryRR(), params.eps)

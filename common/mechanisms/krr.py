@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from common.accounting import Certification, Epoch, MechanismParams, certify
-from common.accounting.lifetime import mechanism_epoch
+from common.accounting import KaryRR
 from common.mechanisms._estimates import (
     CountAccumulator,
     Estimate,
@@ -38,7 +37,7 @@ from common.mechanisms._histogram import (
     check_value,
     index_fragment,
 )
-from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
+from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy, PrivacyDescription
 from common.randomness import RandomSource, bernoulli, default_source
 
 NAME = "krr"
@@ -122,50 +121,13 @@ def simulate_aggregate(
     return CountAccumulator((truthful + uniform).astype(np.int64), int(counts.sum()))
 
 
-def local_privacy(params: KRRParams) -> LocalPrivacy:
-    """Replacement ε; removal against the uniform reference ``ln(k e^ε/(e^ε + k - 1))``."""
-    removal = math.log(params.k * params.truth_prob)
-    return LocalPrivacy(
-        removal=removal,
-        replacement=params.eps,
-        eps_l_inf=removal,
-        eps_l1=removal,
-        note="single message",
-    )
-
-
-def central(params: KRRParams, n: int, delta: float) -> Certification:
-    """Certified central (ε, δ) for a crowd of n (replacement)."""
-    return certify("krr", params.eps, n, delta, MechanismParams(k=params.k))
-
-
-def epoch_pair(
-    params: KRRParams,
-    n: int,
-    delta: float,
-    deletion: tuple[float, float] | None = None,
-    replacement: bool = False,
-) -> Epoch | None:
-    """One epoch at crowd n as a dominating pair (replacement): the k-RR pair with its weight
-    (FMT21 §4.1, ``r = 2/(e^ε + k - 1)``) or the generic clones pair (FMT21 Remark 3.5),
-    whichever is tighter at ``delta``."""
-    return mechanism_epoch(
-        "krr",
-        params.eps,
-        n,
-        delta,
-        MechanismParams(k=params.k),
-        deletion=deletion,
-        replacement=replacement,
-    )
-
-
 class KRR(IndexHistogram[KRRParams]):
     """k-ary randomized response through the mechanism interface."""
 
     name = NAME
     code = MECHANISM_CODE
     payload_size = PAYLOAD_SIZE
+    randomizer_type = KaryRR
 
     def parse_params(self, raw: Mapping[str, Any]) -> KRRParams:
         return KRRParams(**raw)
@@ -184,18 +146,22 @@ class KRR(IndexHistogram[KRRParams]):
         return estimate(accumulator, params)
 
     def local_privacy(self, params: KRRParams) -> LocalPrivacy:
-        return local_privacy(params)
+        """Replacement ε; removal against the uniform reference ``ln(k e^ε/(e^ε + k - 1))``."""
+        removal = math.log(params.k * params.truth_prob)
+        return LocalPrivacy(
+            removal=removal,
+            replacement=params.eps,
+            eps_l_inf=removal,
+            eps_l1=removal,
+            note="single message",
+        )
 
-    def certify_crowd(self, params: KRRParams, n: int, delta: float) -> Certification:
-        return central(params, n, delta)
+    def bin_count_law(self, params: KRRParams, value: int, bins: tuple[int, int]) -> FloatArray:
+        """One message: the value w.p. e^ε/(e^ε + k − 1), each other w.p. 1/(e^ε + k − 1)
+        (§4.1), so the two bins are never both named."""
+        p_a, p_b = (params.truth_prob if value == b else params.other_prob for b in bins)
+        return np.array([[1.0 - p_a - p_b, p_b], [p_a, 0.0]])
 
-    def epoch_pair(
-        self,
-        params: KRRParams,
-        n: int,
-        delta: float,
-        *,
-        deletion: tuple[float, float] | None = None,
-        replacement: bool = False,
-    ) -> Epoch | None:
-        return epoch_pair(params, n, delta, deletion, replacement)
+    def privacy(self, params: KRRParams) -> PrivacyDescription:
+        """Replacement, FMT21 Corollary 4.2 and the k-RR pair with its weight (§4.1)."""
+        return PrivacyDescription(KaryRR(k=params.k), params.eps)

@@ -47,9 +47,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from common.accounting import BoundResult, Certification, Epoch, MechanismParams, certify
+from common.accounting import BoundResult, Epoch, KaryRR
 from common.accounting.lifetime import compose_epochs as compose_lifetime
-from common.accounting.lifetime import mechanism_epoch
 from common.mechanisms._estimates import Estimate, FloatArray
 from common.mechanisms._histogram import check_eps
 from common.mechanisms._wire import FragmentError, frame, unframe
@@ -62,6 +61,7 @@ from common.mechanisms.base import (
     Mechanism,
     MechanismError,
     NoDataError,
+    PrivacyDescription,
     Received,
     ReleaseCertificate,
     ValueKind,
@@ -340,9 +340,9 @@ def local_privacy(params: LdpSgdParams) -> LocalPrivacy:
     )
 
 
-def central(params: LdpSgdParams, n: int, delta: float) -> Certification:
-    """One report of every device in a batch of n, certified as binary RR (k-RR at k = 2)."""
-    return certify("krr", params.eps, n, delta, MechanismParams(k=2))
+def privacy(params: LdpSgdParams) -> PrivacyDescription:
+    """One report: binary RR of a sign at ε, i.e. k-RR at k = 2 (replacement)."""
+    return PrivacyDescription(KaryRR(k=2), params.eps)
 
 
 def round_certificate(
@@ -351,7 +351,7 @@ def round_certificate(
     """A round at crowd n: ``tau`` reports per device, each at δ/τ, by basic composition
     (replacement, the natural notion; the other notion beside it); the lifetime ledger
     composes the pairs instead."""
-    cert = central(params, n, delta / params.tau)
+    cert = privacy(params).certify(n, delta / params.tau)
     if params.tau == 1:
         return cert.certified, cert.other_notion
     return (
@@ -368,15 +368,7 @@ def epoch_pair(
     replacement: bool = False,
 ) -> Epoch | None:
     """A round at crowd n: the binary-RR pair (k-RR at k = 2), once per report of a device."""
-    one = mechanism_epoch(
-        "krr",
-        params.eps,
-        n,
-        delta,
-        MechanismParams(k=2),
-        deletion=deletion,
-        replacement=replacement,
-    )
+    one = privacy(params).epoch(n, delta, deletion=deletion, replacement=replacement)
     if one is None or params.tau == 1:
         return one
     return Epoch(one.pairs * params.tau, one.certificates * params.tau, one.neighbouring)
@@ -467,6 +459,9 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
 
     def local_privacy(self, params: LdpSgdParams) -> LocalPrivacy:
         return local_privacy(params)
+
+    def privacy(self, params: LdpSgdParams) -> PrivacyDescription:
+        return privacy(params)
 
     def certify(
         self, params: LdpSgdParams, delta: float, received: Sequence[Received[LdpSgdAccumulator]]

@@ -21,7 +21,7 @@ prints log2 d, which biases the estimate by ``L/log2 d``). ``f̃_t`` estimates `
 ``u² = 1``; the bound is tight when few users' data fall in a node).
 
 Privacy: the whole sequence is ε-LDP (Theorem 5); each report is (ε/2)-DP binary RR or uniform;
-see :mod:`common.accounting.mechanisms` for the central argument (mechanism ``longitudinal``).
+see :class:`common.accounting.BinaryRRSequence` for the central argument.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from common.accounting import Certification, Epoch, MechanismParams, certify
-from common.accounting.lifetime import mechanism_epoch
+from common.accounting import BinaryRRSequence
 from common.mechanisms._estimates import Estimate, FloatArray, IntArray
 from common.mechanisms._histogram import check_eps
 from common.mechanisms._wire import FragmentError, frame, unframe
@@ -49,6 +48,7 @@ from common.mechanisms.base import (
     Mechanism,
     MechanismError,
     NoDataError,
+    PrivacyDescription,
     Received,
     ReleaseCertificate,
     StaleUpdateError,
@@ -335,46 +335,6 @@ def simulate_aggregate(
     return acc
 
 
-def local_privacy(params: LongitudinalParams) -> LocalPrivacy:
-    """Theorem 5: the sequence is ε-LDP; a single report is (ε/2)-DP."""
-    half = params.eps / 2.0
-    return LocalPrivacy(
-        removal=half,
-        replacement=params.eps,
-        eps_l_inf=params.eps,
-        eps_l1=half,
-        note="sequence ε (Theorem 5); report ε/2",
-    )
-
-
-def central(params: LongitudinalParams, crowd: int, delta: float) -> Certification:
-    """Certified central (ε, δ) for the smallest (period, level) crowd (removal)."""
-    return certify(
-        "longitudinal", params.eps, crowd, delta, MechanismParams(d=params.d, k=params.k)
-    )
-
-
-def epoch_pair(
-    params: LongitudinalParams,
-    crowd: int,
-    delta: float,
-    deletion: tuple[float, float] | None = None,
-    replacement: bool = False,
-) -> Epoch | None:
-    """One epoch at its smallest level crowd as a dominating pair: each report is (ε/2)-binary
-    RR or uniform, so binary RR's privacy-blanket pair at ε/2 (the family :func:`central`
-    certifies with), removal notion."""
-    return mechanism_epoch(
-        "longitudinal",
-        params.eps,
-        crowd,
-        delta,
-        MechanismParams(d=params.d, k=params.k),
-        deletion=deletion,
-        replacement=replacement,
-    )
-
-
 def smallest_level_crowd(accumulator: TreeAccumulator) -> int:
     """Smallest number of reports shuffled together at one tree node in a batch.
 
@@ -397,6 +357,7 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
     name = NAME
     code = MECHANISM_CODE
     payload_size = PAYLOAD_SIZE
+    randomizer_type = BinaryRRSequence
     value_kind = ValueKind.STATE
 
     def parse_params(self, raw: Mapping[str, Any]) -> LongitudinalParams:
@@ -460,7 +421,15 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
         return estimate(accumulator, params)
 
     def local_privacy(self, params: LongitudinalParams) -> LocalPrivacy:
-        return local_privacy(params)
+        """Theorem 5: the sequence is ε-LDP; a single report is (ε/2)-DP."""
+        half = params.eps / 2.0
+        return LocalPrivacy(
+            removal=half,
+            replacement=params.eps,
+            eps_l_inf=params.eps,
+            eps_l1=half,
+            note="sequence ε (Theorem 5); report ε/2",
+        )
 
     def certify(
         self,
@@ -478,7 +447,7 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
         crowds = {key: n for key, n in crowds.items() if n > 0}
         if not crowds:
             raise NoDataError("no report in any tree node yet")
-        cert = central(params, min(crowds.values()), delta)
+        cert = self.privacy(params).certify(min(crowds.values()), delta)
         periods = len({item.epoch for item in received})
         return ReleaseCertificate(
             certified=cert.certified,
@@ -488,13 +457,6 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
             epochs=periods,
         )
 
-    def epoch_pair(
-        self,
-        params: LongitudinalParams,
-        n: int,
-        delta: float,
-        *,
-        deletion: tuple[float, float] | None = None,
-        replacement: bool = False,
-    ) -> Epoch | None:
-        return epoch_pair(params, n, delta, deletion, replacement)
+    def privacy(self, params: LongitudinalParams) -> PrivacyDescription:
+        """Binary RR at ε/2 per report (Theorem 5), removal, at the sequence ε."""
+        return PrivacyDescription(BinaryRRSequence(), params.eps)

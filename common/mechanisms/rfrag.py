@@ -35,9 +35,8 @@ from typing import Any
 import numpy as np
 
 from common.accounting import (
-    Certification,
-    MechanismParams,
-    certify,
+    BackstopFragments,
+    Epoch,
     fragment_eps,
     removal_to_replacement,
     rfrag_across_batches,
@@ -50,7 +49,7 @@ from common.mechanisms._estimates import (
     clip_estimate,
 )
 from common.mechanisms._histogram import check_bins, check_eps, check_value
-from common.mechanisms._random import geometric_positions, randomized_onehot
+from common.mechanisms._random import binomial_pmf, geometric_positions, randomized_onehot
 from common.mechanisms._wire import FragmentError, frame, unframe
 from common.mechanisms.base import (
     BatchContext,
@@ -61,6 +60,7 @@ from common.mechanisms.base import (
     Mechanism,
     MechanismError,
     NoDataError,
+    PrivacyDescription,
     Received,
     ReleaseCertificate,
     StateConflictError,
@@ -275,29 +275,6 @@ def simulate_aggregate(
     return CountAccumulator(sums.astype(np.int64), n, np.full(tau, n, dtype=np.int64))
 
 
-def local_privacy(params: RFragParams) -> LocalPrivacy:
-    """Theorem IV.1: removal ε_ℓ∞ = ε(τ), ε_ℓ1 = ε(1); replacement touches two bits: 2 ε(τ)."""
-    eps_inf = fragment_eps(params.eps_b, params.eps_f, params.tau)
-    eps_one = fragment_eps(params.eps_b, params.eps_f, 1)
-    return LocalPrivacy(
-        removal=eps_inf,
-        replacement=2 * eps_inf,
-        eps_l_inf=eps_inf,
-        eps_l1=eps_one,
-        note="Theorem IV.1",
-    )
-
-
-def central(params: RFragParams, n: int, delta: float) -> Certification:
-    """Certified central (ε, δ) when every row reached the same n users (removal).
-
-    When randomized deletion left different crowds at different shufflers, certify with
-    :func:`common.accounting.rfrag_across_batches` instead.
-    """
-    mech = MechanismParams(eps_f=params.eps_f, tau=params.tau)
-    return certify("rfrag", params.eps_b, n, delta, mech)
-
-
 def rows_of(params: RFragParams, batch: BatchContext) -> list[int]:
     """Rows routed to a shuffler: r with ``r mod K`` its index (ESA-revisited §IV)."""
     return [r for r in range(params.tau) if r % batch.shuffler_count == batch.shuffler_index]
@@ -310,12 +287,13 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
     would void the ε_ℓ∞ cap); row r of a report goes to shuffler ``r mod K``. An epoch's rows
     reach different crowds at different shufflers, certified together by
     :func:`common.accounting.rfrag_across_batches`, which has no dominating pair:
-    :meth:`epoch_pair` keeps the default, and the ledger composes each epoch's certificate.
+    :meth:`epoch_pair` is None, and the ledger composes each epoch's certificate.
     """
 
     name = NAME
     code = MECHANISM_CODE
     payload_size = PAYLOAD_SIZE
+    randomizer_type = BackstopFragments
 
     def parse_params(self, raw: Mapping[str, Any]) -> RFragParams:
         return RFragParams(**raw)
@@ -389,7 +367,49 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
         return estimate(accumulator, params)
 
     def local_privacy(self, params: RFragParams) -> LocalPrivacy:
-        return local_privacy(params)
+        """Theorem IV.1: removal ε_ℓ∞ = ε(τ), ε_ℓ1 = ε(1); replacement touches two bits: 2 ε(τ)."""
+        eps_inf = fragment_eps(params.eps_b, params.eps_f, params.tau)
+        eps_one = fragment_eps(params.eps_b, params.eps_f, 1)
+        return LocalPrivacy(
+            removal=eps_inf,
+            replacement=2 * eps_inf,
+            eps_l_inf=eps_inf,
+            eps_l1=eps_one,
+            note="Theorem IV.1",
+        )
+
+    def bin_count_law(self, params: RFragParams, value: int, bins: tuple[int, int]) -> FloatArray:
+        """Per bit: the backstop is binary RR at ε_b, then each of τ rows binary RR at ε_f of
+        the backstop (Algorithm 2); a bin's count is over all τ rows, bits independent."""
+        high = binomial_pmf(params.tau, 1.0 - params.fragment_flip)
+        low = binomial_pmf(params.tau, params.fragment_flip)
+
+        def count(own: bool) -> FloatArray:
+            one = 1.0 - params.backstop_flip if own else params.backstop_flip
+            law: FloatArray = one * high + (1.0 - one) * low
+            return law
+
+        return np.outer(*(count(value == b) for b in bins))
+
+    def privacy(self, params: RFragParams) -> PrivacyDescription:
+        """The backstop argument at ε_b when every row reached the same users (removal);
+        :meth:`certify` uses :func:`common.accounting.rfrag_across_batches` instead."""
+        return PrivacyDescription(
+            BackstopFragments(eps_f=params.eps_f, tau=params.tau), params.eps_b
+        )
+
+    def epoch_pair(
+        self,
+        params: RFragParams,
+        n: int,
+        delta: float,
+        *,
+        deletion: tuple[float, float] | None = None,
+        replacement: bool = False,
+    ) -> Epoch | None:
+        """None: rows reach different crowds at different shufflers, which no dominating
+        pair covers; the ledger composes each epoch's certificate."""
+        return None
 
     def certify(
         self, params: RFragParams, delta: float, received: Sequence[Received[CountAccumulator]]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from common.accounting import Certification, MechanismParams, certify
+from common.accounting import BalcerCheuNoise, Certification
 from common.mechanisms._estimates import CountAccumulator, Estimate, FloatArray, IntArray
 from common.mechanisms._histogram import (
     IndexHistogram,
@@ -33,7 +33,7 @@ from common.mechanisms._histogram import (
     check_value,
     index_fragment,
 )
-from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy
+from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy, PrivacyDescription
 from common.randomness import RandomSource, bernoulli, default_source
 
 NAME = "zsum"
@@ -143,37 +143,17 @@ def simulate_aggregate(
     return CountAccumulator((counts + noise).astype(np.int64), m)
 
 
-def local_privacy(params: ZSumParams) -> LocalPrivacy:
-    """None: a user's own messages reveal its value (the privacy is all in the shuffle)."""
-    return LocalPrivacy(
-        removal=math.inf,
-        replacement=math.inf,
-        eps_l_inf=math.inf,
-        eps_l1=math.inf,
-        note="no local privacy (multi-message)",
-    )
-
-
-def central(params: ZSumParams, m: int, delta: float | None = None) -> Certification:
-    """Certified (2ε', δ) for a received crowd m (ε' = ε sqrt(n/m)); δ is fixed by params."""
-    if delta is not None and not math.isclose(delta, params.delta):
-        raise ValueError(
-            f"zsum's δ is fixed by the channel (delta={params.delta}), got delta={delta}"
-        )
-    mech = MechanismParams(d=params.d, n_declared=params.n)
-    return certify("zsum", params.eps, m, params.delta, mech)
-
-
 class ZSum(IndexHistogram[ZSumParams]):
     """The Balcer–Cheu zero-sum histogram through the mechanism interface.
 
     It has no dominating pair (its noise is calibrated to a declared crowd, Theorem 12), so
-    :meth:`epoch_pair` keeps the default: the ledger composes each epoch's certificate.
+    :meth:`epoch_pair` finds none and the ledger composes each epoch's certificate.
     """
 
     name = NAME
     code = MECHANISM_CODE
     payload_size = PAYLOAD_SIZE
+    randomizer_type = BalcerCheuNoise
 
     def parse_params(self, raw: Mapping[str, Any]) -> ZSumParams:
         return ZSumParams(**raw)
@@ -196,8 +176,30 @@ class ZSum(IndexHistogram[ZSumParams]):
         return estimate(accumulator, params)
 
     def local_privacy(self, params: ZSumParams) -> LocalPrivacy:
-        return local_privacy(params)
+        """None: a user's own messages reveal its value (the privacy is all in the shuffle)."""
+        return LocalPrivacy(
+            removal=math.inf,
+            replacement=math.inf,
+            eps_l_inf=math.inf,
+            eps_l1=math.inf,
+            note="no local privacy (multi-message)",
+        )
+
+    def bin_count_law(self, params: ZSumParams, value: int, bins: tuple[int, int]) -> FloatArray:
+        """Per bin: a Ber(p) noise message, plus one for the user's own bin (Figure 2)."""
+        p = params.noise_prob
+
+        def count(own: bool) -> FloatArray:
+            return np.array([0.0, 1.0 - p, p]) if own else np.array([1.0 - p, p, 0.0])
+
+        return np.outer(*(count(value == b) for b in bins))
+
+    def privacy(self, params: ZSumParams) -> PrivacyDescription:
+        """Balcer–Cheu Theorem 12 at the per-bin ε, its noise sized for the declared crowd."""
+        return PrivacyDescription(BalcerCheuNoise(n_declared=params.n), params.eps)
 
     def certify_crowd(self, params: ZSumParams, n: int, delta: float) -> Certification:
-        """δ is fixed by the channel's parameters (Theorem 12), not by the release."""
-        return central(params, n)
+        """(2ε', δ) at a received crowd n (ε' = ε sqrt(n_declared/n)) at the channel's own δ:
+        Theorem 12 fixes δ with the noise, so the release's ``delta`` cannot change it (the
+        certificate states the δ it holds for)."""
+        return self.privacy(params).certify(n, params.delta)

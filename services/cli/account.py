@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -12,12 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 from common import accounting
-from common.accounting.results import BoundResult, Mechanism, Method
+from common.accounting.results import BoundResult, Method
 
 if TYPE_CHECKING:
-    from common.accounting import Certification, LifetimeResult, MechanismParams, Plan
+    from common.accounting import Certification, LifetimeResult, LocalRandomizer, Plan
 
-_MECHANISMS = [m.value for m in Mechanism]
 _METHODS = [
     m.value for m in Method if m not in (Method.LOCAL, Method.LOWER_2RR, Method.ESA_THM_IV1)
 ]
@@ -29,13 +29,29 @@ def _apply(function: Callable[..., Any], options: list[Callable[..., Any]]) -> C
     return function
 
 
+class MechanismName(click.ParamType):  # type: ignore[type-arg]
+    """``generic`` or a registered mechanism's name, checked against the registry when used
+    (the registry is not imported for ``--help`` of the command group)."""
+
+    name = "mechanism"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from common.mechanisms import registry
+
+        if value == "generic" or value in registry.names():
+            return str(value)
+        known = ", ".join(["generic", *registry.names()])
+        self.fail(f"unknown mechanism {value!r}; known: {known}", param, ctx)
+
+
 _MECHANISM_OPTION = click.option(
     "--mechanism",
     "-m",
-    type=click.Choice(_MECHANISMS),
+    type=MechanismName(),
     default="generic",
     show_default=True,
-    help="Which LDP mechanism the reports come from.",
+    help="Which LDP mechanism the reports come from: generic (any ε0-DP randomizer) or a "
+    "registered mechanism (krappor, krr, rfrag, longitudinal, zsum, plug-ins).",
 )
 _JSON_OPTION = click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object instead of a table."
@@ -48,18 +64,10 @@ def _param_options() -> list[Callable[..., Any]]:
         click.option("--tau", type=int, default=None, help="rfrag: fragments per report."),
         click.option("--eps-f", type=float, default=None, help="rfrag: fragment ε_f."),
         click.option(
-            "--d",
-            "d",
-            type=int,
-            default=None,
-            help="longitudinal: horizon; zsum: domain size (informational).",
-        ),
-        click.option(
             "--delta0",
             type=float,
-            default=0.0,
-            show_default=True,
-            help="generic: δ0 of an (ε0, δ0)-DP randomizer (FMT21 Theorem 3.8).",
+            default=None,
+            help="generic: δ0 of an (ε0, δ0)-DP randomizer (FMT21 Theorem 3.8; default 0).",
         ),
         click.option(
             "--n-declared",
@@ -97,17 +105,40 @@ def _common_options(function: Callable[..., Any]) -> Callable[..., Any]:
     return _apply(function, options)
 
 
-def _params(
-    k: int | None,
-    tau: int | None,
-    eps_f: float | None,
-    d: int | None,
-    delta0: float,
-    n_declared: int | None,
-) -> MechanismParams:
-    return accounting.MechanismParams(
-        k=k, eps_f=eps_f, tau=tau, d=d, delta0=delta0, n_declared=n_declared
-    )
+def _randomizer(mechanism: str, **given: float | None) -> LocalRandomizer:
+    """The privacy description the accountant certifies, built from the parameter flags.
+
+    ``generic`` is accounting's own description; any other name is looked up in the mechanism
+    registry, whose class says which description its reports have (``randomizer_type``); the
+    flags fill that description's fields by name.
+    """
+    kind = _randomizer_type(mechanism)
+    specs = {spec.name: spec for spec in fields(kind)}  # type: ignore[arg-type]
+    values = {name: value for name, value in given.items() if value is not None}
+    extra = sorted(set(values) - set(specs))
+    if extra:
+        flags = ", ".join("--" + name.replace("_", "-") for name in extra)
+        raise click.UsageError(f"{flags} does not apply to {mechanism}")
+    for name, spec in specs.items():
+        if name not in values and spec.default is MISSING and spec.default_factory is MISSING:
+            flag = "--" + name.replace("_", "-")
+            raise click.UsageError(f"{name} is required for {mechanism}: give {flag}")
+    built: LocalRandomizer = _run(lambda: kind(**values))
+    return built
+
+
+def _randomizer_type(mechanism: str) -> type[LocalRandomizer]:
+    if mechanism == "generic":
+        return accounting.GenericRandomizer
+    from common.mechanisms import registry
+
+    kind = type(registry.get(mechanism)).randomizer_type
+    if kind is None:
+        raise click.UsageError(
+            f"{mechanism}'s privacy description is not built from these flags; certify it "
+            "through its channel config"
+        )
+    return kind
 
 
 def _fmt(value: float) -> str:
@@ -173,12 +204,7 @@ def certify_command(
     delta: float,
     bound: str | None,
     as_json: bool,
-    k: int | None,
-    tau: int | None,
-    eps_f: float | None,
-    d: int | None,
-    delta0: float,
-    n_declared: int | None,
+    **param_values: Any,
 ) -> None:
     """Print every applicable bound for shuffling n reports and mark the certificate.
 
@@ -189,11 +215,11 @@ def certify_command(
     local = eps0 if eps0 is not None else eps_b
     if local is None:
         raise click.UsageError("give --eps0 (or --eps-b for rfrag)")
-    params = _params(k, tau, eps_f, d, delta0, n_declared)
+    randomizer = _randomizer(mechanism, **param_values)
     methods = None if bound is None else [bound]
-    cert = _run(lambda: accounting.certify(mechanism, local, n, delta, params, methods))
+    cert = _run(lambda: accounting.certify(randomizer, local, n, delta, methods))
     if as_json:
-        click.echo(json.dumps(cert.as_dict()))
+        click.echo(json.dumps({"mechanism": mechanism, **cert.as_dict()}))
         return
     heading = f"{mechanism}: ε0 = {local:g}, n = {n:,}, δ = {delta:g}"
     _print_certification(Console(), cert, heading)
@@ -222,12 +248,7 @@ def plan_command(
     delta: float,
     bound: str | None,
     as_json: bool,
-    k: int | None,
-    tau: int | None,
-    eps_f: float | None,
-    d: int | None,
-    delta0: float,
-    n_declared: int | None,
+    **param_values: Any,
 ) -> None:
     """Print the largest ε0 whose certified central ε is at most --target-eps.
 
@@ -241,15 +262,15 @@ def plan_command(
     Example (lifetime ε <= 2 over a year of daily epochs):
       esa account plan --target-eps 2 --epochs 365 --delta 1e-5 --n 5000 -m krappor
     """
-    params = _params(k, tau, eps_f, d, delta0, n_declared)
+    randomizer = _randomizer(mechanism, **param_values)
     if epochs is not None:
         if bound is not None:
             raise click.UsageError("--bound applies to one epoch; it cannot be used with --epochs")
-        _plan_lifetime(target_eps, epochs, mechanism, n, delta, params, as_json)
+        _plan_lifetime(target_eps, epochs, mechanism, randomizer, n, delta, as_json)
         return
-    plan: Plan = _run(lambda: accounting.plan_eps0(target_eps, delta, n, mechanism, params, bound))
+    plan: Plan = _run(lambda: accounting.plan_eps0(target_eps, delta, n, randomizer, bound))
     if as_json:
-        click.echo(json.dumps(plan.as_dict()))
+        click.echo(json.dumps({"mechanism": mechanism, **plan.as_dict()}))
         return
     console = Console()
     console.print(
@@ -372,11 +393,11 @@ def compose_command(
     if (eps_cr is None) != (delta_cr is None):
         raise click.UsageError("give both --eps-cr and --delta-cr, or neither")
     sizes = _parse_crowds(crowds, n, epochs)
-    params = _params(**param_values)
+    randomizer = _randomizer(mechanism, **param_values)
     deletion = None if eps_cr is None or delta_cr is None else (eps_cr, delta_cr)
     result: LifetimeResult = _run(
         lambda: accounting.lifetime_for_mechanism(
-            mechanism, local, sizes, delta, params, deletion=deletion
+            randomizer, local, sizes, delta, deletion=deletion
         )
     )
     if as_json:
@@ -393,15 +414,15 @@ def _plan_lifetime(
     target_eps: float,
     epochs: int,
     mechanism: str,
+    randomizer: LocalRandomizer,
     n: int,
     delta: float,
-    params: MechanismParams,
     as_json: bool,
 ) -> None:
     eps0: float = _run(
-        lambda: accounting.plan_eps0_lifetime(target_eps, delta, n, epochs, mechanism, params)
+        lambda: accounting.plan_eps0_lifetime(target_eps, delta, n, epochs, randomizer)
     )
-    result = accounting.lifetime_for_mechanism(mechanism, eps0, [n] * epochs, delta, params)
+    result = accounting.lifetime_for_mechanism(randomizer, eps0, [n] * epochs, delta)
     if as_json:
         certified = {
             "method": result.method,

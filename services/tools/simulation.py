@@ -25,7 +25,15 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from common.accounting import MechanismParams, Method, certify, fragment_eps, plan_eps0
+from common.accounting import (
+    BinaryRR,
+    BinaryRRSequence,
+    LocalRandomizer,
+    Method,
+    certify,
+    fragment_eps,
+    plan_eps0,
+)
 from common.mechanisms import krappor, longitudinal, rfrag
 from common.mechanisms.longitudinal import LongitudinalParams
 from services.tools.populations import HistogramPopulation, LongitudinalPopulation
@@ -91,8 +99,10 @@ def balanced_fragment_eps(eps_b: float, tau: int) -> float:
     return 2.0 * math.asinh(math.sinh(eps_b / 2.0) / math.sqrt(tau))
 
 
-def _plan(eps_c: float, delta: float, n: int, bound: str, mechanism: str = "krappor") -> float:
-    return plan_eps0(eps_c, delta, n, mechanism, bound=BOUNDS[bound]).eps0
+def _plan(
+    eps_c: float, delta: float, n: int, bound: str, randomizer: LocalRandomizer | None = None
+) -> float:
+    return plan_eps0(eps_c, delta, n, randomizer or BinaryRR(), bound=BOUNDS[bound]).eps0
 
 
 def _rmse(estimate: FloatArray, truth: npt.NDArray[np.int64] | FloatArray) -> float:
@@ -184,7 +194,7 @@ def run_longitudinal(
     truth = changes.true_counts().astype(np.float64)
     for eps_c in eps_cs:
         for bound in bounds:
-            eps = _plan(eps_c, delta, crowd, bound, "longitudinal")
+            eps = _plan(eps_c, delta, crowd, bound, BinaryRRSequence())
             params = LongitudinalParams(d=changes.d, k=population.k, eps=eps)
             accumulator = longitudinal.simulate_aggregate(changes, params, gen)
             estimate = longitudinal.estimate(accumulator, params)
@@ -194,8 +204,7 @@ def run_longitudinal(
             observed = int(accumulator.reports[first_nodes].min())
             method = BOUNDS[bound]
             methods = None if method is None else [method]
-            mech = MechanismParams(d=params.d, k=params.k)
-            certified = certify("longitudinal", eps, observed, delta, mech, methods).certified.eps
+            certified = certify(BinaryRRSequence(), eps, observed, delta, methods).certified.eps
             row = ResultRow(
                 dataset="longitudinal",
                 n=changes.n_users,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from common.accounting import (
+    BinaryRR,
     advanced_composition_bun_steinke,
     advanced_composition_drv,
     basic_composition,
@@ -54,19 +55,19 @@ def test_subsampling_lemma_4() -> None:
 
 
 def test_randomized_deletion_composes_and_bounds() -> None:
-    content = certify("krappor", 8.0, 10**6, 1e-9).other_notion
+    content = certify(BinaryRR(), 8.0, 10**6, 1e-9).other_notion
     composed = compose_with_deletion(content, 0.1, 1e-9)
     assert composed.eps == pytest.approx(content.eps + 0.1)
     assert composed.delta == pytest.approx(2e-9)
     assert composed.neighbouring == "add-remove"
     with pytest.raises(ValueError, match="replacement statement"):
-        compose_with_deletion(certify("krappor", 8.0, 10**6, 1e-9).certified, 0.1, 1e-9)
+        compose_with_deletion(certify(BinaryRR(), 8.0, 10**6, 1e-9).certified, 0.1, 1e-9)
     assert deletion_offset(0.5, 1e-6) == pytest.approx(4 * math.log(2e6))
     assert deletion_utility_bound(0.5, 1e-6, 10) == pytest.approx(8 * math.log(2e7))
 
 
 def test_neighbouring_conversions() -> None:
-    removal = certify("krappor", 8.0, 10**6, 1e-9).certified
+    removal = certify(BinaryRR(), 8.0, 10**6, 1e-9).certified
     group = removal_to_replacement(removal, independent_parts=False)
     assert group.delta == pytest.approx((1 + math.exp(removal.eps)) * removal.delta)
     assert group.neighbouring == "replacement"

@@ -15,10 +15,16 @@ import numpy as np
 import pytest
 
 from common.accounting import (
+    BackstopFragments,
+    BalcerCheuNoise,
+    BinaryRR,
+    BinaryRRSequence,
     Certificate,
     Epoch,
+    GenericRandomizer,
+    KaryRR,
     LifetimeResult,
-    MechanismParams,
+    LocalRandomizer,
     certify,
     compose_epochs,
     lifetime_for_mechanism,
@@ -115,28 +121,20 @@ def test_pair_is_symmetric_so_one_pld_covers_both_directions(pair: ClonePair) ->
 
 
 GRID = [
-    ("krappor", 1.0, 1000, 5),
-    ("krappor", 4.0, 20_000, 30),
-    ("generic", 2.0, 10_000, 12),
-    ("longitudinal", 3.0, 5000, 8),
-    ("krr", 3.0, 3000, 20),
-    ("rfrag", 2.0, 4000, 6),
+    (BinaryRR(), 1.0, 1000, 5),
+    (BinaryRR(), 4.0, 20_000, 30),
+    (GenericRandomizer(), 2.0, 10_000, 12),
+    (BinaryRRSequence(), 3.0, 5000, 8),
+    (KaryRR(k=8), 3.0, 3000, 20),
+    (BackstopFragments(eps_f=1.0, tau=3), 2.0, 4000, 6),
 ]
 
 
-def _params(mechanism: str) -> MechanismParams:
-    if mechanism == "krr":
-        return MechanismParams(k=8)
-    if mechanism == "rfrag":
-        return MechanismParams(eps_f=1.0, tau=3)
-    return MechanismParams()
-
-
-@pytest.mark.parametrize(("mechanism", "eps0", "n", "epochs"), GRID)
+@pytest.mark.parametrize(("randomizer", "eps0", "n", "epochs"), GRID, ids=str)
 def test_reported_eps_is_the_best_of_pld_basic_and_advanced(
-    mechanism: str, eps0: float, n: int, epochs: int
+    randomizer: LocalRandomizer, eps0: float, n: int, epochs: int
 ) -> None:
-    result = lifetime_for_mechanism(mechanism, eps0, [n] * epochs, 1e-6, _params(mechanism))
+    result = lifetime_for_mechanism(randomizer, eps0, [n] * epochs, 1e-6)
     assert result.eps == min(result.eps_pld, result.eps_basic, result.eps_advanced)
     assert result.eps <= result.eps_basic and result.eps <= result.eps_advanced
     assert result.epochs == epochs and result.parts == epochs
@@ -151,7 +149,7 @@ def test_reported_eps_is_the_best_of_pld_basic_and_advanced(
 )
 def test_never_below_the_composed_2rr_lower_bound(eps0: float, n: int, epochs: int) -> None:
     delta = 1e-5
-    upper = lifetime_for_mechanism("krappor", eps0, [n] * epochs, delta)
+    upper = lifetime_for_mechanism(BinaryRR(), eps0, [n] * epochs, delta)
     assert upper.eps >= lower_2rr_lifetime(n, eps0, epochs, delta)
 
 
@@ -161,7 +159,7 @@ def test_reference_example_one_year_of_krappor_at_5000() -> None:
     assert one_epoch == pytest.approx(0.21, abs=0.005)
     issue_basic = 365 * one_epoch
     assert issue_basic == pytest.approx(76.7, rel=0.01)
-    result = lifetime_for_mechanism("krappor", 2.0, [5000] * 365, 1e-5)
+    result = lifetime_for_mechanism(BinaryRR(), 2.0, [5000] * 365, 1e-5)
     assert result.eps_basic <= issue_basic
     assert result.method == "pld" and result.eps == result.eps_pld
     assert result.eps <= issue_basic / 10.0
@@ -171,17 +169,17 @@ def test_reference_example_one_year_of_krappor_at_5000() -> None:
 
 
 def test_a_million_per_epoch_for_a_year_is_fast_and_tighter() -> None:
-    big = lifetime_for_mechanism("krappor", 2.0, [10**6] * 365, 1e-5)
-    small = lifetime_for_mechanism("krappor", 2.0, [5000] * 365, 1e-5)
+    big = lifetime_for_mechanism(BinaryRR(), 2.0, [10**6] * 365, 1e-5)
+    small = lifetime_for_mechanism(BinaryRR(), 2.0, [5000] * 365, 1e-5)
     assert big.eps < small.eps / 10.0
     assert big.eps >= lower_2rr_lifetime(10**6, 2.0, 365, 1e-5)
 
 
 def test_mixed_crowds_sit_between_the_uniform_ones() -> None:
     crowds = [5000, 4000, 3000, 2500] * 5
-    mixed = lifetime_for_mechanism("krappor", 2.0, crowds, 1e-6)
-    largest = lifetime_for_mechanism("krappor", 2.0, [5000] * 20, 1e-6)
-    smallest = lifetime_for_mechanism("krappor", 2.0, [2500] * 20, 1e-6)
+    mixed = lifetime_for_mechanism(BinaryRR(), 2.0, crowds, 1e-6)
+    largest = lifetime_for_mechanism(BinaryRR(), 2.0, [5000] * 20, 1e-6)
+    smallest = lifetime_for_mechanism(BinaryRR(), 2.0, [2500] * 20, 1e-6)
     assert largest.eps_pld <= mixed.eps_pld <= smallest.eps_pld
     assert mixed.epochs == 20
 
@@ -219,14 +217,14 @@ def test_certificates_only() -> None:
 
 
 def test_zsum_enters_as_its_certificate_and_infinity_is_no_bound() -> None:
-    params = MechanismParams(n_declared=10_000)
-    result = lifetime_for_mechanism("zsum", 1.0, [10_000] * 4, 1e-6, params)
+    params = BalcerCheuNoise(n_declared=10_000)
+    result = lifetime_for_mechanism(params, 1.0, [10_000] * 4, 1e-6)
     assert result.delta_split.certificates == pytest.approx(0.5e-6)
-    per_epoch = certify("zsum", 1.0, 10_000, 0.5e-6 / 4, params).certified
+    per_epoch = certify(params, 1.0, 10_000, 0.5e-6 / 4).certified
     assert result.eps_basic == pytest.approx(4 * per_epoch.eps)
     assert result.neighbouring == "replacement"
     assert result.eps <= result.eps_basic
-    nothing = lifetime_for_mechanism("zsum", 1.0, [100] * 4, 1e-6, params)
+    nothing = lifetime_for_mechanism(params, 1.0, [100] * 4, 1e-6)
     assert math.isinf(nothing.eps) and nothing.as_dict()["eps"] is None
 
 
@@ -240,8 +238,8 @@ def test_pairs_and_certificates_mix() -> None:
 
 
 def test_randomized_deletion_is_an_add_remove_statement() -> None:
-    plain = lifetime_for_mechanism("krappor", 2.0, [5000] * 10, 1e-6)
-    deleted = lifetime_for_mechanism("krappor", 2.0, [5000] * 10, 1e-6, deletion=(0.1, 1e-8))
+    plain = lifetime_for_mechanism(BinaryRR(), 2.0, [5000] * 10, 1e-6)
+    deleted = lifetime_for_mechanism(BinaryRR(), 2.0, [5000] * 10, 1e-6, deletion=(0.1, 1e-8))
     assert deleted.neighbouring == "add-remove" and plain.neighbouring == "removal"
     assert deleted.parts == 30
     assert deleted.delta_split.certificates == pytest.approx(1e-7)
@@ -252,21 +250,21 @@ def test_randomized_deletion_is_an_add_remove_statement() -> None:
 
 def test_lifetime_grows_with_eps0() -> None:
     values = [
-        lifetime_for_mechanism("krappor", e, [3000] * 20, 1e-6).eps for e in (0.5, 1, 2, 3, 4)
+        lifetime_for_mechanism(BinaryRR(), e, [3000] * 20, 1e-6).eps for e in (0.5, 1, 2, 3, 4)
     ]
     assert values == sorted(values)
 
 
 def test_planner_round_trip() -> None:
     target, delta, n, epochs = 1.0, 1e-6, 1000, 4
-    eps0 = plan_eps0_lifetime(target, delta, n, epochs, "krappor")
-    assert lifetime_for_mechanism("krappor", eps0, [n] * epochs, delta).eps <= target
-    above = lifetime_for_mechanism("krappor", eps0 + 0.01, [n] * epochs, delta)
+    eps0 = plan_eps0_lifetime(target, delta, n, epochs, BinaryRR())
+    assert lifetime_for_mechanism(BinaryRR(), eps0, [n] * epochs, delta).eps <= target
+    above = lifetime_for_mechanism(BinaryRR(), eps0 + 0.01, [n] * epochs, delta)
     assert above.eps > target
 
 
 def test_json_form() -> None:
-    result = lifetime_for_mechanism("krappor", 2.0, [5000] * 3, 1e-6)
+    result = lifetime_for_mechanism(BinaryRR(), 2.0, [5000] * 3, 1e-6)
     data = result.as_dict()
     assert isinstance(result, LifetimeResult)
     assert data["eps"] == result.eps and data["method"] == result.method
@@ -283,17 +281,16 @@ def test_json_form() -> None:
         (lambda: Certificate(-1.0, 1e-6), "eps=-1.0"),
         (lambda: Certificate(1.0, 1.5), "delta=1.5"),
         (lambda: Certificate(float("nan"), 0.0), "eps=nan"),
-        (lambda: lifetime_for_mechanism("krappor", 2.0, [0], 1e-6), "crowd=0"),
-        (lambda: lifetime_for_mechanism("krappor", 2.0, [], 1e-6), "crowds=[]"),
-        (lambda: lifetime_for_mechanism("krappor", float("nan"), [10], 1e-6), "eps0=nan"),
-        (lambda: lifetime_for_mechanism("nope", 2.0, [10], 1e-6), "mechanism='nope'"),
-        (lambda: lifetime_for_mechanism("krr", 2.0, [10], 1e-6), "k=None"),
+        (lambda: lifetime_for_mechanism(BinaryRR(), 2.0, [0], 1e-6), "crowd=0"),
+        (lambda: lifetime_for_mechanism(BinaryRR(), 2.0, [], 1e-6), "crowds=[]"),
+        (lambda: lifetime_for_mechanism(BinaryRR(), float("nan"), [10], 1e-6), "eps0=nan"),
+        (lambda: KaryRR(k=None), "k=None"),  # type: ignore[arg-type]
         (
-            lambda: lifetime_for_mechanism("krappor", 2.0, [10] * 3, 1e-6, deletion=(0.1, 1e-6)),
+            lambda: lifetime_for_mechanism(BinaryRR(), 2.0, [10] * 3, 1e-6, deletion=(0.1, 1e-6)),
             "delta_cr=1e-06",
         ),
-        (lambda: plan_eps0_lifetime(0.0, 1e-6, 100, 3, "krappor"), "target_eps=0.0"),
-        (lambda: plan_eps0_lifetime(1.0, 1e-6, 100, 0, "krappor"), "epochs=0"),
+        (lambda: plan_eps0_lifetime(0.0, 1e-6, 100, 3, BinaryRR()), "target_eps=0.0"),
+        (lambda: plan_eps0_lifetime(1.0, 1e-6, 100, 0, BinaryRR()), "epochs=0"),
         (
             lambda: compose_epochs(
                 [Epoch.from_certificate(1.0, 0.0), Epoch.from_certificate(1.0, 0.0, "replacement")],

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from common.accounting import lifetime_for_mechanism, plan_eps0
+from common.accounting import BinaryRR, lifetime_for_mechanism, plan_eps0
 from services.cli.account import account
 
 REFERENCE = ["--mechanism", "krappor", "--eps0", "2", "--n", "5000", "--epochs", "365"]
@@ -22,7 +22,7 @@ def test_compose_json_is_the_lifetime_result() -> None:
     code, out = invoke("compose", *REFERENCE, "--delta", "1e-5", "--json")
     assert code == 0, out
     data = json.loads(out)
-    expected = lifetime_for_mechanism("krappor", 2.0, [5000] * 365, 1e-5).as_dict()
+    expected = lifetime_for_mechanism(BinaryRR(), 2.0, [5000] * 365, 1e-5).as_dict()
     assert data == json.loads(json.dumps(expected))
     assert data["method"] == "pld" and data["eps"] <= data["eps_basic"] / 10
     assert data["delta_split"]["pld_pairs"] == pytest.approx(1e-5)
@@ -82,7 +82,7 @@ def test_plan_with_epochs_plans_for_the_lifetime() -> None:
     data = json.loads(out)
     assert data["epochs"] == 4 and data["lifetime"]["eps"] <= 1.0
     assert data["certified"]["eps"] <= 1.0
-    one_epoch = plan_eps0(1.0, 1e-6, 1000, "krappor").eps0
+    one_epoch = plan_eps0(1.0, 1e-6, 1000, BinaryRR()).eps0
     assert data["eps0"] < one_epoch
     code, table = invoke("plan", *args, "--epochs", "4")
     assert code == 0 and "over 4 epochs" in table and f"ε0 = {data['eps0']:.2f}" in table
@@ -93,7 +93,7 @@ def test_plan_without_epochs_is_unchanged() -> None:
     code, out = invoke("plan", *args)
     assert code == 0, out
     assert json.loads(out) == json.loads(
-        json.dumps(plan_eps0(1.0, 1e-6, 1000, "krappor").as_dict())
+        json.dumps({"mechanism": "krappor", **plan_eps0(1.0, 1e-6, 1000, BinaryRR()).as_dict()})
     )
     code, out = invoke("plan", *args, "--epochs", "3", "--bound", "cheu-lemma-ii6")
     assert code == 2 and "--bound" in out

@@ -6,12 +6,22 @@ import math
 
 import pytest
 
-from common.accounting import MechanismParams, Method, certify, fragment_eps, methods_for
+from common.accounting import (
+    BackstopFragments,
+    BalcerCheuNoise,
+    BinaryRR,
+    BinaryRRSequence,
+    GenericRandomizer,
+    KaryRR,
+    Method,
+    certify,
+    fragment_eps,
+    methods_for,
+)
 
 
 def test_rfrag_is_capped_by_eps_l_inf_and_never_uses_printed_first_term() -> None:
-    params = MechanismParams(eps_f=2.0, tau=2)
-    cert = certify("rfrag", 10.0, 10**6, 1e-8, params)
+    cert = certify(BackstopFragments(eps_f=2.0, tau=2), 10.0, 10**6, 1e-8)
     eps_inf = fragment_eps(10.0, 2.0, 2)
     assert all(b.eps <= eps_inf + 1e-12 for b in cert.bounds)
     iv2 = next(b for b in cert.bounds if b.method == Method.ESA_THM_IV2)
@@ -20,30 +30,30 @@ def test_rfrag_is_capped_by_eps_l_inf_and_never_uses_printed_first_term() -> Non
 
 
 def test_longitudinal_uses_half_eps_per_report() -> None:
-    whole = certify("longitudinal", 4.0, 50_000, 1e-8).certified
-    krappor_half = certify("krappor", 2.0, 50_000, 1e-8).certified
+    whole = certify(BinaryRRSequence(), 4.0, 50_000, 1e-8).certified
+    krappor_half = certify(BinaryRR(), 2.0, 50_000, 1e-8).certified
     assert whole.eps == pytest.approx(krappor_half.eps)
 
 
 def test_krr_numerical_beats_corollary_for_large_k() -> None:
-    cert = certify("krr", 6.0, 10**6, 1e-8, MechanismParams(k=1000))
+    cert = certify(KaryRR(k=1000), 6.0, 10**6, 1e-8)
     by_method = {b.method: b for b in cert.bounds}
     assert by_method[Method.BLANKET_KRR].eps < by_method[Method.FMT21_KRR_COR42].eps
     assert cert.lower is None
 
 
 def test_generic_with_delta0_uses_theorem_38_only() -> None:
-    cert = certify("generic", 2.0, 10**6, 1e-6, MechanismParams(delta0=1e-13))
+    cert = certify(GenericRandomizer(delta0=1e-13), 2.0, 10**6, 1e-6)
     assert cert.certified.method == Method.FMT21_THM38
     assert {b.method for b in cert.bounds} == {Method.FMT21_THM38, Method.LOCAL}
 
 
 def test_zsum_certificate_and_methods() -> None:
-    cert = certify("zsum", 0.5, 10**5, 2e-6, MechanismParams(d=10))
+    cert = certify(BalcerCheuNoise(), 0.5, 10**5, 2e-6)
     assert cert.certified.method == Method.BALCER_CHEU_THM12
     assert cert.certified.eps == pytest.approx(1.0)
     assert cert.other_notion.neighbouring == "removal"
-    assert methods_for("zsum") == (Method.BALCER_CHEU_THM12,)
+    assert methods_for(BalcerCheuNoise()) == (Method.BALCER_CHEU_THM12,)
 
 
 def test_rfrag_across_batches_is_a_capped_mixture_of_per_batch_bounds() -> None:
@@ -64,17 +74,22 @@ def test_rfrag_across_batches_is_a_capped_mixture_of_per_batch_bounds() -> None:
 def test_krr_with_two_values_and_delta0_edge_cases() -> None:
     from common.accounting import plan_eps0
 
-    assert certify("krr", 1.0, 10**4, 1e-6, MechanismParams(k=2)).lower is not None
-    cert = certify("generic", 3.0, 1000, 1e-6, MechanismParams(delta0=1e-3))
+    assert certify(KaryRR(k=2), 1.0, 10**4, 1e-6).lower is not None
+    cert = certify(GenericRandomizer(delta0=1e-3), 3.0, 1000, 1e-6)
     trivial = cert.bounds[-1]
     assert trivial.method == Method.LOCAL and trivial.delta == 1e-3
-    plan = plan_eps0(1.0, 1e-6, 10**6, "generic", MechanismParams(delta0=1e-14))
+    plan = plan_eps0(1.0, 1e-6, 10**6, GenericRandomizer(delta0=1e-14))
     assert plan.certification.certified.method == Method.FMT21_THM38
     assert plan.certification.certified.eps <= 1.0
 
 
 def test_longitudinal_accepts_a_single_change_bound() -> None:
-    cert = certify("longitudinal", 4.0, 10_000, 1e-8, MechanismParams(d=8, k=1))
+    from common.mechanisms import get
+
+    longitudinal = get("longitudinal")
+    params = longitudinal.parse_params({"d": 8, "k": 1, "eps": 4.0})
+    cert = longitudinal.privacy(params).certify(10_000, 1e-8)
     assert cert.certified.certifiable
+    assert cert.certified.eps == certify(BinaryRRSequence(), 4.0, 10_000, 1e-8).certified.eps
     with pytest.raises(ValueError, match="k must be an integer >= 2"):
-        certify("krr", 4.0, 10_000, 1e-8, MechanismParams(k=1))
+        KaryRR(k=1)

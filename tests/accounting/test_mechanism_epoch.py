@@ -9,11 +9,16 @@ import math
 import numpy as np
 import pytest
 
-from common.accounting import MechanismParams, lifetime_for_mechanism
+from common.accounting import (
+    BalcerCheuNoise,
+    BinaryRR,
+    BinaryRRSequence,
+    KaryRR,
+    LocalRandomizer,
+    lifetime_for_mechanism,
+)
 from common.accounting.hockey_stick import ClonePair, eps_for_delta
 from common.accounting.lifetime import _best_pair, _no_worse, mechanism_epoch
-from common.accounting.mechanisms import SPECS, applicable_methods
-from common.accounting.results import Mechanism
 from common.mechanisms import get
 
 CHANNELS = {
@@ -51,42 +56,43 @@ def test_the_mechanism_pairs_are_what_account_compose_composes() -> None:
     params = krappor.parse_params(CHANNELS["krappor"])
     crowds = [800, 1200, 1000]
     epochs = [krappor.epoch_pair(params, n, 1e-6 / 3) for n in crowds]
-    direct = mechanism_epoch("krappor", 2.0, 800, 1e-6 / 3)
+    direct = mechanism_epoch(BinaryRR(), 2.0, 800, 1e-6 / 3)
     assert epochs[0] == direct
     blanket = ClonePair(799, 2.0 / (math.exp(2.0) + 1.0), 2.0)
     assert direct is not None and direct.pairs == (blanket,)
-    result = lifetime_for_mechanism("krappor", 2.0, crowds, 1e-6)
+    result = lifetime_for_mechanism(BinaryRR(), 2.0, crowds, 1e-6)
     assert result.pair_parts == 3 and result.neighbouring == "removal"
 
 
-def _candidates(mech: Mechanism, eps0: float, n: int, params: MechanismParams) -> list[ClonePair]:
-    wanted = applicable_methods(mech, params, None)
+def _candidates(randomizer: LocalRandomizer, eps0: float, n: int) -> list[ClonePair]:
+    wanted = randomizer.applicable(None)
     return [
-        spec.pair(eps0, n, params)
-        for spec in SPECS[mech].methods
+        spec.pair(eps0, n)
+        for spec in randomizer.methods()
         if spec.pair is not None and spec.method in wanted
     ]
 
 
 @pytest.mark.parametrize(
-    ("mech", "eps0", "n", "params"),
+    ("randomizer", "eps0", "n"),
     [
-        (Mechanism.KRAPPOR, 2.0, 5000, MechanismParams()),
-        (Mechanism.KRAPPOR, 0.3, 40, MechanismParams()),
-        (Mechanism.LONGITUDINAL, 4.0, 900, MechanismParams(d=8, k=1)),
+        (BinaryRR(), 2.0, 5000),
+        (BinaryRR(), 0.3, 40),
+        (BinaryRRSequence(), 4.0, 900),
         *[
-            (Mechanism.KRR, eps0, n, MechanismParams(k=k))
+            (KaryRR(k=k), eps0, n)
             for eps0, n, k in itertools.product((0.5, 1.0, 3.0), (50, 5000), (2, 20, 200))
         ],
     ],
+    ids=str,
 )
 def test_the_chosen_pair_is_the_tightest_candidate(
-    mech: Mechanism, eps0: float, n: int, params: MechanismParams
+    randomizer: LocalRandomizer, eps0: float, n: int
 ) -> None:
     delta = 1e-8
-    best = _best_pair(mech, eps0, n, delta, params)
+    best = _best_pair(randomizer, eps0, n, delta)
     assert best is not None
-    tightest = min(eps_for_delta(pair, delta) for pair in _candidates(mech, eps0, n, params))
+    tightest = min(eps_for_delta(pair, delta) for pair in _candidates(randomizer, eps0, n))
     assert eps_for_delta(best, delta) <= tightest + 1e-12
 
 
@@ -112,11 +118,9 @@ def test_a_pair_no_worse_than_another_has_no_larger_eps() -> None:
 
 def test_bad_arguments_name_the_value() -> None:
     with pytest.raises(ValueError, match="crowd"):
-        mechanism_epoch("krappor", 2.0, 0, 1e-6)
+        mechanism_epoch(BinaryRR(), 2.0, 0, 1e-6)
     with pytest.raises(ValueError, match="delta"):
-        mechanism_epoch("krappor", 2.0, 100, 1.5)
-    with pytest.raises(ValueError, match="mechanism"):
-        mechanism_epoch("nope", 2.0, 100, 1e-6)
-    with pytest.raises(ValueError, match="k=None"):
-        mechanism_epoch("krr", 2.0, 100, 1e-6)
-    assert mechanism_epoch("zsum", 1.0, 100, 1e-6, MechanismParams(n_declared=100)) is None
+        mechanism_epoch(BinaryRR(), 2.0, 100, 1.5)
+    with pytest.raises(TypeError, match="randomizer='nope'"):
+        mechanism_epoch("nope", 2.0, 100, 1e-6)  # type: ignore[arg-type]
+    assert mechanism_epoch(BalcerCheuNoise(n_declared=100), 1.0, 100, 1e-6) is None

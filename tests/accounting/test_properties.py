@@ -9,7 +9,13 @@ from collections.abc import Sequence
 import pytest
 
 from common.accounting import (
-    MechanismParams,
+    BackstopFragments,
+    BalcerCheuNoise,
+    BinaryRR,
+    BinaryRRSequence,
+    GenericRandomizer,
+    KaryRR,
+    LocalRandomizer,
     Method,
     blanket_binary_rr,
     certify,
@@ -32,11 +38,13 @@ def non_decreasing(values: Sequence[float]) -> bool:
     return all(b >= a * (1 - SLACK) for a, b in itertools.pairwise(values))
 
 
-@pytest.mark.parametrize("mechanism", ["generic", "krappor"])
+@pytest.mark.parametrize("randomizer", [GenericRandomizer(), BinaryRR()], ids=str)
 @pytest.mark.parametrize("delta", DELTAS)
-def test_certified_between_lower_bound_and_local_eps(mechanism: str, delta: float) -> None:
+def test_certified_between_lower_bound_and_local_eps(
+    randomizer: LocalRandomizer, delta: float
+) -> None:
     for n, eps0 in itertools.product(NS, EPS0S):
-        cert = certify(mechanism, eps0, n, delta)
+        cert = certify(randomizer, eps0, n, delta)
         assert cert.lower is not None
         assert cert.lower.eps <= cert.certified.eps * (1 + SLACK) + 1e-12, (n, eps0)
         assert cert.certified.eps <= eps0
@@ -59,50 +67,51 @@ def test_numerical_bounds_monotone_in_n_eps0_delta(bound_fn: object) -> None:
         assert non_decreasing(values), (n, eps0, values)
 
 
-@pytest.mark.parametrize("mechanism", ["generic", "krappor", "longitudinal"])
-def test_certificate_monotone_in_n_eps0_delta(mechanism: str) -> None:
+@pytest.mark.parametrize(
+    "randomizer", [GenericRandomizer(), BinaryRR(), BinaryRRSequence()], ids=str
+)
+def test_certificate_monotone_in_n_eps0_delta(randomizer: LocalRandomizer) -> None:
     for eps0, delta in itertools.product(EPS0S, DELTAS[:3]):
-        values = [certify(mechanism, eps0, n, delta).certified.eps for n in NS]
+        values = [certify(randomizer, eps0, n, delta).certified.eps for n in NS]
         assert non_increasing(values), (eps0, delta)
     for n, delta in itertools.product(NS, DELTAS[:3]):
-        values = [certify(mechanism, eps0, n, delta).certified.eps for eps0 in EPS0S]
+        values = [certify(randomizer, eps0, n, delta).certified.eps for eps0 in EPS0S]
         assert non_decreasing(values), (n, delta)
 
 
 PLAN_CASES = [
-    ("krappor", None, 1.0, 1e-9, 1_000_000, MechanismParams()),
-    ("krappor", "cheu-lemma-ii6", 0.5, 1e-8, 5_000_000, MechanismParams()),
-    ("generic", None, 0.3, 1e-6, 100_000, MechanismParams()),
-    ("generic", "fmt21-closed", 1.0, 1e-6, 100_000, MechanismParams()),
-    ("krr", None, 1.0, 1e-7, 1_000_000, MechanismParams(k=50)),
-    ("rfrag", None, 0.5, 1e-8, 2_000_000, MechanismParams(eps_f=2.0, tau=16)),
-    ("longitudinal", None, 1.0, 1e-8, 100_000, MechanismParams(d=64, k=4)),
-    ("zsum", None, 1.0, 1e-6, 50_000, MechanismParams(d=8)),
+    (BinaryRR(), None, 1.0, 1e-9, 1_000_000),
+    (BinaryRR(), "cheu-lemma-ii6", 0.5, 1e-8, 5_000_000),
+    (GenericRandomizer(), None, 0.3, 1e-6, 100_000),
+    (GenericRandomizer(), "fmt21-closed", 1.0, 1e-6, 100_000),
+    (KaryRR(k=50), None, 1.0, 1e-7, 1_000_000),
+    (BackstopFragments(eps_f=2.0, tau=16), None, 0.5, 1e-8, 2_000_000),
+    (BinaryRRSequence(), None, 1.0, 1e-8, 100_000),
+    (BalcerCheuNoise(), None, 1.0, 1e-6, 50_000),
 ]
 
 
-@pytest.mark.parametrize(("mechanism", "bound", "target", "delta", "n", "params"), PLAN_CASES)
+@pytest.mark.parametrize(("randomizer", "bound", "target", "delta", "n"), PLAN_CASES, ids=str)
 def test_planner_round_trip_and_maximality(
-    mechanism: str, bound: str | None, target: float, delta: float, n: int, params: MechanismParams
+    randomizer: LocalRandomizer, bound: str | None, target: float, delta: float, n: int
 ) -> None:
-    plan = plan_eps0(target, delta, n, mechanism, params, bound)
+    plan = plan_eps0(target, delta, n, randomizer, bound)
     methods = None if bound is None else [bound]
-    at_plan = certify(mechanism, plan.eps0, n, delta, params, methods).certified
+    at_plan = certify(randomizer, plan.eps0, n, delta, methods).certified
     assert at_plan.certifiable and at_plan.eps <= target
     assert not plan.capped
-    just_above = certify(mechanism, plan.eps0 + 1e-3, n, delta, params, methods).certified
+    just_above = certify(randomizer, plan.eps0 + 1e-3, n, delta, methods).certified
     assert not (just_above.certifiable and just_above.eps <= target)
 
 
 def test_planner_flags_the_cap_when_every_eps0_certifies() -> None:
-    params = MechanismParams(eps_f=2.0, tau=4)
-    plan = plan_eps0(0.5, 1e-8, 2_000_000, "rfrag", params)
+    plan = plan_eps0(0.5, 1e-8, 2_000_000, BackstopFragments(eps_f=2.0, tau=4))
     assert plan.capped and plan.eps0 == 50.0
     assert plan.certification.certified.eps <= 0.5
 
 
 def test_planner_reports_every_method() -> None:
-    plan = plan_eps0(1.0, 1e-9, 10**6, "krappor")
+    plan = plan_eps0(1.0, 1e-9, 10**6, BinaryRR())
     methods = {m for m, _ in plan.per_method}
     assert Method.BLANKET_BINARY_RR in methods and Method.CHEU_LEMMA_II6 in methods
     assert plan.method == max((e or 0, m) for m, e in plan.per_method)[1]
@@ -114,8 +123,8 @@ def test_blanket_is_at_least_as_tight_as_generic_clones_for_binary_rr() -> None:
 
 
 def test_replacement_is_twice_removal_at_half_delta() -> None:
-    cert = certify("krappor", 6.0, 10**6, 1e-8)
-    half = certify("krappor", 6.0, 10**6, 5e-9).certified
+    cert = certify(BinaryRR(), 6.0, 10**6, 1e-8)
+    half = certify(BinaryRR(), 6.0, 10**6, 5e-9).certified
     assert cert.other_notion.neighbouring == "replacement"
     assert cert.other_notion.eps == pytest.approx(2 * half.eps)
     assert cert.other_notion.delta == pytest.approx(1e-8)

@@ -7,7 +7,10 @@ import math
 import pytest
 
 from common.accounting import (
-    MechanismParams,
+    BackstopFragments,
+    BinaryRR,
+    GenericRandomizer,
+    KaryRR,
     balcer_cheu_thm12,
     certify,
     cheu_lemma_ii6,
@@ -49,16 +52,16 @@ def test_bad_inputs_raise_value_error_naming_the_value(
 
 
 def test_bad_mechanism_arguments() -> None:
-    with pytest.raises(ValueError, match="mechanism must be one of"):
-        certify("sketch", 1.0, 100, 1e-6)
-    with pytest.raises(ValueError, match="k is required"):
-        certify("krr", 1.0, 100, 1e-6)
+    with pytest.raises(TypeError, match=r"randomizer must be a LocalRandomizer.*'sketch'"):
+        certify("sketch", 1.0, 100, 1e-6)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="k=1"):
+        KaryRR(k=1)
     with pytest.raises(ValueError, match="k must be an integer >= 2"):
         fmt21_krr_cor42(1.0, 100, 1e-6, k=1)
-    with pytest.raises(ValueError, match="eps_f is required"):
-        certify("rfrag", 4.0, 10**5, 1e-6, MechanismParams(tau=4))
-    with pytest.raises(ValueError, match="does not apply to krappor"):
-        certify("krappor", 1.0, 100, 1e-6, methods=["blanket-krr"])
+    with pytest.raises(ValueError, match="eps_f=0"):
+        BackstopFragments(eps_f=0, tau=4)
+    with pytest.raises(ValueError, match="does not apply to binary-rr"):
+        certify(BinaryRR(), 1.0, 100, 1e-6, methods=["blanket-krr"])
     with pytest.raises(ValueError, match="target_eps must be > 0"):
         plan_eps0(0.0, 1e-6, 100)
 
@@ -93,7 +96,7 @@ def test_balcer_cheu_refuses_outside_regime() -> None:
 @pytest.mark.parametrize("eps0", [0.01, 1.0, 20.0])
 @pytest.mark.parametrize("delta", [1e-15, 1e-3])
 def test_extreme_tails_stay_sane(n: int, eps0: float, delta: float) -> None:
-    cert = certify("krappor", eps0, n, delta)
+    cert = certify(BinaryRR(), eps0, n, delta)
     assert cert.lower is not None
     assert 0.0 <= cert.lower.eps <= cert.certified.eps * (1 + 1e-9) + 1e-12
     assert cert.certified.eps <= eps0
@@ -101,6 +104,6 @@ def test_extreme_tails_stay_sane(n: int, eps0: float, delta: float) -> None:
 
 
 def test_large_n_small_eps0_amplifies_strongly() -> None:
-    value = certify("generic", 0.5, 10**9, 1e-15).certified.eps
+    value = certify(GenericRandomizer(), 0.5, 10**9, 1e-15).certified.eps
     assert 0 < value < 1e-3
     assert lower_2rr(0.5, 10**9, 1e-15).eps > 0.5 * value

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from analyzer.channels import ChannelRuntime
 from analyzer.ledger import budget_in_use, compose_items, lifetime
-from common.accounting import compose_epochs, lifetime_for_mechanism
+from common.accounting import BinaryRR, compose_epochs, lifetime_for_mechanism
 from common.accounting.lifetime import charged_crowds
 from common.mechanisms import BatchContext, Received, krappor
 from common.wire import Bound, ChannelConfig, DeviceBudget, LedgerRow
@@ -100,11 +100,12 @@ def test_a_year_of_krappor_at_5000_pairs_are_far_tighter_than_certificates() -> 
     assert pairs.eps <= pairs.eps_basic and pairs.eps < 4.0
     assert "12 distinct crowds charged at" in pairs.note
     # Equal to esa account compose's composition and to compose_epochs of the same pairs.
-    direct = lifetime_for_mechanism("krappor", 2.0, crowds, 1e-5)
+    direct = lifetime_for_mechanism(BinaryRR(), 2.0, crowds, 1e-5)
     assert pairs.eps == pytest.approx(direct.eps, rel=1e-12, abs=0.0)
     assert pairs.eps_basic == pytest.approx(direct.eps_basic, rel=1e-12)
     params = krappor.KRapporParams(k=20, eps=2.0)
-    epochs = [krappor.epoch_pair(params, n, 1e-5 / 365) for n in charged_crowds(crowds)]
+    mechanism = krappor.KRappor()
+    epochs = [mechanism.epoch_pair(params, n, 1e-5 / 365) for n in charged_crowds(crowds)]
     assert all(epoch is not None for epoch in epochs)
     composed = compose_epochs([e for e in epochs if e is not None], 1e-5)
     assert pairs.eps == pytest.approx(composed.eps, rel=1e-12)
@@ -171,11 +172,11 @@ def test_the_ledger_composes_received_epochs_as_pairs(database_url: str) -> None
     ledger = layers.ledger.ledger(CHANNEL.id)
     assert [row.composed_as for row in ledger.epochs] == ["pair"] * 3
     assert ledger.lifetime is not None and ledger.with_randomized_deletion is not None
-    expected = lifetime_for_mechanism("krappor", 4.0, list(sizes), layers.ledger.delta)
+    expected = lifetime_for_mechanism(BinaryRR(), 4.0, list(sizes), layers.ledger.delta)
     assert ledger.lifetime.eps == pytest.approx(expected.eps, rel=1e-12)
     deletion = (CHANNEL.eps_cr, CHANNEL.delta_cr)
     with_deletion = lifetime_for_mechanism(
-        "krappor", 4.0, list(sizes), layers.ledger.delta, deletion=deletion
+        BinaryRR(), 4.0, list(sizes), layers.ledger.delta, deletion=deletion
     )
     assert ledger.with_randomized_deletion.eps == pytest.approx(with_deletion.eps, rel=1e-12)
     as_certificates = lifetime([row.certificate for row in ledger.epochs], layers.ledger.delta)

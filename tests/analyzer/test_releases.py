@@ -10,7 +10,7 @@ import pytest
 
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import InvalidChannelError, NothingReceivedError, UnknownChannelError
-from common.accounting import certify
+from common.accounting import BinaryRR, certify
 from common.mechanisms import longitudinal
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelConfig
@@ -28,7 +28,7 @@ def test_estimates_cover_the_truth_and_certificates_match_the_accountant(
     truth = np.bincount(VALUES, minlength=20)
     lo, hi = release.estimate.interval()
     assert np.mean((lo <= truth) & (truth <= hi)) >= 0.85
-    expected = certify("krappor", 4.0, VALUES.size, 1e-8)
+    expected = certify(BinaryRR(), 4.0, VALUES.size, 1e-8)
     assert release.certificate.eps == pytest.approx(expected.certified.eps)
     assert release.certificate.method == expected.certified.method
     shown = release.to_wire()
@@ -165,7 +165,7 @@ def test_a_crowd_the_fragments_do_not_back_is_certified_at_the_verified_crowd(
     assert (check.short_batches, check.invalid_fragments) == (1, 0)
     assert f"({VALUES.size + verified:,} of 2,000 contributions" in release.note
     # each batch is shuffled alone: the epoch is certified at its smallest (verified) batch
-    expected = certify("krappor", 4.0, verified, 1e-8)
+    expected = certify(BinaryRR(), 4.0, verified, 1e-8)
     assert release.certificate.eps == pytest.approx(expected.certified.eps)
     assert release.certificate.eps > honest.certificate.eps
     # the ledger charged the epoch at the same crowds

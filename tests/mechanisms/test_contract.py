@@ -14,14 +14,18 @@ the certified central ε never exceeds the local ε of the same notion.
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 
+from common.accounting.hockey_stick import delta_for_eps
 from common.mechanisms import (
     BatchContext,
     MechanismError,
@@ -212,3 +216,152 @@ def test_the_certificate_never_exceeds_the_local_eps_and_a_larger_crowd_never_hu
         assert certificate.kind == "upper" and certificate.eps <= same + 1e-12
         certified.append(certificate.eps)
     assert certified[1] <= certified[0]
+
+
+def _index(fragment: bytes) -> int:
+    """The uint32 bin index that ends every histogram fragment's payload."""
+    return int.from_bytes(fragment[-4:], "big")
+
+
+@dataclass(frozen=True)
+class LawView:
+    """Where a description's pair reads one report: ``view`` maps a report's fragments to
+    the outcome the pair is about; ``values[0]`` and ``values[1]`` are neighbouring inputs
+    and every value is a possible other user's input."""
+
+    view: Callable[[Sequence[bytes]], Hashable]
+    values: tuple[int, ...]
+
+
+#: Mechanisms whose description carries a dominating pair, read on small cases. Longitudinal
+#: and LDP-SGD reports depend on device state and gradients; their pairs are checked against
+#: their estimators' laws in their own modules.
+LAW_VIEWS: dict[str, LawView] = {
+    # k-RAPPOR: attribute 0's bit (the other attributes are independent post-processing).
+    "krappor": LawView(lambda fs: any(_index(f) == 0 for f in fs), (0, 1, 2)),
+    # k-RR: the value reported.
+    "krr": LawView(lambda fs: _index(fs[0]), (0, 1, 2)),
+    # report fragments: which rows carry attribute 0's bit (the τ-tuple at ε_ℓ∞).
+    "rfrag": LawView(
+        lambda fs: tuple(sorted(int.from_bytes(f[2:4], "big") for f in fs if _index(f) == 0)),
+        (0, 1, 2),
+    ),
+}
+DRAWS = 20_000
+#: Standard errors of the confidence band around each empirical probability (the checks
+#: are of a fixed seed, so they are deterministic; at 6 σ a correct law never fails them).
+BAND = 6.0
+#: How far a divergence computed from sampled laws may exceed the truth: at 20,000 draws per
+#: input the plug-in divergences of correct descriptions come within 0.006 of their pairs'
+#: δ; a description with a wrong ε0 or τ exceeds it by 0.18 or more (measured on k-RAPPOR
+#: at 0.8 ε and report fragments claiming τ = 1).
+LAW_SLACK = 0.03
+
+
+def _law(name: str, value: int, draws: int = DRAWS) -> Counter[Hashable]:
+    """Outcome counts of ``draws`` reports of ``value``, each by a new device."""
+    mechanism, case = get(name), CASES[name]
+    params = mechanism.parse_params(case.params)
+    rng = SeededSource(1000 + value)
+    counts: Counter[Hashable] = Counter()
+    for _ in range(draws):
+        encoded = mechanism.encode(params, value, mechanism.new_state(params, rng), rng, 1)
+        counts[LAW_VIEWS[name].view([f for _, route in encoded.routes for f in route])] += 1
+    return counts
+
+
+def _band(count: int, draws: int) -> tuple[float, float]:
+    """Wilson interval of a probability at ``BAND`` standard errors."""
+    p, z2 = count / draws, BAND * BAND
+    centre = (p + z2 / (2 * draws)) / (1 + z2 / draws)
+    half = BAND * math.sqrt(p * (1 - p) / draws + z2 / (4 * draws * draws)) / (1 + z2 / draws)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def test_every_pair_described_is_checked_or_excused() -> None:
+    for name in sorted(CASES):
+        mechanism = get(name)
+        description = mechanism.privacy(mechanism.parse_params(CASES[name].params))
+        has_pair = any(spec.pair is not None for spec in description.randomizer.methods())
+        assert name in LAW_VIEWS or name in ("longitudinal", "ldp-sgd") or not has_pair, name
+
+
+def _shuffled(laws: dict[int, dict[Hashable, float]], dataset: Sequence[int]) -> Counter[str]:
+    """The law of the shuffled multiset of the dataset's reports (small cases, exactly)."""
+    out: Counter[str] = Counter()
+    for combo in itertools.product(*(laws[v].items() for v in dataset)):
+        out[repr(sorted(repr(y) for y, _ in combo))] += math.prod(p for _, p in combo)
+    return out
+
+
+def _hockey_stick(p: Counter[str], q: Counter[str], eps: float) -> float:
+    return sum(max(0.0, p[k] - math.exp(eps) * q[k]) for k in set(p) | set(q))
+
+
+@pytest.mark.parametrize("name", sorted(LAW_VIEWS))
+def test_the_described_pairs_hold_for_the_encoders_law(name: str) -> None:
+    """Each pair's ε0 bounds the likelihood ratio of one report of neighbouring inputs and is
+    attained; and each pair at n users dominates the shuffled reports of n users the encoder
+    really produces (every choice of the others' inputs, n <= 4): the hockey-stick divergence
+    of their laws never exceeds the pair's δ(ε) by more than the sampling slack."""
+    mechanism = get(name)
+    description = mechanism.privacy(mechanism.parse_params(CASES[name].params))
+    randomizer, eps0 = description.randomizer, description.eps0
+    specs = [s for s in randomizer.methods() if s.pair and s.method in randomizer.applicable(None)]
+    assert specs, f"{name} describes no dominating pair"
+    values = LAW_VIEWS[name].values
+    counts = {v: _law(name, v) for v in values}
+    laws = {v: {y: c / DRAWS for y, c in counts[v].items()} for v in values}
+    x0, x1 = values[0], values[1]
+    for spec in specs:
+        assert spec.pair is not None
+        ceiling, attained = _ratios(counts, x0, x1)
+        pair_eps0 = spec.pair(eps0, 2).eps0
+        assert ceiling <= math.exp(pair_eps0) <= attained, (name, spec.method, ceiling, attained)
+    for n in (2, 3, 4):
+        for others in itertools.combinations_with_replacement(values, n - 1):
+            p, q = _shuffled(laws, (x0, *others)), _shuffled(laws, (x1, *others))
+            for spec, eps in itertools.product(specs, np.linspace(0.0, eps0, 6)):
+                assert spec.pair is not None
+                real = max(_hockey_stick(p, q, eps), _hockey_stick(q, p, eps))
+                claimed = delta_for_eps(spec.pair(eps0, n), float(eps), 1e-9)
+                assert real <= claimed + LAW_SLACK, (name, spec.method, n, others, eps, real)
+
+
+def _ratios(counts: dict[int, Counter[Hashable]], x0: int, x1: int) -> tuple[float, float]:
+    """The largest likelihood ratio of one report between x0 and x1 that the samples prove
+    (lower band over upper band) and the largest they allow (upper over lower)."""
+    outcomes = set(counts[x0]) | set(counts[x1])
+    band = {(v, y): _band(counts[v][y], DRAWS) for v in (x0, x1) for y in outcomes}
+    directions = ((x0, x1), (x1, x0))
+    ceiling = max(band[(a, y)][0] / band[(b, y)][1] for a, b in directions for y in outcomes)
+    attained = max(
+        band[(a, y)][1] / band[(b, y)][0]
+        for a, b in directions
+        for y in outcomes
+        if band[(b, y)][0] > 0
+    )
+    return ceiling, attained
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_exact_bin_count_law_is_the_encoders(name: str) -> None:
+    """What the shuffler audit fits its thresholds to (:meth:`Mechanism.bin_count_law`) is
+    the law the encoder samples: every cell inside the samples' 6-σ band."""
+    mechanism = get(name)
+    params = mechanism.parse_params(CASES[name].params)
+    if mechanism.bin_count_law(params, 0, (0, 1)) is None:
+        pytest.skip(f"{name}: its reports do not name bins")
+    for value in (0, 1, 2):
+        law = mechanism.bin_count_law(params, value, (0, 1))
+        assert law is not None and law.sum() == pytest.approx(1.0)
+        rng = SeededSource(2000 + value)
+        counts: Counter[tuple[int, int]] = Counter()
+        for _ in range(DRAWS):
+            encoded = mechanism.encode(params, value, mechanism.new_state(params, rng), rng, 1)
+            named = [_index(f) for _, route in encoded.routes for f in route]
+            counts[(named.count(0), named.count(1))] += 1
+        assert all(cell[0] < law.shape[0] and cell[1] < law.shape[1] for cell in counts), counts
+        for (i, j), p in np.ndenumerate(law):
+            low, high = _band(counts[(i, j)], DRAWS)
+            assert low <= p <= high, (name, value, (i, j), p, counts[(i, j)])

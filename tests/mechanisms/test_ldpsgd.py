@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from common.accounting import MechanismParams, certify
+from common.accounting import KaryRR, certify
 from common.mechanisms import BatchContext, MechanismError, Received, SeededSource, get
 from common.mechanisms import ldpsgd as m
 
@@ -146,7 +146,7 @@ def test_certificate_is_binary_rr_and_tau_composes() -> None:
         Received(epoch=0, shuffler_id="s1", batches=(5000, 7000), accumulator=state, source=BATCH)
     ]
     cert = mechanism.certify(one, 1e-6, received)
-    expected = certify("krr", 2.0, 5000, 1e-6, MechanismParams(k=2))
+    expected = certify(KaryRR(k=2), 2.0, 5000, 1e-6)
     assert cert.certified.eps == pytest.approx(expected.certified.eps)
     assert cert.certified.neighbouring == "replacement"
     assert expected.certified.eps < 2.0  # amplified

@@ -1,9 +1,11 @@
-"""A mechanism defined in this file alone runs through the whole pipeline.
+"""A mechanism defined in this file alone runs through the whole pipeline and the accountant.
 
 This is the proof that adding a mechanism is one module plus one registry call: the toy
-(binary randomized response on one bit) is registered here, the analyzer process loads this
+(binary randomized response on one bit) is registered here with its own privacy description
+(a :class:`LocalRandomizer` subclass no other file knows), the analyzer process loads this
 module through ``ESA_MECHANISM_MODULES``, and a device population goes SDK encode -> shuffler ->
-analyzer accumulate -> estimate -> certificate without any other file knowing the toy.
+analyzer accumulate -> estimate -> certificate; certification, planning and lifetime
+composition take the toy's description as they take the built-in ones.
 """
 
 from __future__ import annotations
@@ -14,13 +16,23 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import numpy as np
 import pytest
 
-from common.accounting import Certification, certify
+from common.accounting import (
+    LocalRandomizer,
+    Method,
+    MethodSpec,
+    blanket_binary_rr,
+    compose_epochs,
+    lifetime_for_mechanism,
+    plan_eps0,
+)
+from common.accounting.hockey_stick import ClonePair
+from common.accounting.results import Neighbouring
 from common.mechanisms import (
     BatchContext,
     Encoded,
@@ -29,15 +41,38 @@ from common.mechanisms import (
     LocalPrivacy,
     Mechanism,
     MechanismError,
+    PrivacyDescription,
     Received,
     ReleaseCertificate,
     register,
 )
 from common.mechanisms._wire import FragmentError, frame, unframe
 from common.mechanisms.base import certify_smallest_batch
+from common.mechanisms.registry import get
 from common.randomness import RandomSource, bernoulli
 
 TOY_CODE = 200
+
+
+@dataclass(frozen=True)
+class ToyRandomizer(LocalRandomizer):
+    """One bit's binary randomized response at ε0, replacement: the privacy-blanket bound and
+    its pair (Balle et al. 2019) are the only methods it claims."""
+
+    kind: ClassVar[str] = "toy-binary-rr"
+    natural: ClassVar[Neighbouring] = "replacement"
+
+    def methods(self) -> tuple[MethodSpec, ...]:
+        def pair(eps0: float, n: int) -> ClonePair:
+            return ClonePair(n - 1, 2.0 / (math.exp(eps0) + 1.0), eps0)
+
+        return (
+            MethodSpec(
+                Method.BLANKET_BINARY_RR,
+                lambda e, n, d: blanket_binary_rr(e, n, d, "replacement"),
+                pair,
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,13 +178,14 @@ class ToyBit(Mechanism[ToyParams, ToyAccumulator]):
             note="toy bit",
         )
 
+    def privacy(self, params: ToyParams) -> PrivacyDescription:
+        return PrivacyDescription(ToyRandomizer(), params.eps)
+
     def certify(
         self, params: ToyParams, delta: float, received: Sequence[Received[ToyAccumulator]]
     ) -> ReleaseCertificate:
-        def at(n: int) -> Certification:
-            return certify("krappor", params.eps, n, delta)  # binary RR's bounds apply
-
-        return certify_smallest_batch(received, at)
+        description = self.privacy(params)
+        return certify_smallest_batch(received, lambda n: description.certify(n, delta))
 
 
 register(ToyBit())
@@ -164,6 +200,25 @@ def test_toy_mechanism_is_registered_and_encodes_locally() -> None:
     assert len(encoded.routes) == 1 and len(encoded.routes[0][1][0]) == 3
     with pytest.raises(MechanismError):
         toy.encode(params, 2, None, SeededSource(0), 3)
+
+
+def test_toy_description_certifies_plans_and_composes_like_a_built_in() -> None:
+    toy = get("toy-bit")
+    params = toy.parse_params({"eps": 2.0})
+    cert = toy.privacy(params).certify(5000, 1e-8)
+    truth = blanket_binary_rr(2.0, 5000, 1e-8, "replacement")
+    assert cert.certified.method == Method.BLANKET_BINARY_RR
+    assert cert.certified.eps == truth.eps and cert.certified.neighbouring == "replacement"
+    assert cert.as_dict()["randomizer"] == "toy-binary-rr"
+    plan = plan_eps0(cert.certified.eps, 1e-8, 5000, ToyRandomizer())
+    assert plan.eps0 == pytest.approx(2.0, abs=1e-4)
+    crowds = [5000, 4000, 6000]
+    epochs = [toy.epoch_pair(params, n, 1e-6 / 3) for n in crowds]
+    assert all(epoch is not None for epoch in epochs)
+    by_ledger = compose_epochs([e for e in epochs if e is not None], 1e-6)
+    direct = lifetime_for_mechanism(ToyRandomizer(), 2.0, crowds, 1e-6)
+    assert by_ledger.eps == direct.eps and direct.neighbouring == "replacement"
+    assert direct.eps <= direct.eps_basic
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.accounting import plan_eps0
+from common.accounting import BinaryRR, plan_eps0
 from services.tools.simulation import COLUMNS, balanced_fragment_eps
 
 pytestmark = pytest.mark.system  # starts real processes
@@ -56,7 +56,7 @@ def test_image_run_writes_results_and_figure(tmp_path: Path) -> None:
         assert float(row["rmse"]) == pytest.approx(float(row["rmse_predicted"]), rel=0.15)
         if row["bound"] == "paper":
             planned = plan_eps0(
-                float(row["eps_c"]), 1e-8, 400_000, "krappor", bound="cheu-lemma-ii6"
+                float(row["eps_c"]), 1e-8, 400_000, BinaryRR(), bound="cheu-lemma-ii6"
             )
             assert float(row["eps0"]) == pytest.approx(planned.eps0)
     for eps_c in ("0.5", "1.0"):

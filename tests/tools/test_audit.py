@@ -43,7 +43,6 @@ from services.tools.audit.game import (
     rr_one_probability,
 )
 from services.tools.audit.mechgame import (
-    LAWS,
     MechanismGame,
     MechTrial,
     difference_law,
@@ -400,7 +399,7 @@ def test_mechanism_game_law_is_the_encoders(channel: str) -> None:
 
 
 def _one_report_law(game: MechanismGame, value: int) -> tuple[int, np.ndarray]:
-    joint = LAWS[game.mechanism_name](game.params, value)
+    joint = game.law(value)
     rows, cols = joint.shape
     pmf = np.zeros(rows + cols - 1)
     for i in range(rows):

@@ -35,7 +35,7 @@ from typing import Any
 
 from scipy import stats
 
-from common.accounting import MechanismParams, certify
+from common.accounting import KaryRR, certify
 from services.tools.audit.checks import ALPHA, Finding, ReleasedBatch
 
 CONFIDENCE = 0.95
@@ -171,7 +171,7 @@ def privacy_game(trials: Sequence[Trial], eps0: float, delta: float) -> Finding:
     threshold = thresholds[crowd]
     shown = _bounds(trials, thresholds, delta, CONFIDENCE)
     strict = max(_bounds(trials, thresholds, delta, 1 - ALPHA).values())
-    certified = certify("krr", eps0, crowd, delta, MechanismParams(k=2)).certified.eps
+    certified = certify(KaryRR(k=2), eps0, crowd, delta).certified.eps
     lower = max(shown.values())
     detail = (
         f"ε_lower={lower:.3f} at 95% (count ≥ {threshold} at crowd {crowd}: "

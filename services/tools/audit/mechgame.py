@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from scipy import stats
 
 from common.accounting import BoundResult
 from common.mechanisms import BatchContext, Mechanism, Received, get
@@ -67,60 +66,6 @@ class MechTrial:
     secret: int
     view: tuple[int, int, int] | None
     n_contributions: int
-
-
-def _bit(on: bool, one: float) -> FloatArray:
-    """Law of a 0/1 count that reads 1 with probability ``one`` (``1 − one`` when ``on``)."""
-    p = 1.0 - one if on else one
-    return np.array([1.0 - p, p])
-
-
-def _krappor_law(params: Any, value: int) -> FloatArray:
-    """Bits a and b of k-RAPPOR are independent binary RR (ESA-revisited Algorithm 1)."""
-    p = params.flip_prob
-    return np.outer(_bit(value == A, p), _bit(value == B, p))
-
-
-def _rfrag_law(params: Any, value: int) -> FloatArray:
-    """Per bit: the backstop is binary RR (ε_b), then each of τ rows binary RR (ε_f) of the
-    backstop (ESA-revisited Algorithm 2); the count is over all τ rows, bits independent."""
-    tau, rows = params.tau, np.arange(params.tau + 1)
-
-    def count(on: bool) -> FloatArray:
-        one = 1.0 - params.backstop_flip if on else params.backstop_flip
-        high = stats.binom.pmf(rows, tau, 1.0 - params.fragment_flip)
-        low = stats.binom.pmf(rows, tau, params.fragment_flip)
-        result: FloatArray = one * high + (1.0 - one) * low
-        return result
-
-    return np.outer(count(value == A), count(value == B))
-
-
-def _zsum_law(params: Any, value: int) -> FloatArray:
-    """Per bin: Ber(p) noise messages plus one for the user's own bin (Balcer–Cheu Fig. 2)."""
-    p = params.noise_prob
-
-    def count(on: bool) -> FloatArray:
-        return np.array([0.0, 1.0 - p, p]) if on else np.array([1.0 - p, p, 0.0])
-
-    return np.outer(count(value == A), count(value == B))
-
-
-def _krr_law(params: Any, value: int) -> FloatArray:
-    """One message: the value with probability e^ε/(e^ε + k − 1), each other one with
-    1/(e^ε + k − 1) (Hiding Among the Clones §4.1); a and b are never both named."""
-    truth, other = params.truth_prob, params.other_prob
-    p_a, p_b = (truth if value == A else other), (truth if value == B else other)
-    return np.array([[1.0 - p_a - p_b, p_b], [p_a, 0.0]])
-
-
-#: Joint law of (fragments naming a, fragments naming b) of one report of a value.
-LAWS: dict[str, Callable[[Any, int], FloatArray]] = {
-    "krappor": _krappor_law,
-    "rfrag": _rfrag_law,
-    "zsum": _zsum_law,
-    "krr": _krr_law,
-}
 
 
 def _difference(joint: FloatArray) -> tuple[int, FloatArray]:
@@ -161,14 +106,14 @@ class MechanismGame:
             GameError: a mechanism the game does not cover (longitudinal: see the module), or
                 a domain of fewer than three values.
         """
-        if config.mechanism not in LAWS:
-            raise GameError(
-                f"channel {config.id!r}: the privacy game covers {', '.join(sorted(LAWS))}, not "
-                f"{config.mechanism!r} (a longitudinal report is a change history across "
-                "epochs, not one value in one group)"
-            )
         game = cls(config.id, config.mechanism, json.dumps(config.params, sort_keys=True),
                    config.delta)  # fmt: skip
+        if game.mechanism.bin_count_law(game.params, A, (A, B)) is None:
+            raise GameError(
+                f"channel {config.id!r}: the privacy game covers mechanisms whose reports name "
+                f"bins (an exact bin_count_law), not {config.mechanism!r} (a longitudinal "
+                "report is a change history across epochs, not one value in one group)"
+            )
         if game.mechanism.domain_size(game.params) < 3:
             raise GameError(f"channel {config.id!r}: the game needs a domain of >= 3 values")
         return game
@@ -184,13 +129,19 @@ class MechanismGame:
 
         config = next((c for c in DEFAULT_CHANNELS if c.id == channel_id), None)
         if config is None:
-            known = ", ".join(c.id for c in DEFAULT_CHANNELS if c.mechanism in LAWS)
+            known = ", ".join(c.id for c in DEFAULT_CHANNELS if _covered(c))
             raise GameError(f"unknown game channel {channel_id!r}; default channels: {known}")
         return cls.of(config)
 
     @property
     def mechanism(self) -> Mechanism[Any, Any]:
         return get(self.mechanism_name)
+
+    def law(self, value: int) -> FloatArray:
+        """Joint law of (fragments naming a, fragments naming b) of one report of ``value``."""
+        law = self.mechanism.bin_count_law(self.params, value, (A, B))
+        assert law is not None, "checked when the game was built"
+        return law
 
     @property
     def params(self) -> Any:
@@ -242,6 +193,11 @@ class MechanismGame:
         return f"{self.channel}: {self.mechanism_name} {self.params_json}"
 
 
+def _covered(config: ChannelConfig) -> bool:
+    mechanism = get(config.mechanism)
+    return mechanism.bin_count_law(mechanism.parse_params(config.params), A, (A, B)) is not None
+
+
 @lru_cache(maxsize=64)
 def _params(name: str, params_json: str) -> Any:
     return get(name).parse_params(json.loads(params_json))
@@ -251,11 +207,10 @@ def _params(name: str, params_json: str) -> Any:
 def difference_law(game: MechanismGame, n: int) -> tuple[int, FloatArray, FloatArray]:
     """(offset, law under secret a, law under secret b) of S_b − S_a in a batch of ``n``
     reports: n − 1 of value c and the target's (exact, from the mechanism's encoding law)."""
-    law = LAWS[game.mechanism_name]
-    others = _power(*_difference(law(game.params, C)), max(0, n - 1))
+    others = _power(*_difference(game.law(C)), max(0, n - 1))
     laws = []
     for value in (A, B):
-        offset, pmf = _difference(law(game.params, value))
+        offset, pmf = _difference(game.law(value))
         laws.append(np.convolve(others[1], pmf))
     return others[0] + offset, laws[0], laws[1]
 
