@@ -292,6 +292,8 @@ class Mechanism(ABC, Generic[P, A]):
         randomizer_type: The :class:`~common.accounting.LocalRandomizer` subclass that
             :meth:`privacy` returns, for tools that fill its fields from flags (``esa
             account --mechanism``); None when no such flags describe the mechanism.
+        randomizer_fields: Fields of that description the mechanism fixes (LDP-SGD's sign
+            is k-RR at k = 2), which such tools do not take from flags.
     """
 
     name: ClassVar[str]
@@ -299,6 +301,7 @@ class Mechanism(ABC, Generic[P, A]):
     payload_size: ClassVar[int]
     value_kind: ClassVar[ValueKind] = ValueKind.CATEGORY
     randomizer_type: ClassVar[type[LocalRandomizer] | None] = None
+    randomizer_fields: ClassVar[Mapping[str, float]] = {}
 
     # --- configuration ------------------------------------------------------------------
 

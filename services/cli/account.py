@@ -109,16 +109,17 @@ def _randomizer(mechanism: str, **given: float | None) -> LocalRandomizer:
     """The privacy description the accountant certifies, built from the parameter flags.
 
     ``generic`` is accounting's own description; any other name is looked up in the mechanism
-    registry, whose class says which description its reports have (``randomizer_type``); the
-    flags fill that description's fields by name.
+    registry, whose class says which description its reports have (``randomizer_type``, with
+    the fields it fixes); the flags fill the other fields by name.
     """
-    kind = _randomizer_type(mechanism)
+    kind, fixed = _randomizer_type(mechanism)
     specs = {spec.name: spec for spec in fields(kind)}  # type: ignore[arg-type]
     values = {name: value for name, value in given.items() if value is not None}
-    extra = sorted(set(values) - set(specs))
+    extra = sorted(set(values) - (set(specs) - set(fixed)))
     if extra:
         flags = ", ".join("--" + name.replace("_", "-") for name in extra)
         raise click.UsageError(f"{flags} does not apply to {mechanism}")
+    values |= fixed
     for name, spec in specs.items():
         if name not in values and spec.default is MISSING and spec.default_factory is MISSING:
             flag = "--" + name.replace("_", "-")
@@ -127,18 +128,18 @@ def _randomizer(mechanism: str, **given: float | None) -> LocalRandomizer:
     return built
 
 
-def _randomizer_type(mechanism: str) -> type[LocalRandomizer]:
+def _randomizer_type(mechanism: str) -> tuple[type[LocalRandomizer], dict[str, float]]:
     if mechanism == "generic":
-        return accounting.GenericRandomizer
+        return accounting.GenericRandomizer, {}
     from common.mechanisms import registry
 
-    kind = type(registry.get(mechanism)).randomizer_type
-    if kind is None:
+    found = type(registry.get(mechanism))
+    if found.randomizer_type is None:
         raise click.UsageError(
-            f"{mechanism}'s privacy description is not built from these flags; certify it "
-            "through its channel config"
+            f"{mechanism} declares no privacy description that these flags fill "
+            "(its class's randomizer_type)"
         )
-    return kind
+    return found.randomizer_type, dict(found.randomizer_fields)
 
 
 def _fmt(value: float) -> str:
