@@ -32,6 +32,7 @@ from common.envelope import (
     sign,
 )
 from common.mechanisms import krappor
+from common.randomness import default_source
 from common.wire import PART_FRAGMENTS, Batch, ChannelConfig, b64
 from tests.support import analyzer_process, registry_entry
 
@@ -65,7 +66,9 @@ def main() -> None:
             sealed = [
                 seal_fragment(f, context, 16, analyzer_key.public_key())
                 for _ in range(PER_BATCH)
-                for f in krappor.encode(secrets.randbelow(1000), params)
+                for f in krappor.KRappor().encode_value(
+                    params, secrets.randbelow(1000), default_source()
+                )
             ]
             sealed_all.extend((blob, context) for blob in sealed)
             # In parts of at most PART_FRAGMENTS fragments, as a shuffler cuts a batch.

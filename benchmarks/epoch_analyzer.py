@@ -218,7 +218,7 @@ def _sealed_pool(public_key: Any, size: int) -> list[str]:
     for value in values:
         pool += [
             b64(seal_fragment(f, CONTEXT, HOMEPAGE.payload_size, public_key))
-            for f in krappor.encode(int(value), params, rng)
+            for f in krappor.KRappor().encode_value(params, int(value), rng)
         ]
         if len(pool) >= size:
             break

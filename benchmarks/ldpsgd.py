@@ -12,7 +12,7 @@ from its normal approximation: mean ``Σ x_i / scale`` (the estimator is unbiase
 covariance ``(m/d) I`` (the exact one is ``(m/d) I - Σ μ_i μ_iᵀ``, so this slightly overstates
 the noise). The benchmark checks the two against each other at N = 2·10^4 before using ``clt``
 for larger populations. The certified training-long central ε is the PLD composition of the
-rounds' binary-RR pairs at crowd N (:func:`training_eps`), Theorem VI.1's rate (O(·) constant
+rounds' binary-RR pairs at crowd N (:meth:`LdpSgd.training_eps`), Theorem VI.1's rate (O(·) constant
 1) beside it for reference.
 
 Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/ldpsgd.py`` (prints markdown;
@@ -157,7 +157,7 @@ def main() -> None:
             p = params(eps)
             curve = train(data, p, population, "clt", np.random.default_rng(7))
             curves[(population, eps)] = curve
-            central = ldpsgd.training_eps(p, population, DELTA)
+            central = ldpsgd.LdpSgd().training_eps(p, population, DELTA)
             reference = ldpsgd.theorem_vi1(p, population, DELTA)
             rows.append((population, eps, curve[-1], base[-1] - curve[-1], central, reference))
     print(

@@ -25,7 +25,7 @@ Each round (= epoch) t:
 Afterwards: test accuracy of the final θ, the aggregate simulator's accuracy at the same N, ε_ℓe
 and rounds (``benchmarks/ldpsgd.py``'s per-report ``exact`` mode, several seeds), the certified
 training-long central ε of the analyzer's ledger (``GET /v1/channels/{id}/privacy``), the plan's
-ε (:func:`common.mechanisms.ldpsgd.training_eps`) and the wall time.
+ε (:meth:`common.mechanisms.ldpsgd.LdpSgd.training_eps`) and the wall time.
 
 Run (heavy: ~2 cores for minutes): ``flock /tmp/esa-bench.lock .venv/bin/python
 benchmarks/ldpsgd_pipeline.py --devices 5000 --rounds 10`` (prints markdown).
@@ -460,8 +460,8 @@ def report(
     print(f"Certified training-long central ε (ledger, GET /v1/channels/{CHANNEL_ID}/privacy): "
           f"{lifetime.get('eps')} at δ = {lifetime.get('delta')} ({lifetime.get('method')}, "
           f"{lifetime.get('epochs')} epochs).")  # fmt: skip
-    at_n, at_crowd = (ldpsgd.training_eps(params, n, DELTA) for n in (args.devices, crowd))
-    print(f"Plan (ldpsgd.training_eps, δ = {DELTA:g}): {at_n:.3f} at crowd N; {at_crowd:.3f} "
+    at_n, at_crowd = (ldpsgd.LdpSgd().training_eps(params, n, DELTA) for n in (args.devices, crowd))
+    print(f"Plan (LdpSgd.training_eps, δ = {DELTA:g}): {at_n:.3f} at crowd N; {at_crowd:.3f} "
           f"at crowd ≈ N/3 = {crowd} (a shuffler's batch).")  # fmt: skip
     print(f"Wall time of the rounds: {seconds:.1f} s ({seconds / len(rounds):.1f} s per round).")
 

@@ -50,10 +50,14 @@ def main() -> None:
     tree = longitudinal.setup(l_params, source)
     z_params = zsum.ZSumParams(d=16, eps=1.0, delta=1e-8, n=10**6)
     rates = [
-        _rate("krappor k=1,778,120 ε=12", lambda: krappor.encode(123, big, source), 20_000),
+        _rate(
+            "krappor k=1,778,120 ε=12",
+            lambda: krappor.KRappor().encode_value(big, 123, source),
+            20_000,
+        ),
         _rate(
             "rfrag k=1,778,120 ε_b=12 ε_f=10.6 τ=4 (backstop cached)",
-            lambda: rfrag.encode(123, r_params, state, source),
+            lambda: rfrag.RFrag().encode_rows(r_params, 123, state, source),
             5_000,
         ),
         _rate(
@@ -61,10 +65,10 @@ def main() -> None:
             lambda: longitudinal.update(tree, 64, 1, l_params, source),
             20_000,
         ),
-        _rate("zsum d=16", lambda: zsum.encode(3, z_params, source), 20_000),
+        _rate("zsum d=16", lambda: zsum.ZSum().encode_value(z_params, 3, source), 20_000),
         _rate(
             "krr k=1,778,120",
-            lambda: krr.encode(123, krr.KRRParams(1_778_120, 8.0), source),
+            lambda: krr.KRR().encode_value(krr.KRRParams(1_778_120, 8.0), 123, source),
             20_000,
         ),
     ]

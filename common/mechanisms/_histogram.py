@@ -57,19 +57,6 @@ def index_fragment(code: int, index: int) -> bytes:
     return frame(code, int(index).to_bytes(4, "big"))
 
 
-def add_index_fragments(
-    accumulator: CountAccumulator,
-    code: int,
-    k: int,
-    fragments: Iterable[bytes],
-    n_contributions: int,
-) -> int:
-    """Count one batch of uint32-index fragments; returns how many were invalid (chaff)."""
-    indices, invalid = parse_indices(code, k, fragments)
-    accumulator.add(indices, n_contributions)
-    return invalid
-
-
 def parse_indices(code: int, k: int, fragments: Iterable[bytes]) -> tuple[IntArray, int]:
     """Parse uint32-index fragments; return the valid indices and the number of invalid ones."""
     valid: list[int] = []
@@ -124,9 +111,10 @@ class IndexHistogram(Mechanism[P, CountAccumulator]):
         n_contributions: int,
         batch: BatchContext,
     ) -> int:
-        return add_index_fragments(
-            accumulator, self.code, self.domain_size(params), fragments, n_contributions
-        )
+        """Count one batch of uint32-index fragments; returns how many were invalid (chaff)."""
+        indices, invalid = parse_indices(self.code, self.domain_size(params), fragments)
+        accumulator.add(indices, n_contributions)
+        return invalid
 
     def certify(
         self, params: P, delta: float, received: Sequence[Received[CountAccumulator]]

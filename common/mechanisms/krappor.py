@@ -18,7 +18,7 @@ Central privacy (removal, per attribute): :func:`common.accounting.certify` with
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,6 @@ from common.mechanisms._estimates import (
 )
 from common.mechanisms._histogram import (
     IndexHistogram,
-    add_index_fragments,
     check_bins,
     check_eps,
     check_value,
@@ -42,7 +41,7 @@ from common.mechanisms._histogram import (
 )
 from common.mechanisms._random import bit_law, randomized_onehot
 from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy, PrivacyDescription
-from common.randomness import RandomSource, default_source
+from common.randomness import RandomSource
 
 NAME = "krappor"
 MECHANISM_CODE = 1
@@ -71,44 +70,10 @@ class KRapporParams:
         return (1.0 - p) + (self.k - 1) * p
 
 
-def encode(value: int, params: KRapporParams, rng: RandomSource | None = None) -> list[bytes]:
-    """Fragments of one report, sorted by bit index (the order reveals nothing)."""
-    value = check_value(value, params.k)
-    ones = randomized_onehot(rng or default_source(), value, params.k, params.flip_prob)
-    return [index_fragment(MECHANISM_CODE, index) for index in ones]
-
-
-def new_accumulator(params: KRapporParams) -> CountAccumulator:
-    """An empty accumulator for this channel."""
-    return CountAccumulator.empty(params.k)
-
-
-def add_fragments(
-    accumulator: CountAccumulator,
-    params: KRapporParams,
-    fragments: Iterable[bytes],
-    n_contributions: int,
-) -> int:
-    """Count one batch; returns how many fragments were invalid (chaff)."""
-    return add_index_fragments(accumulator, MECHANISM_CODE, params.k, fragments, n_contributions)
-
-
 def variance(n: int, params: KRapporParams) -> float:
     """``Var(ĉ_j) = n p (1 - p) / (1 - 2p)²`` (the same for every bin)."""
     p = params.flip_prob
     return n * p * (1.0 - p) / (1.0 - 2.0 * p) ** 2
-
-
-def estimate(accumulator: CountAccumulator, params: KRapporParams, clip: bool = False) -> Estimate:
-    """Debiased counts with standard errors."""
-    e = math.exp(params.eps)
-    n = accumulator.n
-    values = np.asarray(((e + 1.0) * accumulator.counts - n) / (e - 1.0), dtype=np.float64)
-    std = np.full(params.k, math.sqrt(variance(n, params)))
-    note = "k-RAPPOR debiasing, ESA-revisited §III" + ("; negatives clipped to 0" if clip else "")
-    return Estimate(
-        values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
-    )
 
 
 def simulate_aggregate(
@@ -145,10 +110,25 @@ class KRappor(IndexHistogram[KRapporParams]):
         return FragmentCount(0, params.k, params.expected_fragments(), params.k * p * (1.0 - p))
 
     def encode_value(self, params: KRapporParams, value: int, rng: RandomSource) -> list[bytes]:
-        return encode(value, params, rng)
+        """Fragments of one report, sorted by bit index (the order reveals nothing)."""
+        value = check_value(value, params.k)
+        ones = randomized_onehot(rng, value, params.k, params.flip_prob)
+        return [index_fragment(MECHANISM_CODE, index) for index in ones]
 
-    def estimate(self, params: KRapporParams, accumulator: CountAccumulator) -> Estimate:
-        return estimate(accumulator, params)
+    def estimate(
+        self, params: KRapporParams, accumulator: CountAccumulator, clip: bool = False
+    ) -> Estimate:
+        """Debiased counts with standard errors."""
+        e = math.exp(params.eps)
+        n = accumulator.n
+        values = np.asarray(((e + 1.0) * accumulator.counts - n) / (e - 1.0), dtype=np.float64)
+        std = np.full(params.k, math.sqrt(variance(n, params)))
+        note = "k-RAPPOR debiasing, ESA-revisited §III" + (
+            "; negatives clipped to 0" if clip else ""
+        )
+        return Estimate(
+            values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
+        )
 
     def local_privacy(self, params: KRapporParams) -> LocalPrivacy:
         """Removal ε, replacement 2ε; every fragment is a post-processing of the whole report."""

@@ -15,7 +15,7 @@ Central privacy (replacement): FMT21 Corollary 4.2 and its numerical counterpart
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +31,13 @@ from common.mechanisms._estimates import (
 )
 from common.mechanisms._histogram import (
     IndexHistogram,
-    add_index_fragments,
     check_bins,
     check_eps,
     check_value,
     index_fragment,
 )
 from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy, PrivacyDescription
-from common.randomness import RandomSource, bernoulli, default_source
+from common.randomness import RandomSource, bernoulli
 
 NAME = "krr"
 MECHANISM_CODE = 5
@@ -67,47 +66,12 @@ class KRRParams:
         return 1.0 / (math.exp(self.eps) + self.k - 1)
 
 
-def encode(value: int, params: KRRParams, rng: RandomSource | None = None) -> list[bytes]:
-    """One fragment: the value or, with probability k/(e^ε + k - 1), a uniform value."""
-    value = check_value(value, params.k)
-    rng = rng or default_source()
-    keep = math.expm1(params.eps) * params.other_prob
-    reported = value if bernoulli(rng, keep) else rng.randbelow(params.k)
-    return [index_fragment(MECHANISM_CODE, reported)]
-
-
-def new_accumulator(params: KRRParams) -> CountAccumulator:
-    """An empty accumulator for this channel."""
-    return CountAccumulator.empty(params.k)
-
-
-def add_fragments(
-    accumulator: CountAccumulator,
-    params: KRRParams,
-    fragments: Iterable[bytes],
-    n_contributions: int,
-) -> int:
-    """Count one batch; returns how many fragments were invalid (chaff)."""
-    return add_index_fragments(accumulator, MECHANISM_CODE, params.k, fragments, n_contributions)
-
-
 def variance(true_counts: FloatArray | IntArray, n: int, params: KRRParams) -> FloatArray:
     """Exact variance of ĉ for the given counts."""
     a, b = params.truth_prob, params.other_prob
     c = np.asarray(true_counts, dtype=np.float64)
     result: FloatArray = (c * a * (1 - a) + (n - c) * b * (1 - b)) / (a - b) ** 2
     return result
-
-
-def estimate(accumulator: CountAccumulator, params: KRRParams, clip: bool = False) -> Estimate:
-    """Debiased counts with plug-in standard errors."""
-    a, b, n = params.truth_prob, params.other_prob, accumulator.n
-    values = np.asarray((accumulator.counts - n * b) / (a - b), dtype=np.float64)
-    std = np.sqrt(variance(np.clip(values, 0, n), n, params))
-    note = "k-RR debiasing" + ("; negatives clipped to 0" if clip else "")
-    return Estimate(
-        values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
-    )
 
 
 def simulate_aggregate(
@@ -140,10 +104,23 @@ class KRR(IndexHistogram[KRRParams]):
         return params.k
 
     def encode_value(self, params: KRRParams, value: int, rng: RandomSource) -> list[bytes]:
-        return encode(value, params, rng)
+        """One fragment: the value or, with probability k/(e^ε + k - 1), a uniform value."""
+        value = check_value(value, params.k)
+        keep = math.expm1(params.eps) * params.other_prob
+        reported = value if bernoulli(rng, keep) else rng.randbelow(params.k)
+        return [index_fragment(MECHANISM_CODE, reported)]
 
-    def estimate(self, params: KRRParams, accumulator: CountAccumulator) -> Estimate:
-        return estimate(accumulator, params)
+    def estimate(
+        self, params: KRRParams, accumulator: CountAccumulator, clip: bool = False
+    ) -> Estimate:
+        """Debiased counts with plug-in standard errors."""
+        a, b, n = params.truth_prob, params.other_prob, accumulator.n
+        values = np.asarray((accumulator.counts - n * b) / (a - b), dtype=np.float64)
+        std = np.sqrt(variance(np.clip(values, 0, n), n, params))
+        note = "k-RR debiasing" + ("; negatives clipped to 0" if clip else "")
+        return Estimate(
+            values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
+        )
 
     def local_privacy(self, params: KRRParams) -> LocalPrivacy:
         """Replacement ε; removal against the uniform reference ``ln(k e^ε/(e^ε + k - 1))``."""

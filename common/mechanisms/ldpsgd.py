@@ -256,34 +256,6 @@ class LdpSgdAccumulator:
         return cls(dim, sums, counts, n)
 
 
-def accumulate(
-    accumulator: LdpSgdAccumulator, fragments: Sequence[bytes], n_contributions: int
-) -> int:
-    """Regenerate each report's ``v`` from its seed and add ``sign · v`` to its round's sum;
-    returns the invalid fragments (unparsable, or naming a round past :data:`MAX_ROUNDS`)."""
-    by_round: dict[int, tuple[list[float], list[bytes]]] = {}
-    invalid = 0
-    for fragment in fragments:
-        try:
-            round_, sign, seed = parse_fragment(fragment)
-        except FragmentError:
-            invalid += 1
-            continue
-        known = round_ in accumulator.sums or round_ in by_round
-        if not known and len(accumulator.sums) + len(by_round) >= MAX_ROUNDS:
-            invalid += 1
-            continue
-        signs, seeds = by_round.setdefault(round_, ([], []))
-        signs.append(sign)
-        seeds.append(seed)
-    for round_, (signs, seeds) in by_round.items():
-        for start in range(0, len(seeds), CHUNK):
-            vectors = sphere(seeds[start : start + CHUNK], accumulator.dim)
-            accumulator.add(round_, vectors * np.asarray(signs[start : start + CHUNK])[:, None])
-    accumulator.n += n_contributions
-    return invalid
-
-
 def noisy_gradient(params: LdpSgdParams, total: FloatArray, count: int) -> FloatArray:
     """Algorithm 5 line 5: ``scale · (1/m) Σ ẑ_i`` over the ``count`` reports of a round."""
     if count < 1:
@@ -325,65 +297,6 @@ def simulate_reports(
             sign *= np.where(rng.random((len(g), 1)) < params.flip_prob, -1.0, 1.0)
             total += (sign * v).sum(axis=0)
     return total, len(gradients) * params.tau
-
-
-def local_privacy(params: LdpSgdParams) -> LocalPrivacy:
-    """Per round: ``tau`` reports of ε each (replacement, basic composition — exact for pure
-    ε); removal against a uniform sign: ``ln(2e^ε/(e^ε + 1))`` per report."""
-    removal = math.log(2.0 / (1.0 + math.exp(-params.eps)))
-    return LocalPrivacy(
-        removal=params.tau * removal,
-        replacement=params.tau * params.eps,
-        eps_l_inf=params.tau * removal,
-        eps_l1=removal,
-        note=f"{params.tau} binary-RR report(s) per device per round",
-    )
-
-
-def privacy(params: LdpSgdParams) -> PrivacyDescription:
-    """One report: binary RR of a sign at ε, i.e. k-RR at k = 2 (replacement)."""
-    return PrivacyDescription(KaryRR(k=2), params.eps)
-
-
-def round_certificate(
-    params: LdpSgdParams, n: int, delta: float
-) -> tuple[BoundResult, BoundResult]:
-    """A round at crowd n: ``tau`` reports per device, each at δ/τ, by basic composition
-    (replacement, the natural notion; the other notion beside it); the lifetime ledger
-    composes the pairs instead."""
-    cert = privacy(params).certify(n, delta / params.tau)
-    if params.tau == 1:
-        return cert.certified, cert.other_notion
-    return (
-        compose_epochs([cert.certified] * params.tau),
-        compose_epochs([cert.other_notion] * params.tau),
-    )
-
-
-def epoch_pair(
-    params: LdpSgdParams,
-    n: int,
-    delta: float,
-    deletion: tuple[float, float] | None = None,
-    replacement: bool = False,
-) -> Epoch | None:
-    """A round at crowd n: the binary-RR pair (k-RR at k = 2), once per report of a device."""
-    one = privacy(params).epoch(n, delta, deletion=deletion, replacement=replacement)
-    if one is None or params.tau == 1:
-        return one
-    return Epoch(one.pairs * params.tau, one.certificates * params.tau, one.neighbouring)
-
-
-def training_eps(params: LdpSgdParams, n: int, delta: float) -> float:
-    """Training-long central ε of ``rounds`` rounds at crowd n (PLD composition of the pairs,
-    :func:`common.accounting.lifetime.compose_epochs`)."""
-    epoch = epoch_pair(params, n, delta / params.rounds)
-    if epoch is None:
-        raise ValueError("no dominating pair for this channel")
-    result = compose_lifetime([epoch] * params.rounds, delta)
-    if result.eps is None:
-        raise ValueError(f"nothing certified at n={n}, delta={delta}")
-    return float(result.eps)
 
 
 def theorem_vi1(params: LdpSgdParams, n: int, delta: float) -> float:
@@ -441,7 +354,29 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
         n_contributions: int,
         batch: BatchContext,
     ) -> int:
-        return accumulate(accumulator, fragments, n_contributions)
+        """Regenerate each report's ``v`` from its seed and add ``sign · v`` to its round's sum;
+        returns the invalid fragments (unparsable, or naming a round past :data:`MAX_ROUNDS`)."""
+        by_round: dict[int, tuple[list[float], list[bytes]]] = {}
+        invalid = 0
+        for fragment in fragments:
+            try:
+                round_, sign, seed = parse_fragment(fragment)
+            except FragmentError:
+                invalid += 1
+                continue
+            known = round_ in accumulator.sums or round_ in by_round
+            if not known and len(accumulator.sums) + len(by_round) >= MAX_ROUNDS:
+                invalid += 1
+                continue
+            signs, seeds = by_round.setdefault(round_, ([], []))
+            signs.append(sign)
+            seeds.append(seed)
+        for round_, (signs, seeds) in by_round.items():
+            for start in range(0, len(seeds), CHUNK):
+                vectors = sphere(seeds[start : start + CHUNK], accumulator.dim)
+                accumulator.add(round_, vectors * np.asarray(signs[start : start + CHUNK])[:, None])
+        accumulator.n += n_contributions
+        return invalid
 
     def estimate(self, params: LdpSgdParams, accumulator: LdpSgdAccumulator) -> Estimate:
         if not accumulator.counts:
@@ -460,10 +395,20 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
         return Estimate(values=values, std_errors=std, n=accumulator.n, clipped=False, note=note)
 
     def local_privacy(self, params: LdpSgdParams) -> LocalPrivacy:
-        return local_privacy(params)
+        """Per round: ``tau`` reports of ε each (replacement, basic composition — exact for pure
+        ε); removal against a uniform sign: ``ln(2e^ε/(e^ε + 1))`` per report."""
+        removal = math.log(2.0 / (1.0 + math.exp(-params.eps)))
+        return LocalPrivacy(
+            removal=params.tau * removal,
+            replacement=params.tau * params.eps,
+            eps_l_inf=params.tau * removal,
+            eps_l1=removal,
+            note=f"{params.tau} binary-RR report(s) per device per round",
+        )
 
     def privacy(self, params: LdpSgdParams) -> PrivacyDescription:
-        return privacy(params)
+        """One report: binary RR of a sign at ε, i.e. k-RR at k = 2 (replacement)."""
+        return PrivacyDescription(KaryRR(k=2), params.eps)
 
     def certify(
         self, params: LdpSgdParams, delta: float, received: Sequence[Received[LdpSgdAccumulator]]
@@ -471,7 +416,9 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
         per_epoch = epoch_batches(received)
         if not per_epoch:
             raise NoDataError("no batch received")
-        certs = [round_certificate(params, min(c.values()), delta) for c in per_epoch.values()]
+        certs = [
+            self._round_certificate(params, min(c.values()), delta) for c in per_epoch.values()
+        ]
         crowds = {f"{e}/{k}": v for e, c in per_epoch.items() for k, v in c.items()}
         return ReleaseCertificate(
             certified=compose_epochs([c[0] for c in certs]),
@@ -490,7 +437,36 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
         deletion: tuple[float, float] | None = None,
         replacement: bool = False,
     ) -> Epoch | None:
-        return epoch_pair(params, n, delta, deletion, replacement)
+        """A round at crowd n: the binary-RR pair (k-RR at k = 2), once per report of a device."""
+        one = self.privacy(params).epoch(n, delta, deletion=deletion, replacement=replacement)
+        if one is None or params.tau == 1:
+            return one
+        return Epoch(one.pairs * params.tau, one.certificates * params.tau, one.neighbouring)
+
+    def _round_certificate(
+        self, params: LdpSgdParams, n: int, delta: float
+    ) -> tuple[BoundResult, BoundResult]:
+        """A round at crowd n: ``tau`` reports per device, each at δ/τ, by basic composition
+        (replacement, the natural notion; the other notion beside it); the lifetime ledger
+        composes the pairs instead."""
+        cert = self.privacy(params).certify(n, delta / params.tau)
+        if params.tau == 1:
+            return cert.certified, cert.other_notion
+        return (
+            compose_epochs([cert.certified] * params.tau),
+            compose_epochs([cert.other_notion] * params.tau),
+        )
+
+    def training_eps(self, params: LdpSgdParams, n: int, delta: float) -> float:
+        """Training-long central ε of ``rounds`` rounds at crowd n (PLD composition of the pairs,
+        :func:`common.accounting.lifetime.compose_epochs`)."""
+        epoch = self.epoch_pair(params, n, delta / params.rounds)
+        if epoch is None:
+            raise ValueError("no dominating pair for this channel")
+        result = compose_lifetime([epoch] * params.rounds, delta)
+        if result.eps is None:
+            raise ValueError(f"nothing certified at n={n}, delta={delta}")
+        return float(result.eps)
 
 
 def model_params(round_: int, theta: FloatArray) -> dict[str, Any]:

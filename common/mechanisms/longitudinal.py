@@ -29,7 +29,7 @@ from __future__ import annotations
 import io
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +178,12 @@ class TreeAccumulator:
         result: IntArray = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         return result
 
+    @classmethod
+    def empty(cls, d: int) -> TreeAccumulator:
+        """An empty tree for horizon ``d``."""
+        size = int(cls.offsets(d)[-1])
+        return cls(d, np.zeros(size, np.int64), np.zeros(size, np.int64))
+
     def flat_index(self, h: IntArray, t: IntArray) -> IntArray:
         """Flat position of node ``[h, t / 2^{h-1}]``."""
         result: IntArray = self.offsets(self.params_d)[h - 1] + (t >> (h - 1)) - 1
@@ -214,34 +220,6 @@ class TreeAccumulator:
         return int(self.reports[starts].sum())
 
 
-def new_accumulator(params: LongitudinalParams) -> TreeAccumulator:
-    """An empty tree for the channel's horizon."""
-    size = int(TreeAccumulator.offsets(params.d)[-1])
-    return TreeAccumulator(params.d, np.zeros(size, np.int64), np.zeros(size, np.int64))
-
-
-def add_fragments(
-    accumulator: TreeAccumulator,
-    params: LongitudinalParams,
-    fragments: Iterable[bytes],
-    n_contributions: int = 0,
-) -> int:
-    """Add one batch of reports (Algorithm 2, line 4); returns how many were invalid."""
-    parsed: list[tuple[int, int, int]] = []
-    invalid = 0
-    for fragment in fragments:
-        try:
-            parsed.append(parse(fragment, params))
-        except (FragmentError, struct.error):
-            invalid += 1
-    if parsed:
-        h, t, u = (np.asarray(column, dtype=np.int64) for column in zip(*parsed, strict=True))
-        flat = accumulator.flat_index(h, t)
-        np.add.at(accumulator.sums, flat, u)
-        np.add.at(accumulator.reports, flat, 1)
-    return invalid
-
-
 def dyadic_cover(t: int, d: int) -> list[tuple[int, int]]:
     """Nodes ``[h, i]`` whose intervals ``((i-1) 2^{h-1}, i 2^{h-1}]`` partition [1, t]."""
     nodes: list[tuple[int, int]] = []
@@ -263,25 +241,6 @@ def cover_matrix(params: LongitudinalParams) -> tuple[IntArray, IntArray]:
             rows.append(t - 1)
             cols.append(int(offsets[h - 1]) + i - 1)
     return np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
-
-
-def estimate(accumulator: TreeAccumulator, params: LongitudinalParams) -> Estimate:
-    """``f̃_t`` for t = 1..d with standard errors (Algorithm 2, scaled by L)."""
-    rows, cols = cover_matrix(params)
-    scale = params.c_eps * params.k * params.levels
-    sums = np.zeros(params.d)
-    np.add.at(sums, rows, accumulator.sums[cols])
-    reports = np.zeros(params.d)
-    np.add.at(reports, rows, accumulator.reports[cols])
-    values: FloatArray = scale * sums
-    std: FloatArray = scale * np.sqrt(reports)
-    return Estimate(
-        values=values,
-        std_errors=std,
-        n=accumulator.n,
-        clipped=False,
-        note="Algorithm 2 scaled by L = log2 d + 1",
-    )
 
 
 @dataclass(frozen=True)
@@ -317,7 +276,7 @@ def simulate_aggregate(
     group_start = np.maximum.accumulate(np.where(first, np.arange(user.size), 0))
     rank = np.arange(user.size) - group_start + 1
     chosen = rank == kappa_star[user]
-    acc = new_accumulator(params)
+    acc = TreeAccumulator.empty(params.d)
     h_users = level[user[chosen]]
     node_t = (((period[chosen] - 1) >> (h_users - 1)) + 1) << (h_users - 1)
     flat = acc.flat_index(h_users, node_t)
@@ -402,7 +361,7 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
         return Encoded(() if report is None else ((None, (report,)),), new)
 
     def new_accumulator(self, params: LongitudinalParams) -> TreeAccumulator:
-        return new_accumulator(params)
+        return TreeAccumulator.empty(params.d)
 
     def load_accumulator(self, params: LongitudinalParams, data: bytes) -> TreeAccumulator:
         return TreeAccumulator.from_bytes(data)
@@ -415,10 +374,38 @@ class Longitudinal(Mechanism[LongitudinalParams, TreeAccumulator]):
         n_contributions: int,
         batch: BatchContext,
     ) -> int:
-        return add_fragments(accumulator, params, fragments, n_contributions)
+        """Add one batch of reports (Algorithm 2, line 4); returns how many were invalid."""
+        parsed: list[tuple[int, int, int]] = []
+        invalid = 0
+        for fragment in fragments:
+            try:
+                parsed.append(parse(fragment, params))
+            except (FragmentError, struct.error):
+                invalid += 1
+        if parsed:
+            h, t, u = (np.asarray(column, dtype=np.int64) for column in zip(*parsed, strict=True))
+            flat = accumulator.flat_index(h, t)
+            np.add.at(accumulator.sums, flat, u)
+            np.add.at(accumulator.reports, flat, 1)
+        return invalid
 
     def estimate(self, params: LongitudinalParams, accumulator: TreeAccumulator) -> Estimate:
-        return estimate(accumulator, params)
+        """``f̃_t`` for t = 1..d with standard errors (Algorithm 2, scaled by L)."""
+        rows, cols = cover_matrix(params)
+        scale = params.c_eps * params.k * params.levels
+        sums = np.zeros(params.d)
+        np.add.at(sums, rows, accumulator.sums[cols])
+        reports = np.zeros(params.d)
+        np.add.at(reports, rows, accumulator.reports[cols])
+        values: FloatArray = scale * sums
+        std: FloatArray = scale * np.sqrt(reports)
+        return Estimate(
+            values=values,
+            std_errors=std,
+            n=accumulator.n,
+            clipped=False,
+            note="Algorithm 2 scaled by L = log2 d + 1",
+        )
 
     def local_privacy(self, params: LongitudinalParams) -> LocalPrivacy:
         """Theorem 5: the sequence is ε-LDP; a single report is (ε/2)-DP."""

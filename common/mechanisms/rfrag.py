@@ -28,7 +28,7 @@ import hashlib
 import json
 import math
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +67,7 @@ from common.mechanisms.base import (
     compose_epochs,
     epoch_batches,
 )
-from common.randomness import RandomSource, bernoulli, default_source
+from common.randomness import RandomSource, bernoulli
 
 NAME = "rfrag"
 MECHANISM_CODE = 2
@@ -190,16 +190,6 @@ def _row(r: int, ones: list[int], params: RFragParams, rng: RandomSource) -> lis
     return [frame(MECHANISM_CODE, prefix + i.to_bytes(4, "big")) for i in sorted(kept + flipped)]
 
 
-def encode(
-    value: int, params: RFragParams, state: BackstopState, rng: RandomSource | None = None
-) -> list[list[bytes]]:
-    """τ rows of fragments for one report; row r goes to shuffler ``r mod K``."""
-    value = check_value(value, params.k)
-    rng = rng or default_source()
-    ones = state.backstop(value, params, rng)
-    return [_row(r, ones, params, rng) for r in range(params.tau)]
-
-
 def parse(fragment: bytes, params: RFragParams) -> tuple[int, int]:
     """``(row, bit index)`` of one fragment.
 
@@ -215,52 +205,11 @@ def parse(fragment: bytes, params: RFragParams) -> tuple[int, int]:
     return row, index
 
 
-def new_accumulator(params: RFragParams) -> CountAccumulator:
-    """Counts per bit over all rows, plus contributions per row."""
-    return CountAccumulator.empty(params.k, rows=params.tau)
-
-
-def add_fragments(
-    accumulator: CountAccumulator,
-    params: RFragParams,
-    fragments: Iterable[bytes],
-    n_contributions: int,
-    rows: Iterable[int] | None = None,
-) -> int:
-    """Count one batch whose contributions carried ``rows`` (default: all τ rows)."""
-    indices: list[int] = []
-    invalid = 0
-    for fragment in fragments:
-        try:
-            indices.append(parse(fragment, params)[1])
-        except FragmentError:
-            invalid += 1
-    accumulator.add(np.asarray(indices, dtype=np.int64), 0)
-    carried = list(range(params.tau)) if rows is None else list(rows)
-    accumulator.rows[carried] += n_contributions
-    accumulator.n = int(accumulator.rows.max()) if accumulator.rows.size else 0
-    return invalid
-
-
 def variance(n: int, params: RFragParams) -> float:
     """Variance of ĉ_j with the shared backstop accounted for (same n on every row)."""
     p_b, p_f, tau = params.backstop_flip, params.fragment_flip, params.tau
     var_sum = n * (tau * p_f * (1 - p_f) + tau**2 * (1 - 2 * p_f) ** 2 * p_b * (1 - p_b))
     return var_sum / (tau * (1 - 2 * p_f) * (1 - 2 * p_b)) ** 2
-
-
-def estimate(accumulator: CountAccumulator, params: RFragParams, clip: bool = False) -> Estimate:
-    """Two-stage debiased counts (fragment flip, then backstop flip)."""
-    p_b, p_f, tau = params.backstop_flip, params.fragment_flip, params.tau
-    base = p_f + (1 - 2 * p_f) * p_b
-    scale = tau * (1 - 2 * p_f) * (1 - 2 * p_b)
-    values: FloatArray = (accumulator.counts - base * accumulator.rows.sum()) / scale
-    n = round(float(accumulator.rows.mean())) if accumulator.rows.size else 0
-    std = np.full(params.k, math.sqrt(variance(n, params)))
-    note = "two-stage debiasing (ESA-revisited §IV)" + ("; negatives clipped to 0" if clip else "")
-    return Estimate(
-        values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
-    )
 
 
 def simulate_aggregate(
@@ -334,7 +283,7 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
     ) -> Encoded:
         backstops = BackstopState.from_json(state["backstops"]) if state else new_state(params)
         try:
-            rows = encode(value, params, backstops, rng)
+            rows = self.encode_rows(params, value, backstops, rng)
         except MechanismError:
             raise
         except ValueError as error:
@@ -346,7 +295,8 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
         return Encoded(routes, {"backstops": backstops.to_json()})
 
     def new_accumulator(self, params: RFragParams) -> CountAccumulator:
-        return new_accumulator(params)
+        """Counts per bit over all rows, plus contributions per row."""
+        return CountAccumulator.empty(params.k, rows=params.tau)
 
     def load_accumulator(self, params: RFragParams, data: bytes) -> CountAccumulator:
         return CountAccumulator.from_bytes(data)
@@ -359,12 +309,36 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
         n_contributions: int,
         batch: BatchContext,
     ) -> int:
-        return add_fragments(
-            accumulator, params, fragments, n_contributions, rows_of(params, batch)
-        )
+        """Count one batch; its contributions carried the rows routed to ``batch``'s shuffler."""
+        indices: list[int] = []
+        invalid = 0
+        for fragment in fragments:
+            try:
+                indices.append(parse(fragment, params)[1])
+            except FragmentError:
+                invalid += 1
+        accumulator.add(np.asarray(indices, dtype=np.int64), 0)
+        carried = rows_of(params, batch)
+        accumulator.rows[carried] += n_contributions
+        accumulator.n = int(accumulator.rows.max()) if accumulator.rows.size else 0
+        return invalid
 
-    def estimate(self, params: RFragParams, accumulator: CountAccumulator) -> Estimate:
-        return estimate(accumulator, params)
+    def estimate(
+        self, params: RFragParams, accumulator: CountAccumulator, clip: bool = False
+    ) -> Estimate:
+        """Two-stage debiased counts (fragment flip, then backstop flip)."""
+        p_b, p_f, tau = params.backstop_flip, params.fragment_flip, params.tau
+        base = p_f + (1 - 2 * p_f) * p_b
+        scale = tau * (1 - 2 * p_f) * (1 - 2 * p_b)
+        values: FloatArray = (accumulator.counts - base * accumulator.rows.sum()) / scale
+        n = round(float(accumulator.rows.mean())) if accumulator.rows.size else 0
+        std = np.full(params.k, math.sqrt(variance(n, params)))
+        note = "two-stage debiasing (ESA-revisited §IV)" + (
+            "; negatives clipped to 0" if clip else ""
+        )
+        return Estimate(
+            values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
+        )
 
     def local_privacy(self, params: RFragParams) -> LocalPrivacy:
         """Theorem IV.1: removal ε_ℓ∞ = ε(τ), ε_ℓ1 = ε(1); replacement touches two bits: 2 ε(τ)."""
@@ -444,3 +418,11 @@ class RFrag(Mechanism[RFragParams, CountAccumulator]):
             crowds=crowds_flat,
             epochs=len(per_epoch),
         )
+
+    def encode_rows(
+        self, params: RFragParams, value: int, state: BackstopState, rng: RandomSource
+    ) -> list[list[bytes]]:
+        """τ rows of fragments for one report; row r goes to shuffler ``r mod K``."""
+        value = check_value(value, params.k)
+        ones = state.backstop(value, params, rng)
+        return [_row(r, ones, params, rng) for r in range(params.tau)]

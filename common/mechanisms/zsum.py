@@ -18,7 +18,7 @@ beside the unbiased estimate (``Estimate.truncated``), never in its place.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +28,12 @@ from common.accounting import BalcerCheuNoise, Certification
 from common.mechanisms._estimates import CountAccumulator, Estimate, FloatArray, IntArray
 from common.mechanisms._histogram import (
     IndexHistogram,
-    add_index_fragments,
     check_bins,
     check_value,
     index_fragment,
 )
 from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy, PrivacyDescription
-from common.randomness import RandomSource, bernoulli, default_source
+from common.randomness import RandomSource, bernoulli
 
 NAME = "zsum"
 MECHANISM_CODE = 4
@@ -84,53 +83,10 @@ class ZSumParams:
         return 1.0 - 50.0 * math.log(2.0 / self.bin_delta) / (self.eps**2 * self.n)
 
 
-def encode(value: int, params: ZSumParams, rng: RandomSource | None = None) -> list[bytes]:
-    """``b_j + Ber(p)`` messages "j" for every bin j (Figure 2)."""
-    value = check_value(value, params.d)
-    rng = rng or default_source()
-    p = params.noise_prob
-    messages = [value]
-    messages.extend(j for j in range(params.d) if bernoulli(rng, p))
-    return [index_fragment(MECHANISM_CODE, j) for j in sorted(messages)]
-
-
-def new_accumulator(params: ZSumParams) -> CountAccumulator:
-    """An empty accumulator for this channel."""
-    return CountAccumulator.empty(params.d)
-
-
-def add_fragments(
-    accumulator: CountAccumulator,
-    params: ZSumParams,
-    fragments: Iterable[bytes],
-    n_contributions: int,
-) -> int:
-    """Count one batch; returns how many fragments were invalid (chaff)."""
-    return add_index_fragments(accumulator, MECHANISM_CODE, params.d, fragments, n_contributions)
-
-
 def variance(m: int, params: ZSumParams) -> float:
     """``m p (1 - p)`` for bins far from the truncation point."""
     p = params.noise_prob
     return m * p * (1.0 - p)
-
-
-def estimate(accumulator: CountAccumulator, params: ZSumParams) -> Estimate:
-    """The unbiased count ``|y_j| - m p`` per bin, with Figure 1's truncated analyzer (bins
-    with ``|y_j| <= m`` reported as 0) beside it."""
-    m = accumulator.n
-    counts = accumulator.counts.astype(np.float64)
-    values: FloatArray = counts - m * params.noise_prob
-    truncated: FloatArray = np.where(counts > m, values, 0.0)
-    std = np.full(params.d, math.sqrt(variance(m, params)))
-    zeroed = int(np.count_nonzero((counts <= m) & (values != 0.0)))
-    note = (
-        "unbiased |y_j| - m p (Balcer-Cheu); Figure 1's truncated estimate, beside it, "
-        f"zeroes {zeroed} of {params.d} bins (those at or below the crowd m = {m})"
-    )
-    return Estimate(
-        values=values, std_errors=std, n=m, clipped=False, note=note, truncated=truncated
-    )
 
 
 def simulate_aggregate(
@@ -170,10 +126,29 @@ class ZSum(IndexHistogram[ZSumParams]):
         return FragmentCount(1, params.d + 1, 1.0 + params.d * p, params.d * p * (1.0 - p))
 
     def encode_value(self, params: ZSumParams, value: int, rng: RandomSource) -> list[bytes]:
-        return encode(value, params, rng)
+        """``b_j + Ber(p)`` messages "j" for every bin j (Figure 2)."""
+        value = check_value(value, params.d)
+        p = params.noise_prob
+        messages = [value]
+        messages.extend(j for j in range(params.d) if bernoulli(rng, p))
+        return [index_fragment(MECHANISM_CODE, j) for j in sorted(messages)]
 
     def estimate(self, params: ZSumParams, accumulator: CountAccumulator) -> Estimate:
-        return estimate(accumulator, params)
+        """The unbiased count ``|y_j| - m p`` per bin, with Figure 1's truncated analyzer (bins
+        with ``|y_j| <= m`` reported as 0) beside it."""
+        m = accumulator.n
+        counts = accumulator.counts.astype(np.float64)
+        values: FloatArray = counts - m * params.noise_prob
+        truncated: FloatArray = np.where(counts > m, values, 0.0)
+        std = np.full(params.d, math.sqrt(variance(m, params)))
+        zeroed = int(np.count_nonzero((counts <= m) & (values != 0.0)))
+        note = (
+            "unbiased |y_j| - m p (Balcer-Cheu); Figure 1's truncated estimate, beside it, "
+            f"zeroes {zeroed} of {params.d} bins (those at or below the crowd m = {m})"
+        )
+        return Estimate(
+            values=values, std_errors=std, n=m, clipped=False, note=note, truncated=truncated
+        )
 
     def local_privacy(self, params: ZSumParams) -> LocalPrivacy:
         """None: a user's own messages reveal its value (the privacy is all in the shuffle)."""

@@ -131,8 +131,8 @@ def run_histogram(
         eps0 = _plan(eps_c, delta, n, bound)
         if tau == 1:
             params = krappor.KRapporParams(k=k, eps=eps0)
-            estimate = krappor.estimate(
-                krappor.simulate_aggregate(population.counts, params, gen), params
+            estimate = krappor.KRappor().estimate(
+                params, krappor.simulate_aggregate(population.counts, params, gen)
             )
             predicted = math.sqrt(krappor.variance(n, params))
             l_inf = l_one = eps0
@@ -140,7 +140,7 @@ def run_histogram(
             fragment = eps_f if eps_f is not None else balanced_fragment_eps(eps0, tau)
             r_params = rfrag.RFragParams(k=k, eps_b=eps0, eps_f=fragment, tau=tau)
             accumulator = rfrag.simulate_aggregate(population.counts, r_params, gen)
-            estimate = rfrag.estimate(accumulator, r_params)
+            estimate = rfrag.RFrag().estimate(r_params, accumulator)
             predicted = math.sqrt(rfrag.variance(n, r_params))
             l_inf, l_one = fragment_eps(eps0, fragment, tau), fragment_eps(eps0, fragment, 1)
         row = ResultRow(
@@ -197,7 +197,7 @@ def run_longitudinal(
             eps = _plan(eps_c, delta, crowd, bound, BinaryRRSequence())
             params = LongitudinalParams(d=changes.d, k=population.k, eps=eps)
             accumulator = longitudinal.simulate_aggregate(changes, params, gen)
-            estimate = longitudinal.estimate(accumulator, params)
+            estimate = longitudinal.Longitudinal().estimate(params, accumulator)
             squared = [float(np.mean((estimate.values - truth) ** 2))]
             squared += _repeated_errors(changes, params, truth, gen, repeats - 1)
             first_nodes = longitudinal.TreeAccumulator.offsets(changes.d)[:-1]
@@ -240,7 +240,9 @@ def _repeated_errors(
     """Mean squared errors of ``repeats`` more independent simulations of the tree."""
     errors = []
     for _ in range(repeats):
-        again = longitudinal.estimate(longitudinal.simulate_aggregate(changes, params, gen), params)
+        again = longitudinal.Longitudinal().estimate(
+            params, longitudinal.simulate_aggregate(changes, params, gen)
+        )
         errors.append(float(np.mean((again.values - truth) ** 2)))
     return errors
 

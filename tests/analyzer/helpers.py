@@ -129,7 +129,7 @@ def reports(values: npt.NDArray[np.int64], seed: int = 0) -> list[bytes]:
     """The k-RAPPOR fragments of one report per value of :data:`CHANNEL` (seeded)."""
     params = krappor.KRapporParams(k=20, eps=4.0)
     rng = SeededSource(seed)
-    return [f for v in values for f in krappor.encode(int(v), params, rng)]
+    return [f for v in values for f in krappor.KRappor().encode_value(params, int(v), rng)]
 
 
 def make_batch(

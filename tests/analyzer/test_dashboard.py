@@ -78,7 +78,9 @@ def test_an_image_release_is_drawn_from_its_stored_summary() -> None:
         epoch=3,
         n_contributions=values.size,
         fragments=seal(
-            [f for v in values for f in krappor.encode(int(v), params, rng)], picture, 3
+            [f for v in values for f in krappor.KRappor().encode_value(params, int(v), rng)],
+            picture,
+            3,
         ),
     )
     layers.deliver(*signed(batch))
@@ -105,7 +107,9 @@ def test_the_ledger_shows_pairs_lifetimes_and_the_device_budget_in_use() -> None
     for epoch in (4, 5, 6):
         rng = SeededSource(epoch)
         fragments = seal(
-            [f for v in values for f in krappor.encode(int(v), params, rng)], homepage, epoch
+            [f for v in values for f in krappor.KRappor().encode_value(params, int(v), rng)],
+            homepage,
+            epoch,
         )
         batch = Batch(
             batch_id=secrets.token_hex(16),
@@ -172,7 +176,7 @@ def _send(url: str, signer: Ed25519PrivateKey, analyzer: X25519PublicKey) -> Non
         frags = [
             seal_fragment(f, context, 16, analyzer)
             for v in values
-            for f in krappor.encode(int(v), params, rng)
+            for f in krappor.KRappor().encode_value(params, int(v), rng)
         ]
         _post(url, signer, channel, 3, frags, values.size)
     l_params = longitudinal.LongitudinalParams(**CHANNELS[2].params)

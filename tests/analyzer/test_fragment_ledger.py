@@ -76,7 +76,7 @@ def _batch(
     sealed = [
         seal_fragment(f, context, 16, analyzer)
         for v in values
-        for f in krappor.encode(int(v), params, rng)
+        for f in krappor.KRappor().encode_value(params, int(v), rng)
     ]
     sealed += [seal_fragment(b"\xff junk", context, 16, analyzer) for _ in range(unparsable)]
     opened = len(sealed)

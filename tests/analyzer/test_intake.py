@@ -357,7 +357,7 @@ def _krr_batch(
     """A part of a k-RR batch claiming ``n`` contributions with ``fragments`` real reports."""
     rng = SeededSource(n * 7 + fragments)
     params = krr.KRRParams(k=4, eps=2.0)
-    opened = [f for i in range(fragments) for f in krr.encode(i % 4, params, rng)]
+    opened = [f for i in range(fragments) for f in krr.KRR().encode_value(params, i % 4, rng)]
     batch = Batch(
         batch_id=batch_id or secrets.token_hex(16),
         part=part,

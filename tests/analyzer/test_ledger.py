@@ -44,7 +44,9 @@ def _bound(eps: float, delta: float) -> Bound:
 def _batch(channel: ChannelConfig, epoch: int, size: int) -> Signed:
     params, rng = krappor.KRapporParams(k=20, eps=4.0), SeededSource(epoch)
     fragments = seal(
-        [f for v in VALUES[:size] for f in krappor.encode(int(v), params, rng)], channel, epoch
+        [f for v in VALUES[:size] for f in krappor.KRappor().encode_value(params, int(v), rng)],
+        channel,
+        epoch,
     )
     batch = Batch(
         batch_id=secrets.token_hex(16),

@@ -294,7 +294,7 @@ REGIONAL = ChannelConfig(
 
 def _krr_reports(n: int, seed: int) -> list[bytes]:
     params, rng = krr.KRRParams(k=4, eps=2.0), SeededSource(seed)
-    return [f for i in range(n) for f in krr.encode(i % 4, params, rng)]
+    return [f for i in range(n) for f in krr.KRR().encode_value(params, i % 4, rng)]
 
 
 def _krr_part(fragments: list[str], n: int, epoch: int, crowd: str) -> Batch:

@@ -40,7 +40,7 @@ def krappor_reports(
     return [
         tuple(
             seal_fragment(f, context, payload_size, key)
-            for f in krappor.encode(int(v), params, rng)
+            for f in krappor.KRappor().encode_value(params, int(v), rng)
         )
         for v in values
     ]

@@ -48,6 +48,7 @@ from common.envelope import (
     seal_fragment,
 )
 from common.mechanisms import krappor
+from common.randomness import default_source
 from runtime import db, haproxy
 from services.cli import launcher
 from shuffler import tables
@@ -130,7 +131,8 @@ def _sealed_fragments(analyzer_url: str) -> list[tuple[bytes, ...]]:
     context = FragmentContext(CHANNEL.id, int(time.time() // CHANNEL.epoch_seconds), "")
     return [
         tuple(
-            seal_fragment(f, context, CHANNEL.payload_size, key) for f in krappor.encode(i, params)
+            seal_fragment(f, context, CHANNEL.payload_size, key)
+            for f in krappor.KRappor().encode_value(params, i, default_source())
         )
         for i in range(20)
     ]

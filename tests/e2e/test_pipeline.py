@@ -35,7 +35,7 @@ from common.envelope import (
     seal_fragment,
 )
 from common.mechanisms import krappor
-from common.randomness import SeededSource
+from common.randomness import SeededSource, default_source
 from common.wire import Batch, ChannelConfig
 
 from ..support import Deployment, start_deployment, wait_until
@@ -88,7 +88,7 @@ def _report(deployment: Deployment, values: np.ndarray) -> int:
         target = shufflers[secrets.randbelow(len(shufflers))]
         fragments = tuple(
             seal_fragment(f, context, CHANNEL.payload_size, analyzer_key)
-            for f in krappor.encode(int(value), params)
+            for f in krappor.KRappor().encode_value(params, int(value), default_source())
         )
         contribution = Contribution(
             channel_id=CHANNEL.id, crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=fragments

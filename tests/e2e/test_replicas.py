@@ -41,7 +41,7 @@ from common.envelope import (
     seal_fragment,
 )
 from common.mechanisms import krappor
-from common.randomness import SeededSource
+from common.randomness import SeededSource, default_source
 from runtime import db
 from runtime import db as runtime_db
 from services.cli import launcher
@@ -163,7 +163,7 @@ def _sealed_pool(analyzer_url: str, size: int) -> list[tuple[bytes, ...]]:
     return [
         tuple(
             seal_fragment(f, context, CHANNEL.payload_size, key)
-            for f in krappor.encode(i % 20, params)
+            for f in krappor.KRappor().encode_value(params, i % 20, default_source())
         )
         for i in range(size)
     ]

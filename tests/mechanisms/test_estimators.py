@@ -17,6 +17,7 @@ from scipy import stats
 
 from common.mechanisms import SeededSource, krappor, krr, rfrag, zsum
 from common.mechanisms._estimates import CountAccumulator, Estimate
+from common.mechanisms.base import BatchContext
 
 RUNS = 200
 SMALL = np.array([120, 80, 50, 30, 20, 0, 0, 0], dtype=np.int64)
@@ -38,10 +39,12 @@ def _krappor() -> Case:
     p = krappor.KRapporParams(k=8, eps=1.5)
     return Case(
         name="krappor",
-        report=lambda v, rng: krappor.encode(v, p, rng),
-        empty=lambda: krappor.new_accumulator(p),
-        add=lambda acc, frags, n: krappor.add_fragments(acc, p, frags, n),
-        estimate=lambda acc: krappor.estimate(acc, p),
+        report=lambda v, rng: krappor.KRappor().encode_value(p, v, rng),
+        empty=lambda: krappor.KRappor().new_accumulator(p),
+        add=lambda acc, frags, n: krappor.KRappor().accumulate(
+            p, acc, frags, n, BatchContext(0, 1)
+        ),
+        estimate=lambda acc: krappor.KRappor().estimate(p, acc),
         simulate=lambda c, g: krappor.simulate_aggregate(c, p, g),
         variance=lambda c: np.full(c.size, krappor.variance(int(c.sum()), p)),
         checked=np.arange(8),
@@ -52,10 +55,10 @@ def _krr() -> Case:
     p = krr.KRRParams(k=8, eps=2.0)
     return Case(
         name="krr",
-        report=lambda v, rng: krr.encode(v, p, rng),
-        empty=lambda: krr.new_accumulator(p),
-        add=lambda acc, frags, n: krr.add_fragments(acc, p, frags, n),
-        estimate=lambda acc: krr.estimate(acc, p),
+        report=lambda v, rng: krr.KRR().encode_value(p, v, rng),
+        empty=lambda: krr.KRR().new_accumulator(p),
+        add=lambda acc, frags, n: krr.KRR().accumulate(p, acc, frags, n, BatchContext(0, 1)),
+        estimate=lambda acc: krr.KRR().estimate(p, acc),
         simulate=lambda c, g: krr.simulate_aggregate(c, p, g),
         variance=lambda c: krr.variance(c, int(c.sum()), p),
         checked=np.arange(8),
@@ -66,15 +69,15 @@ def _rfrag() -> Case:
     p = rfrag.RFragParams(k=8, eps_b=2.0, eps_f=1.0, tau=4)
 
     def report(v: int, rng: SeededSource) -> list[bytes]:
-        rows = rfrag.encode(v, p, rfrag.new_state(p), rng)
+        rows = rfrag.RFrag().encode_rows(p, v, rfrag.new_state(p), rng)
         return [f for row in rows for f in row]
 
     return Case(
         name="rfrag",
         report=report,
-        empty=lambda: rfrag.new_accumulator(p),
-        add=lambda acc, frags, n: rfrag.add_fragments(acc, p, frags, n),
-        estimate=lambda acc: rfrag.estimate(acc, p),
+        empty=lambda: rfrag.RFrag().new_accumulator(p),
+        add=lambda acc, frags, n: rfrag.RFrag().accumulate(p, acc, frags, n, BatchContext(0, 1)),
+        estimate=lambda acc: rfrag.RFrag().estimate(p, acc),
         simulate=lambda c, g: rfrag.simulate_aggregate(c, p, g),
         variance=lambda c: np.full(c.size, rfrag.variance(int(c.sum()), p)),
         checked=np.arange(8),
@@ -89,10 +92,10 @@ def _zsum(counts: np.ndarray) -> Case:
     p = zsum.ZSumParams(d=8, eps=1.0, delta=0.5, n=n)
     return Case(
         name="zsum",
-        report=lambda v, rng: zsum.encode(v, p, rng),
-        empty=lambda: zsum.new_accumulator(p),
-        add=lambda acc, frags, m: zsum.add_fragments(acc, p, frags, m),
-        estimate=lambda acc: zsum.estimate(acc, p),
+        report=lambda v, rng: zsum.ZSum().encode_value(p, v, rng),
+        empty=lambda: zsum.ZSum().new_accumulator(p),
+        add=lambda acc, frags, m: zsum.ZSum().accumulate(p, acc, frags, m, BatchContext(0, 1)),
+        estimate=lambda acc: zsum.ZSum().estimate(p, acc),
         simulate=lambda c, g: zsum.simulate_aggregate(c, p, g),
         variance=lambda c: np.full(c.size, zsum.variance(int(c.sum()), p)),
         checked=np.arange(8),  # the release is unbiased in every bin, small and empty ones too
@@ -175,7 +178,7 @@ def test_zsum_keeps_figure_1s_truncated_estimate_beside_the_unbiased_one() -> No
     gen = np.random.default_rng(2)
     truncated, unbiased = [], []
     for _ in range(RUNS):
-        found = zsum.estimate(zsum.simulate_aggregate(counts, params, gen), params)
+        found = zsum.ZSum().estimate(params, zsum.simulate_aggregate(counts, params, gen))
         assert found.truncated is not None and not found.clipped
         kept = found.truncated != 0
         assert np.array_equal(found.truncated[kept], found.values[kept])

@@ -10,6 +10,7 @@ import pytest
 
 from common.mechanisms import BUILT_IN, SeededSource, get, krappor, krr, longitudinal, rfrag, zsum
 from common.mechanisms._estimates import CountAccumulator
+from common.mechanisms.base import BatchContext
 from common.mechanisms.rfrag import BackstopStateError
 from common.randomness import SystemSource
 
@@ -17,9 +18,11 @@ from common.randomness import SystemSource
 def test_fragment_sizes_are_fixed_per_mechanism() -> None:
     rng = SeededSource(1)
     k_params = krappor.KRapporParams(k=1000, eps=1.0)
-    assert {len(f) for f in krappor.encode(3, k_params, rng)} == {2 + krappor.PAYLOAD_SIZE}
+    assert {len(f) for f in krappor.KRappor().encode_value(k_params, 3, rng)} == {
+        2 + krappor.PAYLOAD_SIZE
+    }
     r_params = rfrag.RFragParams(k=1000, eps_b=2.0, eps_f=1.0, tau=3)
-    rows = rfrag.encode(3, r_params, rfrag.new_state(r_params), rng)
+    rows = rfrag.RFrag().encode_rows(r_params, 3, rfrag.new_state(r_params), rng)
     assert {len(f) for row in rows for f in row} == {2 + rfrag.PAYLOAD_SIZE}
     l_params = longitudinal.LongitudinalParams(d=4, k=1, eps=1.0)
     _, report = longitudinal.update(longitudinal.TreeState(1, 1), 1, 1, l_params, rng)
@@ -30,22 +33,22 @@ def test_fragment_sizes_are_fixed_per_mechanism() -> None:
 
 def test_krappor_fragment_order_reveals_nothing() -> None:
     params = krappor.KRapporParams(k=50, eps=0.5)
-    fragments = krappor.encode(49, params, SeededSource(2))
+    fragments = krappor.KRappor().encode_value(params, 49, SeededSource(2))
     indices = [int.from_bytes(f[2:], "big") for f in fragments]
     assert indices == sorted(indices)
 
 
 def test_chaff_is_counted_not_fatal() -> None:
     params = krappor.KRapporParams(k=10, eps=1.0)
-    acc = krappor.new_accumulator(params)
-    good = krappor.encode(1, params, SeededSource(3))
+    acc = krappor.KRappor().new_accumulator(params)
+    good = krappor.KRappor().encode_value(params, 1, SeededSource(3))
     bad = [
         b"\x01\x01\x00\x00\x00\x63",
         b"\x02\x01\x00\x00\x00\x01",
         b"\x01\x05\x00\x00\x00\x01",
         b"x",
     ]
-    assert krappor.add_fragments(acc, params, good + bad, 1) == len(bad)
+    assert krappor.KRappor().accumulate(params, acc, good + bad, 1, BatchContext(0, 1)) == len(bad)
     assert acc.counts.sum() == len(good) and acc.n == 1
 
 
@@ -60,7 +63,7 @@ def test_accumulators_merge_and_round_trip() -> None:
     with pytest.raises(ValueError, match="cannot merge"):
         a.merge(CountAccumulator.empty(3))
     l_params = longitudinal.LongitudinalParams(d=8, k=1, eps=1.0)
-    tree = longitudinal.new_accumulator(l_params)
+    tree = longitudinal.Longitudinal().new_accumulator(l_params)
     again = longitudinal.TreeAccumulator.from_bytes(tree.to_bytes())
     assert again.params_d == 8 and again.sums.size == tree.sums.size == 15
 
@@ -68,10 +71,10 @@ def test_accumulators_merge_and_round_trip() -> None:
 def test_backstop_is_drawn_once_and_reused() -> None:
     params = rfrag.RFragParams(k=200, eps_b=1.0, eps_f=1.0, tau=2)
     state = rfrag.new_state(params)
-    rfrag.encode(7, params, state, SeededSource(4))
+    rfrag.RFrag().encode_rows(params, 7, state, SeededSource(4))
     first = list(state.backstops[7])
     for seed in range(5, 15):
-        rfrag.encode(7, params, state, SeededSource(seed))
+        rfrag.RFrag().encode_rows(params, 7, state, SeededSource(seed))
     assert state.backstops[7] == first and set(state.backstops) == {7}
     restored = rfrag.BackstopState.from_json(state.to_json())
     assert restored.backstops == state.backstops and restored.state_id == state.state_id
@@ -80,7 +83,7 @@ def test_backstop_is_drawn_once_and_reused() -> None:
 def test_losing_or_corrupting_the_backstop_is_detectable() -> None:
     params = rfrag.RFragParams(k=200, eps_b=1.0, eps_f=1.0, tau=2)
     state = rfrag.new_state(params)
-    rfrag.encode(7, params, state, SeededSource(4))
+    rfrag.RFrag().encode_rows(params, 7, state, SeededSource(4))
     assert rfrag.new_state(params).state_id != state.state_id
     document = json.loads(state.to_json())
     document["body"]["backstops"]["7"].append(0)
@@ -91,7 +94,7 @@ def test_losing_or_corrupting_the_backstop_is_detectable() -> None:
         rfrag.BackstopState.from_json("{not json")
     other = rfrag.RFragParams(k=200, eps_b=2.0, eps_f=1.0, tau=2)
     with pytest.raises(BackstopStateError, match="new device"):
-        rfrag.encode(7, other, state, SeededSource(5))
+        rfrag.RFrag().encode_rows(other, 7, state, SeededSource(5))
 
 
 @pytest.mark.parametrize(
@@ -116,7 +119,9 @@ def test_zsum_empty_bins_are_exactly_zero_in_figure_1s_estimate() -> None:
     counts[[2, 9]] = [30_000, 20_000]
     gen = np.random.default_rng(1)
     for _ in range(50):
-        values = zsum.estimate(zsum.simulate_aggregate(counts, params, gen), params).truncated
+        values = (
+            zsum.ZSum().estimate(params, zsum.simulate_aggregate(counts, params, gen)).truncated
+        )
         assert values is not None and np.all(values[counts == 0] == 0.0)
 
 
@@ -143,7 +148,7 @@ def test_krappor_encoding_cost_does_not_grow_with_k() -> None:
     for params in (big, small):
         source, calls = _counting(SeededSource(9))
         for _ in range(2_000):
-            krappor.encode(17, params, source)
+            krappor.KRappor().encode_value(params, 17, source)
         draws[params.k] = calls[0] / 2_000
     assert draws[1_778_120] == pytest.approx(draws[1_000], rel=0.1)
     assert draws[1_778_120] < expected_ones + 3
@@ -154,6 +159,6 @@ def test_krappor_encoding_cost_does_not_grow_with_k() -> None:
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(100):
-            krappor.encode(17, big, system)
+            krappor.KRappor().encode_value(big, 17, system)
         rounds.append((time.perf_counter() - start) / 100)
     assert min(rounds) < 1e-3, rounds

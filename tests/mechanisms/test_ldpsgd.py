@@ -61,7 +61,7 @@ def scaled_mean(params: m.LdpSgdParams, gradient: np.ndarray, reports: int) -> n
         for f in m.encode(m.GradientReport(0, gradient), params, rng)
     ]
     accumulator = m.LdpSgdAccumulator(params.dim)
-    assert m.accumulate(accumulator, fragments, reports // params.tau) == 0
+    assert m.LdpSgd().accumulate(params, accumulator, fragments, reports // params.tau, BATCH) == 0
     return m.noisy_gradient(params, accumulator.sums[0], accumulator.counts[0])
 
 
@@ -115,7 +115,9 @@ def test_accumulator_rounds_serialization_and_chaff() -> None:
     good = [m.encode(m.GradientReport(r, np.ones(3)), params, rng)[0] for r in (1, 1, 2)]
     bad_sign = good[0][:6] + b"\x02" + good[0][7:]
     accumulator = m.LdpSgdAccumulator(3)
-    invalid = m.accumulate(accumulator, [*good, bad_sign, good[0][:-1], b""], 4)
+    invalid = m.LdpSgd().accumulate(
+        params, accumulator, [*good, bad_sign, good[0][:-1], b""], 4, BATCH
+    )
     assert invalid == 3
     assert accumulator.counts == {1: 2, 2: 1} and accumulator.n == 4
     loaded = m.LdpSgdAccumulator.from_bytes(accumulator.to_bytes())
@@ -126,7 +128,7 @@ def test_accumulator_rounds_serialization_and_chaff() -> None:
     assert np.allclose(merged.sums[2], 2 * accumulator.sums[2])
     many = [m.encode(m.GradientReport(r, np.ones(3)), params, rng)[0] for r in range(70)]
     capped = m.LdpSgdAccumulator(3)
-    assert m.accumulate(capped, many, 70) == 70 - m.MAX_ROUNDS
+    assert m.LdpSgd().accumulate(params, capped, many, 70, BATCH) == 70 - m.MAX_ROUNDS
     with pytest.raises(ValueError, match="dim"):
         accumulator.merge(m.LdpSgdAccumulator(4))
 
@@ -159,13 +161,14 @@ def test_certificate_is_binary_rr_and_tau_composes() -> None:
 
 def test_training_eps_and_theorem_reference() -> None:
     params = m.LdpSgdParams(dim=10, eps=2.0, rounds=10)
-    small, large = m.training_eps(params, 10_000, 1e-6), m.training_eps(params, 100_000, 1e-6)
+    small = m.LdpSgd().training_eps(params, 10_000, 1e-6)
+    large = m.LdpSgd().training_eps(params, 100_000, 1e-6)
     assert 0 < large < small
     assert m.theorem_vi1(params, 100_000, 1e-6) > 0
 
 
 def test_local_privacy() -> None:
-    local = m.local_privacy(m.LdpSgdParams(dim=3, eps=1.0, tau=2))
+    local = m.LdpSgd().local_privacy(m.LdpSgdParams(dim=3, eps=1.0, tau=2))
     assert local.replacement == pytest.approx(2.0)
     assert local.eps_l1 == pytest.approx(math.log(2 * math.e / (1 + math.e)))
 

@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from common.mechanisms import SeededSource, longitudinal
+from common.mechanisms.base import BatchContext
 from common.mechanisms.longitudinal import ChangeLog, LongitudinalParams
 from services.tools import populations
 
@@ -32,7 +33,7 @@ def test_report_times_do_not_depend_on_data() -> None:
 
 
 def _run_clients(log: ChangeLog, seed: int) -> longitudinal.TreeAccumulator:
-    acc = longitudinal.new_accumulator(PARAMS)
+    acc = longitudinal.Longitudinal().new_accumulator(PARAMS)
     by_user: dict[int, dict[int, int]] = {}
     for user, period, sign in zip(log.user, log.period, log.sign, strict=True):
         by_user.setdefault(int(user), {})[int(period)] = int(sign)
@@ -45,7 +46,7 @@ def _run_clients(log: ChangeLog, seed: int) -> longitudinal.TreeAccumulator:
             state, report = longitudinal.update(state, t, changes.get(t, 0), PARAMS, rng)
             if report is not None:
                 reports.append(report)
-    assert longitudinal.add_fragments(acc, PARAMS, reports) == 0
+    assert longitudinal.Longitudinal().accumulate(PARAMS, acc, reports, 0, BatchContext(0, 1)) == 0
     return acc
 
 
@@ -58,7 +59,10 @@ def _check(estimates: np.ndarray, stds: np.ndarray, truth: np.ndarray) -> None:
 
 def test_per_report_path_unbiased_with_l_levels() -> None:
     log = populations.longitudinal(300, PARAMS.d, PARAMS.k, seed=1).changes
-    results = [longitudinal.estimate(_run_clients(log, 500 + r), PARAMS) for r in range(RUNS)]
+    results = [
+        longitudinal.Longitudinal().estimate(PARAMS, _run_clients(log, 500 + r))
+        for r in range(RUNS)
+    ]
     estimates = np.array([e.values for e in results])
     stds = np.array([e.std_errors for e in results]).mean(axis=0)
     _check(estimates, stds, log.true_counts())
@@ -70,7 +74,9 @@ def test_aggregate_path_unbiased_and_agrees_with_per_report_path() -> None:
     big = populations.longitudinal(200_000, PARAMS.d, PARAMS.k, seed=2).changes
     gen = np.random.default_rng(3)
     results = [
-        longitudinal.estimate(longitudinal.simulate_aggregate(big, PARAMS, gen), PARAMS)
+        longitudinal.Longitudinal().estimate(
+            PARAMS, longitudinal.simulate_aggregate(big, PARAMS, gen)
+        )
         for _ in range(RUNS)
     ]
     estimates = np.array([e.values for e in results])
@@ -78,10 +84,13 @@ def test_aggregate_path_unbiased_and_agrees_with_per_report_path() -> None:
     _check(estimates, stds, big.true_counts())
     small = populations.longitudinal(300, PARAMS.d, PARAMS.k, seed=1).changes
     per_report = [
-        longitudinal.estimate(_run_clients(small, 900 + r), PARAMS).values[5] for r in range(RUNS)
+        longitudinal.Longitudinal().estimate(PARAMS, _run_clients(small, 900 + r)).values[5]
+        for r in range(RUNS)
     ]
     aggregate = [
-        longitudinal.estimate(longitudinal.simulate_aggregate(small, PARAMS, gen), PARAMS).values[5]
+        longitudinal.Longitudinal()
+        .estimate(PARAMS, longitudinal.simulate_aggregate(small, PARAMS, gen))
+        .values[5]
         for _ in range(RUNS)
     ]
     assert stats.ks_2samp(per_report, aggregate).pvalue > 1e-3
@@ -101,11 +110,17 @@ def test_changes_beyond_k_are_ignored() -> None:
     gen = np.random.default_rng(5)
     estimates = np.array(
         [
-            longitudinal.estimate(longitudinal.simulate_aggregate(pop, PARAMS, gen), PARAMS).values
+            longitudinal.Longitudinal()
+            .estimate(PARAMS, longitudinal.simulate_aggregate(pop, PARAMS, gen))
+            .values
             for _ in range(RUNS)
         ]
     )
-    se = longitudinal.estimate(longitudinal.simulate_aggregate(pop, PARAMS, gen), PARAMS).std_errors
+    se = (
+        longitudinal.Longitudinal()
+        .estimate(PARAMS, longitudinal.simulate_aggregate(pop, PARAMS, gen))
+        .std_errors
+    )
     assert np.all(np.abs(estimates.mean(axis=0) - capped.true_counts()) <= 4 * se / np.sqrt(RUNS))
     assert np.any(capped.true_counts() != pop.true_counts())
 

@@ -41,6 +41,7 @@ from common.envelope import (
     seal_fragment,
 )
 from common.mechanisms import krr
+from common.randomness import default_source
 from common.wire import Batch, ChannelConfig
 from services.cli import launcher
 from shuffler import tables
@@ -179,7 +180,7 @@ def _contribute(setup: Setup, config: VerifiedConfig, crowd: str, epoch: int) ->
             token = client.post("/v1/enroll").raise_for_status().json()["client_token"]
             fragments = tuple(
                 seal_fragment(f, context, CHANNEL.payload_size, inner)
-                for f in krr.encode(value % 4, params)
+                for f in krr.KRR().encode_value(params, value % 4, default_source())
             )
             blob = seal_contribution(
                 Contribution(
