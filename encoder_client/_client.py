@@ -7,7 +7,6 @@ import binascii
 import functools
 import json
 import logging
-import secrets
 import sqlite3
 import ssl
 import threading
@@ -28,15 +27,7 @@ from common.collection import (
     check_rollback,
     verify_collection,
 )
-from common.envelope import (
-    Contribution,
-    FragmentContext,
-    load_ed25519_public,
-    load_x25519_public,
-    new_nonce,
-    seal_contribution,
-    seal_fragment,
-)
+from common.envelope import load_ed25519_public, load_x25519_public
 from common.mechanisms import (
     Mechanism,
     MechanismError,
@@ -62,6 +53,7 @@ from encoder_client._errors import (
     ValueOutOfDomainError,
 )
 from encoder_client._state import Charge, DeviceState, Limit, OutboxItem
+from encoder_client.sealing import seal_report, shuffler_slot
 
 log = logging.getLogger("esa.client")
 #: Every report's privacy noise: the OS CSPRNG.
@@ -453,18 +445,8 @@ class Client:
 
     def _route(self, slot: int | None) -> ShufflerInfo:
         """Shuffler ``slot mod K``, or one picked by weight when the mechanism lets us."""
-        return self._pick() if slot is None else self._shufflers[slot % len(self._shufflers)]
-
-    def _pick(self) -> ShufflerInfo:
-        if not self._weights:
-            return self._shufflers[secrets.randbelow(len(self._shufflers))]
-        total = sum(self._weights.get(s.id, 0.0) for s in self._shufflers)
-        point = secrets.randbelow(1 << 30) / (1 << 30) * total
-        for shuffler in self._shufflers:
-            point -= self._weights.get(shuffler.id, 0.0)
-            if point < 0:
-                return shuffler
-        return self._shufflers[-1]
+        weights = [self._weights.get(s.id, 0.0) for s in self._shufflers] if self._weights else []
+        return self._shufflers[shuffler_slot(slot, len(self._shufflers), weights)]
 
     def _seal(
         self,
@@ -474,15 +456,16 @@ class Client:
         shuffler: ShufflerInfo,
         fragments: list[bytes],
     ) -> tuple[str, bytes]:
-        context = FragmentContext(config.id, epoch, crowd)
-        sealed = tuple(
-            seal_fragment(f, context, config.payload_size, self._analyzer_key) for f in fragments
-        )
-        contribution = Contribution(
-            channel_id=config.id, crowd_id=crowd, epoch=epoch, nonce=new_nonce(), fragments=sealed
-        )
         key = self._shuffler_keys[shuffler.id]
-        return shuffler.id, seal_contribution(contribution, shuffler.id, key)
+        body = seal_report(
+            config,
+            crowd=crowd,
+            epoch=epoch,
+            fragments=fragments,
+            analyzer_key=self._analyzer_key,
+            shuffler=(shuffler.id, key),
+        )
+        return shuffler.id, body
 
     def _queue(
         self,

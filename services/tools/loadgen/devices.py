@@ -20,19 +20,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from common.envelope import (
-    Contribution,
-    FragmentContext,
-    load_x25519_public,
-    new_nonce,
-    seal_contribution,
-    seal_fragment,
-)
+from common.envelope import load_x25519_public
 from common.mechanisms import StateUpdate
 from common.mechanisms import get as get_mechanism
 from common.randomness import SystemSource
 from common.retry import retry_after_seconds
 from common.wire import ChannelConfig, CollectionConfig, ShufflerInfo
+from encoder_client.sealing import seal_report, shuffler_slot
 from services.tools.loadgen.http import HttpConnection
 from services.tools.loadgen.target import ENROLL, RECORD, LoadError, Target
 
@@ -224,18 +218,15 @@ class _Sealer:
     ) -> str:
         """One contribution of ``device`` for ``epoch``: its fragments sealed to the analyzer
         for this epoch, a new nonce, sealed to its shuffler; returns the token it uses."""
-        k = len(self.shufflers)
-        target = secrets.randbelow(k) if slot is None else slot % k  # the SDK's routing
-        shuffler_id, key = self.shufflers[target]
-        channel, crowd = self.channel, self.channel.crowds[0]
-        context = FragmentContext(channel.id, epoch, crowd)
-        sealed = tuple(
-            seal_fragment(f, context, channel.payload_size, self.analyzer) for f in fragments
+        target = shuffler_slot(slot, len(self.shufflers))
+        body = seal_report(
+            self.channel,
+            crowd=self.channel.crowds[0],
+            epoch=epoch,
+            fragments=fragments,
+            analyzer_key=self.analyzer,
+            shuffler=self.shufflers[target],
         )
-        contribution = Contribution(
-            channel_id=channel.id, crowd_id=crowd, epoch=epoch, nonce=new_nonce(), fragments=sealed
-        )
-        body = seal_contribution(contribution, shuffler_id, key)
         token = device.tokens[target]
         encoded = token.encode()
         out.write(RECORD.pack(target, len(encoded), len(body)) + encoded + body)
