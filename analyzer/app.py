@@ -1,25 +1,14 @@
 """The analyzer's HTTP API: thin routers over :class:`analyzer.service.AnalyzerService`.
 
-``POST /v1/batches`` (one signed part of a batch from a registered shuffler: 201 stored, 200
-known part, 400, 401, 413, 415, 422; opened in the background), ``GET /v1/config`` (the signed
-collection config), ``GET /v1/channels``,
-``GET /v1/channels/{id}/estimate`` (a release: estimates, 95% intervals, certified (ε, δ); a
-pure read), ``POST /v1/channels/{id}/releases`` (admin: publish and record a release),
-``GET /v1/channels/{id}/privacy`` (per-epoch charges and lifetime ε),
-``POST /v1/channels/{id}/training/step`` (admin: one LDP-SGD step, ESA-revisited Algorithm 5),
-``GET /v1/channels/{id}/training`` (round, θ and steps of an ``ldp-sgd`` channel),
-``GET /v1/privacy``
-(lifetime ε across channels), ``GET /`` (dashboard),
-``/healthz``, ``/readyz``, ``/metrics``. Every non-2xx answer is JSON ``{"error", "detail"}``
-(:mod:`runtime.http`), and the OpenAPI document states every status each route can
-answer, with that shape (a fuzzer checks it).
+Batch intake (``POST /v1/batches``), the signed config, channels, estimates, releases, privacy,
+LDP-SGD training (ESA-revisited Algorithm 5), the dashboard and the operational routes. Every
+non-2xx answer is JSON ``{"error", "detail"}`` (:mod:`runtime.http`), and the OpenAPI states
+every status each route answers. Cheap refusals come before expensive work: sender, signature
+header, declared length and content type are checked before a batch's body is read, the body is
+streamed under the cap and verified before it is parsed, and admin routes check the bearer
+token before their body.
 
-Cheap refusals come before expensive work: a batch from a shuffler the ``ESA-Shuffler``
-header does not name among the registered ones, without a well-formed ``ESA-Signature``, whose
-declared ``Content-Length`` is over the cap (the largest legal part) or with a non-JSON
-``Content-Type`` is refused before its body is read; the body is streamed with the cap (413 as
-soon as it is exceeded, never buffered beyond it) and its signature verified before it is
-parsed; admin routes check the bearer token before their body is read or validated.
+The routes and their answers: docs/architecture.md, "Analyzer internals".
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """What the analyzer refuses: one base class, one subclass per meaning, no HTTP.
 
-Each class has a stable ``code`` (the ``error`` field clients read) and a
-:class:`~runtime.errors.Kind`; :data:`runtime.http.STATUS` turns the kind into
-a status at the edge. Callers catch :class:`AnalyzerError`::
+Each class has a stable ``code`` and a :class:`~runtime.errors.Kind` that
+:data:`runtime.http.STATUS` turns into a status at the edge (every code and status:
+docs/architecture.md, "Analyzer internals"). Callers catch :class:`AnalyzerError`::
 
-    DomainError (runtime.errors)
-    └── AnalyzerError
-        ├── InvalidChannelError          invalid          a configured channel its mechanism rejects
-        ├── MalformedBatchError          malformed        400: the body is not a batch
-        ├── UnsupportedMediaTypeError    unsupported_media_type 415: a body that is not JSON
-        ├── BatchTooLargeError           too_large        413: body over max_batch_bytes
-        │                                                 (also a runtime TooLargeError)
-        ├── UnknownShufflerError         unknown_shuffler 401: batch names an unregistered shuffler
-        ├── BadSignatureError            bad_signature    401: signature missing, ill-formed or
-        │                                                 not verifying
-        ├── AdminTokenError              bad_admin_token  401: admin route without the admin token
-        ├── InconsistentBatchError       (422: a batch the channel's configuration cannot hold)
-        │   ├── BatchForUnknownChannelError unknown_channel
-        │   ├── BelowMinCrowdError       below_min_crowd
-        │   ├── UnknownCrowdError        unknown_crowd    a crowd the channel does not declare
-        │   ├── InconsistentCountsError  inconsistent_counts
-        │   └── DuplicateGroupError      duplicate_group  a second batch for one group
-        ├── UnknownChannelError          unknown_channel  404: asked about an unconfigured channel
-        ├── NothingReceivedError         no_data          404: nothing received for the release
-        │   └── IncompleteBatchesError   incomplete       404: only batches with parts missing
-        ├── ShufflersUnavailableError    shufflers_unavailable 503: a shuffler's descriptor is
-        │                                                 not known yet (or expired)
-        ├── IntakeBusyError              busy             503: every slot for reading a part
-        │                                                 before its signature is checked is taken
-        └── StorageConflictError         storage_conflict 503: concurrent writers kept colliding
+    AnalyzerError (a runtime.errors.DomainError)
+    ├── InvalidChannelError, MalformedBatchError, UnsupportedMediaTypeError, BatchTooLargeError
+    ├── UnknownShufflerError, BadSignatureError, AdminTokenError
+    ├── InconsistentBatchError (422): BatchForUnknownChannelError, BelowMinCrowdError,
+    │       UnknownCrowdError, InconsistentCountsError, DuplicateGroupError
+    ├── UnknownChannelError, NothingReceivedError (404) ── IncompleteBatchesError
+    └── ShufflersUnavailableError, IntakeBusyError, StorageConflictError
 """
 
 from __future__ import annotations

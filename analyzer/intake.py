@@ -1,18 +1,14 @@
 """Batch part intake (PROTOCOL.md, ``POST /v1/batches``): verify, check, store.
 
-A part names its sender in the ``ESA-Shuffler`` header, and the Ed25519 signature over the
-exact body must verify with the key the analyzer pins for that shuffler before anything of the
-body is parsed: an unknown sender or an ill-formed ``ESA-Signature`` is refused before the body
-is read (the HTTP edge), and a body is read only up to the largest legal part. A verified part
-must name its signer, and is refused when its channel cannot hold it: an unknown channel or
-crowd, a crowd below ``min_crowd``, parts of one batch that disagree, a second batch for a
-group that already sent one (each group is evaluated once), or fragments its contributions
-cannot carry (more than n times the channel's ``max_fragments`` at any part; once every part is
-in, fewer than n times its ``min_fragments``: bounds every shuffler enforces per contribution,
-so an honest shuffler's batch always fits, whatever its clients send). Numbers beyond what the
-tables hold are malformed. A known (``batch_id``, ``part``) is acknowledged again but counted
-once. The raw body is stored durably and acknowledged right after the commit;
-:mod:`analyzer.opening` opens and accumulates it in the background.
+The Ed25519 signature of the shuffler named in ``ESA-Shuffler`` must verify over the exact body
+before any of it is parsed (at most the largest legal part is read). A verified part is refused
+when its channel cannot hold it: unknown channel or crowd, below ``min_crowd``, parts that
+disagree, a second batch for one group, or more or fewer fragments than its contributions can
+carry (``max_fragments`` and ``min_fragments`` per contribution, which every shuffler enforces).
+A known (``batch_id``, ``part``) is acknowledged again but counted once. The raw body is stored
+and acknowledged after the commit; :mod:`analyzer.opening` opens it in the background.
+
+Every check and why: docs/architecture.md, "Analyzer internals".
 """
 
 from __future__ import annotations

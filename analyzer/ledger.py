@@ -1,29 +1,15 @@
 """The privacy ledger: loss charged once per (channel, epoch), and a device's lifetime ε.
 
-The analyzer's view of an epoch is the shuffled batches it received, so an epoch is charged
-once, at the crowds received, when its batches come in (:meth:`ChannelRuntime.charge`, written
-with every batch by :mod:`analyzer.intake`). Estimates and published releases are
-post-processing of that view and cost nothing more (post-processing, Dwork & Roth, *The
-Algorithmic Foundations of Differential Privacy*, Proposition 2.1).
+An epoch is charged once, at the crowds received, when its batches come in
+(:meth:`ChannelRuntime.charge`); estimates and releases are post-processing of that view and
+cost nothing more (Dwork & Roth, Proposition 2.1). A device's lifetime ε composes the epochs'
+views with dp_accounting's PLD (:func:`common.accounting.lifetime.compose_epochs`), each epoch
+entering as its mechanism's dominating pair (:meth:`common.mechanisms.Mechanism.epoch_pair`;
+FMT21 Remark 3.5 eq. (20)) or else as its (ε, δ) certificate (Kairouz, Oh, Viswanath 2015),
+beside basic (Dwork & Roth, Theorem 3.16) and advanced composition; the add/remove statement
+adds randomized deletion's certificate (ESA-revisited Theorem V.1).
 
-A device that took part in every epoch loses the adaptive composition of the epochs' views.
-Each epoch enters through the mechanism's dominating pair at the epoch's crowd
-(:meth:`common.mechanisms.Mechanism.epoch_pair`: the FMT21 clones pair, Remark 3.5 eq. (20),
-or the privacy-blanket pair of binary / k-ary RR), exactly as ``esa account compose`` builds
-it (:func:`common.accounting.lifetime.mechanism_epoch`, crowds charged as
-:func:`~common.accounting.lifetime.charged_crowds` says); a mechanism without a pair
-(Balcer–Cheu, report fragments across batches) enters as the epoch's (ε, δ) certificate, the
-PLD of the pair dominating every (ε, δ)-DP mechanism (Kairouz, Oh, Viswanath 2015;
-dp_accounting's ``from_privacy_parameters``). Each row says which (``composed_as``). The epochs
-compose with Google's ``dp_accounting`` PLD (pessimistic estimates,
-:func:`common.accounting.lifetime.compose_epochs`), beside basic composition (Dwork & Roth,
-Theorem 3.16) and advanced composition, with the δ split shown. The add/remove statement adds
-randomized deletion's (ε_cr, δ_cr) certificate to every epoch (ESA-revisited Theorem V.1,
-:meth:`common.accounting.Epoch.with_deletion`).
-
-The device-side budget (:class:`common.wire.DeviceBudget`, enforced by the SDK) is shown as a
-device that reported in every epoch so far would have spent it: each report charges its local
-ε in the replacement notion, summed (basic composition, the SDK's rule).
+The argument in full, and the device budget shown: docs/architecture.md, "Analyzer internals".
 """
 
 from __future__ import annotations

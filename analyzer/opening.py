@@ -1,20 +1,14 @@
-"""Opening stored batch parts in the background ("Intake that cannot time out").
+"""Opening stored batch parts in the background, so intake never waits on HPKE.
 
-``POST /v1/batches`` only stores a verified part (:mod:`analyzer.intake`); :class:`PartOpener`
-then opens each stored part, chunk by chunk, on a pool of processes (:class:`FragmentOpener`:
-HPKE opening is the analyzer's bottleneck, so it uses the cores), and folds it with
-:meth:`AnalyzerStore.fold_part`, which marks the part opened in the same transaction that
-updates the batch's statistics: a crash before that commit leaves the part stored and
-unopened, and the next start opens it again from scratch, so nothing is opened or counted
-twice. Memory is bounded by one part (its body, its opened fragments) plus one accumulator.
+:class:`PartOpener` opens each part :mod:`analyzer.intake` stored, on a pool of processes
+(:class:`FragmentOpener`: HPKE opening is the analyzer's bottleneck), and folds it with
+:meth:`AnalyzerStore.fold_part`, which marks it opened in the same transaction: after a crash a
+part is opened again from scratch, never counted twice. Memory is bounded by one part plus one
+accumulator. A part whose opening fails :data:`OPEN_ATTEMPTS` times is quarantined (never folded
+in, so its batch stays incomplete); failures of the database are not the part's fault and count
+against none.
 
-Each pass pages through every waiting part (keyset paging, so parts it skips — their channel is
-no longer configured — never hide the ones behind them). A part whose opening raises is left
-for the next pass; after :data:`OPEN_ATTEMPTS` failed openings it is quarantined
-(:meth:`AnalyzerStore.record_failure`): kept with its error, never opened again by itself,
-never folded in, so its batch stays incomplete and every release says so. Failures of the
-database itself (a dropped connection, a concurrent writer) are not the part's fault: the pass
-stops and starts over after ``poll_seconds`` without counting them against any part.
+Paging, retries and quarantine: docs/architecture.md, "Analyzer internals".
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """The analyzer's storage: receipts, accumulators and releases behind one interface.
 
-Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
+Tables (SQLAlchemy Core; created by the alembic migrations next to this module): ``batch_parts``
+(the raw part until opened, then its counts; ``quarantined`` after
+:data:`analyzer.opening.OPEN_ATTEMPTS` failed openings), ``open_batches``, ``receipts`` (claimed
+and verified crowd; ``withheld`` below ``min_crowd``), ``accumulators`` per (channel, crowd,
+epoch, shuffler), ``epoch_charges`` (the privacy ledger: one row per (channel, crowd, epoch),
+rewritten under its lock with every batch), ``shuffler_descriptors`` and ``releases``. Reads
+write nothing. Everything that depends on the database dialect stays in this module.
 
-* ``batch_parts``: one row per stored part (idempotency by (``batch_id``, ``part``)): the raw
-  signed body until it is opened, then only its counts (acknowledged once stored,
-  opened in the background). ``status`` is ``stored`` (waiting for the opener), ``opened``
-  (folded in: ``invalid`` of its fragments failed to open or parse, ``n_opened`` opened, NULL
-  for parts opened before migration 0006) or ``quarantined`` (its opening failed
-  :data:`analyzer.opening.OPEN_ATTEMPTS` times: kept with its body, ``attempts`` and
-  ``last_error`` for an operator, never folded in, so its batch stays incomplete).
-* ``open_batches``: the statistics of a batch whose parts are not all opened yet, folded part
-  by part in the same transaction that marks each part opened (nothing opened twice).
-* ``receipts``: one row per complete batch (all its parts opened), with the crowd its shuffler
-  claimed, the crowd its fragments verify (``n_verified``: what certificates and estimates rest
-  on), how many fragments failed to open or parse, and whether it was ``withheld``: a batch
-  whose verified crowd is below its channel's ``min_crowd`` never joins an accumulator, so no
-  release or ledger charge rests on it (only its receipt tells it arrived).
-* ``accumulators``: the sufficient statistics per (channel, crowd, epoch, shuffler) of complete
-  batches, updated in the same transaction as the receipt. Kept per shuffler because each
-  shuffler's batch is shuffled separately: its crowd is what certification may rely on.
-* ``epoch_charges``: the privacy ledger — one row per (channel, crowd, epoch), the certificates
-  of that epoch's view at the crowds received, rewritten in the same transaction as every batch
-  of the epoch (so an epoch is charged once, whatever is queried or published). The rewrite
-  takes the (channel, crowd, epoch) lock first and reads what was received after it, so
-  concurrent analyzer processes on PostgreSQL rewrite the row one after another, each from
-  everything committed before it.
-* ``shuffler_descriptors``: the newest verified signed descriptor of each registered shuffler,
-  the one every analyzer worker serves in its config (a device that saw a newer descriptor
-  refuses an older one, so workers must agree on it).
-* ``releases``: what was published (``POST /v1/channels/{id}/releases``), with its certificate
-  and the summary the dashboard draws. Reads (``GET .../estimate``) write nothing.
-
-Everything that depends on the database dialect stays in this module.
+What each table holds and why: docs/architecture.md, "Analyzer internals".
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Who vouches for what a device uses (PROTOCOL.md, "Who vouches for what").
 
-Two kinds of signed documents reach a device:
-
-* the analyzer's collection config, ``{"config": {...}, "signature": base64 Ed25519}`` over the
-  canonical JSON of ``config`` (sorted keys, no whitespace), signed with the analyzer's
-  config-signing key: channels, policies, the analyzer's own HPKE keys;
-* each shuffler's descriptor (:class:`common.wire.ShufflerDescriptor`: id, URL, HPKE keys,
-  signing key, validity), signed with that shuffler's own Ed25519 key over
-  :data:`DESCRIPTOR_CONTEXT` and the canonical JSON. The analyzer's config carries the
-  descriptors as the shufflers signed them; it can list or omit a shuffler but cannot change
-  its URL or keys without breaking that shuffler's signature.
-
-A device pins one key per trust domain (:class:`TrustAnchors`: the analyzer's config-signing
-key and every shuffler's signing key, as DAP clients learn each aggregator's HPKE config from
-that aggregator) and :func:`verify_collection` accepts a config only when every shuffler it
-lists is pinned and vouched for by its own signature, nothing has expired, and nothing is older
-than what the device has seen before (rollback).
+The analyzer signs the collection config; each shuffler signs its own descriptor
+(:class:`common.wire.ShufflerDescriptor`, over :data:`DESCRIPTOR_CONTEXT`), which the config
+carries unchanged, so the analyzer cannot change a shuffler's URL or keys. A device pins one
+key per trust domain (:class:`TrustAnchors`, as DAP clients learn each aggregator's config
+from that aggregator); :func:`verify_collection` accepts a config only when every listed
+shuffler is pinned and vouched for, nothing has expired, and nothing rolls back what the
+device has seen. Formats: docs/protocol-notes.md, "Signed documents".
 """
 
 from __future__ import annotations

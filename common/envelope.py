@@ -1,24 +1,14 @@
 """Sealed envelopes: HPKE (RFC 9180) through ``cryptography``, fixed-size padding, key files.
 
-Suite (PROTOCOL.md): DHKEM(X25519, HKDF-SHA256), HKDF-SHA256, AES-128-GCM, base mode, the
-library's one-shot ``encrypt``/``decrypt``. We never compose KEM/KDF/AEAD ourselves.
+One-shot HPKE in PROTOCOL.md's suite (DHKEM(X25519), HKDF-SHA256, AES-128-GCM, base mode);
+we never compose KEM/KDF/AEAD ourselves. HPKE ``info`` binds a fragment to its channel, epoch
+and crowd (:class:`FragmentContext`), so one re-sent in another epoch's or crowd's batch opens
+for nobody, and a contribution to its shuffler. Blobs start with an 8-byte key id naming one of
+the recipient's live keys (keys rotate without dropping in-flight fragments); inner plaintexts
+are padded to the channel's ``payload_size`` so length never reveals the value. Wire version 1
+is refused with :class:`WireVersionError`.
 
-Context is bound through HPKE's ``info`` (wire version 2). A fragment sealed for the analyzer is
-bound to its channel, epoch and crowd (:class:`FragmentContext`), so a shuffler that re-sends a
-fragment in another epoch's or crowd's batch sends one that no longer opens; a contribution
-sealed for a shuffler is bound to that shuffler (``b"esa/1 outer " + shuffler_id``).
-
-Sealed blob: ``key id (8 bytes) | enc (32) | ciphertext + tag``. The key id is the first 8 bytes
-of SHA-256 of the raw X25519 public key; it names which of the recipient's live keys to use
-(the analyzer keeps at least two, so a key can rotate without dropping in-flight fragments).
-
-Inner plaintexts are padded to the channel's ``payload_size``
-(``uint16 length | fragment | zeros``), so ciphertext length never reveals the value.
-
-Contribution encoding (outer plaintext, big-endian):
-``b"ESA2" | u8 len + channel_id | u8 len + crowd_id | u64 epoch | 16-byte nonce |
-u16 count | count × (u16 len + inner blob)``. ``b"ESA1"`` (version 1, whose fragments were bound
-to their channel only) is refused with :class:`WireVersionError`.
+Byte layouts: docs/protocol-notes.md, "Sealed envelopes".
 """
 
 from __future__ import annotations
@@ -226,7 +216,7 @@ class Contribution:
     fragments: tuple[bytes, ...]
 
     def encode(self) -> bytes:
-        """The compact binary encoding of the module docstring."""
+        """The compact binary encoding (docs/protocol-notes.md, "Sealed envelopes")."""
         channel, crowd = self.channel_id.encode(), self.crowd_id.encode()
         if len(channel) > 255 or len(crowd) > 255 or len(self.nonce) != NONCE_SIZE:
             raise ValueError("channel_id and crowd_id must be <= 255 bytes, nonce 16 bytes")

@@ -66,27 +66,12 @@ class EnrollResponse(BaseModel):
 class ChannelPolicy(BaseModel):
     """What a shuffler needs to know about a channel (ESA-revisited §V, Algorithm 3).
 
-    Attributes:
-        id: Channel id (lower-case identifier).
-        epoch_seconds: Epoch length; a client's epoch is ``floor(unix time / epoch_seconds)``.
-        min_crowd: Batches below this many contributions are never released.
-        eps_cr, delta_cr: Randomized report deletion parameters (Theorem V.1).
-        max_fragments: Most fragments one contribution may carry.
-        min_fragments: Fewest fragments one contribution may carry (default 0). Where a
-            mechanism fixes the count (k-RR, longitudinal: 1), setting both to it makes every
-            batch's crowd exact: a batch whose fragments are not n times the count can only
-            come from a lying shuffler, and the analyzer refuses it.
-        payload_size: Padded inner plaintext size of every fragment of the channel: shufflers
-            refuse a fragment of any other sealed length (PROTOCOL.md, "Fixed sizes"), which
-            also bounds every batch part.
-        crowds: The declared crowds (ESA-revisited §V's natural crowds) a contribution may name
-            as its ``crowd_id``: 1 to :data:`MAX_CROWDS` distinct ids, each empty or matching
-            :data:`CROWD`; the default is the one unnamed crowd ``""``. Shufflers refuse any
-            other crowd (``400 unknown_crowd``); the SDK uses the first unless told otherwise.
-
-    A group is evaluated only when its epoch closes, whole (PROTOCOL.md: never split a group by
-    arrival). The ``max_batch`` key of older signed configs (evaluate early at that many
-    contributions) is accepted and ignored, so such a saved signed config still verifies.
+    Epoch length, the release threshold ``min_crowd``, randomized deletion's ``eps_cr`` and
+    ``delta_cr`` (Theorem V.1), the fragment counts a contribution may carry (equal bounds make
+    every batch's crowd exact), the padded ``payload_size`` every fragment must have, and the
+    declared ``crowds`` (ESA-revisited §V's natural crowds; others get ``400 unknown_crowd``).
+    A group is evaluated only when its epoch closes, whole; a ``max_batch`` key is accepted and
+    ignored. Fields: docs/protocol-notes.md, "Channel policy".
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

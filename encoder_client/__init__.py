@@ -4,16 +4,10 @@
     client.histogram("homepage").report(42)
     client.flush()
 
-A channel's signed config declares its crowds (``ChannelConfig.crowds``, ESA-revisited §V's
-natural crowds); a device reports in the first one unless it names another, per client
-(``Client(..., crowd="eu")``) or per reporter (``client.histogram("homepage", crowd="eu")``).
-
-``TRUST`` pins one key per party (``var/trust.json`` of ``esa up``: the analyzer's
-config-signing key and every shuffler's signing key); a shuffler's HPKE key is used only when
-that shuffler's own signature vouches for it. Values are encoded with the channel's LDP
-mechanism (OS CSPRNG), each fragment sealed for the analyzer and each contribution for one
-shuffler, queued in a persistent outbox and delivered in
-the background. Catch :class:`EsaError` for every SDK error.
+``TRUST`` pins one key per party (the analyzer's and every shuffler's signing key); a device
+reports in its channel's first declared crowd unless it names another. Values are encoded with
+the channel's LDP mechanism, sealed, queued in a persistent outbox and delivered in the
+background. Catch :class:`EsaError` for every SDK error. Guide: docs/sdk.md.
 """
 
 from encoder_client._client import Client, HistogramReporter, LongitudinalReporter

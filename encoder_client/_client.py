@@ -192,38 +192,15 @@ def _check_arguments(
 
 
 class Client:
-    """An ESA client for one device.
+    """An ESA client for one device: verify the signed config, encode, seal, queue and deliver.
 
-    The app pins one key per trust domain: the analyzer's config-signing key and each
-    shuffler's signing key. The config is accepted only when the analyzer signed it and every
-    shuffler it lists is vouched for by its own descriptor, signed with the key pinned for that
-    shuffler (the analyzer cannot swap a shuffler's URL or HPKE key); never when it expired or
-    is older than one this device accepted before. Delivery rechecks expiry and fetches a
-    fresh config from ``config_url`` when needed.
-
-    Args:
-        config_url: The analyzer's ``/v1/config`` URL (or give ``config_file``).
-        trusted_key: The analyzer's Ed25519 config-signing key (raw 32 bytes or base64).
-        shuffler_keys: Each shuffler's Ed25519 signing key, by shuffler id.
-        trust_file: Instead of the two above, a trust file (``var/trust.json`` written by
-            ``esa up``: ``{"analyzer": key, "shufflers": {id: key}}``).
-        state_path: The device's SQLite state file (created on first use).
-        config_file: A saved signed config document instead of ``config_url``.
-        every_shuffler: Refuse a config that leaves out a pinned shuffler (default): the
-            analyzer would otherwise choose which shufflers this device reports to.
-        background: Deliver the outbox from a background thread (``flush()`` always works).
-        flush_interval: Seconds between background delivery attempts.
-        weights: Relative trust in each shuffler id for routing (default: uniform).
-        crowd: The crowd this device reports in on every channel (each channel's signed config
-            declares its crowds; a reporter refuses a crowd its channel does not declare with
-            :class:`UnknownCrowdError`). Default: each channel's first declared crowd.
-        timeout: HTTP timeout in seconds.
-        clock: Time source (tests).
+    The config is accepted only when the analyzer signed it with the pinned key and every shuffler
+    it lists is vouched for by its own descriptor, signed with the key pinned for that shuffler;
+    never when it expired or is older than one this device accepted before. Keys are pinned by
+    ``trusted_key`` + ``shuffler_keys`` or a ``trust_file``. Arguments and usage: docs/sdk.md.
 
     Raises:
-        ConfigError: a malformed URL, a network error or bad answer, an unreadable file; an
-            unsigned, mis-signed, tampered, expired or replayed config, or a shuffler not
-            vouched for by its pinned key (the message names the source).
+        ConfigError: the config cannot be fetched, read or verified (the message names the source).
         TrustedKeyError: a pinned key missing, or not 32 bytes or their base64.
         StateFileError: ``state_path`` cannot be opened, created or written.
         InvalidArgumentError: a non-positive timeout or interval, unusable weights.

@@ -1,8 +1,7 @@
-"""The SDK's exceptions. Catch :class:`EsaError` to catch them all::
+"""The SDK's exceptions; catch :class:`EsaError` to catch them all. Each names the bad value::
 
 EsaError
-├── ConfigError            unsigned, mis-signed, tampered, expired or unreachable config,
-│   │                      a malformed config URL, a bad answer from the analyzer
+├── ConfigError            unsigned, mis-signed, tampered, expired or unreachable config
 │   └── TrustedKeyError    the pinned key is not base64 of 32 bytes (also a ValueError)
 ├── ChannelError           unknown channel, or a reporter of the wrong kind for it
 │   └── UnknownCrowdError  a crowd the channel's signed config does not declare
@@ -12,8 +11,6 @@ EsaError
 │   └── StateFileError     the state file cannot be opened, created or written
 ├── BudgetExceededError    the report would spend more local ε than the device budget allows
 └── InvalidArgumentError   an argument the SDK cannot use (also a ValueError)
-
-Every message names the bad value (a key, URL, path or argument).
 """
 
 from __future__ import annotations

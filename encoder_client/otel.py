@@ -1,34 +1,14 @@
 """The OpenTelemetry bridge: an app's OTel metrics reach ESA channels, aggregated on the device.
 
-Needs the ``otel`` extra (``pip install 'esa-pipeline[otel]'``)::
+Needs the ``otel`` extra. :class:`EsaMetricExporter` keeps, per mapped channel, a tally of the
+current epoch (nothing is sent per export) and submits ONE value per channel and epoch through
+the SDK's reporters: the most frequent attribute value (``category``), the median or fullest
+bucket (``buckets``), or whether the majority state changed (``state``). The value is reported
+at the first export at or after ``report_at`` of the epoch and at shutdown; an epoch slept
+through is discarded. Unmapped instruments and attributes, values outside a channel's domain
+and anything past the device budget never leave the device, and never raise in the app.
 
-    client = Client(config_url, trust_file=TRUST, state_path="esa.db")
-    provider = meter_provider(client, "esa-mapping.yaml")   # or a MeterProvider of your own
-    metrics.set_meter_provider(provider)                     # with EsaMetricExporter in a
-                                                             # PeriodicExportingMetricReader
-
-:class:`EsaMetricExporter` is a ``MetricExporter``: every export interval the reader hands it
-the metrics collected since the last one (delta temporality for counters and histograms). It
-keeps, per mapped channel, a tally of the current epoch on the device — nothing is sent per
-export — and submits ONE value per channel and epoch through the SDK's reporters (the same
-encoding, state file, budget, outbox and retries as ``client.histogram(...).report(v)``):
-
-* ``category`` rules report the epoch's most frequent attribute value (weights: a histogram
-  data point counts its measurements, a monotonic sum its increase, a gauge or up-down counter
-  level one per export; ties go to the lowest bin);
-* ``buckets`` rules report the bucket of the epoch's median measurement (the lower median) or,
-  with ``report: mode``, its fullest bucket;
-* ``state`` rules report, for every period, whether the epoch's majority state differs from the
-  last one reported (ties and silent epochs keep it), as the longitudinal reporter expects.
-
-The report is made at the first export at or after ``report_at`` of the epoch (default: three
-quarters in; keep the export interval well under a quarter epoch) and at shutdown; what is
-observed after it in the same epoch stays on the device. A tally whose epoch ended before its
-report point (the app slept through it) is discarded and counted ``expired``.
-
-What never leaves the device: instruments no rule names (logged once each), every attribute
-but the one a rule names, values outside a channel's domain or vocabulary (counted ``dropped``),
-and anything past the device budget (counted ``budget_refused``; never an exception in the app).
+Usage, mapping and what is sent: docs/otel.md.
 """
 
 from __future__ import annotations
@@ -128,16 +108,9 @@ class _Epoch:
 class EsaMetricExporter(MetricExporter):
     """A ``MetricExporter`` that feeds ESA channels through a declarative mapping.
 
-    Args:
-        client: The device's ESA client (its state file, budget, outbox and delivery).
-        mapping: A dict, :class:`MappingSpec` or JSON/YAML file (see
-            :mod:`encoder_client.otel_mapping`).
-        report_at: Fraction of an epoch after which the epoch's value is reported (0 < x < 1).
-        clock: Time source (tests; give the client the same one).
-        close_client: Close ``client`` at shutdown.
-        background: Wake at every report point to report what is due even when no export
-            comes (the SDK skips exports while nothing was recorded); off in tests that move
-            a fake clock and call :meth:`tick`.
+    ``report_at`` is the fraction of an epoch (0 < x < 1) after which its value is reported;
+    ``background`` wakes the exporter at every report point even when no export comes (off in
+    tests that move a fake clock and call :meth:`tick`). Arguments: docs/otel.md, "The exporter".
 
     Raises:
         MappingError: the mapping does not validate or does not fit the signed config.

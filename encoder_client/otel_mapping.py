@@ -1,31 +1,13 @@
 """The declarative mapping of the OpenTelemetry bridge: which instrument feeds which ESA channel.
 
-A mapping is a dict, or a JSON or YAML file holding one, with a list of rules (``version: 1``)::
+A mapping is a dict, or a JSON or YAML file holding one, with ``version: 1`` and a list of
+``rules`` of kind ``category`` (an attribute's value -> a histogram channel), ``buckets`` (a
+numeric histogram -> a bucket-index channel) or ``state`` (a boolean state over periods -> a
+longitudinal channel), each optionally with ``match`` and ``crowd``. A channel appears in at
+most one rule (one contribution per channel and epoch). :func:`bind` checks the rules against
+the verified signed config and raises :class:`MappingError` naming the rule and the field.
 
-    rules:
-      - kind: category             # instrument + attribute -> a value of a histogram channel
-        channel: homepage
-        instrument: http.server.request.duration
-        attribute: http.route
-        values: ["/", "/items/{item_id}", "/search"]   # value i is bin i (or: hash: true)
-      - kind: buckets              # a numeric histogram -> a bucket-index channel
-        channel: features
-        instrument: http.server.request.duration
-        boundaries: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5]
-        report: median             # or mode
-      - kind: state                # a boolean or state attribute over periods -> longitudinal
-        channel: abroad
-        instrument: app.roaming
-        attribute: network.roaming
-        true_values: [true]
-        first_epoch: 176400000     # period 1 is this epoch of the channel
-
-Each rule may also carry ``match`` (attribute values a data point must have to count, e.g.
-``{http.request.method: GET}``) and ``crowd`` (one of the channel's declared crowds). A channel
-appears in at most one rule: one contribution per channel and epoch (PROTOCOL.md's quota).
-:func:`bind` checks the rules against the signed collection config the client verified (the
-channel exists, its mechanism takes the rule's kind of value, the vocabulary or buckets fit its
-domain) and raises :class:`MappingError` naming the rule and the field.
+Format and example: docs/otel.md, "The mapping".
 """
 
 from __future__ import annotations

@@ -1,44 +1,14 @@
 """HAProxy in front of replicated services: configuration and process.
 
-One HTTP frontend per public address (the analyzer, each shuffler trust domain), each balancing
-over that service's processes on loopback, with an active health check on ``GET /readyz``
-(a process that stops answering 200 — killed, or its database gone — is taken out within about
-a second and put back when it answers again). ``option forwardfor`` passes the client's address
-on in ``X-Forwarded-For``, which uvicorn trusts from 127.0.0.1 (its default
-``forwarded_allow_ips``), so the shuffler's per-address enrolment limit still sees the client.
+One HTTP frontend per public address (the analyzer, each shuffler trust domain), balancing over
+that service's processes on loopback with an active ``GET /readyz`` health check. Shuffler
+frontends hash on the ``Authorization`` header (enrolment on the source address), so each
+replica's in-memory per-client rate limit holds; the analyzer's workers share round-robin.
+:data:`RETRY_POLICY` resends a request whose process refused the connection or closed it without
+a byte of answer, to another process, on the routes where a resend cannot count twice.
 
-Shuffler frontends hash on the ``Authorization`` header (``hash-type consistent``): every
-request of one client token reaches the same replica while it is healthy, so the per-client
-rate limit, kept in each replica's memory, holds as configured; when a replica dies only its
-clients move (and start with a full bucket once). Enrolment (no token yet) is hashed on the
-source address for the same reason. The analyzer's workers share the load round-robin.
-
-Retries (:data:`RETRY_POLICY`, one policy for ``esa up`` and docker-compose.yml's ``replicas``
-profile, whose deploy/haproxy/render.py adapts this module's :func:`render`): a request whose
-process refused the connection (``conn-failure``) or closed it without a byte of answer
-(``empty-response``: killed, OOM, restarted mid-request) is sent again, to another process
-at once (``option redispatch 1``: every retry redispatches; a consistent hash then avoids the
-server that failed), instead of answered 502 before the health check takes the dead process
-out. The request is buffered whole first (``option http-buffer-request``); one larger than a
-buffer (``tune.bufsize``, 16 KiB: a big batch part) is never resent (its forwarder retries).
-Resending is safe on every shuffler route:
-
-* ``POST /v1/contributions``: the nonce is unique in the trust domain's shared database, so a
-  contribution the dead process had committed is refused 409 ``replayed_nonce`` at the resend,
-  never stored twice; the SDK and the load generator read that 409 as delivered.
-* ``POST /v1/enroll``: a token is an HMAC of a fresh random client id (nothing is stored). The
-  token minted by a process that died before answering never reached anyone; the resend mints
-  another, and the client holds exactly one. Its cost is one enrolment of the per-address
-  limit in the dead process's memory, gone with it.
-* ``POST /v1/admin/close`` and ``/v1/admin/revoke``: idempotent (a closed epoch stays closed,
-  a group is evaluated once under its advisory lock and primary key; revocation is an insert
-  that ignores a duplicate).
-
-At the analyzer, ``POST /v1/batches`` is idempotent (a known ``(batch_id, part)`` is answered
-200 and counted once) and GETs are safe, but a release (``POST .../releases``) or an LDP-SGD
-step (``POST .../training/step``) resent would be recorded or taken twice: every other POST is
-resent only when its connection was refused (``http-request disable-l7-retry``), never after
-it reached a process.
+Why each route may or may not be resent, and the health check and forwarding in detail:
+docs/architecture.md, "Runtime: HAProxy and the server".
 """
 
 from __future__ import annotations
@@ -62,7 +32,8 @@ CHECK_INTERVAL = "500ms"
 CHECK_TIMEOUT = "2s"
 #: How long one request may take end to end (a batch part POST may take 30 s at the analyzer).
 SERVER_TIMEOUT = "120s"
-#: The retry policy of every frontend (``defaults`` lines; see the module docstring).
+#: The retry policy of every frontend (``defaults`` lines; why each route may be resent:
+#: docs/architecture.md, "Runtime: HAProxy and the server").
 RETRY_POLICY = (
     "    option http-buffer-request",
     "    option redispatch 1",

@@ -1,22 +1,14 @@
 """The services' HTTP/1.1 server: uvicorn with a bounded request head and JSON protocol errors.
 
-uvicorn (httptools, what ``uvicorn[standard]`` installs) accepts a request head of any size and
-answers malformed framing (``Content-Length: -1``, a bad chunk size, a non-ASCII path, …) with a
-``text/plain`` 400 of its own. :class:`JsonHttpToolsProtocol` keeps uvicorn's parser and fixes
-both before any application code runs:
+:class:`JsonHttpToolsProtocol` keeps uvicorn's httptools parser and, before any application code
+runs, answers a request line plus headers over :data:`HEAD_LIMIT` bytes (a head still arriving
+is cut off at :data:`RAW_HEAD_LIMIT`) with ``431 head_too_large``, and a request the parser
+refuses with ``400 malformed_http``: JSON ``{"error", "detail"}`` (:mod:`runtime.http`,
+:data:`runtime.http.SERVER_STATUSES`), connection closed. :class:`OneWriteResponse` sends a
+response's head with its first body bytes, so a killed process never leaves a bare head that a
+proxy cannot resend. Serve with ``uvicorn.run(app, **uvicorn_options())``.
 
-* the request line plus headers may be at most :data:`HEAD_LIMIT` bytes; over it the answer is
-  ``431 {"error": "head_too_large", …}`` and the connection is closed. The limit is counted on
-  the parsed request line and headers, and bytes of a head still incomplete are counted as they
-  arrive (bounded by :data:`RAW_HEAD_LIMIT`), so a never-ending header is cut off too;
-* a request the parser refuses is ``400 {"error": "malformed_http", …}``, connection closed;
-* a response's head goes out in one write with its first body bytes (:class:`OneWriteResponse`):
-  uvicorn writes the head alone on ``http.response.start``, and a process killed between the
-  two writes left a head without a body on the wire, which a proxy cannot resend elsewhere.
-
-Both answers are JSON ``{"error", "detail"}`` like every other (:mod:`runtime.http`);
-the OpenAPI documents them on every operation (:data:`runtime.http.SERVER_STATUSES`).
-Serve with ``uvicorn.run(app, **uvicorn_options())``.
+Why: docs/architecture.md, "Runtime: HAProxy and the server".
 """
 
 from __future__ import annotations

@@ -1,49 +1,15 @@
 """Rigorous numerical hockey-stick divergence for shuffled ε0-DP reports.
 
-Implements the computation of Feldman, McMillan, Talwar, *Hiding Among the Clones* (FMT21),
-Appendix E (Lemma E.1, Lemma E.2, Algorithms 3–5), in a form that is exact over the whole
-relevant range of the clone count and an upper bound everywhere else.
+Implements Feldman, McMillan, Talwar, *Hiding Among the Clones* (FMT21), Appendix E (Lemma E.1,
+Lemma E.2, Algorithms 3–5), on the clone pair of Remark 3.5, eq. (20), with clone probability
+``r = e^-ε0`` (any ε0-DP randomizer), ``2/(e^ε0 + 1)`` (binary RR: the privacy blanket, Balle
+et al. 2019) or ``2/(e^ε0 + k - 1)`` with weight ``w`` (k-RR). Exact over the relevant range of
+the clone count and an upper bound elsewhere: blocks are charged at their left end (Lemma E.2),
+tails the largest value ``B(0)``, and rounding can only raise δ; :func:`eps_for_delta` returns
+the right end of its final bracket (Algorithm 3), so the returned ε is certified.
 
-The reduction (FMT21 Remark 3.5, eq. (20)) says that the shuffled output on two neighbouring
-datasets is a post-processing of the pair
-
-    P = (A + Bern(1 - q), C),   Q = (A + Bern(q), C),
-    C ~ Bin(n - 1, r),  A | C ~ Bin(C, 1/2),  q = e^ε0 / (e^ε0 + 1),
-
-where ``r`` is the probability that another user's report is a "clone" (uniform over the two
-candidate outputs). FMT21 proves ``r = e^-ε0`` for every ε0-DP randomizer. For binary
-randomized response the privacy blanket (Balle, Bell, Gascón, Nissim 2019) gives the larger
-``r = 2 / (e^ε0 + 1)``: every other user's bit is a fresh uniform bit with that probability,
-whatever their data. For k-ary randomized response only reports that land on the two
-candidate values matter, ``r = 2 / (e^ε0 + k - 1)``, and the informative part of the target's
-report has weight ``w = (e^ε0 + 1) / (e^ε0 + k - 1)``; the rest is identically distributed under
-both datasets, so ``δ(ε) <= w · δ_pair(ε)`` (the dropped term is ``(1 - w)(1 - e^ε) R <= 0``).
-
-For a fixed clone count ``c``, Lemma E.1 gives the divergence in closed form:
-with ``α = q - e^ε (1 - q)`` and ``β = e^ε q - (1 - q)``, ``P(a) - e^ε Q(a) > 0`` iff
-``a < τ_c = (c + 1) α / (α + β)``, hence
-
-    B(c) = α F_c(m_c) - β F_c(m_c - 1),   m_c = ceil(τ_c) - 1,   F_c = cdf of Bin(c, 1/2),
-
-and by the symmetry of Bin(c, 1/2) the "−" direction of Algorithm 4 gives the same value.
-We evaluate the three candidate thresholds ``m_c - 1, m_c, m_c + 1`` and keep the largest, so a
-rounding error in ``τ_c`` can only make the result larger.
-
-Coarse-graining (Lemma E.2: ``B`` is non-increasing in ``c``): clone counts are grouped into
-blocks on the fixed grid ``c_j = floor(j²/(4 S²))`` (``S = GRID_SQRT_DIVISIONS``), whose spacing
-``sqrt(c)/S`` is a fixed fraction of the spread of any binomial clone count near ``c``; below
-``S²`` every clone count is its own block. Each block is charged ``B`` at its left end, which
-upper-bounds every ``B`` in the block. Against a 32x finer grid the coarse result is at most
-2e-5 larger (relative) and never smaller. Clone counts outside the window that holds all but
-``TAIL_FRACTION · δ`` of the mass of ``C`` are charged the largest possible value
-``B(0) = α``. Block masses use scipy's binomial ``cdf`` below the mean and ``sf`` above it (never
-``1 - cdf``). ``B`` carries an allowance for the relative error of the Boost routines, and the
-final sum is inflated by ``ROUNDING_SLACK``, so floating-point error cannot push it below the
-truth.
-
-``eps_for_delta`` inverts ``δ(ε)`` by a bracketing search that always keeps
-``δ(lo) > δ_target >= δ(hi)`` and returns ``hi``, the right end of its final bracket
-(FMT21 Algorithm 3), so the returned ε is certified.
+Derivation and error allowances: docs/accounting.md, "Hockey-stick divergence of the clone
+pair".
 """
 
 from __future__ import annotations

@@ -1,61 +1,14 @@
 """Lifetime privacy: tight composition of a user's epochs with privacy-loss distributions.
 
-A device reports once per channel and epoch; what a user loses over its lifetime is the
-adaptive composition of every epoch's view. Basic composition adds the per-epoch ε and is
-about 20x too loose over a year; here epochs compose through their privacy-loss distributions
-(PLD), the numerically tight method of Koskela, Jälkö, Honkela (AISTATS 2020) and
-Meiser–Mohammadi (CCS 2018), as implemented by Google's ``dp_accounting.pld``
-(``Privacy_Loss_Distributions.pdf`` of its docs). Every PLD uses dp_accounting's *pessimistic*
-estimate, so the lifetime ε is a certified upper bound.
+Each shuffled epoch enters as its dominating pair (the FMT21 clone pair of Remark 3.5,
+eq. (20); the blanket pair for binary RR, Balle et al. 2019; the k-RR pair with its weight,
+FMT21 §4.1), and the epochs compose through their PLDs (Koskela, Jälkö, Honkela 2020;
+dominating pairs compose: Zhu, Dong, Wang 2022, Theorem 10) with dp_accounting's pessimistic
+estimates, so the lifetime ε is a certified upper bound. Mechanisms without a pair enter as
+their (ε, δ) certificate; basic and advanced composition are reported beside the PLD.
 
-**Dominating pairs.** Each shuffled epoch enters through a dominating pair: two distributions
-(P, Q) of which the epoch's views on neighbouring datasets are a post-processing. Then
-``D_{e^ε}(view || view') <= D_{e^ε}(P || Q)`` for every ε (also ε < 0), and the adaptive
-composition of the epochs is dominated by the product of the pairs (Zhu, Dong, Wang, AISTATS
-2022, Theorem 10), whose PLD is the convolution of the epochs' PLDs. The pair is the FMT21
-clone pair of Remark 3.5, eq. (20), as :class:`~common.accounting.hockey_stick.ClonePair`:
-
-    C ~ Bin(n - 1, r),  A | C ~ Bin(C, 1/2),  P = (A + Bern(1 - q), C),  Q = (A + Bern(q), C),
-
-``q = e^ε0 / (e^ε0 + 1)``, with ``r = e^-ε0`` for a generic ε0-DP randomizer (FMT21 Theorem 3.2),
-``r = 2/(e^ε0 + 1)`` for binary randomized response (privacy blanket, Balle et al. 2019) and the
-k-RR pair with weight ``w`` (FMT21 §4.1): the target's report is informative with probability w
-and identically distributed otherwise; revealing which case happened is a post-processing in
-reverse, so the pair ``(w·P + (1 - w)·R, w·Q + (1 - w)·R)`` with the case revealed dominates,
-and its PLD is that of (P, Q) mixed with an atom of zero loss of mass ``1 - w``. The pairs
-come from the randomizer's :class:`~.randomizers.MethodSpec` list. The pair is symmetric
-(``x -> c + 1 - x`` swaps P and Q), so one PLD serves both directions.
-
-**Loss PMF of one pair.** Given ``C = c`` and ``X = x`` (the first coordinate), with
-``u = c + 1 - x``:
-
-    L(x, c) = log((q u + (1 - q) x) / ((1 - q) u + q x)),
-    P_c(x) = Bin(c + 1, 1/2)(x) · 2 (q u + (1 - q) x) / (c + 1),
-
-evaluated vectorized with scipy's binomial pmf. Three steps keep the result an upper bound:
-
-* Clone counts are grouped into blocks about ``sqrt(c)/PLD_SQRT_DIVISIONS`` wide, each charged
-  the pair at its LEFT end. FMT21 Appendix E, Lemma E.2 proves ``δ(ε)`` non-increasing in c; the
-  stronger statement used here is that the pair at c' > c is a post-processing of the pair at
-  c (c is revealed anyway, and the extra ``c' - c`` clones add ``Bin(c' - c, 1/2)`` to x), so
-  the blocked pair dominates the exact one in every hockey-stick divergence.
-* Clone counts outside the window holding all but ``tail`` of C's mass on each side (the
-  window of :mod:`.hockey_stick`) are charged infinite loss, and so is P's mass left of each
-  block's x window (the high-loss side; Hoeffding's bound ``exp(-2 s²/c)``); the mass right of
-  the window (lower losses) is moved onto its last point, which only raises its loss.
-* Losses are rounded up to the grid ``h·Z`` (dp_accounting's pessimistic rounding) after an
-  allowance ``LOSS_SLACK`` for floating-point error, and every mass is inflated by
-  ``MASS_SLACK``. Raising losses or adding mass can only raise ``E[(1 - e^{ε - ΣL})_+]``, the
-  δ of the composition, so rounding errors fall on the safe side.
-
-**Certificates.** A mechanism without a dominating pair (Balcer–Cheu ``zsum``, report fragments
-across batches) enters as its (ε, δ) certificate through ``from_privacy_parameters``, the PLD of
-the pair that dominates every (ε, δ)-DP mechanism (Kairouz, Oh, Viswanath 2015; dp_accounting
-docs §3.5).
-
-**Reference compositions.** :class:`LifetimeResult` also carries basic composition and the best
-advanced composition (:func:`~common.accounting.composition.best_composition`) with explicit δ
-splits; the reported ε is the smallest of the three, each a certified bound at total δ.
+Derivation (loss PMF, blocking, truncation, rounding): docs/accounting.md, "Lifetime
+composition (PLD)".
 """
 
 from __future__ import annotations
@@ -266,24 +219,18 @@ class DeltaSplit:
 
 @dataclass(frozen=True, slots=True)
 class LifetimeResult:
-    """A user's lifetime (ε, δ) over all epochs.
+    """A user's lifetime (ε, δ) over all epochs in one ``neighbouring`` notion; ``note`` says how.
 
     Attributes:
-        eps: The certified lifetime ε: the smallest of ``eps_pld``, ``eps_basic``,
-            ``eps_advanced`` (``math.inf`` when some part certifies nothing).
-        delta: The total δ every method holds at.
-        method: ``"pld"``, ``"basic"`` or the advanced rule that gave ``eps``.
-        neighbouring: The notion of the statement (shared by all epochs).
-        eps_pld: PLD composition (dp_accounting, pessimistic).
-        eps_basic: Basic composition (Σ ε at Σ δ).
-        eps_advanced: The best advanced composition (rule in ``advanced_rule``).
-        advanced_rule: ``advanced-drv``, ``advanced-bun-steinke`` or ``basic``.
-        delta_split: How δ is divided in each method.
-        epochs: Number of epochs.
-        parts: Number of composed parts (epochs times parts per epoch).
-        pair_parts: How many of the parts are dominating pairs (the rest are certificates).
+        eps: The certified ε at total ``delta``: the smallest of ``eps_pld``, ``eps_basic`` and
+            ``eps_advanced`` (``math.inf`` when some part certifies nothing); ``method`` names it.
+        eps_pld, eps_basic, eps_advanced: PLD (dp_accounting, pessimistic), basic (Σ ε at Σ δ)
+            and the best advanced composition, whose rule is ``advanced_rule``
+            (``advanced-drv``, ``advanced-bun-steinke`` or ``basic``); ``delta_split`` says how
+            each divides δ.
+        parts, pair_parts: Composed parts (``epochs`` times parts per epoch), and how many of
+            them are dominating pairs (the rest are certificates).
         discretization: The loss grid step h of the PLD.
-        note: How the value was obtained.
     """
 
     eps: float
@@ -366,7 +313,7 @@ def _x_window(c: IntArray, tail: float) -> tuple[IntArray, IntArray, FloatArray,
 
 
 def _loss_and_mass(x: IntArray, c: IntArray, eps0: float) -> tuple[FloatArray, FloatArray]:
-    """``L(x, c)`` and ``P_c(x)`` of FMT21 eq. (20) (formulas in the module docstring)."""
+    """``L(x, c)`` and ``P_c(x)`` of FMT21 eq. (20) (docs/accounting.md, "Lifetime composition")."""
     q = 1.0 / (1.0 + math.exp(-eps0))
     p = 1.0 / (1.0 + math.exp(eps0))
     u = (c + 1 - x).astype(np.float64)
@@ -582,21 +529,16 @@ def _certificates_delta(certs: Counter[Certificate], delta: float) -> float:
 def compose_epochs(epochs: Sequence[Epoch], delta: float) -> LifetimeResult:
     """A user's lifetime (ε, δ): PLD composition of every epoch, beside basic and advanced.
 
-    The PLD of each pair part is built as described in the module docstring and composed
-    with dp_accounting (pessimistic estimates, dominating pairs compose: Zhu–Dong–Wang 2022
-    Theorem 10; Koskela et al. 2020 for the FFT composition); certificates enter through
-    ``from_privacy_parameters``. Basic composition gives every pair part
-    ``(delta - Σ δ_certificates) / (pair parts)``; advanced composition (EFMRTT19 Theorem 2,
-    ESA-revisited Theorem II.7) uses the largest per-part ε and the best of a few δ' splits.
-    The reported ε is the smallest of the three; each holds at total δ <= ``delta``.
-
-    Args:
-        epochs: One :class:`Epoch` per epoch, all in the same neighbouring notion.
-        delta: The lifetime δ in (0, 1); must exceed the certificates' total δ.
+    Pair parts compose as dp_accounting PLDs (pessimistic; dominating pairs compose:
+    Zhu–Dong–Wang 2022 Theorem 10; FFT composition: Koskela et al. 2020), certificates through
+    ``from_privacy_parameters``; basic and advanced composition (EFMRTT19 Theorem 2,
+    ESA-revisited Theorem II.7) split δ explicitly. The reported ε is the smallest of the three;
+    each holds at total δ <= ``delta``. Construction and δ splits: docs/accounting.md,
+    "Lifetime composition (PLD)".
 
     Raises:
-        ValueError: on an empty or mixed list of epochs, δ outside (0, 1), or certificates
-            whose δ add up to ``delta`` or more.
+        ValueError: on an empty or mixed list of epochs (one neighbouring notion), δ outside
+            (0, 1), or certificates whose δ add up to ``delta`` or more.
     """
     delta = check_probability("delta", delta)
     epochs, notion = _check_epochs(epochs)
@@ -731,29 +673,15 @@ def mechanism_epoch(
     """One shuffled epoch of ``randomizer`` at ``crowd`` as its dominating pair, or None.
 
     The pair is the one of the randomizer's methods with the smallest one-epoch ε at ``delta``
-    (the privacy-blanket pair for binary RR, Balle et al. 2019; the k-RR pair with its weight,
-    FMT21 §4.1; the generic clones pair, FMT21 Remark 3.5, eq. (20)), in the mechanism's
-    natural neighbouring notion. With ``deletion`` = (ε_cr, δ_cr) it is the add/remove
-    statement of randomized report deletion (the replacement statement plus the count's
-    certificate, :meth:`Epoch.with_deletion`, ESA-revisited Theorem V.1); with
-    ``replacement`` a removal statement becomes the replacement one (:meth:`Epoch.as_replacement`).
-    This is the epoch :func:`lifetime_for_mechanism` composes; the analyzer's ledger builds
-    its epochs with it too (through :meth:`common.mechanisms.Mechanism.epoch_pair`).
+    (blanket pair for binary RR, Balle et al. 2019; k-RR pair with its weight, FMT21 §4.1;
+    generic clones pair, FMT21 Remark 3.5, eq. (20)), in the natural neighbouring notion.
+    ``deletion`` = (ε_cr, δ_cr) gives the add/remove statement (ESA-revisited Theorem V.1);
+    ``replacement`` states a removal epoch in the replacement notion. ``eps0`` is the local ε of
+    :func:`~common.accounting.randomizers.certify`, ``crowd`` the epoch's smallest shuffled
+    batch, ``delta`` the epoch's share of the lifetime δ.
 
-    Args:
-        randomizer: The reports' privacy description.
-        eps0: The local ε (as in :func:`~common.accounting.randomizers.certify`).
-        crowd: The epoch's crowd (its smallest shuffled batch).
-        delta: The epoch's share of the lifetime δ, at which the pairs are compared.
-        deletion: Optional per-epoch (ε_cr, δ_cr) of randomized report deletion.
-        replacement: State a removal epoch in the replacement notion.
-
-    Returns:
-        The :class:`Epoch`, or None for a randomizer without a dominating pair (Balcer–Cheu;
-        a generic one with δ0 > 0): compose its (ε, δ) certificate instead.
-
-    Raises:
-        ValueError: on bad arguments, naming the value.
+    Returns None for a randomizer without a dominating pair (Balcer–Cheu; generic with
+    δ0 > 0): compose its (ε, δ) certificate instead. Raises ValueError naming a bad argument.
     """
     randomizer = check_randomizer(randomizer)
     eps0 = check_positive("eps0", eps0)
@@ -812,30 +740,14 @@ def lifetime_for_mechanism(
 ) -> LifetimeResult:
     """Lifetime (ε, δ) of one channel whose reports ``randomizer`` describes, once per epoch.
 
-    Each epoch is the randomizer's dominating pair at that epoch's crowd
-    (:func:`mechanism_epoch`: the pair of its methods with the smallest one-epoch ε at
-    ``δ / T``: the blanket pair for binary RR, the k-RR pair with its weight, the generic
-    clones pair), or, for randomizers without one (Balcer–Cheu; generic with δ0 > 0), its
-    certificate at ``CERTIFICATE_SHARE · δ / T``. Crowds are charged as
-    :func:`charged_crowds` says (rounded down to a relative grid when many are distinct, so
-    that epochs share PLDs; a smaller crowd dominates a larger one).
-    The statement holds in the mechanism's natural neighbouring notion, or add/remove with
-    ``deletion``: then each epoch is the replacement statement (removal mechanisms: two
-    independent copies, :meth:`Epoch.as_replacement`) plus the (ε_cr, δ_cr) certificate of
-    the deletion counts (:meth:`Epoch.with_deletion`, ESA-revisited Theorem V.1).
+    Each epoch is :func:`mechanism_epoch` at that epoch's crowd and ``δ / T``, or the
+    randomizer's certificate at ``CERTIFICATE_SHARE · δ / T`` when it has no dominating pair;
+    crowds (one per epoch) are charged as :func:`charged_crowds` says. ``deletion`` = (ε_cr,
+    δ_cr) per epoch gives the add/remove statement (ESA-revisited Theorem V.1). Details:
+    docs/accounting.md, "Lifetime composition (PLD)".
 
-    Args:
-        randomizer: The reports' privacy description.
-        eps0: The local ε (as in :func:`~common.accounting.randomizers.certify`).
-        crowds: The crowd of each epoch (one per epoch; they may differ).
-        delta: Lifetime δ in (0, 1).
-        deletion: Optional per-epoch (ε_cr, δ_cr) of randomized report deletion.
-
-    Returns:
-        The :class:`LifetimeResult` of :func:`compose_epochs`.
-
-    Raises:
-        ValueError: on bad arguments, naming the value.
+    Returns the :class:`LifetimeResult` of :func:`compose_epochs`; raises ValueError naming a
+    bad argument.
     """
     randomizer = check_randomizer(randomizer)
     crowds = _check_crowds(crowds)
@@ -895,20 +807,10 @@ def plan_eps0_lifetime(
 ) -> float:
     """Largest ε0 whose lifetime ε over ``epochs`` epochs of crowd ``n`` is <= ``target_eps``.
 
-    Bisection on ε0 over :func:`lifetime_for_mechanism` (monotone in ε0: binary RR at a smaller
-    ε0 is a post-processing of RR at a larger one), to within ``PLAN_TOLERANCE``; it returns
-    the left (certified) end of its final bracket, capped at the planner's ``EPS0_MAX``.
-
-    Args:
-        target_eps: Target lifetime ε (> 0).
-        delta: Lifetime δ in (0, 1).
-        n: Crowd of every epoch.
-        epochs: Number of epochs (>= 1).
-        randomizer: The reports' privacy description.
-
-    Returns:
-        The planned ε0; ``lifetime_for_mechanism(..., eps0, [n] * epochs, delta).eps <=
-        target_eps`` holds for it.
+    Bisection on ε0 over :func:`lifetime_for_mechanism` (monotone in ε0) to within
+    ``PLAN_TOLERANCE``, returning the certified left end of the final bracket, capped at the
+    planner's ``EPS0_MAX``: ``lifetime_for_mechanism(..., eps0, [n] * epochs, delta).eps <=
+    target_eps`` holds for it. Why monotone: docs/accounting.md, "Planning ε0".
 
     Raises:
         ValueError: on bad arguments, or when no ε0 > 0 certifies the target.

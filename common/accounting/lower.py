@@ -1,18 +1,11 @@
 """Lower bound for honesty: exact shuffled binary randomized response (FMT21 Appendix F).
 
-For the neighbouring pair ``X0 = (0, ..., 0)`` and ``X1 = (1, 0, ..., 0)`` the shuffled
-output of binary RR is characterised by its number of ones (FMT21 eq. (22)):
-
-    c0 ~ Bin(n, p),   c1 ~ Bin(n - 1, p) + Bern(1 - p),   p = 1 / (e^ε0 + 1).
-
-The minimal ε at δ for this pair is a lower bound on the ε any analysis can certify for a
-mechanism that contains this pair (every generic ε0-DP bound; k-RAPPOR under removal, where
-removing a user flips one attribute bit). It is reported next to certificates to show how far
-they are from the best possible, and is never itself certified.
-
-Truncating the support to a window can only *lower* the computed divergence, and the result is
-deflated by ``ROUNDING_SLACK``; the search returns the *left* end of its final bracket
-(FMT21 Algorithm 6, Proposition F.1), so the value stays a lower bound.
+The minimal ε at δ for the pair ``X0 = (0, ..., 0)``, ``X1 = (1, 0, ..., 0)`` (ones counted,
+FMT21 eq. (22)) bounds from below what any analysis can certify for a mechanism containing
+that pair (generic ε0-DP bounds; k-RAPPOR under removal). Shown beside certificates, never
+certified: truncation and rounding only lower it, and the search returns the left end of its
+bracket (FMT21 Algorithm 6, Proposition F.1). Details: docs/accounting.md, "The 2RR lower
+bound".
 """
 
 from __future__ import annotations

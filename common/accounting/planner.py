@@ -1,18 +1,10 @@
 """The inverse problem: the largest ε0 whose certified central ε is at most a target.
 
-For each applicable method we find the largest ε0 it certifies at the target, then take the
-largest over methods (the certificate is the minimum over valid bounds, so ε0 is feasible iff
-some method certifies it).
-
-* Numerical methods (:mod:`.hockey_stick`): the hockey-stick divergence at the target ε grows
-  with ε0 (clone probability falls, the target's randomized response sharpens), so we bisect on
-  ε0 directly, evaluating ``δ(target)`` once per step.
-* Closed forms (and regime limits, which can make the feasible set an interval rather than a
-  half-line): a scan over a fixed grid of ε0 finds the largest feasible grid point, then
-  bisection refines between it and the next grid point.
-
-Every answer is re-certified; if rounding left it a hair above the target it is stepped down,
-so ``certify(plan(target)).eps <= target`` always holds.
+Per applicable method the largest ε0 it certifies at the target (bisection for numerical
+methods, a grid scan then bisection for closed forms with regime limits), then the largest
+over methods. Every answer is re-certified and stepped down if rounding left it above the
+target, so ``certify(plan(target)).eps <= target`` always holds. Why this search is sound:
+docs/accounting.md, "Planning ε0".
 """
 
 from __future__ import annotations

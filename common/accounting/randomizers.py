@@ -1,17 +1,12 @@
 """Typed privacy descriptions of local randomizers, and the certificate they get when shuffled.
 
-A mechanism does not reach accounting by name: it hands over a :class:`LocalRandomizer`, a
-frozen value that says which privacy argument covers its reports (the way dp_accounting's
-``DpEvent`` objects describe mechanisms to accountants) and carries the parameters that
-argument needs. The description lists the upper bounds that apply (:class:`MethodSpec`, with
-the dominating pair where one exists), its natural neighbouring notion, how to state the
-other notion, its local ε, and a lower bound where one is known. :func:`certify`,
-:func:`~common.accounting.planner.plan_eps0` and
-:func:`~common.accounting.lifetime.lifetime_for_mechanism` consume any description, so a new
-mechanism either reuses one below or subclasses :class:`LocalRandomizer` in its own module.
-
-The arguments of the shipped descriptions (theorems in :mod:`.shuffle_bounds`) are in each
-class's docstring; ACCOUNTING.md has the full text.
+A mechanism hands accounting a :class:`LocalRandomizer` (as dp_accounting's ``DpEvent``
+describes a mechanism to accountants): a frozen value naming the privacy argument that covers
+its reports, with the upper bounds that apply (:class:`MethodSpec`, with the dominating pair
+where one exists), its natural neighbouring notion, its local ε and a known lower bound.
+:func:`certify`, the planner and lifetime composition consume any description; a new mechanism
+reuses one below or subclasses :class:`LocalRandomizer`. The arguments (theorems in
+:mod:`.shuffle_bounds`): docs/accounting.md, "The arguments".
 """
 
 from __future__ import annotations
@@ -536,23 +531,12 @@ def rfrag_across_batches(
 ) -> BoundResult:
     """Removal certificate for report fragments when batches hold different sets of users.
 
-    Randomized deletion runs independently at each shuffler, so shuffler batch s holds its own
-    crowd ``n_s``; the same-users argument of the module docstring then fails. Argument used
-    instead (removal, per attribute bit j):
-
-    1. Condition on every user's backstop bits x'. Batch s is then a fresh-noise mechanism of
-       the bits x'_j of its n_s users: each user's bit-j messages in batch s are ``t_s``
-       independent binary RRs at ε_f of x'_j. For ``t_s = 1`` the binary-RR blanket bound at
-       ε_f with crowd n_s applies, otherwise the generic clones bound at ``t_s ε_f`` (both are
-       statements about flipping x'_j).
-    2. Given x', the K batches use independent coins: basic composition bounds the whole view
-       by ``(ε_M, δ_M) = (Σ_s ε_s, Σ_s δ_s)`` with respect to x'_j, each δ_s = δ/K.
-    3. ``x'_j = RR_b(x_j; ε_b)``: the outputs for x_j = 1 and x_j = 0 are the mixtures
-       ``q A + (1-q) B`` and ``(1-q) A + q B`` of ``A = M(x'_j=1)``, ``B = M(x'_j=0)``,
-       ``q = e^{ε_b}/(1+e^{ε_b})``. Advanced joint convexity (FMT21 Lemma 2.3) around the
-       midpoint gives ``ε = log(1 + tanh(ε_b/2)(e^{ε_M} - 1))`` at ``δ <= δ_M``.
-
-    The result is capped at ε_ℓ∞ = ε(τ) of Theorem IV.1 (τ = Σ_s t_s).
+    Randomized deletion runs independently at each shuffler, so batch s holds its own crowd
+    ``n_s``. Per bit, given the backstops each batch is binary RR at ε_f (``t_s = 1``) or generic
+    clones at ``t_s ε_f``; batches compose by basic composition to (ε_M, δ_M), and advanced joint
+    convexity (FMT21 Lemma 2.3) through the backstop gives
+    ``ε = log(1 + tanh(ε_b/2)(e^{ε_M} - 1))``, capped at ε_ℓ∞ = ε(τ) of Theorem IV.1. Argument:
+    docs/accounting.md, "Report fragments across batches".
 
     Raises:
         ValueError: on empty or mismatched crowds/rows, or bad ε, δ.
@@ -591,7 +575,7 @@ def rfrag_across_batches(
 def _composed_batches(
     eps_f: float, crowds: Sequence[int], rows_per_batch: Sequence[int], share: float
 ) -> float:
-    """Steps 1-2 of :func:`rfrag_across_batches`: Σ_s ε_s, each batch at δ ``share``."""
+    """Steps 1-2 of the :func:`rfrag_across_batches` argument: Σ_s ε_s, each at δ ``share``."""
     eps_m = 0.0
     for crowd, rows in zip(crowds, rows_per_batch, strict=True):
         check_count("crowd", crowd)

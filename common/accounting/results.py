@@ -42,18 +42,12 @@ class BoundResult:
     """One privacy statement: the output is (``eps``, ``delta``)-DP under ``neighbouring``.
 
     Attributes:
-        eps: The privacy-loss bound. For ``kind == "upper"`` it is a rigorous upper bound
-            whenever ``valid_regime`` is true (and the trivial local bound otherwise).
-        delta: The δ the statement holds for.
+        eps: The privacy-loss bound; for ``kind == "upper"`` a rigorous upper bound whenever
+            ``valid_regime`` (else the trivial local bound, and ``note`` says why).
         method: Which theorem or computation produced it (:class:`Method`).
-        neighbouring: ``"removal"`` (a user's report vs. the reference "no data" report,
-            ESA-revisited Definition II.3, crowd size unchanged), ``"replacement"``, or
-            ``"add-remove"`` (the user is absent and the crowd shrinks by one; used once
-            randomized report deletion has made crowd sizes private).
+        neighbouring: ``"removal"``, ``"replacement"`` or ``"add-remove"`` (docs/accounting.md,
+            "Neighbouring notions").
         inputs: The inputs as ``(name, value)`` pairs, in call order.
-        valid_regime: False when the inputs are outside the theorem's stated regime; then
-            ``eps`` is the trivial bound and ``note`` says why.
-        note: Why the regime failed, or how the value was obtained.
         kind: ``"upper"`` for certificates, ``"lower"`` for lower bounds shown for honesty
             (never certified).
     """

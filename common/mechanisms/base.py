@@ -1,18 +1,13 @@
 """The one interface every LDP mechanism implements, and what crosses it.
 
-Modelled on libprio-rs's ``Vdaf`` trait (which Janus is generic over): a mechanism says how a
-device encodes a value into fragments (``encode``), how the analyzer folds opened fragments
-into sufficient statistics (``new_accumulator`` / ``accumulate`` / ``load_accumulator``, with
-``merge`` and ``to_bytes`` on the accumulator), how it turns them into an estimate with
-standard errors (``estimate``), what one report reveals locally (``local_privacy``), which
-privacy argument covers its reports (``privacy``: a typed description that accounting
-consumes, with no list of mechanism names there) and how a release over the crowds actually
-received is certified (``certify``). The SDK, the analyzer
-and the tools are generic over this class and never branch on a mechanism's name; a new
-mechanism is one module plus one :func:`common.mechanisms.registry.register` call.
+Modelled on libprio-rs's ``Vdaf`` trait: a mechanism encodes on the device, accumulates and
+estimates on the analyzer, states its local privacy and the typed privacy description
+accounting certifies. The SDK, the analyzer and the tools are generic over it and never
+branch on a mechanism's name; a new mechanism is one module plus one
+:func:`common.mechanisms.registry.register` call. Every ε names its neighbouring notion:
+removal (against the "no data" report, ESA-revisited Definition II.4) or replacement.
 
-Every ε a mechanism returns names its neighbouring notion (MECHANISMS.md): removal (a user's
-report against the reference "no data" report, ESA-revisited Definition II.4) or replacement.
+Roles of each method: docs/mechanisms.md, "The interface".
 """
 
 from __future__ import annotations
@@ -409,21 +404,13 @@ class Mechanism(ABC, Generic[P, A]):
         deletion: tuple[float, float] | None = None,
         replacement: bool = False,
     ) -> Epoch | None:
-        """One epoch of this channel for lifetime composition: the dominating pair of the
-        shuffled epoch at crowd ``n`` (FMT21 Remark 3.5, eq. (20); the privacy-blanket pair for
-        binary and k-ary RR) of its :meth:`privacy` description.
+        """One epoch for lifetime composition: the shuffled epoch's dominating pair at crowd ``n``.
 
-        The analyzer's ledger composes a device's epochs from these pairs with dp_accounting
-        PLDs; None means the mechanism has no dominating pair (Balcer–Cheu, report fragments
-        across batches) and the epoch enters as its (ε, δ) certificate.
-
-        Args:
-            params: The channel's parameters.
-            n: The crowd the epoch's certificate rests on (as :meth:`certify` counts it).
-            delta: The epoch's share of the lifetime δ (which pair is tightest there).
-            deletion: (ε_cr, δ_cr) of randomized report deletion: the add/remove statement
-                (:meth:`common.accounting.Epoch.with_deletion`, ESA-revisited Theorem V.1).
-            replacement: State the epoch in the replacement notion.
+        The pair of the :meth:`privacy` description (FMT21 Remark 3.5, eq. (20); the blanket pair
+        for binary and k-ary RR) at ``delta``, the epoch's share of the lifetime δ; ``n`` is counted
+        as :meth:`certify` counts it. ``deletion`` = (ε_cr, δ_cr) gives the add/remove statement
+        (ESA-revisited Theorem V.1); ``replacement`` the replacement notion. None: no dominating
+        pair (Balcer–Cheu, fragments across batches), so the epoch enters as its certificate.
         """
         return self.privacy(params).epoch(n, delta, deletion=deletion, replacement=replacement)
 

@@ -1,18 +1,12 @@
 """k-RAPPOR with attribute fragments — ESA-revisited Algorithm 1, §III (MECHANISMS.md §1).
 
-Each bit of the one-hot encoding of a value in [0, k) is reported through binary randomized
-response with flip probability ``p = 1/(1 + e^ε)`` (removal ε-LDP, replacement 2ε). Only the
-indices of the 1-bits of the randomized vector are sent, one fragment each: the number of false
-ones is drawn by geometric skipping, so encoding costs O(k p) draws, never O(k).
+Binary randomized response on each bit of the one-hot encoding (flip ``p = 1/(1 + e^ε)``;
+removal ε-LDP, replacement 2ε); only the indices of the 1-bits are sent, one fragment each,
+drawn by geometric skipping in O(k p). Wire payload (code 1): ``uint32 bit index``. Estimator
+``ĉ_j = ((e^ε + 1) S_j - n) / (e^ε - 1)`` (ESA-revisited §III). Central privacy (removal, per
+attribute): Lemma II.6, Theorem III.1 and the binary-RR blanket bound.
 
-Wire payload: ``uint32 bit index`` (mechanism code 1).
-
-Estimator (ESA-revisited §III): ``ĉ_j = ((e^ε + 1) S_j - n) / (e^ε - 1)`` with ``S_j`` the
-number of fragments naming j and ``n`` the contributions in the batches;
-``Var(ĉ_j) = n p (1 - p) / (1 - 2p)²``.
-
-Central privacy (removal, per attribute): :func:`common.accounting.certify` with mechanism
-``krappor`` — Lemma II.6 (λ = 2n/(1 + e^ε)), Theorem III.1 and the binary-RR blanket bound.
+Details: docs/mechanisms.md, "k-RAPPOR with attribute fragments".
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """LDP-SGD — ESA-revisited §VI, Algorithms 4–5, with the paper's PRG communication reduction.
 
-Client (Algorithm 4): clip the gradient ``x`` to L2 norm ``L``; ``z = +L x/‖x‖`` with
-probability ``½ + ‖x‖/2L``, else ``-L x/‖x‖``; ``v`` uniform on the unit sphere of ``R^d``;
-report ``sgn(⟨z, v⟩) v``, negated with probability ``1/(1 + e^ε)``. Every draw that protects the
-device comes from the OS CSPRNG (:mod:`common.randomness`).
+A device reports ``tau`` signs of its clipped gradient against sphere directions regenerated
+from 128-bit seeds (:func:`sphere`, a fixed SHAKE-256 sampler), each flipped with probability
+``1/(1 + e^ε)`` (OS CSPRNG). Wire payload (code 6): ``uint32 round | uint8 sign | 16-byte
+seed``. The server averages and scales by Algorithm 5 line 5's constant with the factor ``d``
+the paper omits (:func:`paper_scale` is the printed one), then projects onto the L2 ball.
+Each report is binary RR of its sign given a uniform seed: certified as k-RR at k = 2 (FMT21
+Cor. 4.2), ``tau`` reports composed per round.
 
-Communication reduction (§VI, "Reducing communication cost using PRGs"): ``v`` is regenerated
-from a 128-bit seed drawn by the device, so a report is one sign and the seed. The seed-to-sphere
-sampler is fixed (:func:`sphere`): ``SHAKE-256("esa/ldp-sgd/sphere/v1" || seed)`` read as
-little-endian uint64 words ``w``, ``u = ((w >> 11) + 1) / 2^53`` in (0, 1], Box–Muller on
-consecutive pairs ``(u1, u2)`` → ``sqrt(-2 ln u1) (cos 2πu2, sin 2πu2)``, the first ``d``
-normals normalized to unit length.
-
-Wire payload (mechanism code 6, 21 bytes): ``uint32 round | uint8 sign (1: +, 0: -) |
-16-byte seed``. A device sends ``tau`` i.i.d. reports per round (the paper's "effective batch
-size", §VII-C), one fragment each.
-
-Server (Algorithm 5, line 5): ``g = scale · (1/m) Σ ẑ_i`` with
-``scale = L · d · (√π/2) · Γ((d-1)/2 + 1)/Γ(d/2 + 1) · (e^ε + 1)/(e^ε - 1)``, which makes
-``E[g] = x`` (``E|v_1| = Γ(d/2)/(√π Γ((d+1)/2))`` on the sphere of ``R^d``). The paper prints
-the constant without the factor ``d`` (a slip: its ``E[g]`` would be ``x/d``; Duchi et al.'s
-constant has it); :func:`paper_scale` is the printed one, kept for the test that shows the
-difference. Line 6: ``θ_{t+1} = Π_C(θ_t - η g)`` with ``C`` the L2 ball of radius ``radius``
-(:func:`server_step`); the learning rate is a channel parameter (the printed ``η_t`` grows with
-``√n`` and is not used).
-
-Privacy. Given its seed, the sign is binary randomized response with flip probability
-``1/(1 + e^ε)`` of the bit ``sgn⟨z, v⟩``, and the seed is uniform and independent of the data:
-whatever the data, a report is a uniform (sign, seed) with probability ``2/(e^ε + 1)`` — the
-privacy blanket of binary RR (replacement ε per report). A round is certified at its smallest
-shuffled batch with the same bounds as k-RR at k = 2 (the binary-RR blanket, FMT21 Cor. 4.2,
-clones), composed over the ``tau`` reports of a device (one shuffle of all reports is a
-post-processing of ``tau`` independent shuffles of each device's j-th report). See
-``docs/ldp-sgd.md`` for the argument when two gradients are not antipodal.
+Sampler, constant and privacy argument: docs/mechanisms.md, "LDP-SGD"; docs/ldp-sgd.md.
 """
 
 from __future__ import annotations
@@ -115,7 +91,7 @@ class LdpSgdParams:
 
     @property
     def scale(self) -> float:
-        """Algorithm 5 line 5's constant with the factor d (module docstring)."""
+        """Algorithm 5 line 5's constant with the factor d (docs/mechanisms.md, "LDP-SGD")."""
         return self.dim * paper_scale(self.dim, self.clip, self.eps)
 
 
@@ -135,7 +111,7 @@ class GradientReport:
 
 
 def sphere(seeds: Sequence[bytes], dim: int) -> FloatArray:
-    """The fixed seed-to-sphere sampler (module docstring): one unit vector per seed."""
+    """The fixed seed-to-sphere sampler: one unit vector per seed (docs/mechanisms.md, LDP-SGD)."""
     pairs = (dim + 1) // 2
     raw = b"".join(hashlib.shake_256(SPHERE_DOMAIN + s).digest(16 * pairs) for s in seeds)
     words = np.frombuffer(raw, dtype="<u8").reshape(len(seeds), pairs, 2)

@@ -1,27 +1,14 @@
 """Tree-based longitudinal reports — Erlingsson et al. 2019, Algorithms 1 and 2 (MECHANISMS.md §3).
 
-Each user holds a 0/1 state over periods ``t = 1..d`` (d a power of two) that changes at most k
-times; ``x_t ∈ {-1, 0, +1}`` is the change at t. Setup draws ``κ* ~ U[k]`` and
-``h* ~ U[L]``, ``L = log2(d) + 1``; the client state is four integers ``(κ*, h*, κ, c)``.
+A user's 0/1 state over periods ``t = 1..d`` changes at most k times; the client keeps
+``(κ*, h*, κ, c)`` and, at EVERY t divisible by ``2^{h*-1}`` (report timing must not depend on
+the data, Theorem 5), reports ``(h*, t, u)``: (ε/2)-RR of its κ*-th change, or uniform ±1.
+Wire payload (code 3): ``uint8 level h | uint32 period t | int8 u``. The server sums the
+dyadic cover of [1, t] scaled by ``c_ε k L`` with ``L = log2(d) + 1`` levels (the paper's
+log2 d would bias it). The sequence is ε-LDP (Theorem 5); central argument:
+:class:`common.accounting.BinaryRRSequence`.
 
-UPDATE(t, x_t): if ``x_t != 0`` count it, and keep ``c = x_t`` at the κ*-th change. Then, for
-EVERY t divisible by ``2^{h*-1}`` — whether or not x_t != 0 (the printed algorithm's indentation
-would make report timing depend on the data and break Theorem 5) — report ``(h*, t, u)``:
-``u`` uniform ±1 if ``c = 0``, else ``u = c · (+1 w.p. e^{ε/2}/(1+e^{ε/2}), -1 otherwise)``; then
-``c = 0``. Changes beyond the k-th are ignored (documented accuracy cost).
-
-Wire payload: ``uint8 level h | uint32 period t | int8 u`` (mechanism code 3).
-
-Server (Algorithm 2): ``T[h, t/2^{h-1}] = Σ u`` over reports at level h and time t;
-``f̃_t = c_ε k L Σ_{[h,i] ∈ C(t)} T[h,i]`` with ``c_ε = (e^{ε/2}+1)/(e^{ε/2}-1)`` and C(t) the
-dyadic cover of [1, t]. We scale by **L**, the number of levels clients sample from (the paper
-prints log2 d, which biases the estimate by ``L/log2 d``). ``f̃_t`` estimates ``Σ_i st_i[t]``
-(exactly, when nobody changes more than k times), with
-``Var(f̃_t) <= (c_ε k L)² Σ_{[h,i] ∈ C(t)} N[h,i]``, N the number of reports in the node (each
-``u² = 1``; the bound is tight when few users' data fall in a node).
-
-Privacy: the whole sequence is ε-LDP (Theorem 5); each report is (ε/2)-DP binary RR or uniform;
-see :class:`common.accounting.BinaryRRSequence` for the central argument.
+Algorithm, estimator and variance: docs/mechanisms.md, "Tree-based longitudinal reports".
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Report fragments with a privacy backstop — ESA-revisited Algorithm 2, §IV (MECHANISMS.md §2).
 
-For each bit of the one-hot encoding, a *backstop* ``x' = R_b(x; ε_b)`` (binary RR, flip
-probability ``p_b = 1/(1 + e^{ε_b})``) is drawn ONCE per (device, channel, true value) and kept
-in a :class:`BackstopState` that the SDK persists; every report then sends ``τ`` fresh fragments
-``y_r = R_f(x'; ε_f)`` (flip probability ``p_f``). Fragment r is the sparse row r of the τ×k
-matrix of ESA-revisited §IV: one message per 1-bit, carrying ``(r, bit index)``. The SDK routes
-row r to shuffler ``r mod K``.
+Each one-hot bit gets a backstop ``x' = R_b(x; ε_b)`` drawn ONCE per (device, channel, true
+value) and persisted (:class:`BackstopState`); every report sends ``τ`` fresh fragments
+``R_f(x'; ε_f)``, row r routed to shuffler ``r mod K``. Wire payload (code 2): ``uint16
+fragment index | uint32 bit index``. Local privacy is ``ε(t)`` of Theorem IV.1, capped at
+ε_ℓ∞ = ε(τ) only while the backstop is kept: a lost or mismatched state is an error, never a
+silent redraw. The estimator debiases both stages.
 
-Wire payload: ``uint16 fragment index | uint32 bit index`` (mechanism code 2).
-
-Local privacy (Theorem IV.1): an adversary holding t rows sees
-``ε(t) = ln((e^{ε_b + t ε_f} + 1)/(e^{ε_b} + e^{t ε_f}))``; ``ε_ℓ∞ = ε(τ)``, ``ε_ℓ1 = ε(1)``.
-Regenerating a backstop would void the ε_ℓ∞ cap, so a lost or mismatched state is an error here
-and a new device identity in the SDK, never a silent redraw.
-
-Estimator (two-stage debiasing). With ``S_j`` the fragments naming j over all rows and ``n_r``
-the contributions that carried row r, ``E[S_j] = Σ_r n_r (p_f + (1-2p_f) p_b)
-+ (1-2p_f)(1-2p_b) Σ_r c_j^{(r)}``, so
-``ĉ_j = (S_j - Σ_r n_r (p_f + (1-2p_f) p_b)) / (τ (1-2p_f)(1-2p_b))`` estimates the count among
-the users (the mean over rows when rows reached different crowds). A user's τ fragments share
-one backstop, so ``Var(S_j) = n (τ p_f(1-p_f) + τ² (1-2p_f)² p_b(1-p_b))``.
+Estimator, variance and privacy: docs/mechanisms.md, "Report fragments with a privacy backstop".
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Balcer–Cheu zero-sum histogram — *Separating Local & Shuffled DP*, Figures 1–2, Theorem 12.
 
-For every bin j a user sends ``b_j + Ber(p)`` copies of the message "j", with
-``p = 1 - 50 ln(2/δ_bin)/(ε² n)`` fixed by the channel's *declared* crowd size n and per-bin δ
-(``δ_bin = δ/2``, so the histogram is (2ε, δ)-DP, replacement). Theorem 11 needs
-``n >= 100 ln(2/δ_bin)/ε²`` and ``ε <= 1``; other configurations are refused. A user sends
-about ``1 + d p ≈ d`` messages, so the domain is capped at ``MAX_BINS``.
+For every bin j a user sends ``b_j + Ber(p)`` copies of "j", ``p`` fixed by the channel's
+*declared* crowd and per-bin δ (δ/2: the histogram is (2ε, δ)-DP, replacement); configurations
+outside Theorem 11's regime are refused, and the domain is capped at ``MAX_BINS``. Wire
+payload (code 4): ``uint32 bin``. The estimate ``|y_j| - m p`` at the received crowd ``m`` is
+unbiased; Figure 1's truncation is kept beside it (``Estimate.truncated``), never in its place.
 
-Wire payload: ``uint32 bin`` (mechanism code 4).
-
-Analyzer, in counts with the received crowd ``m``: ``|y_j| = c_j + Bin(m, p)``, so
-``ĉ_j = |y_j| - m p`` is unbiased with ``Var = m p (1 - p)``; that is the release's estimate.
-Figure 1 also zeroes every bin with ``|y_j| <= m`` (bins nobody holds are then exactly 0), which
-removes every count below about ``m (1 - p)`` (thousands of users at demo scale): it is kept
-beside the unbiased estimate (``Estimate.truncated``), never in its place.
+Details: docs/mechanisms.md, "Balcer–Cheu zero-sum histogram".
 """
 
 from __future__ import annotations

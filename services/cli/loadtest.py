@@ -201,23 +201,15 @@ def loadtest(
     """Load-test a deployment with a simulated population; verify and report.
 
     \b
-    1. prepare: every device enrolls at each shuffler (its own client token), encodes its
-       value with the channel's mechanism from the OS CSPRNG and seals it to the analyzer,
-       and gets one contribution per channel and epoch (own nonce) sealed to a shuffler —
-       in worker processes, written to files before the run;
-    2. run: replay them over keep-alive connections at --rate, a --ramp or --max, with a
-       live view (offered/accepted rate, p50/p95/p99, errors by status, per shuffler);
-    A longitudinal channel follows in a phase of its own, in waves of one epoch each (at most
-    one report per device): period t in the t-th, and what an epoch's end left unsent in the
-    next, so any --devices and --rate verify (rate: --rate, else as fast as answered).
-    3. verify (with --admin-token, --keys or --up): close the run's epochs, wait for every batch,
-       check acknowledged = received at the analyzer + removed by randomized deletion +
-       held, estimates against the population's truth, and print the certified ε per
-       channel. Exit status 1 if anything was lost, counted twice or estimated wrong.
-    Verification closes the run's epochs: a second run within the same epoch is refused by the
-    shufflers (epoch_not_open) and stops before the load, unverified, with exit status 1 (wait
-    for the next epoch, or use --up).
-    Writes <out>/loadtest.json and <out>/loadtest.html (throughput, latency, errors, RSS).
+    1. prepare: devices enroll at each shuffler, encode and seal one contribution per
+       channel and epoch, in worker processes, written to files before the run;
+    2. run: replay them at --rate, a --ramp or --max, with a live view; longitudinal
+       channels follow in a phase of their own, one epoch per wave;
+    3. verify (with --admin-token, --keys or --up): close the run's epochs, wait for every
+       batch, check conservation and estimates against the truth, print the certified ε.
+    Exit status 1 if anything was lost, counted twice or estimated wrong, or if an earlier
+    verified run closed the epoch (wait for the next epoch, or use --up).
+    Writes <out>/loadtest.json and <out>/loadtest.html. Details: docs/loadtest.md.
     """
     _main(dict(locals()))
 

@@ -1,19 +1,12 @@
 """The demo's engine: a population of simulated devices through a real deployment, end to end.
 
-The devices run on the load generator's fast path (:mod:`services.tools.loadgen`, as
-``esa loadtest``): each is a device in protocol terms, with its own client token enrolled over
-HTTP at every shuffler, its value encoded by the channel's mechanism from the operating
-system's CSPRNG, every fragment HPKE-sealed to the analyzer key of the signed collection config
-(verified against the pinned key) and each contribution sealed with its own nonce to the
-shuffler it routes to. Encoding and sealing run in worker processes ahead of sending; the
-requests are then replayed over keep-alive HTTP. A longitudinal channel's devices run their
-tree (Erlingsson et al. 2019, Algorithm 1) through its periods, one short epoch each. The demo
-then closes the epochs at every shuffler (admin close), waits until every batch has reached the
-analyzer, reads each channel's release and compares it with the population's truth.
-
-Randomized deletion (ESA-revisited, Algorithm 3) removes whole contributions at random before
-the analyzer sees them, so the estimate targets ``truth * kept`` where ``kept`` is the share of
-contributions that reached it; the interval the demo checks adds that sampling noise
+Devices run on the load generator's path (:mod:`services.tools.loadgen`: devices in protocol
+terms, sealed in worker processes ahead of sending; docs/loadtest.md, "What a simulated device
+is"); a longitudinal channel's devices run their tree (Erlingsson et al. 2019, Algorithm 1), one
+short epoch per period. The demo then closes the epochs at every shuffler, waits until every
+batch has reached the analyzer and compares each channel's release with the population's truth.
+Randomized deletion (ESA-revisited Algorithm 3) removes whole contributions at random, so the
+estimate targets ``truth * kept``; the interval checked adds that sampling noise
 (``truth * kept * (1 - kept)``, the binomial approximation) to the analyzer's standard error.
 """
 

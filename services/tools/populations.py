@@ -1,19 +1,14 @@
 """Simulated populations for load tests and paper-scale reproduction (ESA-revisited §VII).
 
-Every population is a vector of true counts (how many respondents hold each value), built from
-data that ships inside installed packages — nothing is downloaded at run time:
+Every population is a vector of true counts (respondents per value), built from data shipped in
+installed packages, never downloaded: ``heavy_hitters`` (§VII-A: about a hundred heavy hitters
+with 30% of the mass, the rest ``p(x) ∝ x^-1.35`` over 1,778,120 values; the paper publishes no
+mixture weights), ``image`` (scikit-image's ``horse``, ``camera``, ``hubble_deep_field``: pixel
+luminosity as respondents, §VII-B; ``horse`` is a silhouette, its pixels at 255), ``words``
+(``wordfreq``) and ``longitudinal`` (n users over d periods, at most k state changes each).
+Optional ``n`` rescales a histogram population to exactly n respondents (largest remainder).
 
-* ``heavy_hitters``: about a hundred heavy hitters mixed with a power law ``p(x) ∝ x^-1.35`` over
-  a 1,778,120-value domain (§VII-A; the paper does not publish the mixture weights, we put 30% of
-  the mass on the heavy hitters);
-* ``image``: scikit-image's ``horse``, ``camera`` and ``hubble_deep_field``; each pixel's
-  luminosity is that many respondents holding that pixel (§VII-B). ``horse`` is a boolean
-  silhouette, so its horse pixels get luminosity 255;
-* ``words``: real English word frequencies from ``wordfreq``;
-* ``longitudinal``: n users over d periods, each with at most k state changes.
-
-Optional ``n`` rescales any histogram population to exactly n respondents (largest remainder),
-so experiments can be run at the paper's n.
+Where these differ from the paper's data: docs/reproduction.md.
 """
 
 from __future__ import annotations

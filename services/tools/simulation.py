@@ -1,17 +1,12 @@
 """Paper-scale experiments behind ``esa simulate`` (ESA-revisited §VII).
 
-For every target central ε_c: plan ε0 with the paper's bound (``cheu-lemma-ii6``, as in the
-paper's tables) and/or our tightest valid bound, sample the channel's accumulator with the
-mechanism's vectorized ``simulate_aggregate``, estimate, and measure the RMSE against the truth
-next to the RMSE the estimator's variance predicts.
-
-τ = 1 rows are k-RAPPOR with attribute fragments. τ > 1 rows are report fragments with a
-backstop at the planned ε_b (so the same central bounds apply, ESA-revisited Theorem IV.2's
-proven term) and a fragment ε_f. The paper does not state how it chose ε_f; unless the caller
-fixes one, we choose the ε_f whose fragment noise adds exactly as much variance as the backstop
-(``sinh(ε_f/2) = sinh(ε_b/2)/sqrt(τ)``), i.e. an RMSE about sqrt(2) times attribute fragmenting —
-at large ε this reproduces the paper's ε_ℓ1 column (e.g. τ = 16, ε_ℓ∞ = 8.55 → ε_ℓ1 = 5.72 vs
-5.71 printed).
+For every target central ε_c: plan ε0 with the paper's bound (``cheu-lemma-ii6``) and/or our
+tightest valid bound, sample the channel's accumulator with the mechanism's vectorized
+``simulate_aggregate``, estimate, and compare the RMSE against the truth with the RMSE the
+estimator's variance predicts. τ = 1 rows are k-RAPPOR with attribute fragments; τ > 1 rows are
+report fragments with a backstop at the planned ε_b (ESA-revisited Theorem IV.2) and, unless the
+caller fixes it, the ε_f whose fragment noise adds as much variance as the backstop
+(``sinh(ε_f/2) = sinh(ε_b/2)/sqrt(τ)``). Results and that choice: docs/reproduction.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
-"""Check 8, empirical privacy: a distinguishing game on neighbouring canary populations run
-through the real shuffler, and a Clopper–Pearson lower bound on ε from its outcome (the
-approach of StatDP / DP-Sniper and of Steinke, Nasr and Jagielski's one-run auditing, with
-independent trials).
+"""Check 8, empirical privacy: a distinguishing game on neighbouring canary populations through
+the real shuffler, and a Clopper–Pearson lower bound on ε from its outcome (StatDP / DP-Sniper;
+Steinke, Nasr and Jagielski's one-run auditing, with independent trials).
 
-Each full canary group is one trial. Every canary reports binary randomized response with ε0
-of the value 0, except the group's first-sent canary (the target), which reports RR of a secret
-coin b (FMT21 Appendix F's pair: X0 = (0, …, 0), X1 = (1, 0, …, 0)). The distinguisher sees only
-what the analyzer sees — the released reports in batch order and ``n_contributions`` — and
-guesses b. Two distinguishers are fixed in advance: the likelihood-ratio test on the number of
-ones (optimal against a uniform shuffle) and "the first fragment of the batch reads 1" (against
-a shuffler that keeps arrival order, where the target comes first). For each, the true and false
-positive rates give, at 95% confidence overall (Bonferroni over both distinguishers and both
-rates),
+Each full canary group is one trial on FMT21 Appendix F's pair: the target reports binary RR of
+a secret coin, the others RR of 0. Two distinguishers fixed in advance (the count of ones, and
+"the first fragment reads 1") give, Bonferroni over both and both rates,
 
     ε_lower = max(ln((TPR_lo − δ) / FPR_hi), ln((1 − FPR_hi − δ) / (1 − TPR_lo)))
 
-printed beside the certified ε of binary RR at the smallest released crowd
-(:func:`common.accounting.certify`, replacement notion); the check fails when the same bound at
-confidence 1 − 1e-7 exceeds it. With the few dozen groups one epoch holds this bound is loose,
-so trials are pooled: over several epochs of one run (``esa audit run --game-trials``) or over
-saved runs (``esa audit pool``, :func:`pool`). Pooling keeps the bound valid: every trial is an
-independent run of a mechanism at most as private as binary RR at the smallest pooled crowd, so
-the pooled true and false positive rates obey the same ε, δ inequality; the count threshold
-depends only on a trial's public ``n_contributions`` and the number of trials, never on secrets.
+beside binary RR's certified ε at the smallest released crowd; the check fails when the bound at
+1 − 1e-7 exceeds it. Trials pool over epochs and saved runs (:func:`pool`; why pooling stays
+valid: docs/audit.md, "Limits").
 """
 
 from __future__ import annotations

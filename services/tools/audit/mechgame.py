@@ -2,29 +2,13 @@
 :mod:`~services.tools.audit.game` with canaries that encode with a channel's own mechanism
 (k-RAPPOR, report fragments, k-RR, Balcer–Cheu zero-sum) instead of binary RR.
 
-Neighbouring populations differ in one canary's value (replacement): every canary of a group
-holds the value ``c`` = 2, except the group's first-sent canary (the target), which holds
-``a`` = 0 or ``b`` = 1 after a secret coin. Each canary fragment carries, besides its marker, the
-mechanism fragment a device would send (:class:`~services.tools.audit.canary.Marker`'s
-``payload``), so the auditor reads back exactly what the analyzer would receive of the released
-group: the fragments in batch order and ``n_contributions``. The view is folded with the
-mechanism's own ``accumulate`` (as the analyzer does): the counts ``S_a``, ``S_b`` of fragments
-naming a and b, and which of the two the batch's first such fragment names.
-
-Two distinguishers fixed in advance, as for binary RR: ``S_b − S_a ≥ t`` (the threshold t fitted
-to the exact law of ``S_b − S_a`` under each secret, from the mechanism's encoding law and the
-public ``n_contributions`` alone — :func:`difference_law`) and "the first fragment naming a or b
-names b" (against a shuffler that keeps arrival order). The Clopper–Pearson bound (StatDP /
-DP-Sniper; Steinke, Nasr and Jagielski) is the same as binary RR's, Bonferroni over both
-distinguishers and both rates. It is printed beside the certified replacement ε of the channel
-at the smallest released crowd, computed by the mechanism's ``certify`` exactly as the analyzer's
-``ChannelRuntime.certify`` calls it (one batch from shuffler 0 of 1, the channel's δ); the check
-fails when the bound at confidence 1 − 1e-7 exceeds it.
-
-Longitudinal channels are left out: a report there is a tree-node update of a state change over
-periods with a device state persisting across epochs, so one canary's neighbouring value is a
-whole change history and its certificate rests on the smallest level crowd over many epochs —
-not a single-epoch game on one group.
+Neighbouring populations differ in the target canary's value (replacement: ``a`` = 0 or ``b`` = 1
+after a secret coin, every other canary ``c`` = 2). The view is folded with the mechanism's own
+``accumulate`` into ``S_a``, ``S_b``; the distinguishers are ``S_b − S_a ≥ t`` (t from the exact
+law, :func:`difference_law`) and "the first fragment naming a or b names b". The Clopper–Pearson
+bound (StatDP / DP-Sniper; Steinke, Nasr and Jagielski) is set against the channel's certified
+replacement ε from its ``certify``. Longitudinal channels are left out. How the game is built
+and why: docs/audit.md, "The privacy game of a default channel's mechanism".
 """
 
 from __future__ import annotations

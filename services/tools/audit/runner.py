@@ -1,23 +1,14 @@
 """One audit run (``esa audit run``): canaries through the audited shuffler, the epoch closed,
 the sink's records read back, every check run.
 
-The audit channel must be used by canaries alone (its groups' sizes are then known exactly);
-the shuffler must forward to an :mod:`audit sink <services.tools.audit.sink>`. Steps:
+The audit channel must carry canaries alone (its groups' sizes are then known exactly), and the
+shuffler must forward to an :mod:`audit sink <services.tools.audit.sink>`. Full groups get
+``group_size`` canaries and the last crowd ``min_crowd − 1``; the first full group is sent before
+every other and the last after (:func:`services.tools.audit.checks.arrival_pattern_check`).
+With ``game_trials``, more privacy-game rounds follow, one per epoch
+(:mod:`~services.tools.audit.game`, :mod:`~services.tools.audit.mechgame`).
 
-1. Read the shuffler's ``GET /v1/config`` (its HPKE key, the audit channel's policy).
-2. Send ``group_size`` canaries to every declared crowd but the last, and ``min_crowd − 1`` to
-   the last (the small group that must never be released), round-robin, each from a newly
-   enrolled client; probe the public surface before, half way and after.
-3. Probe intake refusals; close the epoch (admin token) or wait for its end.
-4. Read the sink's records and run :mod:`~services.tools.audit.checks`.
-5. With ``game_trials`` above the full groups of that epoch, more privacy-game rounds, one per
-   following epoch (full groups only), until that many trials are pooled
-   (:mod:`~services.tools.audit.game`; with ``game_channel``, the canaries encode with that
-   default channel's mechanism: :mod:`~services.tools.audit.mechgame`).
-
-The first full group receives all its canaries before any other group, the last full group all
-of its after every other: two very different arrival patterns, whose release times the timing
-check compares (:func:`services.tools.audit.checks.arrival_pattern_check`).
+The steps of a run: docs/audit.md, "One run, step by step".
 """
 
 from __future__ import annotations

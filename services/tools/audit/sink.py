@@ -1,23 +1,13 @@
 """The audit sink (``esa audit sink``): where an audited shuffler forwards its batch parts.
 
-In staging the audited shuffler's ``ESA_SHUFFLER_ANALYZER_URL`` points here. Every
-``POST /v1/batches`` is recorded exactly as the analyzer would receive it — the raw body bytes,
-every request header (``ESA-Signature`` among them) and the time it arrived — and answered the
-way the analyzer answers (PROTOCOL.md, ``POST /v1/batches``): 201 with a
-:class:`common.wire.BatchAck` the first time a (``batch_id``, ``part``) is seen, 200 with
-``duplicate: true`` after that, 415 for another content type, 401 without a signature header and
-400 for a body that is not a batch part, so the shuffler considers a part delivered exactly when
-it would at the analyzer. Nothing is refused for its content (below ``min_crowd``, unknown
-crowd, bad signature): such parts are what the audit looks for, so they are kept and judged by
-the auditor.
+Every ``POST /v1/batches`` is recorded exactly as the analyzer would receive it (raw body, every
+header, arrival time) and answered as the analyzer answers (PROTOCOL.md), so the shuffler
+considers a part delivered exactly when it would at the analyzer; nothing is refused for its
+content, since such parts are what the audit looks for. With ``relay`` the parts of every
+channel but the audit channels go on, byte for byte, to the real analyzer. The auditor reads the
+records from ``GET /v1/audit/records?after=<seq>`` (JSON lines, bearer token) or the record file.
 
-With ``relay`` the parts of every channel but the audit channels are passed on, byte for byte
-with their signature, to the real analyzer, and the analyzer's answer is returned as it is (a
-transport error is a 503, which the shuffler retries): the staging pipeline keeps working while
-it is audited.
-
-The auditor reads the records from ``GET /v1/audit/records?after=<seq>`` (JSON lines, bearer
-token) or from the record file.
+The answers and the relay in detail: docs/audit.md, "How it works".
 """
 
 from __future__ import annotations

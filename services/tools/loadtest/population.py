@@ -1,18 +1,14 @@
 """True values of a simulated population, per channel (``--population CHANNEL=SPEC``).
 
-A spec is ``zipf`` or ``zipf:S`` (Zipf with exponent S, default 1.1, over the channel's
-domain), ``uniform``, a shipped dataset (``horse``, ``camera``, ``hubble``: pixel luminosity as
-respondents, resized to the channel's image shape or its domain; ``words``: the channel's k most
-frequent English words, :mod:`services.tools.populations`) or ``csv:PATH`` (one value per line,
-or ``value,count`` lines). Every spec becomes true counts rescaled to the number of devices
-(largest remainder), then one value per device in a seeded random order: the values are the data
-being measured, not privacy noise (that comes from the OS CSPRNG when devices encode).
+A spec (``zipf[:S]``, ``uniform``, ``horse``, ``camera``, ``hubble``, ``words``, ``csv:PATH``)
+becomes true counts rescaled to the number of devices (largest remainder), then one value per
+device in a seeded random order: the values are the data measured, not privacy noise (that
+comes from the OS CSPRNG). A longitudinal channel takes ``changes[:RATE]``: each device changes
+state ``Binomial(k, RATE)`` times at seeded random periods
+(:func:`services.tools.populations.longitudinal`); the truth per period is the number of devices
+in state 1, the sum Algorithm 2 of Erlingsson et al. 2019 estimates.
 
-A longitudinal (state) channel takes ``changes`` or ``changes:RATE`` instead: every device starts
-in state 0 and changes state ``Binomial(k, RATE)`` times (default 0.5; k the channel's most
-changes) at seeded random periods of the channel's d (:func:`services.tools.populations
-.longitudinal`); the truth per period is the number of devices in state 1 (Erlingsson et al.
-2019, the sum of states that Algorithm 2 estimates).
+The specs: docs/loadtest.md, "Populations".
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The prepare phase: devices, their reports and every contribution of the run, ahead of time.
 
-Each simulated device is a device in protocol terms (PROTOCOL.md): one client token enrolled
-over HTTP at every shuffler, its own report per channel encoded with the channel's mechanism from
-the OS CSPRNG and HPKE-sealed fragment by fragment to the analyzer, and per epoch of the run one
-contribution with a fresh nonce sealed to the shuffler it routes to. Encoding and sealing run in
-worker processes (:class:`services.tools.loadgen.SealerPool`) and write files of ready requests,
-so that the run phase only replays bytes: in Python, sealing a k-RAPPOR report costs more CPU than
-a shuffler spends accepting it (docs/benchmarks.md, "Load test"), so generating on the fly would
-make the tool the bottleneck.
+Each simulated device is a device in protocol terms (PROTOCOL.md). Encoding and sealing run in
+worker processes (:class:`services.tools.loadgen.SealerPool`) that write files of ready
+requests, so the run phase only replays bytes: in Python, sealing a k-RAPPOR report costs more
+CPU than a shuffler spends accepting it (docs/benchmarks.md, "Load test"). A longitudinal
+channel's devices run their tree state (Erlingsson et al. 2019, Algorithm 1) through its periods
+ahead of time; the outer envelopes are sealed during its own phase, one wave at a time
+(:func:`series_waves`). The pool stays open until :meth:`Prepared.close`.
 
-A longitudinal (state) channel's devices run their own tree state (Erlingsson et al. 2019,
-Algorithm 1) through the channel's d periods in the workers, every period's report sealed to the
-analyzer ahead of time (:meth:`loadgen.SealerPool.add_series`); the outer envelopes name the
-epoch, so they are sealed during that channel's own phase, one wave (one epoch, at most one
-report per device) at a time (:func:`series_waves`). The pool stays open until
-:meth:`Prepared.close`.
+Details: docs/loadtest.md, "What a simulated device is" and "Phases".
 """
 
 from __future__ import annotations

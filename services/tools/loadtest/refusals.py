@@ -1,23 +1,14 @@
 """A run whose epoch the shufflers have closed: stop with a clear error, never verify it.
 
-A shuffler refuses every contribution to an epoch an admin has closed (``400
-epoch_not_open``) until the epoch is over, and ``esa loadtest``'s verification closes its run's
-epochs at every shuffler: a second run within the same epoch (an hour, by default) is refused
-whole. Verifying it would read the analyzer's release of that epoch, which holds the earlier
-run's contributions, and report conservation numbers that mean nothing (a FAIL such as
-"lost -1,083", or a PASS on nothing). So the run stops with :class:`RefusedError`:
+A shuffler refuses every contribution to a closed epoch (``400 epoch_not_open``), and verifying
+such a run would read a release that holds an earlier run's contributions. So the run stops with
+:class:`RefusedError`: before the load when a channel's first request is refused
+(:func:`preflight`; sent again within :data:`BOUNDARY_SECONDS` of the epoch's start, where the
+shuffler's clock may be a little behind), after a phase when a shuffler refused more of a
+channel's contributions than it acknowledged (:func:`check_answers`), and in verification on any
+refusal but the rate limit's (:func:`unexpected`).
 
-* before the load (:func:`preflight`): the first request of each channel is sent alone by the
-  run's own driver (its answer counts as the run's); a refusal ``epoch_not_open`` (the
-  driver counts refusals by error code; sent again while within :data:`BOUNDARY_SECONDS` of
-  the epoch's start, where it may be the shuffler's clock a little behind) stops the run,
-  naming the channel, the epoch and when the next one starts;
-* after each phase, before its verification (:func:`check_answers`, with the admin token): a
-  shuffler that refused (400) more of one channel's contributions sent to it than it
-  acknowledged, e.g. an epoch closed at some shufflers only (an earlier verification that
-  stopped part way); the message gives the phase's refusals by error code;
-* in the verification (:func:`unexpected`): any refusal but the rate limit's is a problem
-  (a run that passes conservation with a third of its contributions refused is not a pass).
+Details: docs/loadtest.md, "Closed epochs: a second run within the same epoch".
 """
 
 from __future__ import annotations

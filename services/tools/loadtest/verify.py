@@ -1,43 +1,14 @@
-"""Verification after the run (with each shuffler's admin and metrics tokens): close, drain,
-conservation, estimates against the population's truth, and the certified ε per channel.
+"""Verification after the run: close, drain, conservation, estimates against the population's
+truth, and the certified ε per channel (with each shuffler's admin and metrics tokens).
 
-Conservation (ESA-revisited Algorithm 3 removes whole contributions before the analyzer sees
-them): every contribution this run had acknowledged (202) is either received at the analyzer
-(the ``n`` of the channel's release over the run's epochs), removed by randomized deletion (or
-another deletion the shuffler records: abort, retention), or still held at a shuffler. The
-shuffler side is read from each trust domain's ``/metrics`` (one URL per shuffler, whatever
-answers it) before and after the run, from the gauges the shuffler reads from its database:
-the trust domain's ledger (``esa_shuffler_ledger_contributions{state}``, whose sum is every
-contribution the trust domain ever acknowledged, so its change is what it acknowledged during
-the run) and its deletions by cause (``esa_shuffler_ledger_deleted{cause}``); the names are
-the shuffler's metrics contract, :mod:`runtime.conservation`. Every replica of a trust
-domain shares the database, so the scrape sees the whole domain whichever replica answers it
-(behind HAProxy always the same one): the per-process counters
-(``esa_shuffler_contributions_received_total``, ``…_deleted_total``) would see only that
-replica's share, and are never read. A shuffler without the ledger gauges (older than them, or
-its database unreadable at that scrape) cannot be verified: :class:`VerifyError`.
-Contributions purged as ``late`` (acknowledged, then reached a group already evaluated) are
-reported but, as before, not accounted for: they count as lost. Other traffic on the
-deployment during the run shows as a mismatch, never as a pass.
-
-Estimates: for the channel's largest true bins, the release against what the estimator
-targets for ``truth × kept`` (``kept``: the share that survived), with a 95% interval widened by
-the binomial sampling noise of what was kept (as ``esa demo`` checks). A histogram channel's run
-spans several epochs, and every epoch holds one contribution of each prepared device (in a
-random order; the epoch's end cuts off what was not sent), so each epoch is checked on its own
-(:func:`check_epochs`): that epoch's release against the population's truth × the epoch's kept
-share (received at the analyzer / prepared for the epoch: whatever was not sent, deleted
-(ESA-revisited Algorithm 3) or held is a uniformly random subset, whose count per bin varies
-at most as a binomial thinning). A sum over epochs against one contribution per device would be
-the wrong truth, and the epochs are not independent of one another: a device re-sends its
-memoized report (RAPPOR's permanent randomized response, rfrag's backstop) in every epoch, so
-the noise of one epoch recurs in the next. Per bin the epochs are therefore combined as the sum
-of their residuals with the sum of their standard deviations as its scale (:func:`combine`):
-``sd(Σ X_e) ≤ Σ sd(X_e)`` whatever the correlation between epochs (Minkowski), so each combined
-95% interval covers its target with probability ≥ 95%; tight when every device re-sends the
-same report in every epoch, conservative by up to √E for independent ones. The run fails if
-fewer combined intervals hold their target than a coverage of :data:`COVERAGE` allows with
-probability :data:`FALSE_ALARM` (binomial over the bins of every channel, as for one epoch).
+Conservation (ESA-revisited Algorithm 3 deletes whole contributions before the analyzer sees
+them): each contribution the run had acknowledged is received at the analyzer, deleted or still
+held, the shuffler side read from each trust domain's ledger gauges (:mod:`runtime.conservation`;
+without them :class:`VerifyError`). Estimates: each epoch's release against ``truth × kept``
+(:func:`check_epochs`); per bin the epochs combine as Σ residuals over Σ sd (:func:`combine`,
+valid however correlated they are, by Minkowski); the run fails if fewer intervals hold than
+:data:`COVERAGE` allows with probability :data:`FALSE_ALARM`. Why these gauges and this
+combination: docs/loadtest.md, "How verification decides".
 """
 
 from __future__ import annotations
