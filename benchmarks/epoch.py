@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
+from _profile import Profile, top_frames
 from _report import machine, write_section
 from sqlalchemy import func, insert, select
 
@@ -107,13 +108,16 @@ class RssSampler(threading.Thread):
             self.samples.append(_status_kb(self.pid, "VmRSS"))
 
 
-def _close(service: launcher.Service, epoch: int) -> tuple[dict[str, Any], float, int, int]:
+def _close(
+    service: launcher.Service, epoch: int, profile: Path | None = None
+) -> tuple[dict[str, Any], float, int, int]:
     """Close the epoch over HTTP: its answer, the seconds it took, the RSS before (kB) and the
-    highest RSS sampled during (kB)."""
+    highest RSS sampled during (kB); with ``profile``, py-spy records the shuffler meanwhile."""
     pid = service.process.pid
     before = _status_kb(pid, "VmRSS")
     sampler = RssSampler(pid)
     sampler.start()
+    recorder = None if profile is None else Profile(pid, profile)
     start = time.perf_counter()
     response = httpx.post(
         service.url + "/v1/admin/close",
@@ -124,23 +128,25 @@ def _close(service: launcher.Service, epoch: int) -> tuple[dict[str, Any], float
     seconds = time.perf_counter() - start
     sampler.done.set()
     sampler.join()
+    if recorder is not None:
+        recorder.stop()
     response.raise_for_status()
     return response.json(), seconds, before, max(sampler.samples, default=before)
 
 
 def _stored(url: str) -> dict[str, int]:
     engine = db.make_engine(url)
-    b, p = tables.batches.c, tables.batch_parts.c
+    b, p = tables.batches.c, tables.part_bodies.c
     with engine.connect() as conn:
         kept = conn.execute(select(func.coalesce(func.sum(b.n_contributions), 0))).scalar_one()
-        parts = conn.execute(select(func.count()).select_from(tables.batch_parts)).scalar_one()
+        parts = conn.execute(select(func.count()).select_from(tables.part_bodies)).scalar_one()
         largest = conn.execute(select(func.max(func.length(p.body)))).scalar_one()
         left = conn.execute(select(func.count()).select_from(tables.contributions)).scalar_one()
     engine.dispose()
     return {"kept": int(kept), "parts": int(parts), "largest": int(largest or 0), "left": left}
 
 
-def run(contributions: int, part_fragments: int) -> dict[str, Any]:
+def run(contributions: int, part_fragments: int, profile: Path | None = None) -> dict[str, Any]:
     """Build, close and measure one epoch; returns the numbers."""
     with tempfile.TemporaryDirectory(prefix="esa-epoch-") as tmp:
         var = Path(tmp)
@@ -152,7 +158,7 @@ def run(contributions: int, part_fragments: int) -> dict[str, Any]:
         service = launcher.start(_shuffler(var, url, part_fragments), var / "shuffler.log")
         try:
             launcher.wait_ready([service], 60)
-            answer, seconds, before_kb, sampled_kb = _close(service, epoch)
+            answer, seconds, before_kb, sampled_kb = _close(service, epoch, profile)
             peak_kb = _status_kb(service.process.pid, "VmHWM")
         finally:
             launcher.stop([service])
@@ -205,9 +211,17 @@ def main() -> None:
     parser.add_argument("--contributions", type=int, default=1_000_000)
     parser.add_argument("--part-fragments", type=int, default=PART_FRAGMENTS)
     parser.add_argument("--write", action="store_true", help="record it in docs/benchmarks.md")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="py-spy the close: writes PATH.svg and PATH.txt"
+    )
     args = parser.parse_args()
-    result = run(args.contributions, args.part_fragments)
+    result = run(args.contributions, args.part_fragments, args.profile)
     print(json.dumps(result, indent=2))
+    if args.profile is not None:
+        raw = args.profile.with_suffix(".txt")
+        for ours in ((), ("shuffler/", "common/")):
+            for frame, inside, alone in top_frames(raw, "ShufflerService.close", ours):
+                print(f"{inside:6.1%} inside {alone:6.1%} alone  {frame}")
     if args.write:
         command = "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch.py " + " ".join(
             sys.argv[1:]

@@ -60,12 +60,14 @@ async def _periodic(interval: float, work: Callable[[], Awaitable[Any]], name: s
 
 
 def _background(service: ShufflerService, http: httpx.Client) -> list[asyncio.Task[None]]:
-    """Batching (then forwarding what it released), forwarding retries, retention."""
+    """Batching (then forwarding what it released, then sweeping dead rows), forwarding
+    retries, retention."""
     settings = service.settings
 
     async def batching() -> None:
         if await asyncio.to_thread(service.run_batching):
             await asyncio.to_thread(service.forward_due, http)
+        await asyncio.to_thread(service.sweep)
 
     async def forwarding() -> None:
         await asyncio.to_thread(service.forward_due, http)

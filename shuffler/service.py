@@ -296,6 +296,11 @@ class ShufflerService:
             self.events.count(f"deleted_by_{reason}", n)
         return sum(removed.values())
 
+    def sweep(self) -> int:
+        """Delete some dead contributions of evaluated groups (:meth:`ContributionStore.sweep`),
+        after each batching round; returns how many (the count is never logged or published)."""
+        return self.store.sweep()
+
     def requeue(self, batch_id: str | None = None) -> int:
         """Send the parts the analyzer refused again (admin, after fixing the cause)."""
         return self.store.requeue_refused(self.clock(), batch_id)

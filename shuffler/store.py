@@ -11,10 +11,13 @@ also reads the revocations and closed epochs, so a group commit is one round tri
 :meth:`~ContributionStore.evaluate_group` deals and signs a group's batch without the write
 lock, storing each part ``staged`` (never sent); then one short transaction under the write lock
 (SQLite's ``BEGIN IMMEDIATE``, PostgreSQL's ``SELECT ... FOR UPDATE`` on the group's rows)
-checks the group is unchanged, turns its parts ``pending``, removes its contributions and
-records the group as evaluated, whose primary key lets exactly one evaluation commit across
-workers; so ingest is never blocked for longer than that step, and a concurrent retention purge
-can neither delete a row the batch contains nor count one the evaluation removed. A part is sent
+checks the group is unchanged, turns its parts ``pending`` and records the group as evaluated,
+whose primary key lets exactly one evaluation commit across workers; its contributions are not
+touched there (a row per contribution, with four indexes, is what made closing a big group
+slow) but are dead from then on: counted by the ``groups`` row, and deleted afterwards in
+short transactions by :meth:`~ContributionStore.sweep`. So ingest is never blocked for longer
+than that step, and a retention purge can neither delete a row the batch contains nor count
+one the evaluation covered. A part is sent
 by exactly one forwarder at a time: :meth:`~ContributionStore.claim` takes its lease with one
 conditional ``UPDATE`` (atomic in SQLite and PostgreSQL alike).
 """
@@ -82,6 +85,8 @@ _IDS_PER_DELETE = 10_000
 #: left behind by a crash (far above the 334 s an epoch of 10^6 contributions took to close).
 STAGED_GRACE_SECONDS = 6 * 3600.0
 UNSTAGE_ATTEMPTS = 5
+#: Dead contributions (of evaluated groups) deleted per transaction by ``sweep``.
+SWEEP_CHUNK = 2_000
 #: Rows of a group locked (and their ids and fragment counts read) per query.
 _LOCK_PAGE = 50_000
 #: Survivors whose packed fragments are read per query while dealing (~2 KB each for a
@@ -268,14 +273,8 @@ class ContributionStore(ABC):
 
     def open_groups(self) -> list[tuple[GroupKey, int]]:
         """Every group with contributions awaiting evaluation, and how many."""
-        c = tables.contributions.c
-        query = (
-            select(c.channel_id, c.crowd_id, c.epoch, func.count())
-            .where(c.held_part.is_(None))
-            .group_by(c.channel_id, c.crowd_id, c.epoch)
-        )
         with self.engine.connect() as conn:
-            return [(GroupKey(ch, cr, int(ep)), int(n)) for ch, cr, ep, n in conn.execute(query)]
+            return list(_waiting_groups(conn, evaluated=False).items())
 
     def evaluate_group(
         self, key: GroupKey, batcher: Batcher, policy: ChannelPolicy, now: float
@@ -322,10 +321,7 @@ class ContributionStore(ABC):
         with self.engine.connect() as conn:
             ids, sizes = _group_rows(conn, key, lock=False)
             evaluated = _evaluated(conn, key)
-        if not ids.size:
-            return None
-        if evaluated:
-            self._finish(key, ids, None, None, now)
+        if not ids.size or evaluated:  # an evaluated group's rows are dead, awaiting the sweep
             return None
         deletion = batcher.decide(int(ids.size), policy)
         batch = None
@@ -383,6 +379,11 @@ class ContributionStore(ABC):
             for sealed in release.parts:
                 with self.engine.begin() as conn:
                     conn.execute(insert(tables.batch_parts).values(**_part_row(sealed, now)))
+                    conn.execute(
+                        insert(tables.part_bodies).values(
+                            batch_id=sealed.batch_id, part=sealed.part, body=sealed.body
+                        )
+                    )
                 parts += 1
             if parts != batch.parts:
                 raise RuntimeError(
@@ -393,22 +394,16 @@ class ContributionStore(ABC):
             raise
 
     def _finish(
-        self,
-        key: GroupKey,
-        ids: Ids,
-        deletion: Deletion | None,
-        batch: ReleasedBatch | None,
-        now: float,
+        self, key: GroupKey, ids: Ids, deletion: Deletion, batch: ReleasedBatch | None, now: float
     ) -> Evaluation | None:
-        """Step 3 of :meth:`evaluate_group`, under the write lock (``deletion`` None: the
-        group was evaluated already, purge what waits in it as late)."""
+        """Step 3 of :meth:`evaluate_group`, under the write lock: None when another worker
+        evaluated the group first or a row read in step 1 vanished."""
         with self.engine.begin() as conn:
             self.begin_writing(conn)
-            current, _ = _group_rows(conn, key, lock=True)
             part = _evaluated(conn, key)
-            if part or deletion is None:
-                _purge_late(conn, current, now)
+            if part:
                 return None
+            current, _ = _group_rows(conn, key, lock=True)
             if np.setdiff1d(ids, current, assume_unique=True).size:
                 return None
             _purge_late(conn, np.setdiff1d(current, ids, assume_unique=True), now)
@@ -425,11 +420,7 @@ class ContributionStore(ABC):
         for attempt in range(UNSTAGE_ATTEMPTS):
             try:
                 with self.engine.begin() as conn:
-                    conn.execute(
-                        delete(tables.batch_parts).where(
-                            p.batch_id == batch_id, p.status == "staged"
-                        )
-                    )
+                    _delete_parts(conn, p.batch_id == batch_id, p.status == "staged")
                 return
             except OperationalError:
                 if attempt + 1 == UNSTAGE_ATTEMPTS:
@@ -468,8 +459,15 @@ class ContributionStore(ABC):
             ).rowcount
             if taken != 1:
                 return None
+            body = tables.part_bodies.c
             row = conn.execute(
-                select(p.body, p.signature, p.attempts).where(*_part_filter(key))
+                select(body.body, p.signature, p.attempts)
+                .join_from(
+                    tables.batch_parts,
+                    tables.part_bodies,
+                    (body.batch_id == p.batch_id) & (body.part == p.part),
+                )
+                .where(*_part_filter(key))
             ).one()
         return DuePart(
             batch_id=key.batch_id,
@@ -538,10 +536,10 @@ class ContributionStore(ABC):
         under the lock, so a forwarder's lease or a requeue between the two reads either
         commits first (the batch is kept) or waits and finds the batch gone.
         """
-        c, b = tables.contributions.c, tables.batches.c
+        b = tables.batches.c
         with self.engine.begin() as conn:
             self.begin_writing(conn)
-            old = list(conn.execute(select(c.id).where(c.received_at < cutoff)).scalars())
+            old = _expired(conn, cutoff)
             stale = _stale_batches(conn, cutoff, now)
             if stale:
                 _lock_parts(conn, list(stale))
@@ -549,9 +547,7 @@ class ContributionStore(ABC):
             removed = {"retention": _delete_ids(conn, old), "refused": 0}
             if stale:
                 ids = list(stale)
-                conn.execute(
-                    delete(tables.batch_parts).where(tables.batch_parts.c.batch_id.in_(ids))
-                )
+                _delete_parts(conn, tables.batch_parts.c.batch_id.in_(ids))
                 conn.execute(delete(tables.batches).where(b.batch_id.in_(ids)))
             _delete_orphans(conn, now - STAGED_GRACE_SECONDS)
             for n, refused in stale.values():
@@ -580,6 +576,22 @@ class ContributionStore(ABC):
                 ).rowcount
             )
 
+    def sweep(self, budget: int = 20 * SWEEP_CHUNK) -> int:
+        """Delete up to ``budget`` dead contributions (of groups already evaluated, counted by
+        their ``groups`` row), :data:`SWEEP_CHUNK` per short transaction; returns how many
+        were deleted (0: none left). Off the close's path, so a big group's rows leave without
+        holding the write lock for long; the count is the shuffler's own (never published: a
+        group's size is secret unless released)."""
+        swept = 0
+        while swept < budget:
+            with self.engine.begin() as conn:
+                self.begin_writing(conn)
+                dead = list(_waiting_groups(conn, evaluated=True))
+                if not dead:
+                    break
+                swept += _delete_ids(conn, _dead_ids(conn, dead[0], SWEEP_CHUNK))
+        return swept
+
     def ledger(self) -> dict[str, int]:
         """Where every acknowledged contribution went (for audits, metrics and tests)."""
         return self.ledger_by_cause()[0]
@@ -599,14 +611,14 @@ class ContributionStore(ABC):
             tables.batch_parts.c.batch_id == b.batch_id, tables.batch_parts.c.status == "failed"
         )
         queries = {
-            "pending": count.where(c.held_part.is_(None)),
             "held": count.where(c.held_part.is_not(None)),
             "in_batches_forwarded": in_batches.where(b.status == "forwarded"),
             "in_batches_unforwarded": in_batches.where(b.status != "forwarded", ~refused),
             "in_batches_refused": in_batches.where(b.status != "forwarded", refused),
         }
         with self._snapshot() as conn:
-            found = {name: int(conn.execute(q).scalar_one() or 0) for name, q in queries.items()}
+            found = {"pending": sum(_waiting_groups(conn, evaluated=False).values())}
+            found |= {name: int(conn.execute(q).scalar_one() or 0) for name, q in queries.items()}
             query = select(g.status, func.sum(g.deleted)).group_by(g.status)
             groups = {str(status): int(n or 0) for status, n in conn.execute(query)}
             query = select(p.reason, func.sum(p.contributions)).group_by(p.reason)
@@ -655,7 +667,15 @@ def _lock_parts(conn: Connection, batch_ids: list[str]) -> None:
 def _delete_orphans(conn: Connection, before: float) -> None:
     """Delete staged parts older than ``before`` (an evaluation that crashed mid-staging)."""
     p = tables.batch_parts.c
-    conn.execute(delete(tables.batch_parts).where(p.status == "staged", p.created_at < before))
+    _delete_parts(conn, p.status == "staged", p.created_at < before)
+
+
+def _delete_parts(conn: Connection, *where: Any) -> None:
+    """Delete the parts matching ``where`` (conditions on ``batch_parts``) and their bodies."""
+    p, body = tables.batch_parts.c, tables.part_bodies.c
+    matching = exists().where(p.batch_id == body.batch_id, p.part == body.part, *where)
+    conn.execute(delete(tables.part_bodies).where(matching))
+    conn.execute(delete(tables.batch_parts).where(*where))
 
 
 def _landing(
@@ -720,6 +740,52 @@ def _refused_nonces(
 ) -> list[bytes]:
     """The nonces of the admitted rows that did not land: a unique constraint refused them."""
     return [r[_NONCE] for r in _admitted(rows, revoked, closed) if r[_RECEIPT] not in landed]
+
+
+def _evaluated_keys(conn: Connection) -> set[GroupKey]:
+    g = tables.groups.c
+    query = select(g.channel_id, g.crowd_id, g.epoch).distinct()
+    return {GroupKey(ch, cr, int(ep)) for ch, cr, ep in conn.execute(query)}
+
+
+def _waiting_groups(conn: Connection, evaluated: bool) -> dict[GroupKey, int]:
+    """Groups with contributions not held, and how many: those awaiting evaluation
+    (``evaluated`` False) or the dead rows of groups evaluated already (True). The counts
+    come from the group index alone; the ``groups`` table is small."""
+    c = tables.contributions.c
+    query = (
+        select(c.channel_id, c.crowd_id, c.epoch, func.count())
+        .where(c.held_part.is_(None))
+        .group_by(c.channel_id, c.crowd_id, c.epoch)
+    )
+    counts = {GroupKey(ch, cr, int(ep)): int(n) for ch, cr, ep, n in conn.execute(query)}
+    done = _evaluated_keys(conn)
+    return {key: n for key, n in counts.items() if (key in done) == evaluated}
+
+
+def _dead_ids(conn: Connection, key: GroupKey, limit: int) -> list[int]:
+    c = tables.contributions.c
+    query = (
+        select(c.id)
+        .where(*_group_filter(key, tables.contributions), c.held_part.is_(None))
+        .limit(limit)
+    )
+    return list(conn.execute(query).scalars())
+
+
+def _expired(conn: Connection, cutoff: float) -> list[int]:
+    """Contributions received before ``cutoff`` that retention deletes: waiting or held ones,
+    not the dead rows of evaluated groups (their group counts them; the sweep deletes them)."""
+    c = tables.contributions.c
+    query = select(c.id, c.channel_id, c.crowd_id, c.epoch, c.held_part).where(
+        c.received_at < cutoff
+    )
+    done = _evaluated_keys(conn)
+    return [
+        int(row_id)
+        for row_id, channel, crowd, epoch, held in conn.execute(query)
+        if held is not None or GroupKey(channel, crowd, int(epoch)) not in done
+    ]
 
 
 def _group_rows(conn: Connection, key: GroupKey, lock: bool) -> tuple[Ids, Ids]:
@@ -789,15 +855,14 @@ def _evaluated(conn: Connection, key: GroupKey) -> int:
 def _apply(
     conn: Connection, key: GroupKey, part: int, ids: Ids, deletion: Deletion, now: float
 ) -> None:
-    """Store Algorithm 3's outcome: hold the group's contributions, or delete them all (the
-    survivors' fragments are in the batch already stored)."""
+    """Store Algorithm 3's outcome: hold the group's contributions, or record the group, whose
+    row makes its contributions dead (the survivors' fragments are in the batch already
+    stored; the sweep deletes the rows, :meth:`ContributionStore.sweep`)."""
     c = tables.contributions.c
     if deletion.status is GroupStatus.HELD:
         for start in range(0, ids.size, _IDS_PER_DELETE):
             chunk = ids[start : start + _IDS_PER_DELETE].tolist()
             conn.execute(update(tables.contributions).where(c.id.in_(chunk)).values(held_part=part))
-    else:
-        _delete_ids(conn, ids.tolist())
     conn.execute(
         insert(tables.groups).values(
             channel_id=key.channel_id,
@@ -818,7 +883,6 @@ def _part_row(sealed: SealedPart, now: float) -> dict[str, Any]:
     return {
         "batch_id": sealed.batch_id,
         "part": sealed.part,
-        "body": sealed.body,
         "signature": sealed.signature,
         "status": "staged",
         "created_at": now,

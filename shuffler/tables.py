@@ -8,9 +8,10 @@
   twice with fresh noise; records what randomized deletion did.
 * ``batches``: one row per released group (its shuffled batch): counts and whether every part
   was acknowledged (``status`` = ``forwarded``).
-* ``batch_parts``: the signed parts of each batch (ESA-revisited Algorithm 3's shuffled sequence
-  cut into bounded parts) and their forwarding state; ``lease_until`` is the lease of the one
-  forwarder that may be sending the part (PROTOCOL.md, "Delivery guarantees").
+* ``batch_parts``: the parts of each batch (ESA-revisited Algorithm 3's shuffled sequence cut
+  into bounded parts), their signatures and forwarding state; ``lease_until`` is the lease of
+  the one forwarder that may be sending the part (PROTOCOL.md, "Delivery guarantees").
+* ``part_bodies``: each part's signed body, apart, so that state changes rewrite no body.
 * ``purges``: contributions deleted by retention, so every acknowledged contribution is
   accounted for (forwarded, deleted by Algorithm 3, or purged).
 * ``revoked``: revoked client ids.
@@ -86,7 +87,6 @@ batch_parts = Table(
     metadata,
     Column("batch_id", String(32), primary_key=True),
     Column("part", Integer, primary_key=True),
-    Column("body", LargeBinary, nullable=False),
     Column("signature", Text, nullable=False),
     Column("status", String(16), nullable=False),
     Column("created_at", Float, nullable=False),
@@ -96,6 +96,14 @@ batch_parts = Table(
     Column("forwarded_at", Float, nullable=True),
     Column("last_error", Text, nullable=True),
     Index("ix_batch_parts_due", "status", "next_attempt_at"),
+)
+
+part_bodies = Table(
+    "part_bodies",
+    metadata,
+    Column("batch_id", String(32), primary_key=True),
+    Column("part", Integer, primary_key=True),
+    Column("body", LargeBinary, nullable=False),
 )
 
 purges = Table(

@@ -55,7 +55,7 @@ def _closed(
 
 def _bodies(service: ShufflerService) -> list[Batch]:
     with service.store.engine.connect() as conn:
-        rows = conn.execute(select(tables.batch_parts.c.body)).scalars()
+        rows = conn.execute(select(tables.part_bodies.c.body)).scalars()
         return [Batch.model_validate_json(body) for body in rows]
 
 
@@ -146,7 +146,8 @@ def test_size_and_configuration_refusals_are_retried_not_failed(
 
 
 def test_migration_moves_a_stored_batch_into_part_0_of_1(database_url: str) -> None:
-    """A batch stored before parts existed (revision 0001) is sent unchanged after upgrade."""
+    """A batch stored before parts existed (revision 0001) is sent unchanged after upgrade
+    (its body in ``part_bodies`` since 0004), and a downgrade puts it back."""
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     engine = db.make_engine(database_url)
@@ -163,10 +164,11 @@ def test_migration_moves_a_stored_batch_into_part_0_of_1(database_url: str) -> N
         )
         command.upgrade(config, "head")
         part = conn.execute(select(tables.batch_parts)).one()
+        stored = conn.execute(select(tables.part_bodies.c.body)).scalar_one()
         batch = conn.execute(select(tables.batches)).one()
         command.downgrade(config, "0001")
         body = conn.execute(text("SELECT body FROM batches")).scalar_one()
     engine.dispose()
-    assert (part.batch_id, part.part, bytes(part.body), part.attempts) == ("ab", 0, b"{}", 2)
+    assert (part.batch_id, part.part, bytes(stored), part.attempts) == ("ab", 0, b"{}", 2)
     assert (batch.parts, batch.n_contributions, batch.status) == (1, 9, "pending")
     assert bytes(body) == b"{}"

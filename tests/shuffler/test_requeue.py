@@ -103,11 +103,11 @@ class Setup:
         """The shuffler's batches by crowd: (batch id, contributions, parts), from its database
         (part 0's signed body names the crowd)."""
         engine = create_engine(f"sqlite:///{self.tmp / 'shuffler-1' / 'db.sqlite'}")
-        b, p = tables.batches.c, tables.batch_parts.c
+        b, p = tables.batches.c, tables.part_bodies.c
         with engine.connect() as conn:
             rows = conn.execute(
                 select(b.batch_id, b.n_contributions, b.parts, p.body)
-                .join(tables.batch_parts, p.batch_id == b.batch_id)
+                .join(tables.part_bodies, p.batch_id == b.batch_id)
                 .where(p.part == 0)
             ).all()
         engine.dispose()

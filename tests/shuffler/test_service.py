@@ -31,7 +31,12 @@ def test_epoch_close_releases_one_signed_batch_and_accounts_for_everyone(
     with service.store.engine.connect() as conn:
         group = conn.execute(select(tables.groups)).one()
         body, signature = conn.execute(
-            select(tables.batch_parts.c.body, tables.batch_parts.c.signature)
+            select(tables.part_bodies.c.body, tables.batch_parts.c.signature).join_from(
+                tables.batch_parts,
+                tables.part_bodies,
+                (tables.part_bodies.c.batch_id == tables.batch_parts.c.batch_id)
+                & (tables.part_bodies.c.part == tables.batch_parts.c.part),
+            )
         ).one()
     batch = Batch.model_validate_json(body)
     assert group.status == "released" and batch.n_contributions == group.kept
@@ -93,7 +98,7 @@ def test_a_group_is_never_split_by_arrival_and_is_shuffled_whole(
     assert service.run_batching() == 1 and service.ledger()["pending"] == 0
     with service.store.engine.connect() as conn:
         group = conn.execute(select(tables.groups)).one()
-        bodies = conn.execute(select(tables.batch_parts.c.body)).scalars().all()
+        bodies = conn.execute(select(tables.part_bodies.c.body)).scalars().all()
     parts = [Batch.model_validate_json(body) for body in bodies]
     assert (group.n, group.status) == (arrivals, "released")
     assert len({p.batch_id for p in parts}) == 1 and len(parts) >= 2 * group.kept / 100
@@ -116,7 +121,7 @@ def test_batch_contains_no_identifiers(database_url: str, tmp_path: Path) -> Non
     clock.now = (epoch + 1) * EPOCH_SECONDS + 10
     service.run_batching()
     with service.store.engine.connect() as conn:
-        body = conn.execute(select(tables.batch_parts.c.body)).scalar_one()
+        body = conn.execute(select(tables.part_bodies.c.body)).scalar_one()
     assert set(json.loads(body)) == {
         "batch_id",
         "part",

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, func, select
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from common.envelope import new_nonce
@@ -617,7 +617,7 @@ def test_evaluation_streams_the_group_and_conserves_every_survivor(
     assert outcome is not None and outcome.batch is not None
     kept = outcome.deletion.kept
     with service.store.engine.connect() as conn:
-        bodies = conn.execute(select(tables.batch_parts.c.body)).scalars().all()
+        bodies = conn.execute(select(tables.part_bodies.c.body)).scalars().all()
         stored = conn.execute(select(tables.batches.c.parts)).scalar_one()
     parts = [Batch.model_validate_json(b) for b in bodies]
     fragments = [base64.b64decode(f) for p in parts for f in p.fragments]
@@ -668,3 +668,53 @@ def test_a_failed_evaluation_stores_nothing_and_leaves_no_spill(
     assert not [f for f in open_files() if "esa-deal-" in f]
     outcome = service.store.evaluate_group(key, service.batcher, POLICY, clock.now)
     assert outcome is not None and service.ledger()["pending"] == 0
+
+
+def test_an_evaluated_group_leaves_its_rows_dead_until_swept_and_the_ledger_holds(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close records the group and touches none of its rows; from then on they are dead:
+    no longer waiting, never evaluated again, never purged by retention (their group counts
+    them), and the sweep deletes them in short chunks without moving the ledger. A held
+    group's rows are not dead: retention still purges them."""
+    monkeypatch.setattr(store_module, "SWEEP_CHUNK", 7)
+    service, clock = make_service(database_url, tmp_path, rng=SeededSource(12))
+    received = clock.now
+    released = GroupKey("homepage", "", clock.epoch)
+    fill(service, clock.epoch, 40)
+    held = GroupKey("homepage", "", clock.epoch + 1)
+    clock.now += EPOCH_SECONDS
+    fill(service, held.epoch, 3)  # below min_crowd = 5: held
+    clock.now += EPOCH_SECONDS
+    fill(service, clock.epoch, 4)  # the current epoch: waiting
+    for key in (released, held):
+        service.store.close_epoch("homepage", key.epoch, clock.now)
+        assert service.store.evaluate_group(key, service.batcher, POLICY, clock.now) is not None
+    ledger = service.ledger()
+    assert ledger["pending"] == 4 and ledger["held"] == 3
+    kept = ledger["in_batches_unforwarded"]
+    assert 0 < kept <= 40 and kept + ledger["deleted_by_algorithm_3"] == 40
+    assert _count(service) == 40 + 3 + 4  # dead rows stay until the sweep
+    assert [key for key, _ in service.store.open_groups()] == [
+        GroupKey("homepage", "", clock.epoch)
+    ]
+    assert service.store.evaluate_group(released, service.batcher, POLICY, clock.now) is None
+    # retention before the sweep: the released group's rows are older than the cutoff, its
+    # batch is not; the dead rows are not purged (nor counted) a second time
+    assert service.store.purge(cutoff=received + 1, now=clock.now)["retention"] == 0
+    assert service.ledger() == ledger and _count(service) == 47
+    assert service.store.sweep(budget=14) == 14  # two chunks, then it returns
+    assert service.ledger() == ledger
+    assert service.sweep() == 40 - 14 and service.sweep() == 0
+    assert _count(service) == 3 + 4 and service.ledger() == ledger
+    removed = service.store.purge(cutoff=clock.now + 1, now=clock.now)
+    assert removed["retention"] == 3 + 4 + kept  # the held, the waiting and the old batch
+    after = service.ledger()
+    assert after["held"] == after["pending"] == after["in_batches_unforwarded"] == 0
+    assert after["purged"] == 7 + kept and after["deleted_by_algorithm_3"] == 40 - kept
+
+
+def _count(service: ShufflerService) -> int:
+    with service.store.engine.connect() as conn:
+        query = select(func.count()).select_from(tables.contributions)
+        return int(conn.execute(query).scalar_one())
