@@ -380,7 +380,11 @@ def shuffler_ledger(path: Path) -> dict[str, Any]:
         return int(read_sql(path, query)[0][0] or 0)
 
     return {
-        "pending": one("SELECT count(*) FROM contributions WHERE held_part IS NULL"),
+        "pending": one(
+            "SELECT count(*) FROM contributions c WHERE held_part IS NULL AND NOT EXISTS "
+            "(SELECT 1 FROM groups g WHERE g.channel_id = c.channel_id "
+            "AND g.crowd_id = c.crowd_id AND g.epoch = c.epoch)"
+        ),
         "held": one("SELECT count(*) FROM contributions WHERE held_part IS NOT NULL"),
         "batched": one("SELECT sum(n_contributions) FROM batches"),
         "forwarded": one("SELECT sum(n_contributions) FROM batches WHERE status = 'forwarded'"),

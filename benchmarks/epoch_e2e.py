@@ -1,0 +1,420 @@
+"""One epoch from devices to release in one run: N simulated devices on the catalogue's
+``homepage`` channel (k-RAPPOR, k = 64, ε = 2) through 3 shufflers, the epoch closed at every
+shuffler, every part delivered, opened and accumulated at the analyzer, the release read.
+
+Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch_e2e.py --devices 1000000
+[--profile DIR] [--write]``. A real ``esa up`` deployment (launcher: 1 analyzer + 3
+shufflers, SQLite, default settings; a one-day epoch closed over ``POST /v1/admin/close``).
+Devices: a pool of ``--pool`` real reports (Zipf page values encoded by the k-RAPPOR
+mechanism, every fragment sealed to the analyzer for this epoch); device i sends report
+i mod pool in its own contribution (new nonce, its own client token, sealed to a shuffler
+picked uniformly), all sealed before the clock starts and replayed over keep-alive
+connections as fast as the shufflers answer. Tokens are issued with each shuffler's own
+token secret (enrolling 10^6 devices over HTTP would measure enrolment). Printed: each
+phase's wall time and every service's CPU in it, every process's peak RSS (``VmHWM``),
+fragments/s per stage, conservation, the estimate against the truth, and the analyzer's
+opening-pool rate measured in the same run on the same machine (the close → release target is
+1.25 × fragments ÷ that rate). With ``--profile`` py-spy records shuffler-1 during ingest and
+during its close (flame graphs and the hottest functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _profile import Profile, top_frames
+from _report import machine, write_section
+
+from analyzer.opening import FragmentOpener
+from common.envelope import (
+    Contribution,
+    FragmentContext,
+    KeyRing,
+    load_or_create_x25519,
+    load_x25519_public,
+    new_nonce,
+    seal_contribution,
+    seal_fragment,
+)
+from common.mechanisms import SeededSource, krappor
+from common.wire import b64
+from encoder_client.sealing import shuffler_slot
+from services.cli import launcher
+from services.tools import loadgen
+from services.tools.catalogue import DEFAULT_CHANNELS
+from services.tools.loadgen.target import RECORD
+from shuffler.intake import TokenAuthority
+
+SECTION = "## One epoch of 10^6 devices, devices to release"
+HOMEPAGE = next(c for c in DEFAULT_CHANNELS if c.id == "homepage")
+CHANNEL = HOMEPAGE.model_copy(update={"epoch_seconds": 86_400})
+PARAMS = krappor.KRapporParams(**CHANNEL.params)
+TOKEN = "development"
+#: Fragments the opening-pool measurement opens (the pool's rate, same run, services idle).
+RATE_SAMPLE = 40_000
+
+
+@dataclass
+class Processes:
+    """Every service's process tree, sampled from ``/proc`` every half second: peak RSS
+    (``VmHWM``) per process and CPU seconds per service at each phase boundary."""
+
+    services: dict[str, int]
+    peaks: dict[str, int] = field(default_factory=dict)
+    marks: list[tuple[str, dict[str, float]]] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            self.sample()
+
+    def sample(self) -> dict[str, float]:
+        cpu: dict[str, float] = {}
+        for name, pid in self.services.items():
+            cpu[name] = 0.0
+            for member in loadgen.process_tree(pid):
+                try:
+                    status = Path(f"/proc/{member}/status").read_text()
+                    stat = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                label = name if member == pid else f"{name} child {member}"
+                hwm = int(status.split("VmHWM:", 1)[1].split()[0])
+                self.peaks[label] = max(self.peaks.get(label, 0), hwm)
+                cpu[name] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, self.sample()))
+
+    def cpu_by_phase(self) -> dict[str, dict[str, float]]:
+        return {
+            phase: {n: round(cpu[n] - before[n], 1) for n in cpu}
+            for (_, before), (phase, cpu) in zip(self.marks, self.marks[1:], strict=False)
+        }
+
+
+def _deployment(var: Path) -> list[launcher.Service]:
+    specs = launcher.prepare(
+        var,
+        3,
+        launcher.free_base_port(4),
+        channels=[CHANNEL],
+        overrides=launcher.DEVELOPMENT_TOKENS,
+    )
+    services = launcher.start_all(specs, var / "logs")
+    launcher.wait_config(services[0], 120)
+    return services
+
+
+def _report_pool(var: Path, epoch: int, size: int) -> tuple[list[tuple[bytes, ...]], list[int]]:
+    """``size`` real reports, each fragment sealed to the analyzer for this epoch; their values."""
+    analyzer = load_or_create_x25519(var / "keys" / "analyzer" / "hpke.pem").public_key()
+    context = FragmentContext(CHANNEL.id, epoch, "")
+    values = (np.random.default_rng(7).zipf(1.3, size) - 1) % PARAMS.k
+    rng, mechanism = SeededSource(7), krappor.KRappor()
+    reports = [
+        tuple(
+            seal_fragment(f, context, CHANNEL.payload_size, analyzer)
+            for f in mechanism.encode_value(PARAMS, int(v), rng)
+        )
+        for v in values
+    ]
+    return reports, [int(v) for v in values]
+
+
+def _shufflers(var: Path, services: list[launcher.Service]) -> list[tuple[str, Any, str]]:
+    """(id, raw HPKE public key, token secret) of each shuffler, from its config and key
+    files (raw bytes: they go to the sealing processes)."""
+    found = []
+    for i, service in enumerate(services[1:], start=1):
+        answer = httpx.get(service.url + "/v1/config", timeout=30).json()
+        key = base64.b64decode(answer["public_key"])
+        secret = (var / "keys" / f"shuffler-{i}" / launcher.TOKEN_SECRET_FILE).read_text()
+        found.append((answer["id"], key, secret.strip()))
+    return found
+
+
+def _seal_share(job: tuple[Path, int, int, int, list[tuple[bytes, ...]], list[Any]]) -> int:
+    """Write devices ``[start, stop)`` as ready requests (loadgen's record format)."""
+    path, start, stop, epoch, reports, shufflers = job
+    authorities = [TokenAuthority(secret.encode()) for _, _, secret in shufflers]
+    keys = [load_x25519_public(raw) for _, raw, _ in shufflers]
+    with path.open("wb", buffering=1 << 20) as out:
+        for device in range(start, stop):
+            target = shuffler_slot(None, len(shufflers))
+            sid, key = shufflers[target][0], keys[target]
+            contribution = Contribution(
+                channel_id=CHANNEL.id,
+                crowd_id="",
+                epoch=epoch,
+                nonce=new_nonce(),
+                fragments=reports[device % len(reports)],
+            )
+            body = seal_contribution(contribution, sid, key)
+            token = authorities[target].issue().encode()
+            out.write(RECORD.pack(target, len(token), len(body)) + token + body)
+    return stop - start
+
+
+def _seal_devices(tmp: Path, devices: int, epoch: int, reports: Any, shufflers: Any) -> list[Path]:
+    workers = os.cpu_count() or 1
+    bounds = [devices * w // workers for w in range(workers + 1)]
+    paths = [tmp / f"requests-{w}.bin" for w in range(workers)]
+    jobs = [(paths[w], bounds[w], bounds[w + 1], epoch, reports, shufflers) for w in range(workers)]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        assert sum(pool.map(_seal_share, jobs)) == devices
+    return paths
+
+
+class FileSource:
+    """The sealed requests, files interleaved, each sent once."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self._readers: list[Iterator[loadgen.Request]] = [loadgen.read_requests(p) for p in paths]
+        self._turn = 0
+
+    def next(self, now: float) -> loadgen.Request | None:
+        while self._readers:
+            self._turn = (self._turn + 1) % len(self._readers)
+            found = next(self._readers[self._turn], None)
+            if found is not None:
+                return found
+            del self._readers[self._turn]
+        return None
+
+
+def _opening_rate(var: Path, reports: list[tuple[bytes, ...]], epoch: int) -> float:
+    """Fragments/s of the analyzer's opening pool (one process per core), on this machine now."""
+    ring = KeyRing.of(load_or_create_x25519(var / "keys" / "analyzer" / "hpke.pem"))
+    texts = [b64(f) for report in reports for f in report][:RATE_SAMPLE]
+    context = FragmentContext(CHANNEL.id, epoch, "")
+    opener = FragmentOpener(ring, os.cpu_count() or 1, 2000)
+    try:
+        opener.open(context, texts[:4000])  # start the workers before timing
+        start = time.perf_counter()
+        assert len(opener.open(context, texts)) == len(texts)
+        return len(texts) / (time.perf_counter() - start)
+    finally:
+        opener.close()
+
+
+def _close_all(shufflers: list[launcher.Service], epoch: int) -> list[float]:
+    """Close the epoch at every shuffler at once; each close's seconds."""
+
+    def close(service: launcher.Service) -> float:
+        start = time.perf_counter()
+        answer = httpx.post(
+            service.url + "/v1/admin/close",
+            json={"channel_id": CHANNEL.id, "epoch": epoch},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=None,
+        )
+        answer.raise_for_status()
+        return time.perf_counter() - start
+
+    with ThreadPoolExecutor(len(shufflers)) as pool:
+        return list(pool.map(close, shufflers))
+
+
+def _metrics(url: str, token: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.get(url + "/metrics", headers=headers, timeout=60).text
+
+
+def _value(text: str, name: str, labels: str = "") -> float:
+    found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _ledger(shufflers: list[launcher.Service]) -> dict[str, int]:
+    """Every shuffler's ledger states summed (``esa_shuffler_ledger_contributions``)."""
+    total: dict[str, int] = {}
+    for service in shufflers:
+        text = _metrics(service.url, TOKEN)
+        for state, value in re.findall(
+            r'^esa_shuffler_ledger_contributions\{state="([a-z_0-9]+)"\} (\S+)$', text, re.M
+        ):
+            total[state] = total.get(state, 0) + int(float(value))
+    return total
+
+
+def _released(shufflers: list[launcher.Service]) -> int:
+    """Batches released by the shufflers (a group of this size never aborts in practice)."""
+    return sum(int(_value(_metrics(s.url, TOKEN), "esa_shuffler_batches_released_total"))
+               for s in shufflers)  # fmt: skip
+
+
+def _wait_release(analyzer: launcher.Service, batches: int, epoch: int) -> dict[str, Any]:
+    while _value(_metrics(analyzer.url), "esa_analyzer_batches_accepted_total") < batches:
+        time.sleep(1.0)
+    url = f"{analyzer.url}/v1/channels/{CHANNEL.id}/estimate?epoch={epoch}"
+    estimate: dict[str, Any] = httpx.get(url, timeout=120).json()
+    return estimate
+
+
+def _inside(estimate: dict[str, Any], values: list[int], devices: int) -> tuple[int, int]:
+    """Bins whose estimate is within 6 standard errors of the truth × the kept share."""
+    truth = np.bincount([values[d % len(values)] for d in range(devices)], minlength=PARAMS.k)
+    kept = estimate["n"] / devices
+    gap = np.abs(np.array(estimate["values"]) - truth * kept)
+    return int(np.sum(gap <= 6 * np.array(estimate["std_errors"]))), PARAMS.k
+
+
+def run(devices: int, pool: int, connections: int, profile: Path | None) -> dict[str, Any]:
+    """The whole epoch; every number printed or written."""
+    with tempfile.TemporaryDirectory(prefix="esa-epoch-e2e-") as tmp:
+        var = Path(tmp)
+        services = _deployment(var)
+        try:
+            return _measure(var, services, devices, pool, connections, profile)
+        finally:
+            launcher.stop(services)
+
+
+def _measure(
+    var: Path,
+    services: list[launcher.Service],
+    devices: int,
+    pool: int,
+    connections: int,
+    profile: Path | None,
+) -> dict[str, Any]:
+    analyzer, shufflers = services[0], services[1:]
+    epoch = int(time.time() // CHANNEL.epoch_seconds)
+    start = time.perf_counter()
+    reports, values = _report_pool(var, epoch, pool)
+    paths = _seal_devices(var, devices, epoch, reports, _shufflers(var, services))
+    prepare_seconds = time.perf_counter() - start
+    rate = _opening_rate(var, reports, epoch)
+    processes = Processes({s.name: s.process.pid for s in services})
+    threading.Thread(target=processes.run, daemon=True).start()
+    processes.mark("start")
+    recorder = None if profile is None else Profile(shufflers[0].process.pid, profile / "ingest")
+    driver = loadgen.Driver([s.url for s in shufflers], concurrency=connections)
+    ingest = asyncio.run(driver.run(FileSource(paths), None, 10**9, until_empty=True))
+    if recorder is not None:
+        recorder.stop()
+    processes.mark("ingest")
+    recorder = None if profile is None else Profile(shufflers[0].process.pid, profile / "close")
+    start = time.perf_counter()
+    closes = _close_all(shufflers, epoch)
+    if recorder is not None:
+        recorder.stop()
+    processes.mark("close")
+    estimate = _wait_release(analyzer, _released(shufflers), epoch)
+    release = time.perf_counter() - start
+    processes.mark("deliver, open, accumulate, release")
+    processes.done.set()
+    ledger = _ledger(shufflers)
+    fragments = sum(len(reports[d % len(reports)]) for d in range(devices))
+    accepted = driver.stats.accepted
+    inside, bins = _inside(estimate, values, devices)
+    accounted = sum(ledger.get(s, 0) for s in (
+        "pending", "held", "in_batches_forwarded", "in_batches_unforwarded",
+        "in_batches_refused", "deleted_by_algorithm_3", "purged"))  # fmt: skip
+    return {
+        "devices": devices,
+        "distinct_reports": pool,
+        "fragments": fragments,
+        "fragments_per_contribution": round(fragments / devices, 2),
+        "prepare_seconds (not counted)": round(prepare_seconds, 1),
+        "opening_pool_rate": round(rate),
+        "ingest_seconds": round(ingest, 1),
+        "ingest_contributions_per_second": round(accepted / ingest),
+        "ingest_fragments_per_second": round(fragments / ingest),
+        "close_seconds (slowest shuffler)": round(max(closes), 1),
+        "close_seconds (each)": ", ".join(f"{c:.1f}" for c in closes),
+        "close_to_release_seconds": round(release, 1),
+        "close_to_release_fragments_per_second": round(fragments / release),
+        "target_close_to_release_seconds (1.25 x fragments / pool rate)": round(
+            1.25 * fragments / rate, 1
+        ),
+        "close_share_of_close_to_release": round(max(closes) / release, 3),
+        "acknowledged (202)": accepted,
+        "not acknowledged": devices - accepted,
+        "shuffler_ledger": ledger,
+        "lost (acknowledged - accounted)": accepted - accounted,
+        "released_n (analyzer)": estimate["n"],
+        "counted_twice (analyzer n - forwarded)": estimate["n"]
+        - ledger.get("in_batches_forwarded", 0),
+        "bins_within_6_se_of_truth": f"{inside}/{bins}",
+        "cpu_seconds_by_phase": processes.cpu_by_phase(),
+        "peak_rss_mb": {p: round(kb / 1024) for p, kb in sorted(processes.peaks.items())},
+    }
+
+
+def _profiles(profile: Path) -> str:
+    """The hottest functions of each recording, as Markdown lines."""
+    lines = []
+    for phase, within in (("ingest", ""), ("close", "ShufflerService.close")):
+        raw = (profile / phase).with_suffix(".txt")
+        if not raw.exists():
+            continue
+        lines.append(f"\nshuffler-1, {phase} (py-spy, share of samples in the function alone):\n")
+        for frame, inside, alone in top_frames(raw, within):
+            lines.append(f"- {alone:.1%} alone, {inside:.1%} inside: `{frame}`")
+    return "\n".join(lines)
+
+
+def _section(result: dict[str, Any], command: str, profile: Path | None) -> str:
+    rows = []
+    for key, value in result.items():
+        shown = json.dumps(value) if isinstance(value, dict) else value
+        rows.append(f"| {key} | {shown} |")
+    return "\n".join(
+        [
+            f"Command: `{command}`.",
+            f"Machine: {machine(pinned=False)}; load average at the end {os.getloadavg()[0]:.1f}.",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            *rows,
+        ]
+    ) + (_profiles(profile) if profile else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=1_000_000)
+    parser.add_argument("--pool", type=int, default=20_000, help="distinct device reports")
+    parser.add_argument("--connections", type=int, default=48, help="per shuffler")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy recordings here")
+    parser.add_argument("--write", action="store_true", help="record it in docs/benchmarks.md")
+    args = parser.parse_args()
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    result = run(args.devices, args.pool, args.connections, args.profile)
+    print(json.dumps(result, indent=2))
+    if args.profile is not None:
+        print(_profiles(args.profile))
+    if args.write:
+        command = "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch_e2e.py " + " ".join(
+            sys.argv[1:]
+        )
+        write_section(SECTION, _section(result, command, args.profile))
+
+
+if __name__ == "__main__":
+    main()
