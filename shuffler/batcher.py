@@ -1,22 +1,14 @@
 """Randomized report deletion and the shuffle: ESA-revisited (Girgis et al.) §V, Algorithm 3.
 
-Pure but for the streamed shuffle's temporary file: no database, no clock, no network. A group
-is a whole (channel, crowd, epoch), evaluated once when its epoch closes, never split by
-arrival (PROTOCOL.md: splitting by arrival order would release it). The noise is drawn ONCE
-per group, from its count alone (a group is never evaluated twice with fresh noise, which
-would average it away):
+Pure but for the streamed shuffle's temporary file; all draws come from an injected
+:class:`~common.randomness.RandomSource` (the OS CSPRNG unless a test seeds one). A group is
+evaluated once, whole, when its epoch closes; its noise is drawn ONCE, from its count alone:
 
     n̂ = max(n + Laplace(2/ε_cr) − (2/ε_cr)·ln(2/δ_cr), 0)
 
-if ``n̂ > n`` the group is aborted (all deleted); if ``⌊n̂⌋ < min_crowd`` it is held (never
-released, deleted at retention expiry); otherwise ``n − ⌊n̂⌋`` uniformly chosen WHOLE
-contributions are deleted (a Fisher–Yates permutation of the group's row positions), and the
-survivors' fragments are released as one uniformly random permutation cut into signed parts of
-at most ``part_fragments`` fragments, dealt and shuffled in bounded memory by
-:mod:`shuffler.dealing`. Theorem V.1 gives the (ε_cr, δ_cr) protection of the released count.
-
-All randomness comes from an injected :class:`~common.randomness.RandomSource` that defaults to
-the OS CSPRNG (PROTOCOL.md: ``secrets``-grade, never numpy's PCG64); tests pass a seeded one.
+``n̂ > n`` aborts the group, ``⌊n̂⌋ < min_crowd`` holds it, else ``n − ⌊n̂⌋`` uniformly chosen
+whole contributions are deleted and the survivors shuffled (:mod:`shuffler.dealing`); Theorem
+V.1 gives the (ε_cr, δ_cr) protection. Outcomes in full: docs/shuffler.md, "Randomized deletion".
 """
 
 from __future__ import annotations

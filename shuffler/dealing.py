@@ -1,39 +1,12 @@
 """The streamed shuffle: a released group's fragments as ONE uniformly random permutation, cut
 into parts of at most ``cap`` fragments, without ever holding the group in memory.
 
-This is the "flatten the survivors' fragments and shuffle" step of ESA-revisited (Girgis et
-al.) §V, Algorithm 3, done in bounded memory by dealing cards into hands:
-
-1. ``k = max(1, ceil(F / (LOAD · cap)))`` hands, ``F`` the survivors' fragment count (from the
-   stored ``n_fragments``, so ``k`` depends on ``F`` alone).
-2. The survivors are read in chunks of contributions; every fragment gets an independent
-   uniform hand in ``[0, k)`` from the injected source (the OS CSPRNG in production,
-   :func:`common.randomness.uniform_integers`), and each chunk is appended to ONE temporary
-   file grouped by hand, with an in-memory index of where each hand's bytes of each chunk are.
-3. Hands are read back one at a time, shuffled with Fisher–Yates
-   (:func:`common.randomness.shuffle`) and released in hand order; a hand of ``s > cap``
-   fragments is cut into ``ceil(s / cap)`` consecutive pieces of near-equal size, an empty
-   hand is skipped (a group with no fragments at all is one empty part).
-
-Why this is the same mechanism as shuffling the whole group at once. Let ``s = (s_1..s_k)`` be
-the hand sizes. Each labelling of the ``F`` fragments has probability ``k^-F``, so given ``s``
-the labelling is uniform over the ``F! / ∏ s_j!`` labellings with those sizes, and the hands'
-Fisher–Yates orders are independent and uniform over ``∏ s_j!``. Concatenating the hands in
-label order maps (labelling, hand orders) one-to-one onto the ``F!`` orders of the fragments
-(a fragment's hand is read off the block of positions it lands in), so for every ``s`` each
-order has probability ``1 / F!``: the released sequence is a uniform permutation, independent
-of ``s``. The cuts (``s``, the splits and skipped empty hands) are a function of ``s`` only,
-whose law (multinomial, ``F`` draws over ``k`` equally likely hands) depends only on ``F``,
-which the parts reveal anyway. So the released parts have exactly the law of "shuffle the whole
-group, then cut where data-independent coins say", and the order in which contributions were
-read (by id, i.e. roughly by arrival) cannot survive into the parts.
-
-Memory: one chunk of contributions, one hand (mean ``LOAD · cap`` fragments) and the index
-(``k + 1`` offsets per chunk). Fragments stay in their stored packing throughout
-(:class:`Records`, numpy views over the bytes), so dealing and shuffling move records with
-vectorised gathers instead of one Python object per fragment. The temporary file is created
-unlinked where the OS allows it (``tempfile.TemporaryFile``) and closed when the deal ends,
-normally or by an exception, so it never outlives the evaluation, even after a crash.
+ESA-revisited (Girgis et al.) §V, Algorithm 3's "flatten the survivors' fragments and shuffle"
+step, done in bounded memory by dealing cards into hands: each fragment gets an independent
+uniform hand in ``[0, k)``, ``k = max(1, ceil(F / (LOAD · cap)))``; hands are spilled to one
+unlinked temporary file, then each is shuffled with Fisher–Yates and released in hand order.
+The cuts' law depends on ``F`` alone. The algorithm, the proof that the parts are one uniform
+permutation, and the memory bound: docs/shuffler.md, "The streamed shuffle".
 """
 
 from __future__ import annotations
@@ -246,9 +219,7 @@ def deal(
     rng: RandomSource,
     directory: Path | None = None,
 ) -> Iterator[Deal]:
-    """Deal the packed contributions of ``chunks`` into hands on a temporary file in
-    ``directory`` (the system's temporary directory when None); the file is gone when the
-    ``with`` block ends, however it ends.
+    """Deal ``chunks`` into hands on a temporary file, gone when the ``with`` block ends.
 
     Args:
         chunks: The survivors' packed fragments (:func:`shuffler.records.pack_fragments`), a
@@ -256,7 +227,7 @@ def deal(
         fragments: Their fragment count ``F`` as stored (chooses the number of hands).
         cap: Most fragments per part.
         rng: Source of every draw (the OS CSPRNG unless a test seeds one).
-        directory: Where the temporary file goes.
+        directory: Where the temporary file goes (None: the system's temporary directory).
 
     Raises:
         ValueError: if ``fragments`` < 0 or ``cap`` < 1.

@@ -1,31 +1,16 @@
-"""What a shuffler refuses, as domain errors with stable codes (no HTTP here).
-
-:mod:`runtime.http` maps each error's :class:`~runtime.errors.Kind` to the
-status clients see (PROTOCOL.md, "HTTP endpoints"); the ``code`` is the ``error`` field of the
-answer and never changes. Details name the problem, never a client id, token or timestamp.
-
-::
+"""What a shuffler refuses, as domain errors with stable codes (no HTTP here); catch
+:class:`ShufflerError`. :mod:`runtime.http` maps each error's ``kind`` to the status shown;
+details never name a client id, token or timestamp. Codes: docs/shuffler.md, "Errors". ::
 
     DomainError (runtime.errors)
     └── ShufflerError
-        ├── BadTokenError               bad_token            401
-        ├── RevokedTokenError           revoked              401
-        ├── AdminTokenError             bad_admin_token      401  (a BadAdminTokenError)
-        ├── MalformedContributionError  malformed            400
-        │   └── UnsupportedVersionError unsupported_version  400
-        ├── BadContentTypeError         bad_content_type     400
-        ├── UnknownChannelError         unknown_channel      400
-        ├── UnknownCrowdError           unknown_crowd        400
-        ├── EpochNotOpenError           epoch_not_open       400
-        ├── FutureEpochError            epoch_not_started    422  (admin close)
-        ├── ReplayedNonceError          replayed_nonce       409
-        ├── QuotaExceededError          quota_exceeded       409
-        ├── BodyTooLargeError           too_large            413  (a TooLargeError)
-        ├── TooManyFragmentsError       too_many_fragments   413
-        ├── TooFewFragmentsError        too_few_fragments    400
-        ├── FragmentSizeError           bad_fragment_size    400
-        ├── ClientRateLimitedError      rate_limited         429  (a RateLimitedError)
-        └── ShufflerStorageError        storage_unavailable  503  (a StorageUnavailableError)
+        ├── BadTokenError, RevokedTokenError, AdminTokenError                    401
+        ├── MalformedContributionError (subclass: UnsupportedVersionError)       400
+        ├── BadContentTypeError, UnknownChannelError, UnknownCrowdError,
+        │   EpochNotOpenError, TooFewFragmentsError, FragmentSizeError           400
+        ├── ReplayedNonceError, QuotaExceededError 409; FutureEpochError 422
+        ├── BodyTooLargeError, TooManyFragmentsError 413; ClientRateLimitedError 429
+        └── ShufflerStorageError                                                 503
 """
 
 from __future__ import annotations

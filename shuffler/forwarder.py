@@ -2,16 +2,10 @@
 at least once, by exactly one forwarder at a time, with the shared backoff policy
 (:mod:`common.retry`), resumed after restarts.
 
-A part leaves the shuffler as the exact bytes it was signed over, with its Ed25519 signature in
-``ESA-Signature``; the analyzer counts a (``batch_id``, ``part``) once, so re-sending after a
-lost answer is safe. Before sending, a forwarder claims the part's lease in the store, so the
-periodic loop and an admin close never send the same part concurrently.
-
-Only a refusal of the part's *content* is permanent (:data:`PERMANENT_REFUSALS`): the part is
-then kept unsent (its batch in the ledger state ``in_batches_refused``) until an admin requeues
-it once the cause is fixed, or retention purges the batch (cause ``refused``). Everything else —
-transport errors, 5xx, 429, an unknown shuffler (401, healed by registering it), and 413 (a
-batch is never dropped for its size) — is retried with backoff.
+A part leaves as the exact bytes it was signed over (``ESA-Signature``) and the analyzer counts
+a (``batch_id``, ``part``) once, so re-sending is safe. After a refusal of the part's content
+(:data:`PERMANENT_REFUSALS`) the part is kept unsent until an admin requeues it; everything else
+is retried with backoff. Leases and which refusals are permanent: docs/shuffler.md, "Forwarding".
 """
 
 from __future__ import annotations

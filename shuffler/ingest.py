@@ -52,20 +52,13 @@ RECENT_SECONDS = 1.0
 
 class CommitQueue:
     """Group commit: one dedicated writer thread stores queued contributions in shared
-    transactions.
+    transactions (up to ``max_batch`` each) and resolves their futures on the event loop.
 
-    The event loop hands each validated contribution over with a future and goes on serving
-    other requests; the writer takes everything queued (up to ``max_batch``), commits it in one
-    transaction (the database call and its sync run without the GIL), then resolves the whole
-    batch's futures with one callback on the loop. Nothing is acknowledged before its commit;
-    a failed commit stores nothing and refuses every request of the batch (503).
-
-    Under load a batch may wait up to ``wait`` seconds for the requests that usually come with
-    it (:meth:`_take`): each transaction costs a fixed ~0.2 ms in this process and ~0.4 ms in
-    PostgreSQL, and without the wait the number of transactions follows how often the writer
-    gets the CPU, not the load, so it doubles with the replicas on a machine
-    (docs/benchmarks.md, "Replicas and analyzer workers"). A request on an idle service is
-    committed at once.
+    Nothing is acknowledged before its commit; a failed commit stores nothing and refuses every
+    request of the batch (503). Under load a batch may wait up to ``wait`` seconds for the
+    requests that usually come with it (:meth:`_take`), so the number of transactions follows
+    the load, not the scheduler; a request on an idle service is committed at once. Design and
+    costs: docs/shuffler.md, "Group commit".
     """
 
     def __init__(

@@ -2,16 +2,10 @@
 PROTOCOL.md — exact group sizes, pending counts and deletions are secrets until a batch is
 released, since publishing them would void randomized deletion).
 
-Two kinds of numbers: the counters (``esa_shuffler_*_total``) are this PROCESS's events since
-it started, so with several replicas of one trust domain Prometheus sums them across instances;
-the gauges are read from the database at scrape time, so they are the whole TRUST DOMAIN's
-(every replica sharing the database reports the same values): ``esa_shuffler_queue_depth``,
-``esa_shuffler_ledger_contributions`` (every state of the store's ledger: their sum is every
-contribution the trust domain ever acknowledged) and ``esa_shuffler_ledger_deleted`` (the
-ledger's deletions by cause: randomized deletion and aborts from the ``groups`` rows, retention
-and late purges from the ``purges`` rows).
-
-Only aggregate counts by cause: nothing per client, per group, no timestamps, no identifiers.
+The counters (``esa_shuffler_*_total``) are this process's events since it started; the gauges
+are read from the database at scrape time, so they are the whole trust domain's. Only aggregate
+counts by cause: nothing per client, per group, no timestamps, no identifiers. Every metric:
+docs/shuffler.md, "Metrics".
 """
 
 from __future__ import annotations

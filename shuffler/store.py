@@ -5,21 +5,10 @@
 supply what differs (the insert-ignore construct, the driver's placeholder, connection tuning).
 :func:`make_store` picks one for an engine; nothing else in the shuffler looks at the dialect.
 
-Durability (PROTOCOL.md, "Delivery guarantees"): :meth:`~ContributionStore.insert` returns
-receipts only after its transaction committed (on PostgreSQL one statement in autocommit that
-also reads the revocations and closed epochs, so a group commit is one round trip).
-:meth:`~ContributionStore.evaluate_group` deals and signs a group's batch without the write
-lock, storing each part ``staged`` (never sent); then one short transaction under the write lock
-(SQLite's ``BEGIN IMMEDIATE``, PostgreSQL's ``SELECT ... FOR UPDATE`` on the group's rows)
-checks the group is unchanged, turns its parts ``pending`` and records the group as evaluated,
-whose primary key lets exactly one evaluation commit across workers; its contributions are not
-touched there (a row per contribution, with four indexes, is what made closing a big group
-slow) but are dead from then on: counted by the ``groups`` row, and deleted afterwards in
-short transactions by :meth:`~ContributionStore.sweep`. So ingest is never blocked for longer
-than that step, and a retention purge can neither delete a row the batch contains nor count
-one the evaluation covered. A part is sent
-by exactly one forwarder at a time: :meth:`~ContributionStore.claim` takes its lease with one
-conditional ``UPDATE`` (atomic in SQLite and PostgreSQL alike).
+What it guarantees (PROTOCOL.md, "Delivery guarantees"): a receipt only after its commit; a
+group evaluated once, whole, with the write lock held only for a short final step; a part sent
+by one forwarder at a time (a lease). The protocol and why it holds: docs/shuffler.md,
+"Storage, locking and durability".
 """
 
 from __future__ import annotations
@@ -279,25 +268,12 @@ class ContributionStore(ABC):
     def evaluate_group(
         self, key: GroupKey, batcher: Batcher, policy: ChannelPolicy, now: float
     ) -> Evaluation | None:
-        """Apply Algorithm 3 to the group, whole, and store its outcome; the write lock is held
-        only for the short final step, so ingest goes on while a big group is dealt.
+        """Apply ESA-revisited Algorithm 3 to the group, whole, and store its outcome; the write
+        lock is held only for the short final step, so ingest goes on while a big group is dealt.
 
-        1. Read the group's ids and fragment counts (no blobs, no lock) and draw the noise
-           once from the count.
-        2. A released group's survivors are read in chunks and dealt into one shuffled
-           sequence of signed parts (:mod:`shuffler.dealing`), each part stored ``staged``
-           in its own short transaction (no forwarder sends a staged part).
-        3. One short transaction under the write lock (:meth:`begin_writing`, ``FOR UPDATE``
-           on the group's rows) checks that every row read in step 1 is still there, turns the
-           staged parts ``pending``, records the batch and the group, and removes the group's
-           contributions. Rows that reached the group after step 1 are purged as ``late``
-           (PROTOCOL.md: never split a group). If a row read in step 1 vanished (a retention
-           purge) or another worker evaluated the group first, the staged parts are deleted
-           and nothing is recorded: the noise drawn is discarded unreleased.
-
-        None when nothing waits in the group, when the group was evaluated already (its late
-        rows are purged and recorded, reason ``late``) and when the group changed meanwhile
-        (evaluated again in a later round).
+        None when nothing waits in the group, when it was evaluated already, or when it changed
+        meanwhile (evaluated again in a later round). The three steps and why they are safe:
+        docs/shuffler.md, "Evaluating a group".
 
         Raises:
             sqlalchemy.exc.IntegrityError: another worker recorded this group first.

@@ -1,20 +1,11 @@
 """The shuffler's tables (SQLAlchemy Core; the schema is created by alembic migrations).
 
-* ``contributions``: acknowledged contributions awaiting their group's evaluation. The client
-  id stays here for the per-(client, channel, epoch) quota (one contribution, whatever crowd it
-  names: PROTOCOL.md) and never leaves the shuffler; ``held_part`` marks contributions of a
-  group that was evaluated below the minimum crowd and is held until retention expiry.
-* ``groups``: one row per evaluated (channel, crowd, epoch, part) — a group is never evaluated
-  twice with fresh noise; records what randomized deletion did.
-* ``batches``: one row per released group (its shuffled batch): counts and whether every part
-  was acknowledged (``status`` = ``forwarded``).
-* ``batch_parts``: the parts of each batch (ESA-revisited Algorithm 3's shuffled sequence cut
-  into bounded parts), their signatures and forwarding state; ``lease_until`` is the lease of
-  the one forwarder that may be sending the part (PROTOCOL.md, "Delivery guarantees").
-* ``part_bodies``: each part's signed body, apart, so that state changes rewrite no body.
-* ``purges``: contributions deleted by retention, so every acknowledged contribution is
-  accounted for (forwarded, deleted by Algorithm 3, or purged).
-* ``revoked``: revoked client ids.
+``contributions`` (acknowledged, awaiting their group; the client id never leaves the
+shuffler), ``groups`` (one row per evaluated group: what randomized deletion did),
+``batches``, ``batch_parts`` and ``part_bodies`` (ESA-revisited Algorithm 3's shuffled
+sequence cut into signed parts, with their forwarding state and lease), ``purges`` (so every
+acknowledged contribution is accounted for), ``closed_epochs`` and ``revoked``. What each
+holds and why: docs/shuffler.md, "Tables".
 """
 
 from __future__ import annotations
