@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 from _profile import Profile, top_frames
 from _report import machine, write_section
-from sqlalchemy import func, insert, select
+from sqlalchemy import exists, func, insert, select
 
 from common.wire import PART_FRAGMENTS, ChannelPolicy
 from runtime import db
@@ -141,7 +141,17 @@ def _stored(url: str) -> dict[str, int]:
         kept = conn.execute(select(func.coalesce(func.sum(b.n_contributions), 0))).scalar_one()
         parts = conn.execute(select(func.count()).select_from(tables.part_bodies)).scalar_one()
         largest = conn.execute(select(func.max(func.length(p.body)))).scalar_one()
-        left = conn.execute(select(func.count()).select_from(tables.contributions)).scalar_one()
+        left = conn.execute(  # waiting: not held, in no evaluated group (dead rows excluded)
+            select(func.count())
+            .select_from(tables.contributions)
+            .where(
+                tables.contributions.c.held_part.is_(None),
+                ~exists().where(
+                    tables.groups.c.channel_id == tables.contributions.c.channel_id,
+                    tables.groups.c.epoch == tables.contributions.c.epoch,
+                ),
+            )
+        ).scalar_one()
     engine.dispose()
     return {"kept": int(kept), "parts": int(parts), "largest": int(largest or 0), "left": left}
 

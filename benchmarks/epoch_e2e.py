@@ -275,11 +275,15 @@ def _wait_release(analyzer: launcher.Service, batches: int, epoch: int) -> dict[
 
 
 def _inside(estimate: dict[str, Any], values: list[int], devices: int) -> tuple[int, int]:
-    """Bins whose estimate is within 6 standard errors of the truth × the kept share."""
+    """Bins whose estimate is within 6 standard errors of the truth × the kept share. Each of
+    the pool's reports is sent by devices ÷ pool devices, so its noise counts that many times:
+    the estimate's standard error is the independent-report one × sqrt(devices ÷ pool)."""
     truth = np.bincount([values[d % len(values)] for d in range(devices)], minlength=PARAMS.k)
     kept = estimate["n"] / devices
     gap = np.abs(np.array(estimate["values"]) - truth * kept)
-    return int(np.sum(gap <= 6 * np.array(estimate["std_errors"]))), PARAMS.k
+    repeats = devices / len(values)
+    error = np.array(estimate["std_errors"]) * np.sqrt(max(repeats, 1.0))
+    return int(np.sum(gap <= 6 * error)), PARAMS.k
 
 
 def run(devices: int, pool: int, connections: int, profile: Path | None) -> dict[str, Any]:
@@ -359,7 +363,7 @@ def _measure(
         "released_n (analyzer)": estimate["n"],
         "counted_twice (analyzer n - forwarded)": estimate["n"]
         - ledger.get("in_batches_forwarded", 0),
-        "bins_within_6_se_of_truth": f"{inside}/{bins}",
+        "bins_within_6_se_of_truth (se of the pooled reports)": f"{inside}/{bins}",
         "cpu_seconds_by_phase": processes.cpu_by_phase(),
         "peak_rss_mb": {p: round(kb / 1024) for p, kb in sorted(processes.peaks.items())},
     }

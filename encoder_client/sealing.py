@@ -1,5 +1,6 @@
-"""Sealing one report for the wire: the one path the SDK and every tool that plays devices
-(load generator, benchmarks) take, so a simulated device sends exactly what a real one does.
+"""Sealing one report for the wire: the one path the SDK and the load generator's simulated
+devices take, so a simulated device sends exactly what a real one does (benchmarks that
+replay pools of pre-sealed fragments say so).
 
 PROTOCOL.md, "Envelopes": each fragment is sealed to the analyzer's HPKE key with the
 (channel, epoch, crowd) context bound into ``info``; the fragments, the crowd and a fresh

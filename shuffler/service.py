@@ -89,6 +89,10 @@ class ShufflerService:
         )
         self.retention = Retention(store, settings.retention_seconds, clock)
         self._batching = threading.Lock()
+        #: Evaluations so far, and how many there were when a sweep last found nothing dead
+        #: (None: look once, for what a previous run left): a sweep scans only after one.
+        self._evaluations = 0
+        self._swept_at: int | None = None
 
     @property
     def tokens(self) -> TokenAuthority:
@@ -215,6 +219,7 @@ class ShufflerService:
         outcome = self.store.evaluate_group(key, self.batcher, policy, now)
         if outcome is None:
             return None
+        self._evaluations += 1
         self._count_evaluation(key, outcome.deletion, released=outcome.batch is not None)
         return outcome.deletion
 
@@ -298,8 +303,15 @@ class ShufflerService:
 
     def sweep(self) -> int:
         """Delete some dead contributions of evaluated groups (:meth:`ContributionStore.sweep`),
-        after each batching round; returns how many (the count is never logged or published)."""
-        return self.store.sweep()
+        after each batching round, scanning only once a group was evaluated since the last
+        sweep that found none; returns how many (never logged or published)."""
+        seen = self._evaluations
+        if self._swept_at == seen:
+            return 0
+        swept = self.store.sweep()
+        if swept == 0:
+            self._swept_at = seen
+        return swept
 
     def requeue(self, batch_id: str | None = None) -> int:
         """Send the parts the analyzer refused again (admin, after fixing the cause)."""

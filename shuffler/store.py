@@ -20,13 +20,13 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import Table, delete, event, exists, func, insert, or_, select, update
+from sqlalchemy import Table, delete, event, exists, func, insert, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
@@ -76,6 +76,8 @@ STAGED_GRACE_SECONDS = 6 * 3600.0
 UNSTAGE_ATTEMPTS = 5
 #: Dead contributions (of evaluated groups) deleted per transaction by ``sweep``.
 SWEEP_CHUNK = 2_000
+#: Group keys looked up in the ``groups`` table per query.
+_KEYS_PER_QUERY = 200
 #: Rows of a group locked (and their ids and fragment counts read) per query.
 _LOCK_PAGE = 50_000
 #: Survivors whose packed fragments are read per query while dealing (~2 KB each for a
@@ -558,14 +560,17 @@ class ContributionStore(ABC):
         were deleted (0: none left). Off the close's path, so a big group's rows leave without
         holding the write lock for long; the count is the shuffler's own (never published: a
         group's size is secret unless released)."""
+        with self.engine.connect() as conn:  # dead stays dead: found without the write lock
+            dead = list(_waiting_groups(conn, evaluated=True))
         swept = 0
-        while swept < budget:
-            with self.engine.begin() as conn:
-                self.begin_writing(conn)
-                dead = list(_waiting_groups(conn, evaluated=True))
-                if not dead:
+        for key in dead:
+            while swept < budget:
+                with self.engine.begin() as conn:
+                    self.begin_writing(conn)
+                    deleted = _delete_ids(conn, _dead_ids(conn, key, SWEEP_CHUNK))
+                swept += deleted
+                if deleted < SWEEP_CHUNK:
                     break
-                swept += _delete_ids(conn, _dead_ids(conn, dead[0], SWEEP_CHUNK))
         return swept
 
     def ledger(self) -> dict[str, int]:
@@ -718,10 +723,21 @@ def _refused_nonces(
     return [r[_NONCE] for r in _admitted(rows, revoked, closed) if r[_RECEIPT] not in landed]
 
 
-def _evaluated_keys(conn: Connection) -> set[GroupKey]:
+def _evaluated_among(conn: Connection, keys: Collection[GroupKey]) -> set[GroupKey]:
+    """The groups among ``keys`` that were evaluated (looked up by the primary key)."""
     g = tables.groups.c
-    query = select(g.channel_id, g.crowd_id, g.epoch).distinct()
-    return {GroupKey(ch, cr, int(ep)) for ch, cr, ep in conn.execute(query)}
+    wanted, found = list(keys), set()
+    for start in range(0, len(wanted), _KEYS_PER_QUERY):
+        chunk = [
+            (k.channel_id, k.crowd_id, k.epoch) for k in wanted[start : start + _KEYS_PER_QUERY]
+        ]
+        query = (
+            select(g.channel_id, g.crowd_id, g.epoch)
+            .where(tuple_(g.channel_id, g.crowd_id, g.epoch).in_(chunk))
+            .distinct()
+        )
+        found |= {GroupKey(ch, cr, int(ep)) for ch, cr, ep in conn.execute(query)}
+    return found
 
 
 def _waiting_groups(conn: Connection, evaluated: bool) -> dict[GroupKey, int]:
@@ -735,7 +751,7 @@ def _waiting_groups(conn: Connection, evaluated: bool) -> dict[GroupKey, int]:
         .group_by(c.channel_id, c.crowd_id, c.epoch)
     )
     counts = {GroupKey(ch, cr, int(ep)): int(n) for ch, cr, ep, n in conn.execute(query)}
-    done = _evaluated_keys(conn)
+    done = _evaluated_among(conn, counts)
     return {key: n for key, n in counts.items() if (key in done) == evaluated}
 
 
@@ -751,15 +767,19 @@ def _dead_ids(conn: Connection, key: GroupKey, limit: int) -> list[int]:
 
 def _expired(conn: Connection, cutoff: float) -> list[int]:
     """Contributions received before ``cutoff`` that retention deletes: waiting or held ones,
-    not the dead rows of evaluated groups (their group counts them; the sweep deletes them)."""
+    not the dead rows of evaluated groups (their group counts them; the sweep deletes them).
+    The rows are locked first (``FOR UPDATE``; SQLite's writer lock) and the groups read
+    after: an evaluation that locked them commits first and its group is seen, or waits and
+    finds them gone."""
     c = tables.contributions.c
     query = select(c.id, c.channel_id, c.crowd_id, c.epoch, c.held_part).where(
         c.received_at < cutoff
     )
-    done = _evaluated_keys(conn)
+    rows = conn.execute(query.with_for_update()).all()
+    done = _evaluated_among(conn, {GroupKey(r[1], r[2], int(r[3])) for r in rows})
     return [
         int(row_id)
-        for row_id, channel, crowd, epoch, held in conn.execute(query)
+        for row_id, channel, crowd, epoch, held in rows
         if held is not None or GroupKey(channel, crowd, int(epoch)) not in done
     ]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import ClassVar
 
 from common.accounting import shuffle_bounds as sb
@@ -77,6 +77,10 @@ class LocalRandomizer(ABC):
         """A lower bound where one is known (shown for honesty, never certified)."""
         return None
 
+    def local_delta(self) -> float:
+        """δ of the report's local guarantee (0: pure ε-DP), the trivial bound's δ."""
+        return 0.0
+
     def applicable(self, methods: Collection[Method | str] | None) -> set[Method]:
         """The requested methods (all when None) that apply.
 
@@ -102,7 +106,9 @@ class LocalRandomizer(ABC):
 
     def inputs(self) -> tuple[tuple[str, InputValue], ...]:
         """The description's parameters as ``(name, value)`` pairs (None omitted)."""
-        pairs = ((f.name, getattr(self, f.name)) for f in fields(self))  # type: ignore[arg-type]
+        if not is_dataclass(self):
+            return ()
+        pairs = ((f.name, getattr(self, f.name)) for f in fields(self))
         return tuple((name, value) for name, value in pairs if value is not None)
 
 
@@ -137,6 +143,9 @@ class GenericRandomizer(LocalRandomizer):
 
     def __post_init__(self) -> None:
         check_non_negative("delta0", self.delta0)
+
+    def local_delta(self) -> float:
+        return self.delta0
 
     def methods(self) -> tuple[MethodSpec, ...]:
         return _generic_methods("replacement", self.delta0)
@@ -261,26 +270,31 @@ class BackstopFragments(RemovalRandomizer):
 @dataclass(frozen=True)
 class BalcerCheuNoise(LocalRandomizer):
     """Balcer–Cheu Theorem 12 (replacement): ε0 is the protocol's per-bin ε and δ the
-    histogram's total δ (δ/2 per bin); ``n_declared`` is the crowd the noise was sized for
-    (default: the crowd certified). No dominating pair; no local guarantee. Removal changes
-    one bin: (ε', δ/2)."""
+    histogram's total δ (δ/2 per bin). The noise is sized for a crowd ``n_declared`` and a δ
+    ``delta`` (defaults: the crowd and δ certified); with ``delta`` set, every certificate is
+    at that δ whatever δ is asked, since the theorem holds for it alone. No dominating pair;
+    no local guarantee. Removal changes one bin: (ε', δ/2)."""
 
     kind: ClassVar[str] = "balcer-cheu"
     natural: ClassVar[Neighbouring] = "replacement"
     n_declared: int | None = None
+    delta: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_declared is not None:
             check_count("n_declared", self.n_declared)
+        if self.delta is not None:
+            check_probability("delta", self.delta)
 
     def local_eps(self, eps0: float) -> float:
         return math.inf
 
     def methods(self) -> tuple[MethodSpec, ...]:
-        declared = self.n_declared
+        declared, sized = self.n_declared, self.delta
 
         def bound(e: float, n: int, d: float) -> BoundResult:
-            return sb.balcer_cheu_thm12(e, d / 2.0, n if declared is None else declared, n)
+            total = d if sized is None else sized
+            return sb.balcer_cheu_thm12(e, total / 2.0, n if declared is None else declared, n)
 
         return (MethodSpec(Method.BALCER_CHEU_THM12, bound),)
 
@@ -446,7 +460,7 @@ def _clamp(result: BoundResult, local: float) -> BoundResult:
 def _trivial(
     randomizer: LocalRandomizer, eps0: float, n: int, delta: float, local: float
 ) -> BoundResult:
-    delta0 = getattr(randomizer, "delta0", 0.0)
+    delta0 = randomizer.local_delta()
     return BoundResult(
         eps=local,
         delta=delta0,

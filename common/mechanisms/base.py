@@ -287,8 +287,6 @@ class Mechanism(ABC, Generic[P, A]):
         randomizer_type: The :class:`~common.accounting.LocalRandomizer` subclass that
             :meth:`privacy` returns, for tools that fill its fields from flags (``esa
             account --mechanism``); None when no such flags describe the mechanism.
-        randomizer_fields: Fields of that description the mechanism fixes (LDP-SGD's sign
-            is k-RR at k = 2), which such tools do not take from flags.
     """
 
     name: ClassVar[str]
@@ -296,7 +294,6 @@ class Mechanism(ABC, Generic[P, A]):
     payload_size: ClassVar[int]
     value_kind: ClassVar[ValueKind] = ValueKind.CATEGORY
     randomizer_type: ClassVar[type[LocalRandomizer] | None] = None
-    randomizer_fields: ClassVar[Mapping[str, float]] = {}
 
     # --- configuration ------------------------------------------------------------------
 
@@ -377,7 +374,9 @@ class Mechanism(ABC, Generic[P, A]):
 
     @abstractmethod
     def privacy(self, params: P) -> PrivacyDescription:
-        """The privacy argument that covers one shuffled batch of this channel's reports."""
+        """The privacy argument that covers one report of this channel in a shuffled batch (a
+        mechanism whose device sends several reports per batch composes them in
+        :meth:`certify` and :meth:`epoch_pair`)."""
 
     def bin_count_law(self, params: P, value: int, bins: tuple[int, int]) -> FloatArray | None:
         """Exact joint law of how many fragments of one report of ``value`` name each of two

@@ -290,8 +290,6 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
     code = MECHANISM_CODE
     payload_size = PAYLOAD_SIZE
     value_kind: ClassVar[ValueKind] = ValueKind.CATEGORY
-    randomizer_type = KaryRR
-    randomizer_fields: ClassVar[Mapping[str, float]] = {"k": 2}
 
     def parse_params(self, raw: Mapping[str, Any]) -> LdpSgdParams:
         return LdpSgdParams(**{k: v for k, v in raw.items() if k not in MODEL_KEYS})

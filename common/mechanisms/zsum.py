@@ -165,7 +165,8 @@ class ZSum(IndexHistogram[ZSumParams]):
 
     def privacy(self, params: ZSumParams) -> PrivacyDescription:
         """Balcer–Cheu Theorem 12 at the per-bin ε, its noise sized for the declared crowd."""
-        return PrivacyDescription(BalcerCheuNoise(n_declared=params.n), params.eps)
+        noise = BalcerCheuNoise(n_declared=params.n, delta=params.delta)
+        return PrivacyDescription(noise, params.eps)
 
     def certify_crowd(self, params: ZSumParams, n: int, delta: float) -> Certification:
         """(2ε', δ) at a received crowd n (ε' = ε sqrt(n_declared/n)) at the channel's own δ:

@@ -109,17 +109,16 @@ def _randomizer(mechanism: str, **given: float | None) -> LocalRandomizer:
     """The privacy description the accountant certifies, built from the parameter flags.
 
     ``generic`` is accounting's own description; any other name is looked up in the mechanism
-    registry, whose class says which description its reports have (``randomizer_type``, with
-    the fields it fixes); the flags fill the other fields by name.
+    registry, whose class says which description its reports have (``randomizer_type``); the
+    flags fill its fields by name.
     """
-    kind, fixed = _randomizer_type(mechanism)
+    kind = _randomizer_type(mechanism)
     specs = {spec.name: spec for spec in fields(kind)}  # type: ignore[arg-type]
     values = {name: value for name, value in given.items() if value is not None}
-    extra = sorted(set(values) - (set(specs) - set(fixed)))
+    extra = sorted(set(values) - set(specs))
     if extra:
         flags = ", ".join("--" + name.replace("_", "-") for name in extra)
         raise click.UsageError(f"{flags} does not apply to {mechanism}")
-    values |= fixed
     for name, spec in specs.items():
         if name not in values and spec.default is MISSING and spec.default_factory is MISSING:
             flag = "--" + name.replace("_", "-")
@@ -128,18 +127,18 @@ def _randomizer(mechanism: str, **given: float | None) -> LocalRandomizer:
     return built
 
 
-def _randomizer_type(mechanism: str) -> tuple[type[LocalRandomizer], dict[str, float]]:
+def _randomizer_type(mechanism: str) -> type[LocalRandomizer]:
     if mechanism == "generic":
-        return accounting.GenericRandomizer, {}
+        return accounting.GenericRandomizer
     from common.mechanisms import registry
 
     found = type(registry.get(mechanism))
     if found.randomizer_type is None:
         raise click.UsageError(
-            f"{mechanism} declares no privacy description that these flags fill "
-            "(its class's randomizer_type)"
+            f"{mechanism} declares no privacy description that these flags fill (a device "
+            "sends several reports per batch, or the argument needs the channel's parameters)"
         )
-    return found.randomizer_type, dict(found.randomizer_fields)
+    return found.randomizer_type
 
 
 def _fmt(value: float) -> str:

@@ -1,5 +1,7 @@
-"""``esa account --mechanism`` takes its names from the mechanism registry and certifies what
-the analyzer certifies for a channel of that mechanism (in process, through click)."""
+"""``esa account --mechanism`` takes its names from the mechanism registry and certifies, for
+one batch of n reports, what the mechanism's own privacy description of a channel certifies
+(the description the analyzer's per-batch certificates and the ledger's epochs come from),
+in process, through click."""
 
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     ("rfrag", ["--eps-b", "4", "--eps-f", "2", "--tau", "3"],
      {"k": 8, "eps_b": 4.0, "eps_f": 2.0, "tau": 3}),
     ("longitudinal", ["--eps0", "4"], {"d": 8, "k": 2, "eps": 4.0}),
-    ("ldp-sgd", ["--eps0", "2"], {"dim": 4, "eps": 2.0}),
 ]  # fmt: skip
 
 
@@ -59,7 +60,7 @@ def test_zsum_certifies_at_its_declared_crowd_and_delta() -> None:
     ("args", "message"),
     [
         (["-m", "krappor", "--eps0", "2", "--k", "4"], "--k does not apply to krappor"),
-        (["-m", "ldp-sgd", "--eps0", "2", "--k", "3"], "--k does not apply to ldp-sgd"),
+        (["-m", "ldp-sgd", "--eps0", "2"], "ldp-sgd declares no privacy description"),
         (["-m", "rfrag", "--eps-b", "2", "--tau", "3"], "eps_f is required for rfrag"),
         (["-m", "generic", "--eps0", "2", "--tau", "3"], "--tau does not apply to generic"),
         (["-m", "sketch", "--eps0", "2"], "unknown mechanism 'sketch'; known: generic, krappor"),

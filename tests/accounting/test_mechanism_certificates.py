@@ -93,3 +93,15 @@ def test_longitudinal_accepts_a_single_change_bound() -> None:
     assert cert.certified.eps == certify(BinaryRRSequence(), 4.0, 10_000, 1e-8).certified.eps
     with pytest.raises(ValueError, match="k must be an integer >= 2"):
         KaryRR(k=1)
+
+
+def test_balcer_cheu_certifies_at_the_delta_its_noise_was_sized_for() -> None:
+    """Theorem 12 holds for the δ the noise was calibrated with alone: asking for a smaller δ
+    still certifies (ε, δ_sized), and says so in the certificate's δ."""
+    sized = BalcerCheuNoise(n_declared=10**5, delta=2e-6)
+    asked = certify(sized, 0.5, 10**5, 1e-9).certified
+    plain = certify(BalcerCheuNoise(n_declared=10**5), 0.5, 10**5, 2e-6).certified
+    assert asked.delta == pytest.approx(2e-6) == plain.delta
+    assert asked.eps == plain.eps
+    with pytest.raises(ValueError, match=r"delta=2\.0"):
+        BalcerCheuNoise(delta=2.0)

@@ -718,3 +718,49 @@ def _count(service: ShufflerService) -> int:
     with service.store.engine.connect() as conn:
         query = select(func.count()).select_from(tables.contributions)
         return int(conn.execute(query).scalar_one())
+
+
+def test_a_purge_racing_a_groups_commit_never_counts_its_rows_twice(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close leaves a group's rows in place, dead; a retention purge that starts while the
+    close's final transaction is open (its rows locked, its group not yet committed) waits
+    for it and then sees the group: the rows are counted once, by the group, never as purged."""
+    service, clock = make_service(
+        database_url, tmp_path, rng=SeededSource(41), retention_seconds=7200.0
+    )
+    received = clock.now
+    fill(service, clock.epoch, 40)
+    key = GroupKey("homepage", "", clock.epoch)
+    clock.now += 7201  # the rows are past retention; the batch will not be
+    applying, go = threading.Event(), threading.Event()
+    original = store_module._apply
+
+    def slow_apply(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        applying.set()
+        assert go.wait(30)
+
+    monkeypatch.setattr(store_module, "_apply", slow_apply)
+    outcome: list[Evaluation | None] = []
+    purged: list[dict[str, int]] = []
+    evaluation = threading.Thread(
+        target=lambda: outcome.append(
+            service.store.evaluate_group(key, service.batcher, POLICY, clock.now)
+        )
+    )
+    evaluation.start()
+    assert applying.wait(30)
+    purge = threading.Thread(
+        target=lambda: purged.append(service.store.purge(cutoff=received + 1, now=clock.now))
+    )
+    purge.start()
+    time.sleep(0.5)  # the purge is waiting on the close's locks (or has not read yet)
+    go.set()
+    evaluation.join(60)
+    purge.join(60)
+    assert outcome and outcome[0] is not None
+    assert purged == [{"retention": 0, "refused": 0}]
+    ledger = service.ledger()
+    assert ledger["purged"] == 0 and ledger["pending"] == 0
+    assert ledger["in_batches_unforwarded"] + ledger["deleted_by_algorithm_3"] == 40

@@ -37,4 +37,6 @@ def downgrade() -> None:
         "UPDATE batch_parts SET body = (SELECT b.body FROM part_bodies b "
         "WHERE b.batch_id = batch_parts.batch_id AND b.part = batch_parts.part)"
     )
+    with op.batch_alter_table("batch_parts") as batch:
+        batch.alter_column("body", existing_type=sa.LargeBinary, nullable=False)
     op.drop_table("part_bodies")
