@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import multiprocessing
 import os
@@ -115,11 +116,12 @@ class Processes:
         }
 
 
-def _deployment(var: Path) -> list[launcher.Service]:
+def _deployment(var: Path, template: str | None) -> list[launcher.Service]:
     specs = launcher.prepare(
         var,
         3,
         launcher.free_base_port(4),
+        database_template=template,
         channels=[CHANNEL],
         overrides=launcher.DEVELOPMENT_TOKENS,
     )
@@ -286,15 +288,43 @@ def _inside(estimate: dict[str, Any], values: list[int], devices: int) -> tuple[
     return int(np.sum(gap <= 6 * error)), PARAMS.k
 
 
-def run(devices: int, pool: int, connections: int, profile: Path | None) -> dict[str, Any]:
-    """The whole epoch; every number printed or written."""
-    with tempfile.TemporaryDirectory(prefix="esa-epoch-e2e-") as tmp:
-        var = Path(tmp)
-        services = _deployment(var)
+@contextlib.contextmanager
+def _postgres(server: str | None) -> Iterator[str | None]:
+    """Fresh databases for the analyzer and the three shufflers on ``server``
+    (``user@host:port``), dropped afterwards; None: SQLite files."""
+    if server is None:
+        yield None
+        return
+    import psycopg
+
+    user, _, hostport = server.partition("@")
+    host, _, port = hostport.partition(":")
+    prefix = f"esa_e2e_{os.getpid()}"
+    names = [f"{prefix}_{s}" for s in ("analyzer", "shuffler_1", "shuffler_2", "shuffler_3")]
+    with psycopg.connect(
+        host=host, port=int(port), user=user, dbname="postgres", autocommit=True
+    ) as admin:
+        for name in names:
+            admin.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
         try:
-            return _measure(var, services, devices, pool, connections, profile)
+            yield f"postgresql+psycopg://{user}@{hostport}/{prefix}_{{service}}"
+        finally:
+            for name in names:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+
+
+def run(
+    devices: int, pool: int, connections: int, profile: Path | None, postgres: str | None
+) -> dict[str, Any]:
+    """The whole epoch; every number printed or written."""
+    with tempfile.TemporaryDirectory(prefix="esa-epoch-e2e-") as tmp, _postgres(postgres) as url:
+        var = Path(tmp)
+        services = _deployment(var, url)
+        try:
+            found = _measure(var, services, devices, pool, connections, profile)
         finally:
             launcher.stop(services)
+    return {"database": "PostgreSQL" if postgres else "SQLite", **found}
 
 
 def _measure(
@@ -405,11 +435,14 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=20_000, help="distinct device reports")
     parser.add_argument("--connections", type=int, default=48, help="per shuffler")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy recordings here")
+    parser.add_argument(
+        "--postgres", default=None, help="user@host:port: every service on fresh PostgreSQL"
+    )
     parser.add_argument("--write", action="store_true", help="record it in docs/benchmarks.md")
     args = parser.parse_args()
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-    result = run(args.devices, args.pool, args.connections, args.profile)
+    result = run(args.devices, args.pool, args.connections, args.profile, args.postgres)
     print(json.dumps(result, indent=2))
     if args.profile is not None:
         print(_profiles(args.profile))
@@ -417,7 +450,8 @@ def main() -> None:
         command = "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch_e2e.py " + " ".join(
             sys.argv[1:]
         )
-        write_section(SECTION, _section(result, command, args.profile))
+        title = SECTION + (" (PostgreSQL)" if args.postgres else " (SQLite)")
+        write_section(title, _section(result, command, args.profile))
 
 
 if __name__ == "__main__":
