@@ -37,12 +37,17 @@ def _frame(text: str) -> str:
     return f"{name} ({where.rsplit(':', 1)[0]})" if where else name
 
 
+#: Leaf frames of a thread that waits (a pool worker or the event loop with nothing to do).
+IDLE = ("Condition.wait", "_worker (concurrent", "Runner.run", "EpollSelector.select")
+
+
 def top_frames(
     raw: Path, within: str = "", ours: tuple[str, ...] = (), count: int = 12
 ) -> list[tuple[str, float, float]]:
-    """``(function (file), share of samples inside it, share in it alone)`` from py-spy's
-    collapsed stacks, for the stacks that pass through a frame containing ``within``; with
-    ``ours`` (path prefixes) only the functions of those files, ranked by samples inside."""
+    """``(function (file), share of busy samples inside it, share in it alone)`` from py-spy's
+    collapsed stacks (samples of waiting threads left out), for the stacks that pass through
+    a frame containing ``within``; with ``ours`` (path prefixes) only the functions of those
+    files, ranked by samples inside."""
     inside: collections.Counter[str] = collections.Counter()
     alone: collections.Counter[str] = collections.Counter()
     total = 0
@@ -51,6 +56,8 @@ def top_frames(
         if not stack or not samples.isdigit() or within not in stack:
             continue
         n, frames = int(samples), [_frame(f) for f in stack.split(";")[1:] if f.strip()]
+        if not frames or frames[-1].startswith(IDLE):
+            continue
         total += n
         for frame in set(frames):
             inside[frame] += n

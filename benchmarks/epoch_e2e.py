@@ -406,7 +406,7 @@ def _profiles(profile: Path) -> str:
         raw = (profile / phase).with_suffix(".txt")
         if not raw.exists():
             continue
-        lines.append(f"\nshuffler-1, {phase} (py-spy, share of samples in the function alone):\n")
+        lines.append(f"\n\nshuffler-1, {phase} (py-spy, share of busy samples):\n")
         for frame, inside, alone in top_frames(raw, within):
             lines.append(f"- {alone:.1%} alone, {inside:.1%} inside: `{frame}`")
     return "\n".join(lines)
