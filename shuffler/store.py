@@ -20,13 +20,28 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import Table, delete, event, exists, func, insert, or_, select, tuple_, update
+from sqlalchemy import (
+    BigInteger,
+    Table,
+    any_,
+    bindparam,
+    delete,
+    event,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
@@ -327,6 +342,11 @@ class ContributionStore(ABC):
         """Where the streamed shuffle's temporary file goes (None: the system's)."""
         return None
 
+    @staticmethod
+    def among(column: Any, ids: list[int]) -> Any:
+        """``column`` is one of ``ids`` (an ``IN`` list)."""
+        return column.in_(ids)
+
     def _stage(
         self, key: GroupKey, batcher: Batcher, survivors: Ids, fragments: int, now: float
     ) -> ReleasedBatch | None:
@@ -338,7 +358,7 @@ class ContributionStore(ABC):
             with (
                 self.engine.connect() as conn,
                 batcher.release(
-                    key, n, fragments, _packed(conn, key, survivors), directory
+                    key, n, fragments, _packed(conn, survivors, self.among), directory
                 ) as release,
             ):
                 conn.rollback()  # the survivors are dealt: end the read before staging
@@ -826,25 +846,22 @@ class _VanishedError(RuntimeError):
     """A contribution read when the evaluation began was deleted before its blob was read."""
 
 
-def _packed(conn: Connection, key: GroupKey, survivors: Ids) -> Iterator[list[bytes]]:
-    """The survivors' packed fragments (``survivors`` sorted), :data:`_READ_ROWS`
-    contributions at a time, each chunk read as the group's rows in the chunk's id range (one
-    statement whose text never changes, where an ``IN`` list of thousands of ids was parsed
-    afresh each time), keeping the survivors.
+def _packed(
+    conn: Connection, survivors: Ids, among: Callable[[Any, list[int]], Any]
+) -> Iterator[list[bytes]]:
+    """The survivors' packed fragments, :data:`_READ_ROWS` contributions at a time;
+    ``among(column, ids)`` is the dialect's condition "column is one of ids".
 
     Raises:
         _VanishedError: a survivor's row was deleted meanwhile (a retention purge).
     """
     c = tables.contributions.c
-    waiting = (*_group_filter(key, tables.contributions), c.held_part.is_(None))
     for start in range(0, survivors.size, _READ_ROWS):
-        chunk = survivors[start : start + _READ_ROWS]
-        low, high = int(chunk[0]), int(chunk[-1])
-        query = select(c.id, c.fragments).where(*waiting, c.id >= low, c.id <= high)
-        found = {int(row_id): bytes(blob) for row_id, blob in conn.execute(query)}
-        blobs = [found[i] for i in chunk.tolist() if i in found]
-        if len(blobs) != chunk.size:
-            raise _VanishedError(f"{chunk.size - len(blobs)} contributions vanished")
+        chunk = survivors[start : start + _READ_ROWS].tolist()
+        rows = conn.execute(select(c.fragments).where(among(c.id, chunk))).scalars()
+        blobs = [bytes(blob) for blob in rows]
+        if len(blobs) != len(chunk):
+            raise _VanishedError(f"{len(chunk) - len(blobs)} contributions vanished")
         yield blobs
 
 
@@ -1090,6 +1107,12 @@ class PostgresContributionStore(ContributionStore):
 
     def insert_ignore(self, table: Table) -> Insert:
         return pg_insert(table).on_conflict_do_nothing()
+
+    @staticmethod
+    def among(column: Any, ids: list[int]) -> Any:
+        """``column = ANY(:ids)`` with one array parameter: the statement's text is the same
+        for every chunk, where the driver parsed an ``IN`` list of thousands of ids afresh."""
+        return column == any_(bindparam("ids", ids, type_=ARRAY(BigInteger)))
 
     @contextlib.contextmanager
     def exclusive(self, key: GroupKey) -> Iterator[bool]:
