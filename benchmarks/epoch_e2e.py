@@ -402,7 +402,7 @@ def _measure(
 def _profiles(profile: Path) -> str:
     """The hottest functions of each recording, as Markdown lines."""
     lines = []
-    for phase, within in (("ingest", ""), ("close", "ShufflerService.close")):
+    for phase, within in (("ingest", ""), ("close", "ContributionStore.evaluate_group")):
         raw = (profile / phase).with_suffix(".txt")
         if not raw.exists():
             continue
