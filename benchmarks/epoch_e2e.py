@@ -190,23 +190,6 @@ def _seal_devices(tmp: Path, devices: int, epoch: int, reports: Any, shufflers: 
     return paths
 
 
-class FileSource:
-    """The sealed requests, files interleaved, each sent once."""
-
-    def __init__(self, paths: list[Path]) -> None:
-        self._readers: list[Iterator[loadgen.Request]] = [loadgen.read_requests(p) for p in paths]
-        self._turn = 0
-
-    def next(self, now: float) -> loadgen.Request | None:
-        while self._readers:
-            self._turn = (self._turn + 1) % len(self._readers)
-            found = next(self._readers[self._turn], None)
-            if found is not None:
-                return found
-            del self._readers[self._turn]
-        return None
-
-
 def _opening_rate(var: Path, reports: list[tuple[bytes, ...]], epoch: int) -> float:
     """Fragments/s of the analyzer's opening pool (one process per core), on this machine now."""
     ring = KeyRing.of(load_or_create_x25519(var / "keys" / "analyzer" / "hpke.pem"))
@@ -347,7 +330,7 @@ def _measure(
     processes.mark("start")
     recorder = None if profile is None else Profile(shufflers[0].process.pid, profile / "ingest")
     driver = loadgen.Driver([s.url for s in shufflers], concurrency=connections)
-    ingest = asyncio.run(driver.run(FileSource(paths), None, 10**9, until_empty=True))
+    ingest = asyncio.run(driver.run(loadgen.FileSource(paths), None, 10**9, until_empty=True))
     if recorder is not None:
         recorder.stop()
     processes.mark("ingest")

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -199,23 +199,6 @@ class Devices:
                 process.kill()
 
 
-class FileSource:
-    """The requests of a round's files, interleaved (loadgen's :class:`Source`)."""
-
-    def __init__(self, paths: Sequence[Path]) -> None:
-        self._readers: list[Iterator[loadgen.Request]] = [loadgen.read_requests(p) for p in paths]
-        self._turn = 0
-
-    def next(self, now: float) -> loadgen.Request | None:
-        while self._readers:
-            self._turn = (self._turn + 1) % len(self._readers)
-            found = next(self._readers[self._turn], None)
-            if found is not None:
-                return found
-            del self._readers[self._turn]
-        return None
-
-
 # --- the servers' side of a round ---------------------------------------------------------
 
 
@@ -310,7 +293,7 @@ def one_round(
     epoch = next_epoch(after, epoch_seconds)
     paths, sealing = devices.seal_round(round_, theta, epoch, work)
     driver = loadgen.Driver(target.shuffler_urls, concurrency=8, patience=30.0)
-    sent = asyncio.run(driver.run(FileSource(paths), None, 3600.0, until_empty=True))
+    sent = asyncio.run(driver.run(loadgen.FileSource(paths), None, 3600.0, until_empty=True))
     for path in paths:
         path.unlink()
     late = time.time() - ((epoch + 2) * epoch_seconds)

@@ -95,6 +95,24 @@ class EpochSource:
         return None
 
 
+class FileSource:
+    """The requests of some files, interleaved, each sent once (for runs not paced by epoch)."""
+
+    def __init__(self, paths: Sequence[Path]) -> None:
+        self._readers: list[Iterator[Request]] = [read_requests(p) for p in paths]
+        self._turn = 0
+
+    def next(self, now: float) -> Request | None:
+        """The next request of the next file that has one (None: all are done)."""
+        while self._readers:
+            self._turn = (self._turn + 1) % len(self._readers)
+            found = next(self._readers[self._turn], None)
+            if found is not None:
+                return found
+            del self._readers[self._turn]
+        return None
+
+
 class ChannelSource:
     """Every channel's :class:`EpochSource` in turn (one contribution from each)."""
 
