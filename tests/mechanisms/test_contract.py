@@ -231,12 +231,17 @@ class LawView:
 
     view: Callable[[Sequence[bytes]], Hashable]
     values: tuple[int, ...]
+    #: What the device is told for value v (default: v itself).
+    value_of: Callable[[int], Any] = lambda v: v
+    #: Whether the view attains the description's local ε (False: the view is a
+    #: post-processing that hides part of it, and only the bounds are checked).
+    tight: bool = True
 
 
-#: Mechanisms whose description carries a dominating pair, read on small cases. Not yet read:
-#: longitudinal reports (their law depends on a device's change history and tree level) and
-#: LDP-SGD's (a sign of a gradient's projection); their descriptions are binary RR at ε/2 and
-#: at ε, which the flip rates tested in their own modules match.
+#: Mechanisms whose description carries a dominating pair, read on small cases. LDP-SGD is not
+#: read here: a report is a continuous direction and a sign, whose marginal is the same for
+#: every gradient; its description (binary RR of the sign at ε given the direction) is the
+#: flip rate tested in its own module.
 LAW_VIEWS: dict[str, LawView] = {
     # k-RAPPOR: attribute 0's bit (the other attributes are independent post-processing).
     "krappor": LawView(lambda fs: any(_index(f) == 0 for f in fs), (0, 1, 2)),
@@ -246,6 +251,16 @@ LAW_VIEWS: dict[str, LawView] = {
     "rfrag": LawView(
         lambda fs: tuple(sorted(int.from_bytes(f[2:4], "big") for f in fs if _index(f) == 0)),
         (0, 1, 2),
+    ),
+    # longitudinal: the first period's report of a new device, None when its level does not
+    # report then; value 1 changes the state (its κ*-th change when κ* = 1), 0 does not. Most
+    # devices send nothing or noise at period 1, so the description (binary RR at ε/2 per
+    # report) is a bound the view does not attain.
+    "longitudinal": LawView(
+        lambda fs: fs[0][-1] if fs else None,
+        (1, 0),
+        value_of=lambda v: StateUpdate(period=1, changed=bool(v)),
+        tight=False,
     ),
 }
 DRAWS = 20_000
@@ -266,8 +281,10 @@ def _law(name: str, value: int, draws: int = DRAWS) -> Counter[Hashable]:
     rng = SeededSource(1000 + value)
     counts: Counter[Hashable] = Counter()
     for _ in range(draws):
-        encoded = mechanism.encode(params, value, mechanism.new_state(params, rng), rng, 1)
-        counts[LAW_VIEWS[name].view([f for _, route in encoded.routes for f in route])] += 1
+        view = LAW_VIEWS[name]
+        state = mechanism.new_state(params, rng)
+        encoded = mechanism.encode(params, view.value_of(value), state, rng, 1)
+        counts[view.view([f for _, route in encoded.routes for f in route])] += 1
     return counts
 
 
@@ -284,7 +301,7 @@ def test_every_pair_described_is_checked_or_excused() -> None:
         mechanism = get(name)
         description = mechanism.privacy(mechanism.parse_params(CASES[name].params))
         has_pair = any(spec.pair is not None for spec in description.randomizer.methods())
-        assert name in LAW_VIEWS or name in ("longitudinal", "ldp-sgd") or not has_pair, name
+        assert name in LAW_VIEWS or name == "ldp-sgd" or not has_pair, name
 
 
 def _shuffled(laws: dict[int, dict[Hashable, float]], dataset: Sequence[int]) -> Counter[str]:
@@ -317,7 +334,9 @@ def test_the_described_pairs_hold_for_the_encoders_law(name: str) -> None:
     x0, x1 = values[0], values[1]
     ceiling, attained = _ratios(counts, x0, x1)
     local = randomizer.local_eps(eps0)
-    assert ceiling <= math.exp(local) <= attained, (name, local, ceiling, attained)
+    assert ceiling <= math.exp(local), (name, local, ceiling)
+    if LAW_VIEWS[name].tight:
+        assert math.exp(local) <= attained, (name, local, attained)
     for spec in specs:
         assert spec.pair is not None
         assert ceiling <= math.exp(spec.pair(eps0, 2).eps0), (name, spec.method, ceiling)
