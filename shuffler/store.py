@@ -777,13 +777,13 @@ def _waiting_groups(conn: Connection, evaluated: bool) -> dict[GroupKey, int]:
     return {key: n for key, n in counts.items() if (key in done) == evaluated}
 
 
+def _unheld(key: GroupKey) -> list[Any]:
+    """The group's contributions that are not held: waiting, or dead once it is evaluated."""
+    return [*_group_filter(key, tables.contributions), tables.contributions.c.held_part.is_(None)]
+
+
 def _dead_ids(conn: Connection, key: GroupKey, limit: int) -> list[int]:
-    c = tables.contributions.c
-    query = (
-        select(c.id)
-        .where(*_group_filter(key, tables.contributions), c.held_part.is_(None))
-        .limit(limit)
-    )
+    query = select(tables.contributions.c.id).where(*_unheld(key)).limit(limit)
     return list(conn.execute(query).scalars())
 
 
@@ -818,7 +818,7 @@ def _group_rows(conn: Connection, key: GroupKey, lock: bool) -> tuple[Ids, Ids]:
     while True:
         query = (
             select(c.id, c.n_fragments)
-            .where(*_group_filter(key, tables.contributions), c.held_part.is_(None), c.id > last)
+            .where(*_unheld(key), c.id > last)
             .order_by(c.id)
             .limit(_LOCK_PAGE)
         )
