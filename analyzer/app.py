@@ -43,6 +43,8 @@ from common.wire import (
     MAX_INT,
     Batch,
     BatchAck,
+    ChannelChange,
+    ChannelConfig,
     ChannelList,
     Ledger,
     PrivacyOverview,
@@ -311,6 +313,36 @@ async def requeue(service: Service, body: RequeueRequest) -> RequeueResult:
     return RequeueResult(requeued=await asyncio.to_thread(service.requeue, body.batch_id))
 
 
+@operations.post(
+    "/channels",
+    status_code=201,
+    response_model=ChannelChange,
+    responses={
+        200: {"model": ChannelChange, "description": "The same channel exists: no change"},
+        **error_responses(400, 401, 409, 503),
+    },
+)
+async def add_channel(service: Service, response: Response, body: ChannelConfig) -> ChannelChange:
+    """Add a channel while running: published in the next signed config (a new revision),
+    picked up by shufflers and devices from it. 409 ``channel_exists``: its id names a
+    channel with other parameters (a live channel's parameters never change)."""
+    change = await asyncio.to_thread(service.add_channel, body)
+    if not change.changed:
+        response.status_code = 200
+    return change
+
+
+@operations.post(
+    "/channels/{channel_id}/retire",
+    response_model=ChannelChange,
+    responses=error_responses(401, 404, 503),
+)
+async def retire_channel(service: Service, channel_id: str) -> ChannelChange:
+    """Retire a channel: shufflers refuse its contributions from its next epoch on
+    (``409 channel_retired``); its releases and ledger stay. Retiring again changes nothing."""
+    return await asyncio.to_thread(service.retire_channel, channel_id)
+
+
 @pages.get("/", response_class=HTMLResponse, responses=error_responses(503))
 async def home(service: Service) -> HTMLResponse:
     """The dashboard."""
@@ -349,9 +381,7 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
     for router in (batches, channels, admin, operations, pages):
         app.include_router(router)
     metrics = CollectorRegistry(auto_describe=True)
-    ledger = functools.partial(
-        service.store.fragment_ledger, [c.id for c in service.settings.channels]
-    )
+    ledger = functools.partial(service.store.fragment_ledger, service.catalog.table)
     metrics.register(EventsCollector(service.events, service.store.unopened_parts, ledger))
     token = settings.metrics_token
     add_operational_routes(

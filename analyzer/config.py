@@ -62,6 +62,7 @@ def collection_config(
     now: int,
     shufflers: list[SignedDescriptor],
     channels: list[ChannelConfig] | None = None,
+    revision: int = 0,
 ) -> CollectionConfig:
     """The config devices need, valid for ``config_ttl_seconds`` from ``now``: the shufflers'
     own signed descriptors, and ``channels`` as published (e.g. with a training channel's
@@ -77,6 +78,7 @@ def collection_config(
         signing_key=b64(public_bytes(keys.signing.public_key())),
     )
     return CollectionConfig(
+        revision=revision,
         issued_at=now,
         expires_at=now + settings.config_ttl_seconds,
         analyzer=analyzer,
@@ -92,6 +94,8 @@ def signed_config(
     now: int,
     shufflers: list[SignedDescriptor],
     channels: list[ChannelConfig] | None = None,
+    revision: int = 0,
 ) -> SignedConfig:
     """``GET /v1/config``: the collection config signed with the analyzer's Ed25519 key."""
-    return sign_config(collection_config(settings, keys, now, shufflers, channels), keys.signing)
+    config = collection_config(settings, keys, now, shufflers, channels, revision)
+    return sign_config(config, keys.signing)

@@ -118,6 +118,14 @@ class UnknownChannelError(AnalyzerError):
     kind = Kind.NOT_FOUND
 
 
+class ChannelChangeRefusedError(AnalyzerError):
+    """A change to a live channel's parameters, to a retired channel, or an id taken: a
+    channel's privacy parameters never change while it runs (add a new channel instead)."""
+
+    code = "channel_exists"
+    kind = Kind.CONFLICT
+
+
 class NothingReceivedError(AnalyzerError):
     """Nothing was received that the requested release could be computed from."""
 

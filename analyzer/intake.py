@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -65,6 +65,9 @@ class IntakePolicy:
     channels: Mapping[str, ChannelRuntime]
     shufflers: Mapping[str, Ed25519PublicKey]
     max_batch_bytes: int
+    #: Reads the channels added at runtime again (a part may name one this replica has not
+    #: folded in yet); returns the config revision.
+    refresh_channels: Callable[[], int] = lambda: 0
 
 
 class BatchIntake:
@@ -131,6 +134,9 @@ class BatchIntake:
 
     def _runtime(self, batch: Batch) -> ChannelRuntime:
         runtime = self.policy.channels.get(batch.channel_id)
+        if runtime is None:
+            self.policy.refresh_channels()
+            runtime = self.policy.channels.get(batch.channel_id)
         if runtime is None:
             raise BatchForUnknownChannelError(f"channel {batch.channel_id!r} is not configured")
         config = runtime.config

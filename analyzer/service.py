@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analyzer.channels import ChannelRuntime
+from analyzer.catalog import ChannelCatalog
 from analyzer.config import AnalyzerKeys, signed_config
 from analyzer.dashboard import ChannelView
 from analyzer.descriptors import ShufflerDescriptors
@@ -32,6 +32,8 @@ from common.collection import ANALYZER_KEY_FILE
 from common.envelope import load_ed25519_public, public_bytes
 from common.wire import (
     BatchAck,
+    ChannelChange,
+    ChannelConfig,
     ChannelList,
     ChannelSummary,
     Ledger,
@@ -64,6 +66,7 @@ class AnalyzerService:
     events: Events
     opener: PartOpener
     descriptors: ShufflerDescriptors
+    catalog: ChannelCatalog
     clock: Callable[[], float] = time.time
     trainer: Trainer | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -78,15 +81,17 @@ class AnalyzerService:
             InvalidChannelError: if a configured channel does not validate.
         """
         keys = AnalyzerKeys.load(settings.key_dir)
+        store = AnalyzerStore(db.make_engine(settings.database_url), clock)
         shuffler_ids = [s.id for s in settings.shufflers]
-        channels = {c.id: ChannelRuntime.build(c, shuffler_ids) for c in settings.channels}
+        catalog = ChannelCatalog(settings.channels, shuffler_ids, store, clock, settings.part_cap)
+        channels = catalog.table
         policy = IntakePolicy(
             ring=keys.ring(),
             channels=channels,
             shufflers={s.id: load_ed25519_public(unb64(s.signing_key)) for s in settings.shufflers},
             max_batch_bytes=settings.part_cap,
+            refresh_channels=catalog.refresh,
         )
-        store = AnalyzerStore(db.make_engine(settings.database_url), clock)
         events = Events()
         return cls(
             settings,
@@ -104,6 +109,7 @@ class AnalyzerService:
                 settings.fault_while_opening,
             ),
             ShufflerDescriptors(settings.shufflers, store, clock),
+            catalog,
             clock,
             Trainer(store, channels, settings.training_dir),
         )
@@ -113,6 +119,7 @@ class AnalyzerService:
         opening stored parts (first the ones stored before a crash)."""
         db.wait_for(self.store.engine)
         db.upgrade(self.store.engine, MIGRATIONS)
+        self.catalog.refresh()
         charged = self.ledger.charge_missing()
         self.descriptors.seed()
         processes = self.opener.opener.warm()
@@ -122,15 +129,24 @@ class AnalyzerService:
             key = b64(public_bytes(self.keys.signing.public_key())) + "\n"
             publish(self.settings.publish_dir, ANALYZER_KEY_FILE, key)
         threading.Thread(target=self._retain, name="esa-retention", daemon=True).start()
+        threading.Thread(target=self._follow, name="esa-channels", daemon=True).start()
         log.info(
             "analyzer ready",
             extra={
                 "opening_processes": processes,
-                "channels": [c.id for c in self.settings.channels],
+                "channels": list(self.catalog.table),
                 "shufflers": [s.id for s in self.settings.shufflers],
                 "epochs_charged": charged,
             },
         )
+
+    def _follow(self) -> None:
+        """Fold in channel changes other replicas made (a change made here is folded at once)."""
+        while not self.stopping.wait(self.settings.channel_refresh_seconds):
+            try:
+                self.catalog.refresh()
+            except Exception:  # the thread must survive a database outage
+                log.exception("reading the channel log failed; retried")
 
     def close(self) -> None:
         """Stop the opener, the descriptor fetches and retention, release the database."""
@@ -178,21 +194,36 @@ class AnalyzerService:
             ShufflersUnavailableError: a shuffler's signed descriptor is not known yet.
         """
         shufflers = self.descriptors.current()
-        published = None
+        revision = self.catalog.refresh()
+        published = self.catalog.table.configs()
         if self.trainer is not None and self.trainer.channels:
             models = {c: self.trainer.state(c) for c in self.trainer.channels}
-            published = published_channels(self.settings.channels, models)
-        return signed_config(self.settings, self.keys, int(self.clock()), shufflers, published)
+            published = published_channels(published, models)
+        now = int(self.clock())
+        return signed_config(self.settings, self.keys, now, shufflers, published, revision)
 
     def channels(self) -> ChannelList:
-        """``GET /v1/channels``: every configured channel and the epochs received."""
+        """``GET /v1/channels``: every channel (retired ones too) and the epochs received."""
         spans = self.store.epoch_spans()
+        self.catalog.refresh()
         return ChannelList(
             channels=[
                 ChannelSummary(**c.model_dump(), epochs=spans.get(c.id))
-                for c in self.settings.channels
-            ]
+                for c in self.catalog.table.configs()
+            ],
+            revision=self.catalog.revision,
         )
+
+    def add_channel(self, config: ChannelConfig) -> ChannelChange:
+        """``POST /v1/admin/channels``: add a channel while running (the same one again: no
+        change; another with its id: refused)."""
+        channel, changed = self.catalog.add(config)
+        return ChannelChange(channel=channel, revision=self.catalog.revision, changed=changed)
+
+    def retire_channel(self, channel_id: str) -> ChannelChange:
+        """``POST /v1/admin/channels/{id}/retire``: no contributions from its next epoch on."""
+        channel, changed = self.catalog.retire(channel_id)
+        return ChannelChange(channel=channel, revision=self.catalog.revision, changed=changed)
 
     def estimate(
         self,

@@ -101,6 +101,9 @@ class AnalyzerSettings(SecretFileSettings):
     shufflers: list[ShufflerEntry] = Field(default_factory=list)
     shufflers_file: Path | None = None
     config_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
+    #: How often each replica reads the channel log for channels another replica added or
+    #: retired (a change made at a replica is served by it at once).
+    channel_refresh_seconds: float = Field(2.0, gt=0)
     #: How often each shuffler's signed descriptor is fetched again (sooner while one is
     #: missing); a descriptor's own validity is the shuffler's ``descriptor_ttl_seconds``.
     descriptor_refresh_seconds: float = Field(60.0, gt=0)

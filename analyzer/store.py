@@ -140,6 +140,22 @@ shuffler_descriptors = Table(
     Column("document", Text, nullable=False),
 )
 
+#: The channels added and retired at runtime, as a log whose ``version`` numbers the configs.
+channel_changes = Table(
+    "channel_changes",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=True),
+    Column("channel_id", String(64), nullable=False),
+    Column("action", String(16), nullable=False),
+    Column("config", Text, nullable=True),
+    Column("retired_from_epoch", BigInteger, nullable=True),
+    Column("changed_at", Float, nullable=False),
+    Index("ix_channel_changes_channel", "channel_id"),
+)
+
+#: ``channel_changes.action``.
+ADD, RETIRE = "add", "retire"
+
 #: ``batch_parts.status``: waiting for the opener, folded in, or set aside after failed openings.
 STORED, OPENED, QUARANTINED = "stored", "opened", "quarantined"
 #: Longest ``last_error`` kept for a failed opening.
@@ -169,6 +185,17 @@ Fold = Callable[[bytes | None], tuple[bytes, int]]
 Complete = Callable[[bytes, int, int], "Completion"]
 #: Merges a complete batch's statistics into an accumulator (None when new) → new state.
 Merge = Callable[[bytes | None, bytes], bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelChange:
+    """One row of the channel log: ``add`` (with the config as JSON) or ``retire``."""
+
+    version: int
+    channel_id: str
+    action: str
+    config: str | None
+    retired_from_epoch: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,6 +561,40 @@ class AnalyzerStore:
             except IntegrityError:  # another worker kept one first: compare again next time
                 return False
         return True
+
+    def record_channel_change(
+        self, channel_id: str, action: str, config: str | None, retired_from_epoch: int | None
+    ) -> int:
+        """Append one change to the channel log; its version (the config revision it starts)."""
+        with self.engine.begin() as conn:
+            row = conn.execute(
+                insert(channel_changes)
+                .values(
+                    channel_id=channel_id,
+                    action=action,
+                    config=config,
+                    retired_from_epoch=retired_from_epoch,
+                    changed_at=self.clock(),
+                )
+                .returning(channel_changes.c.version)
+            ).one()
+        return int(row[0])
+
+    def channel_changes(self, after: int = 0) -> list[ChannelChange]:
+        """The channel log after version ``after``, oldest first."""
+        c = channel_changes.c
+        query = select(c.version, c.channel_id, c.action, c.config, c.retired_from_epoch).where(
+            c.version > after
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query.order_by(c.version)).all()
+        return [ChannelChange(int(v), str(i), str(a), f, r) for v, i, a, f, r in rows]
+
+    def channel_revision(self) -> int:
+        """The newest version in the channel log (0: no change yet)."""
+        with self.engine.connect() as conn:
+            found = conn.execute(select(func.max(channel_changes.c.version))).scalar()
+        return int(found or 0)
 
     def descriptors(self) -> dict[str, tuple[int, str]]:
         """The kept descriptors: shuffler id → (expires_at, signed document as JSON)."""

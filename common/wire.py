@@ -85,6 +85,9 @@ class ChannelPolicy(BaseModel):
     min_fragments: int = Field(0, ge=0, le=65535)
     payload_size: int = Field(16, ge=8, le=1024)
     crowds: tuple[str, ...] = Field(("",), min_length=1, max_length=MAX_CROWDS)
+    #: The first epoch the channel no longer takes (set when it is retired at runtime; its
+    #: releases and ledger stay): shufflers answer ``409 channel_retired`` from it on.
+    retired_from_epoch: int | None = Field(None, ge=0, le=MAX_INT)
 
     @model_validator(mode="before")
     @classmethod
@@ -115,6 +118,20 @@ class ChannelPolicy(BaseModel):
         if len(set(value)) != len(value):
             raise ValueError(f"crowd ids must be distinct, got {list(value)}")
         return value
+
+    def takes(self, epoch: int) -> bool:
+        """Whether the channel takes contributions for ``epoch`` (not retired by then)."""
+        return self.retired_from_epoch is None or epoch < self.retired_from_epoch
+
+    def changed_fields(self, other: ChannelPolicy) -> list[str]:
+        """The fields ``other`` sets differently, besides its retirement: a live channel's
+        parameters never change (a changed one is a new channel)."""
+        mine, theirs = self.model_dump(), other.model_dump()
+        return sorted(
+            k
+            for k in set(mine) | set(theirs)
+            if k != "retired_from_epoch" and mine.get(k) != theirs.get(k)
+        )
 
 
 class DeviceBudget(BaseModel):
@@ -322,6 +339,9 @@ class CollectionConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     version: Literal[2] = 2
+    #: Numbers the changes of the channel list (added, retired) at the analyzer: never goes
+    #: down, so a shuffler or device never adopts an older list than one it adopted.
+    revision: int = Field(0, ge=0, le=MAX_INT)
     issued_at: int = Field(ge=0, le=MAX_INT)
     expires_at: int = Field(ge=0, le=MAX_INT)
     analyzer: AnalyzerInfo
@@ -623,6 +643,17 @@ class ChannelSummary(ChannelConfig):
 
 
 class ChannelList(BaseModel):
-    """``GET /v1/channels``."""
+    """``GET /v1/channels``: the channels (retired ones too) and the config revision."""
 
     channels: list[ChannelSummary]
+    revision: int = 0
+
+
+class ChannelChange(BaseModel):
+    """An admin's change to the channel list: the channel as now published, the config
+    revision that carries it, and whether anything changed (adding the same channel again,
+    or retiring a retired one, changes nothing)."""
+
+    channel: ChannelConfig
+    revision: int
+    changed: bool

@@ -1,0 +1,160 @@
+"""The analyzer's channels while it runs: those of its settings, plus those added and retired
+through the admin API (``esa channel add|retire|list``).
+
+Changes are a log in the analyzer's database (``channel_changes``) whose version is the
+collection config's ``revision``, so every replica folds the same log into the same table and
+a restart loses nothing. A channel's parameters never change while it runs (a change is a new
+channel); retiring one stops it at its next epoch and keeps its releases and ledger.
+Runbook: docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from analyzer.channels import ChannelRuntime
+from analyzer.errors import ChannelChangeRefusedError, InvalidChannelError, UnknownChannelError
+from analyzer.settings import largest_part_bytes
+from analyzer.store import ADD, RETIRE, AnalyzerStore, ChannelChange
+from common.mechanisms import ldpsgd
+from common.wire import ChannelConfig
+
+log = logging.getLogger("esa.analyzer")
+
+
+class ChannelTable(Mapping[str, ChannelRuntime]):
+    """The channels every part of the analyzer reads, replaced whole on a change, so a reader
+    iterating it never sees one half-applied."""
+
+    def __init__(self, runtimes: Mapping[str, ChannelRuntime]) -> None:
+        self._items = dict(runtimes)
+
+    def __getitem__(self, channel_id: str) -> ChannelRuntime:
+        return self._items[channel_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def replace(self, runtimes: Mapping[str, ChannelRuntime]) -> None:
+        """Publish a new table (one reference swap)."""
+        self._items = dict(runtimes)
+
+    def configs(self) -> list[ChannelConfig]:
+        """Every channel's config, in the order they were configured."""
+        return [runtime.config for runtime in self._items.values()]
+
+
+class ChannelCatalog:
+    """Folds the settings' channels and the channel log into a :class:`ChannelTable`."""
+
+    def __init__(
+        self,
+        configured: Sequence[ChannelConfig],
+        shuffler_ids: Sequence[str],
+        store: AnalyzerStore,
+        clock: Callable[[], float],
+        part_cap: int,
+    ) -> None:
+        self.configured = list(configured)
+        self.part_cap = part_cap
+        self.shuffler_ids = tuple(shuffler_ids)
+        self.store = store
+        self.clock = clock
+        self.table = ChannelTable(
+            {c.id: ChannelRuntime.build(c, self.shuffler_ids) for c in self.configured}
+        )
+        self.revision = 0
+        self._lock = threading.Lock()
+
+    def refresh(self) -> int:
+        """Fold the log again if another replica (or a restart) changed it; the revision."""
+        if self.store.channel_revision() == self.revision:
+            return self.revision
+        with self._lock:
+            changes = self.store.channel_changes()
+            self.table.replace(self._fold(changes))
+            self.revision = changes[-1].version if changes else 0
+        return self.revision
+
+    def _fold(self, changes: Sequence[ChannelChange]) -> dict[str, ChannelRuntime]:
+        configs = {c.id: c for c in self.configured}
+        for change in changes:
+            known = configs.get(change.channel_id)
+            if change.action == ADD and known is None and change.config is not None:
+                configs[change.channel_id] = ChannelConfig.model_validate_json(change.config)
+            elif change.action == RETIRE and known is not None and known.retired_from_epoch is None:
+                update = {"retired_from_epoch": change.retired_from_epoch}
+                configs[change.channel_id] = known.model_copy(update=update)
+        runtimes = dict(self.table)
+        for channel_id, config in configs.items():
+            if channel_id not in runtimes or runtimes[channel_id].config != config:
+                runtimes[channel_id] = ChannelRuntime.build(config, self.shuffler_ids)
+        return runtimes
+
+    def add(self, config: ChannelConfig) -> tuple[ChannelConfig, bool]:
+        """Add a channel; (the channel as published, whether anything changed). The same
+        channel added again changes nothing.
+
+        Raises:
+            InvalidChannelError: its mechanism refuses its parameters (or it is retired already).
+            ChannelChangeRefusedError: the id names a channel with other parameters.
+        """
+        self.refresh()
+        known = self.table.get(config.id)
+        if known is not None:
+            self._check_same(known.config, config)
+            return known.config, False
+        if config.retired_from_epoch is not None:
+            raise InvalidChannelError(f"channel {config.id!r}: a new channel cannot be retired")
+        if config.mechanism == ldpsgd.NAME:
+            raise InvalidChannelError(
+                f"channel {config.id!r}: ldp-sgd channels train state kept from the start; "
+                "configure them in the analyzer's channel file"
+            )
+        ChannelRuntime.build(config, self.shuffler_ids)
+        if largest_part_bytes([config]) > max(self.part_cap, largest_part_bytes(self.configured)):
+            raise InvalidChannelError(
+                f"channel {config.id!r}: payload_size={config.payload_size} makes parts larger "
+                f"than this analyzer reads ({self.part_cap} bytes, max_batch_bytes); restart "
+                "the analyzer with a larger max_batch_bytes first"
+            )
+        self.store.record_channel_change(config.id, ADD, config.model_dump_json(), None)
+        self.refresh()
+        self._check_same(self.table[config.id].config, config)  # another replica's add first
+        log.info("channel added", extra={"channel": config.id, "revision": self.revision})
+        return self.table[config.id].config, True
+
+    @staticmethod
+    def _check_same(known: ChannelConfig, config: ChannelConfig) -> None:
+        changed = known.changed_fields(config)
+        if changed:
+            raise ChannelChangeRefusedError(
+                f"channel {config.id!r} exists with other {', '.join(changed)}: a live "
+                "channel's parameters never change; add a channel with a new id instead"
+            )
+
+    def retire(self, channel_id: str) -> tuple[ChannelConfig, bool]:
+        """Retire a channel from its next epoch on; (the channel, whether anything changed).
+
+        Raises:
+            UnknownChannelError: no such channel.
+        """
+        self.refresh()
+        known = self.table.get(channel_id)
+        if known is None:
+            raise UnknownChannelError(f"no channel {channel_id[:64]!r}")
+        if known.config.retired_from_epoch is not None:
+            return known.config, False
+        first = int(self.clock() // known.config.epoch_seconds) + 1
+        self.store.record_channel_change(channel_id, RETIRE, None, first)
+        self.refresh()
+        log.info(
+            "channel retired",
+            extra={"channel": channel_id, "from_epoch": first, "revision": self.revision},
+        )
+        return self.table[channel_id].config, True
