@@ -44,6 +44,7 @@ from common.wire import ChannelConfig, DeviceBudget, EnrollResponse, ShufflerInf
 from encoder_client._errors import (
     AlreadyReportedError,
     ChannelError,
+    ChannelRetiredError,
     ConfigError,
     InvalidArgumentError,
     StateError,
@@ -60,6 +61,9 @@ log = logging.getLogger("esa.client")
 _RNG = SystemSource()
 #: Outbox retries: 0.5 s doubling to 5 min, jittered so devices that failed together spread out.
 OUTBOX_BACKOFF = Backoff(base=0.5, cap=300.0)
+#: A shuffler's error codes saying this device's config is behind (a channel retired, a key
+#: no longer held): the contribution is dropped and the config fetched again.
+OUTDATED = frozenset({"channel_retired", "config_outdated"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -230,6 +234,9 @@ class Client:
         self._every_shuffler = every_shuffler
         self._http = httpx.Client(timeout=timeout, verify=_tls_context())
         self._config_lock = threading.Lock()
+        #: A shuffler answered that this device's config is behind (a retired channel or
+        #: key): the next report fetches it again first.
+        self._stale = False
         try:
             config = self._load_config()
             self.state = DeviceState(_state_path(state_path))
@@ -309,11 +316,15 @@ class Client:
         Raises:
             ConfigError: it expired and no valid replacement could be fetched.
         """
-        if self._clock() <= self._config.expires_at:
+        if self._clock() <= self._config.expires_at and not self._stale:
             return self._config
         try:
             self.refresh_config()
+            self._stale = False
         except ConfigError as error:
+            if self._clock() <= self._config.expires_at:  # stale, still valid: used again
+                log.warning("collection config not refreshed", extra={"error": str(error)})
+                return self._config
             raise ConfigError(
                 f"collection config expired at {self._config.expires_at} and no valid one "
                 f"could be fetched: {error}"
@@ -514,9 +525,18 @@ class Client:
         except (httpx.HTTPError, ValueError):  # network, or an enrolment answer we cannot use
             self._backoff(item)
             return 0
+        code = _error_code(response) if response.status_code >= 400 else None
+        if code in OUTDATED:  # the config is behind: refreshed before the next report
+            log.warning("contribution refused: config outdated; dropped", extra={"error": code})
+            self._stale = True
+            self.state.delivered(item.id)
+            return 0
         if response.status_code in (202, 409):  # 409: already stored (a lost 202) — done
             self.state.delivered(item.id)
             return 1
+        if code == "unknown_channel":  # a channel added moments ago: the shuffler adopts it
+            self._backoff(item)  # within seconds; once its epoch closes: epoch_not_open
+            return 0
         if response.status_code == 401:
             self.state.set_token(shuffler.id, "")
             self._backoff(item)
@@ -642,6 +662,12 @@ class Reporter:
             StateFileError: the state file can no longer be read or written.
         """
         self._fresh()  # never encode or seal with a config whose vouching expired
+        epoch = self._client._epoch(self._config)
+        if not self._config.takes(epoch):
+            raise ChannelRetiredError(
+                f"channel {self._config.id!r} is retired from epoch "
+                f"{self._config.retired_from_epoch} on (this is epoch {epoch})"
+            )
         try:
             self._commit(self._encode(value))
         except sqlite3.Error as error:

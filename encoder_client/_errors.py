@@ -32,6 +32,11 @@ class ChannelError(EsaError):
     """Unknown channel, or a reporter of the wrong kind for it."""
 
 
+class ChannelRetiredError(ChannelError):
+    """The channel was retired at the analyzer: it takes no report for this epoch or later
+    (``ChannelConfig.retired_from_epoch``); its past releases stay."""
+
+
 class UnknownCrowdError(ChannelError):
     """A crowd that the channel's signed config does not declare (``ChannelConfig.crowds``);
     shufflers would refuse the contribution (``400 unknown_crowd``)."""

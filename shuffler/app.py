@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,12 @@ def _lifespan(
         published = await asyncio.to_thread(service.publish)
         writer.start()
         tasks = _background(service, http)
-        channels = [c.id for c in service.settings.channels]
+        channels = [c.id for c in service.policies.all()]
+        if service.follower is not None:
+            follower = threading.Thread(
+                target=service.follower.run, args=(http,), name="esa-config", daemon=True
+            )
+            follower.start()
         log.info(
             "shuffler ready",
             extra={
@@ -107,6 +113,8 @@ def _lifespan(
         try:
             yield
         finally:
+            if service.follower is not None:
+                service.follower.stop()
             for task in tasks:
                 task.cancel()
             await asyncio.to_thread(writer.stop)
@@ -139,7 +147,10 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
     app.include_router(routes.public)
     app.include_router(routes.admin)
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(ShufflerCollector(service.events, service.store.ledger_by_cause))
+    collector = ShufflerCollector(
+        service.events, service.store.ledger_by_cause, service.store.channel_health
+    )
+    registry.register(collector)
     token = settings.metrics_token or settings.admin_token
     add_operational_routes(app, service.store.engine, registry, token.get_secret_value())
     return app
@@ -148,6 +159,8 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
 def _document_channels(settings: ShufflerSettings, schema: dict[str, Any]) -> None:
     """The channels this instance serves, as the enum of ``CloseRequest.channel_id``: any
     other channel is invalid input (400), as the document then says."""
+    if settings.follows_analyzer:  # channels are added while it runs
+        return
     ids = [channel.id for channel in settings.channels]
     close = schema.get("components", {}).get("schemas", {}).get("CloseRequest")
     if ids and close is not None:

@@ -75,6 +75,14 @@ class UnknownChannelError(ShufflerError):
     kind = Kind.INVALID
 
 
+class ChannelRetiredError(ShufflerError):
+    """The contribution's channel was retired before its epoch (the device's config is stale:
+    it refreshes its config on this answer)."""
+
+    code = "channel_retired"
+    kind = Kind.CONFLICT
+
+
 class UnknownCrowdError(ShufflerError):
     """The contribution names a crowd its channel does not declare (``ChannelPolicy.crowds``)."""
 

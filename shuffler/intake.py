@@ -33,6 +33,7 @@ from common.envelope import (
 from common.wire import ChannelPolicy
 from shuffler.errors import (
     BadTokenError,
+    ChannelRetiredError,
     ClientRateLimitedError,
     EpochNotOpenError,
     FragmentSizeError,
@@ -47,6 +48,7 @@ from shuffler.errors import (
     UnknownCrowdError,
     UnsupportedVersionError,
 )
+from shuffler.policies import ChannelPolicies
 from shuffler.records import Conflict, Pending
 from shuffler.settings import ShufflerSettings
 
@@ -162,10 +164,18 @@ class Intake:
     """Validates contributions; ``closed_upto`` is shared with the batching schedule."""
 
     def __init__(
-        self, settings: ShufflerSettings, ring: KeyRing, clock: Callable[[], float]
+        self,
+        settings: ShufflerSettings,
+        ring: KeyRing,
+        clock: Callable[[], float],
+        policies: ChannelPolicies,
     ) -> None:
         self.settings = settings
         self.ring = ring
+        self.policies = policies
+        #: Called when a contribution names a channel not served (yet): a follower of the
+        #: analyzer's config fetches it again.
+        self.on_unknown_channel: Callable[[], None] = lambda: None
         self.clock = clock
         self.tokens = TokenAuthority(settings.token_secret.get_secret_value().encode())
         self.contributions = RateLimiter(settings.rate_per_second, settings.rate_burst)
@@ -178,8 +188,8 @@ class Intake:
 
         Raises:
             MalformedContributionError (UnsupportedVersionError: an old wire version),
-            UnknownChannelError, TooFewFragmentsError, FragmentSizeError, UnknownCrowdError,
-            TooManyFragmentsError, EpochNotOpenError.
+            UnknownChannelError, ChannelRetiredError, TooFewFragmentsError, FragmentSizeError,
+            UnknownCrowdError, TooManyFragmentsError, EpochNotOpenError.
         """
         try:
             contribution = open_contribution(blob, self.settings.shuffler_id, self.ring)
@@ -187,9 +197,14 @@ class Intake:
             raise UnsupportedVersionError(str(error)) from error
         except EnvelopeError as error:
             raise MalformedContributionError(str(error)) from error
-        policy = self.settings.channel(contribution.channel_id)
+        policy = self.policies.get(contribution.channel_id)
         if policy is None:
+            self.on_unknown_channel()
             raise UnknownChannelError(f"channel {contribution.channel_id!r} is not served here")
+        if not policy.takes(contribution.epoch):
+            raise ChannelRetiredError(
+                f"channel {policy.id!r} is retired from epoch {policy.retired_from_epoch} on"
+            )
         if contribution.crowd_id not in policy.crowds:
             raise UnknownCrowdError(
                 f"crowd {contribution.crowd_id[:64]!r} is not declared for channel {policy.id!r}"

@@ -40,6 +40,7 @@ from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
 from shuffler.forwarder import Forwarder
 from shuffler.intake import Intake, TokenAuthority, refusal
 from shuffler.metrics import Events
+from shuffler.policies import ChannelPolicies, ConfigFollower, PolicyFloor
 from shuffler.records import Conflict, GroupKey, Pending
 from shuffler.retention import Retention
 from shuffler.settings import ShufflerSettings
@@ -75,7 +76,18 @@ class ShufflerService:
         self.clock = clock
         self.rng = rng or randomness.default_source()
         self.events = Events()
-        self.intake = Intake(settings, ring, clock)
+        floor = PolicyFloor(
+            settings.adopt_min_crowd, settings.adopt_max_eps_cr, settings.adopt_max_delta_cr
+        )
+        self.policies = ChannelPolicies(settings.channels, floor)
+        self.follower = (
+            ConfigFollower(settings, self.policies, store, clock)
+            if settings.follows_analyzer
+            else None
+        )
+        self.intake = Intake(settings, ring, clock, self.policies)
+        if self.follower is not None:
+            self.intake.on_unknown_channel = self.follower.wake
         self.batcher = Batcher(settings.shuffler_id, signing_key, self.rng, settings.part_fragments)
         backoff = Backoff(settings.backoff_base_seconds, settings.backoff_cap_seconds)
         self.forwarder = Forwarder(
@@ -104,6 +116,8 @@ class ShufflerService:
         every batching round, so an admin close or a revocation made at one replica of this
         trust domain reaches the others within ``batch_interval_seconds``."""
         self.intake.tokens.revoked |= self.store.revoked()
+        if self.follower is not None:
+            self.follower.load()
         for channel_id, epoch in self.store.closed_epochs().items():
             self.intake.close(channel_id, epoch)
 
@@ -149,7 +163,7 @@ class ShufflerService:
         hpke, signing = self.ring.public(), self.signing_key.public_key()
         identity = public_identity(hpke, signing)
         return ShufflerConfig(
-            id=self.settings.shuffler_id, channels=list(self.settings.channels), **identity
+            id=self.settings.shuffler_id, channels=self.policies.all(), **identity
         )
 
     def descriptor(self) -> SignedDescriptor:
@@ -190,7 +204,7 @@ class ShufflerService:
         """Groups whose epoch closed: each is evaluated whole, never split by arrival."""
         found = []
         for key, _ in self.store.open_groups():
-            policy = self.settings.channel(key.channel_id)
+            policy = self.policies.get(key.channel_id)
             if policy is None:
                 continue
             closed = self.intake.closed_upto.get(key.channel_id, -1)
@@ -205,7 +219,7 @@ class ShufflerService:
         Raises:
             sqlalchemy.exc.IntegrityError: another worker evaluated this group first.
         """
-        policy = self.settings.channel(key.channel_id)
+        policy = self.policies.get(key.channel_id)
         if policy is None:
             return None
         # Persist the close first, also for an epoch that ended by the clock: no replica
@@ -273,7 +287,7 @@ class ShufflerService:
             UnknownChannelError: the channel is not configured here.
             FutureEpochError: ``epoch`` has not started yet.
         """
-        policy = self.settings.channel(channel_id)
+        policy = self.policies.get(channel_id)
         if policy is None:
             raise UnknownChannelError(f"channel {channel_id[:64]!r} is not configured here")
         current = int(self.clock() // policy.epoch_seconds)

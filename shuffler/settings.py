@@ -45,6 +45,20 @@ class ShufflerSettings(SecretFileSettings):
     publish_dir: Path | None = None
     key_dir: Path = Path("var/keys/shuffler-1")
     analyzer_url: str | None = None
+    #: The analyzer's config-signing key this shuffler pins (base64 Ed25519), or the file the
+    #: analyzer publishes it in (``analyzer.pub``, read at each fetch until it exists): with
+    #: either, channels added and retired at the analyzer are adopted from its signed config.
+    analyzer_key: str | None = None
+    analyzer_key_file: Path | None = None
+    #: How often the analyzer's signed config is fetched for channel changes (sooner when a
+    #: contribution names a channel not served yet).
+    config_refresh_seconds: float = Field(10.0, gt=0)
+    #: The weakest randomized deletion this shuffler applies to a channel it adopts from the
+    #: analyzer's config (the channels of its own settings are the operator's choice): a new
+    #: channel below it is refused, so an analyzer cannot switch deletion off.
+    adopt_min_crowd: int = Field(10, ge=1)
+    adopt_max_eps_cr: float = Field(2.0, gt=0)
+    adopt_max_delta_cr: float = Field(1e-5, gt=0, lt=1)
     token_secret: SecretStr = SecretStr("development")
     admin_token: SecretStr = SecretStr("development")
     #: Bearer token for ``GET /metrics`` (exact pending/held/deleted counts are secret until
@@ -102,6 +116,10 @@ class ShufflerSettings(SecretFileSettings):
                 f"host={self.host} listens on every address: set public_url to the URL devices "
                 "reach this shuffler at (its signed descriptor vouches for it)"
             )
+        if self.analyzer_key is not None and self.analyzer_key_file is not None:
+            raise ValueError("give analyzer_key or analyzer_key_file, not both")
+        if self.follows_analyzer and self.analyzer_url is None:
+            raise ValueError("following the analyzer's channels needs analyzer_url")
         ids = [c.id for c in self.channels]
         if len(ids) != len(set(ids)):
             raise ValueError(f"duplicate channel ids in {ids}")
@@ -112,6 +130,7 @@ class ShufflerSettings(SecretFileSettings):
         """Where devices reach this shuffler."""
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
-    def channel(self, channel_id: str) -> ChannelPolicy | None:
-        """The policy of ``channel_id``, if configured."""
-        return next((c for c in self.channels if c.id == channel_id), None)
+    @property
+    def follows_analyzer(self) -> bool:
+        """Whether channel changes are adopted from the analyzer's signed config."""
+        return self.analyzer_key is not None or self.analyzer_key_file is not None

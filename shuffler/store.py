@@ -28,9 +28,11 @@ import numpy as np
 import numpy.typing as npt
 from sqlalchemy import (
     BigInteger,
+    Select,
     Table,
     any_,
     bindparam,
+    case,
     delete,
     event,
     exists,
@@ -56,6 +58,7 @@ from shuffler.batcher import Batcher, Deletion, Evaluation, GroupStatus, Release
 from shuffler.records import (
     Conflict,
     DuePart,
+    EpochHealth,
     GroupKey,
     PartKey,
     Pending,
@@ -274,6 +277,24 @@ class ContributionStore(ABC):
         """The latest closed epoch of each channel."""
         with self.engine.connect() as conn:
             return _closed_among(conn)
+
+    def follow(self, policies: Sequence[ChannelPolicy], revision: int) -> None:
+        """Persist the channel policies adopted at config ``revision`` (one row per channel,
+        replaced: a retirement rewrites the channel's row)."""
+        f = tables.followed_channels
+        with self.engine.begin() as conn:
+            for policy in policies:
+                conn.execute(delete(f).where(f.c.channel_id == policy.id))
+                values = {"policy": policy.model_dump_json(), "version": revision}
+                conn.execute(insert(f).values(channel_id=policy.id, **values))
+
+    def followed(self) -> tuple[list[ChannelPolicy], int]:
+        """The adopted channel policies and the newest revision they were adopted at."""
+        f = tables.followed_channels.c
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(f.policy, f.version)).all()
+        policies = [ChannelPolicy.model_validate_json(text) for text, _ in rows]
+        return policies, max((int(version) for _, version in rows), default=0)
 
     # --- batching -------------------------------------------------------------------------
 
@@ -641,6 +662,37 @@ class ContributionStore(ABC):
         with self.engine.connect() as conn:
             conn.exec_driver_sql(self.snapshot_sql)
             yield conn
+
+    def channel_health(self, epochs: int) -> list[EpochHealth]:
+        """Per channel, its ``epochs`` newest epochs with an evaluated group, newest first:
+        the groups released, held and aborted, and the contributions of the released groups
+        alone; nothing of a group still waiting, nor the size of a held or aborted one
+        (PROTOCOL.md). Channels are whatever the ``groups`` rows name. Reads the ``groups``
+        and ``batches`` rows (one per group), never a contribution's, in one snapshot, so a
+        group and its batch are seen together.
+
+        Raises:
+            ValueError: ``epochs`` is below 1.
+        """
+        if epochs < 1:
+            raise ValueError(f"epochs must be at least 1, got epochs={epochs}")
+        with self._snapshot() as conn:
+            rows = conn.execute(_newest_epochs(epochs)).all()
+            forwarded = _forwarded(conn, [(row.channel_id, int(row.epoch)) for row in rows])
+        return [
+            EpochHealth(
+                channel_id=row.channel_id,
+                epoch=int(row.epoch),
+                released=int(row.released),
+                held=int(row.held),
+                aborted=int(row.aborted),
+                received=int(row.received),
+                deleted=int(row.deleted),
+                batched=int(row.batched),
+                forwarded=forwarded.get((row.channel_id, int(row.epoch)), 0),
+            )
+            for row in rows
+        ]
 
 
 def _stale_batches(
@@ -1154,3 +1206,60 @@ def make_store(engine: Engine) -> ContributionStore:
             f"unsupported database {engine.dialect.name!r}; use one of {sorted(STORES)}"
         )
     return store(engine)
+
+
+def _newest_epochs(epochs: int) -> Select[Any]:
+    """One row per (channel, epoch) among each channel's ``epochs`` newest evaluated epochs:
+    groups by outcome, and ``n``, ``deleted`` and ``kept`` summed over the released groups
+    only (the sizes of the others are secret)."""
+    g = tables.groups.c
+    released = g.status == str(GroupStatus.RELEASED)
+
+    def groups_with(status: GroupStatus) -> Any:
+        return func.sum(case((g.status == str(status), 1), else_=0))
+
+    def over_released(column: Any) -> Any:
+        return func.sum(case((released, column), else_=0))
+
+    newest = func.row_number().over(partition_by=g.channel_id, order_by=g.epoch.desc())
+    per_epoch = (
+        select(
+            g.channel_id,
+            g.epoch,
+            groups_with(GroupStatus.RELEASED).label("released"),
+            groups_with(GroupStatus.HELD).label("held"),
+            groups_with(GroupStatus.ABORTED).label("aborted"),
+            over_released(g.n).label("received"),
+            over_released(g.deleted).label("deleted"),
+            over_released(g.kept).label("batched"),
+            newest.label("newest"),
+        )
+        .group_by(g.channel_id, g.epoch)
+        .subquery()
+    )
+    s = per_epoch.c
+    return (
+        select(
+            s.channel_id, s.epoch, s.released, s.held, s.aborted, s.received, s.deleted, s.batched
+        )
+        .where(s.newest <= epochs)
+        .order_by(s.channel_id, s.epoch.desc())
+    )
+
+
+def _forwarded(conn: Connection, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """Contributions in batches every part of which the analyzer acknowledged, per (channel,
+    epoch) of ``keys``."""
+    b = tables.batches.c
+    found: dict[tuple[str, int], int] = {}
+    for start in range(0, len(keys), _KEYS_PER_QUERY):
+        query = (
+            select(b.channel_id, b.epoch, func.sum(b.n_contributions))
+            .where(
+                b.status == "forwarded",
+                tuple_(b.channel_id, b.epoch).in_(keys[start : start + _KEYS_PER_QUERY]),
+            )
+            .group_by(b.channel_id, b.epoch)
+        )
+        found |= {(channel, int(epoch)): int(n) for channel, epoch, n in conn.execute(query)}
+    return found

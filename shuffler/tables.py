@@ -122,3 +122,13 @@ revoked = Table(
     Column("client_id", String(64), primary_key=True),
     Column("revoked_at", Float, nullable=False),
 )
+
+#: The channel policies adopted from the analyzer's signed config (:mod:`shuffler.policies`),
+#: with the config revision each was adopted at.
+followed_channels = Table(
+    "followed_channels",
+    metadata,
+    Column("channel_id", String(64), primary_key=True),
+    Column("policy", Text, nullable=False),
+    Column("version", Integer, nullable=False),
+)

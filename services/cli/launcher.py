@@ -192,6 +192,7 @@ def shuffler_spec(
         "ESA_SHUFFLER_KEY_DIR": str(var / "keys" / sid),
         "ESA_SHUFFLER_CHANNELS_FILE": str(var / "channels.json"),
         "ESA_SHUFFLER_ANALYZER_URL": analyzer_url,
+        "ESA_SHUFFLER_ANALYZER_KEY_FILE": str(var / "analyzer.pub"),
         **SHARED_SETTINGS,
         **(LOCAL_SETTINGS if profile == "local" else {}),
     }

@@ -27,6 +27,7 @@ EXPECTED = {
     errors.StorageConflictError: ("storage_conflict", 503),
     errors.ShufflersUnavailableError: ("shufflers_unavailable", 503),
     errors.IntakeBusyError: ("busy", 503),
+    errors.ChannelChangeRefusedError: ("channel_exists", 409),
 }
 
 

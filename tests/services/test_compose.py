@@ -152,6 +152,10 @@ def test_each_service_runs_the_launchers_command_port_and_settings(spec: Any) ->
         if name.endswith("DATABASE_URL"):  # a secret: as a file, checked below
             assert name not in env
             continue
+        if name == "ESA_SHUFFLER_ANALYZER_KEY_FILE":  # what the analyzer published, mounted
+            assert env[name] == "/var/esa/published/analyzer/analyzer.pub"
+            assert _mounts(service)["/var/esa/published/analyzer"] == ("published-analyzer", True)
+            continue
         assert env.get(name) == value, name
     assert set(env) - set(spec.env) <= COMPOSE_ONLY
     # The party's own secrets, as files, under the names `esa up` keeps them in its key folder.
@@ -256,8 +260,8 @@ def test_each_trust_domain_has_its_own_database_server_on_its_own_network() -> N
 def test_keys_stay_in_their_partys_volume_and_only_public_material_crosses() -> None:
     """Each service makes its own keys in its own volume, mounted into its own trust domain's
     processes only; what it publishes (its own volume, written by it alone) is mounted
-    read-only where other parties need it: the analyzer (its registry) and the loadgen (the
-    keys a device pins)."""
+    read-only where other parties need it: the analyzer (its registry), the loadgen (the
+    keys a device pins) and the shufflers (the analyzer's config-signing key)."""
     for party in PARTIES:
         for name, service in SERVICES.items():
             for target, (source, read_only) in _mounts(service).items():
@@ -266,7 +270,8 @@ def test_keys_stay_in_their_partys_volume_and_only_public_material_crosses() -> 
                     assert target == f"/var/esa/keys/{party}" and not read_only
                 if source == f"published-{party}" and DOMAIN.get(name) != party:
                     assert read_only, (name, source)
-                    assert name in ("analyzer", "loadgen"), (name, source)
+                    readers = ("analyzer", "loadgen") if party != "analyzer" else SERVICES
+                    assert name in readers, (name, source)
         prefix = "ESA_ANALYZER_" if party == "analyzer" else "ESA_SHUFFLER_"
         env = _env(SERVICES[party])
         assert _mounts(SERVICES[party])[env[f"{prefix}KEY_DIR"]] == (f"keys-{party}", False)

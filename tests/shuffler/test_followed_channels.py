@@ -1,0 +1,119 @@
+"""A shuffler adopts channel changes from the analyzer's signed config, checking them: the
+signature with the key it pins, no live channel's policy changed, no retirement undone, its own
+floor for randomized deletion; a retired channel's contributions get ``409 channel_retired``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from common.collection import CollectionConfigError
+from common.envelope import public_bytes
+from common.wire import ChannelPolicy, b64
+from shuffler.errors import ChannelRetiredError, UnknownChannelError
+from shuffler.policies import ChannelPolicies, PolicyFloor
+
+from ..analyzer.helpers import CHANNEL
+from ..analyzer.test_app import client  # noqa: F401  (the analyzer fixture)
+from .factory import POLICY, make_service, pending
+
+FLOOR = PolicyFloor(min_crowd=10, max_eps_cr=2.0, max_delta_cr=1e-5)
+ADMIN = {"Authorization": "Bearer development"}
+SEARCH = CHANNEL.model_copy(update={"id": "search", "eps_cr": 1.0, "delta_cr": 1e-6})
+
+
+def _policy(**changes: Any) -> ChannelPolicy:
+    return ChannelPolicy(id="search", min_crowd=20, eps_cr=1.0, delta_cr=1e-6).model_copy(
+        update=changes
+    )
+
+
+def test_new_channels_are_adopted_and_live_ones_never_change() -> None:
+    policies = ChannelPolicies([POLICY], FLOOR)
+    adoption, persist = policies.adopt([_policy(), POLICY], revision=1)
+    assert adoption.added == ["search"] and persist == [_policy()]
+    assert policies.get("search") == _policy()
+    changed, persist = policies.adopt([_policy(min_crowd=500)], revision=2)
+    assert "min_crowd" in changed.refused["search"] and persist == []
+    assert policies.get("search") == _policy()  # kept as adopted
+    retired, persist = policies.adopt([_policy(retired_from_epoch=9)], revision=3)
+    assert retired.retired == ["search"] and persist == [_policy(retired_from_epoch=9)]
+    policies.adopt([_policy()], revision=4)  # a retirement is never undone
+    assert policies.get("search") == _policy(retired_from_epoch=9)
+    policies.adopt([_policy(id="late")], revision=2)  # older than one adopted: nothing
+    assert policies.get("late") is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("min_crowd", 9), ("eps_cr", 2.5), ("delta_cr", 1e-4)]
+)
+def test_a_new_channel_below_the_shufflers_floor_is_refused(field: str, value: float) -> None:
+    policies = ChannelPolicies([], FLOOR)
+    adoption, persist = policies.adopt([_policy(**{field: value})], revision=1)
+    assert field in adoption.refused["search"] and persist == []
+    assert policies.get("search") is None
+
+
+def test_a_shuffler_follows_the_analyzers_signed_config(
+    client: TestClient,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    signed = client.get("/v1/config").json()
+    pinned = signed["config"]["analyzer"]["signing_key"]
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    homepage = POLICY.model_copy(update=CHANNEL.policy().model_dump())
+    service, clock = make_service(
+        url,
+        tmp_path,
+        policy=homepage,
+        analyzer_url="http://testserver",
+        analyzer_key=pinned,
+    )
+    clock.now = time.time()
+    follower = service.follower
+    assert follower is not None
+    assert client.post("/v1/admin/channels", json=SEARCH.model_dump(mode="json"), headers=ADMIN)
+    adoption = follower.fetch(client)
+    assert adoption is not None and adoption.added == ["search"] and not adoption.refused
+    assert service.policies.get("search") == SEARCH.policy()
+    token = service.tokens.issue()
+    assert pending(service, token, clock.epoch, channel="search").contribution.channel_id
+    assert client.post("/v1/admin/channels/search/retire", headers=ADMIN).status_code == 200
+    assert follower.fetch(client) is not None
+    retired_from = service.policies.get("search").retired_from_epoch  # type: ignore[union-attr]
+    assert retired_from == clock.epoch + 1
+    clock.now += SEARCH.epoch_seconds
+    with pytest.raises(ChannelRetiredError, match="retired from epoch"):
+        pending(service, token, clock.epoch, channel="search")
+    # a replica (or a restart) over the same database serves what was adopted
+    replica, _ = make_service(
+        url, tmp_path, policy=homepage, analyzer_url="http://x", analyzer_key=pinned
+    )
+    with pytest.raises(UnknownChannelError):
+        pending(replica, token, clock.epoch, channel="search")
+    replica.load_state()
+    assert replica.policies.get("search") == service.policies.get("search")
+
+
+def test_a_config_signed_by_another_key_is_not_adopted(
+    client: TestClient,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    other = b64(public_bytes(Ed25519PrivateKey.generate().public_key()))
+    service, _ = make_service(
+        f"sqlite:///{tmp_path / 's.db'}",
+        tmp_path,
+        analyzer_url="http://testserver",
+        analyzer_key=other,
+    )
+    assert client.post("/v1/admin/channels", json=SEARCH.model_dump(mode="json"), headers=ADMIN)
+    assert service.follower is not None
+    with pytest.raises(CollectionConfigError, match="does not verify"):
+        service.follower.fetch(client)
+    assert service.policies.get("search") is None
