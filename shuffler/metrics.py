@@ -4,19 +4,20 @@ released, since publishing them would void randomized deletion).
 
 The counters (``esa_shuffler_*_total``) are this process's events since it started; the gauges
 are read from the database at scrape time, so they are the whole trust domain's. Only aggregate
-counts by cause: nothing per client, per group, no timestamps, no identifiers. Every metric:
-docs/shuffler.md, "Metrics".
+counts by cause, and per (channel, epoch) what the released groups held: nothing per client,
+per group, no timestamps, no identifiers. Every metric: docs/shuffler.md, "Metrics".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
 from runtime.conservation import DELETION_CAUSES, LEDGER_CONTRIBUTIONS, LEDGER_DELETED
+from shuffler.records import EpochHealth
 
 COUNTERS = {
     "contributions_received": "contributions acknowledged (202)",
@@ -30,6 +31,25 @@ QUEUE_STATES = ("pending", "held", "in_batches_unforwarded", "in_batches_refused
 REJECTED = "rejected_"
 #: The ledger's states and its deletions by cause, as read in one snapshot.
 Ledger = tuple[dict[str, int], dict[str, int]]
+#: Epochs per channel in the per-channel families: the newest few, since every epoch label is a
+#: new series and epochs never stop (Prometheus: keep label cardinality bounded).
+CHANNEL_EPOCHS = 8
+#: Per-channel health of each channel's newest epochs, given how many
+#: (:meth:`shuffler.store.ContributionStore.channel_health`).
+Health = Callable[[int], Sequence[EpochHealth]]
+OUTCOMES = ("released", "held", "aborted")
+STAGES = ("received", "deleted", "batched", "forwarded")
+CHANNEL_GROUPS = "esa_shuffler_channel_groups"
+CHANNEL_CONTRIBUTIONS = "esa_shuffler_channel_contributions"
+GROUPS_HELP = (
+    f"groups Algorithm 3 evaluated, per channel and epoch (its {CHANNEL_EPOCHS} newest), by "
+    "outcome: released, held (below the crowd threshold) or aborted (database)"
+)
+CONTRIBUTIONS_HELP = (
+    f"contributions of the RELEASED groups only, per channel and epoch (its {CHANNEL_EPOCHS} "
+    "newest): received (= deleted + batched), deleted by randomized deletion, batched (in the "
+    "released batches), forwarded (in batches the analyzer acknowledged whole) (database)"
+)
 
 
 class Events:
@@ -57,17 +77,23 @@ class Events:
 class ShufflerCollector:
     """Prometheus metrics read at scrape time from the counters (this process's) and the
     database (the trust domain's): ``ledger`` returns the ledger and its deletions by cause,
-    read in one snapshot (:meth:`shuffler.store.ContributionStore.ledger_by_cause`)."""
+    read in one snapshot (:meth:`shuffler.store.ContributionStore.ledger_by_cause`);
+    ``health`` the per-channel health of the :data:`CHANNEL_EPOCHS` newest epochs."""
 
-    def __init__(self, events: Events, ledger: Callable[[], Ledger]) -> None:
+    def __init__(
+        self, events: Events, ledger: Callable[[], Ledger], health: Health | None = None
+    ) -> None:
         self.events = events
         self.ledger = ledger
+        self.health = health
 
     def describe(self) -> Iterator[Any]:
         """The metric names, without reading the store: registration runs before the
         migrations, and ``collect`` would query tables that do not exist yet."""
         yield from self._counters()
         yield from self._gauges(({}, {}))
+        if self.health is not None:
+            yield from channel_families(())
 
     def collect(self) -> Iterator[Any]:
         """The counters, then the database's gauges (none while the store cannot be read)."""
@@ -77,6 +103,13 @@ class ShufflerCollector:
         except SQLAlchemyError:
             return
         yield from self._gauges(ledger)
+        if self.health is None:
+            return
+        try:
+            health = self.health(CHANNEL_EPOCHS)
+        except SQLAlchemyError:
+            return
+        yield from channel_families(health)
 
     def _gauges(self, ledger: Ledger) -> Iterator[GaugeMetricFamily]:
         """The trust domain's gauges from the ledger (empty: the families alone, to describe)."""
@@ -130,3 +163,21 @@ class ShufflerCollector:
         for cause in DELETION_CAUSES:
             deleted.add_metric([cause], self.events.get(f"deleted_by_{cause}"))
         yield deleted
+
+
+def channel_families(health: Sequence[EpochHealth]) -> tuple[GaugeMetricFamily, ...]:
+    """:data:`CHANNEL_GROUPS` and :data:`CHANNEL_CONTRIBUTIONS` for ``health`` (empty: the
+    families alone). Labelled by channel and epoch; the sizes are the released groups' only."""
+    groups = GaugeMetricFamily(CHANNEL_GROUPS, GROUPS_HELP, labels=["channel", "epoch", "outcome"])
+    contributions = GaugeMetricFamily(
+        CHANNEL_CONTRIBUTIONS, CONTRIBUTIONS_HELP, labels=["channel", "epoch", "stage"]
+    )
+    for row in health:
+        epoch = str(row.epoch)
+        outcomes = (row.released, row.held, row.aborted)
+        for outcome, count in zip(OUTCOMES, outcomes, strict=True):
+            groups.add_metric([row.channel_id, epoch, outcome], count)
+        stages = (row.received, row.deleted, row.batched, row.forwarded)
+        for stage, count in zip(STAGES, stages, strict=True):
+            contributions.add_metric([row.channel_id, epoch, stage], count)
+    return groups, contributions

@@ -70,3 +70,22 @@ class DuePart:
 def pack_fragments(fragments: Sequence[bytes]) -> bytes:
     """``u16 length | bytes`` per fragment (fragments are at most 65,535 bytes)."""
     return b"".join(len(f).to_bytes(2, "big") + f for f in fragments)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochHealth:
+    """What a channel's owner may see of one (channel, epoch) at a shuffler: how many groups
+    Algorithm 3 released, held and aborted, and the sizes of the released ones alone
+    (PROTOCOL.md: a group's size and deletions are secret until its batch is released).
+    ``received`` = ``deleted`` + ``batched``; ``forwarded`` of the batched contributions are in
+    batches every part of which the analyzer acknowledged."""
+
+    channel_id: str
+    epoch: int
+    released: int
+    held: int
+    aborted: int
+    received: int
+    deleted: int
+    batched: int
+    forwarded: int
