@@ -5,8 +5,10 @@ channels), or a running series with its 95% band (longitudinal); the crowd sizes
 certificate; and the privacy ledger: each epoch's certificate and whether it entered the
 lifetime as the mechanism's dominating pair or as that certificate, the lifetime ε of a device in
 every epoch (dp_accounting PLD composition) beside basic composition with the δ split (also as
-the add/remove statement with randomized deletion), and the device-side local-ε budget in use
-(the signed config's caps against what a device that reported in every epoch has spent).
+the add/remove statement with randomized deletion), the device-side local-ε budget in use
+(the signed config's caps against what a device that reported in every epoch has spent), and
+the channel's health: per epoch, newest first, the batches received, the crowds they claim and
+verify, parts quarantined, chaff and releases (all of it about released groups only).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from analyzer.store import EpochHealth
 from common.wire import (
     BudgetInUse,
     BudgetLimit,
@@ -32,6 +35,9 @@ from common.wire import (
 )
 
 WIDTH, HEIGHT, PAD = 640, 220, 36
+#: Epochs per channel in the dashboard's health table (more than ``/metrics`` keeps: a page is
+#: read by a person, not stored as series).
+DASHBOARD_EPOCHS = 24
 
 
 def png_gray(values: npt.ArrayLike, shape: tuple[int, int]) -> bytes:
@@ -116,11 +122,13 @@ def series_svg(values: Sequence[float], errors: Sequence[float]) -> str:
 
 @dataclass(frozen=True)
 class ChannelView:
-    """What the dashboard shows of one channel: its latest release summary and its ledger."""
+    """What the dashboard shows of one channel: its latest release summary, its ledger and its
+    health (its newest epochs first, :meth:`analyzer.store.AnalyzerStore.channel_health`)."""
 
     config: ChannelConfig
     release: ReleaseBody | None
     ledger: Ledger | None
+    health: Sequence[EpochHealth] = ()
 
 
 def page(channels: Sequence[ChannelView]) -> str:
@@ -150,8 +158,10 @@ def _section(channel: ChannelView) -> str:
         f'<span class="muted">({html.escape(channel.config.mechanism)})</span></h2>'
     )
     release = channel.release
+    health = health_table(channel.health)
     if release is None:
-        return head + "<p>No batch received yet.</p></section>"
+        nothing = "No batch complete yet." if channel.health else "No batch received yet."
+        return f"{head}<p>{nothing}</p>{health}</section>"
     cert = release.certificate
     summary = (
         f'<p class="certificate">n = <b class="n">{release.n:,}</b>; certified '
@@ -163,7 +173,7 @@ def _section(channel: ChannelView) -> str:
     chart = chart_for(channel.config, release)
     crowd_line = f'<p class="muted">crowds: {crowds}</p>'
     ledger = "" if channel.ledger is None else _ledger(channel.ledger)
-    return head + summary + chart + crowd_line + ledger + "</section>"
+    return head + summary + chart + crowd_line + ledger + health + "</section>"
 
 
 def _eps(value: float | None) -> str:
@@ -238,6 +248,29 @@ def _epoch_table(rows: Sequence[LedgerRow]) -> str:
     return (
         '<table class="epochs"><tr><th>epoch</th><th>n</th><th>ε</th><th>δ</th>'
         f"<th>method</th><th>composed as</th></tr>{cells}</table>"
+    )
+
+
+def health_table(rows: Sequence[EpochHealth]) -> str:
+    """The channel's health per epoch, newest first: batches complete, withheld and
+    incomplete, the crowd received (claimed) and verified, parts quarantined, invalid
+    fragments and releases published over the epoch (nothing when no batch was received)."""
+    if not rows:
+        return ""
+    cells = "".join(
+        f'<tr class="health-epoch"><td>{row.epoch}</td><td>{row.batches_complete:,}</td>'
+        f"<td>{row.batches_withheld:,}</td><td>{row.batches_incomplete:,}</td>"
+        f'<td class="received">{row.received:,}</td><td class="verified">{row.verified:,}</td>'
+        f'<td class="quarantined">{row.parts_quarantined:,}</td>'
+        f'<td class="invalid">{row.fragments_invalid:,}</td>'
+        f'<td class="releases">{row.releases:,}</td></tr>'
+        for row in rows
+    )
+    return (
+        '<table class="health"><caption>health per epoch (released groups only)</caption>'
+        "<tr><th>epoch</th><th>batches complete</th><th>withheld</th><th>incomplete</th>"
+        "<th>contributions received</th><th>verified</th><th>parts quarantined</th>"
+        f"<th>invalid fragments</th><th>releases</th></tr>{cells}</table>"
     )
 
 

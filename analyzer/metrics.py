@@ -8,6 +8,11 @@ count of the fragments in every part opened so far, per configured channel: ``op
 of every worker's ``esa_analyzer_fragments_opened_total``) and ``invalid`` (of their
 ``esa_analyzer_fragments_invalid_total``), so a load test reads what all the workers together
 opened from whichever one answers. Labels are channel ids of the collection config only.
+
+The per-channel families (``esa_analyzer_channel_*{channel, epoch}``) are read from the
+database too, for each channel's :data:`CHANNEL_EPOCHS` newest epochs with a batch received;
+they describe received batches, so only groups the shufflers released. Every metric:
+docs/operations.md.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
+from analyzer.store import EpochHealth
 from runtime.conservation import ANALYZER_FRAGMENTS, FRAGMENT_STATES
 
 log = logging.getLogger("esa.analyzer")
@@ -57,6 +63,30 @@ LEDGER_HELP = (
 )
 #: Per configured channel, its fragments in opened parts: (opened, invalid).
 FragmentLedger = Callable[[], Mapping[str, tuple[int, int]]]
+#: Epochs per channel in the per-channel families: the newest few, since every epoch label is a
+#: new series and epochs never stop (Prometheus: keep label cardinality bounded).
+CHANNEL_EPOCHS = 8
+#: Per-channel health of each channel's newest epochs, given how many
+#: (:meth:`analyzer.store.AnalyzerStore.channel_health`).
+Health = Callable[[int], Sequence[EpochHealth]]
+_NEWEST = f"per channel and epoch (its {CHANNEL_EPOCHS} newest with a batch)"
+CHANNEL_CONTRIBUTIONS = "esa_analyzer_channel_contributions"
+CHANNEL_BATCHES = "esa_analyzer_channel_batches"
+CHANNEL_QUARANTINED = "esa_analyzer_channel_parts_quarantined"
+CHANNEL_INVALID = "esa_analyzer_channel_fragments_invalid"
+CHANNEL_RELEASES = "esa_analyzer_channel_releases"
+CHANNEL_HELP = {
+    CHANNEL_CONTRIBUTIONS: f"contributions {_NEWEST}: received (the crowd every batch claims, "
+    "summed over shufflers, complete or not) and verified (the crowd the complete batches "
+    "verify)",
+    CHANNEL_BATCHES: f"batches {_NEWEST}: complete (every part opened; withheld ones "
+    "included), withheld (complete, verified crowd below min_crowd: never released) and "
+    "incomplete",
+    CHANNEL_QUARANTINED: f"batch parts set aside after repeated failed openings {_NEWEST}",
+    CHANNEL_INVALID: f"fragments of complete batches that failed to open or parse (chaff) "
+    f"{_NEWEST}",
+    CHANNEL_RELEASES: f"published releases whose epoch range includes the epoch {_NEWEST}",
+}
 
 
 class Events:
@@ -95,16 +125,22 @@ class Events:
 
 
 class EventsCollector:
-    """Prometheus collector over :class:`Events`, and the intake backlog and the fragment
-    ledger (:meth:`analyzer.store.AnalyzerStore.fragment_ledger`; none when not given) read
-    at scrape time."""
+    """Prometheus collector over :class:`Events`, and the intake backlog, the fragment ledger
+    (:meth:`analyzer.store.AnalyzerStore.fragment_ledger`) and the per-channel health of the
+    :data:`CHANNEL_EPOCHS` newest epochs (``health``) read at scrape time (none of the last
+    two when not given)."""
 
     def __init__(
-        self, events: Events, backlog: Callable[[], int], ledger: FragmentLedger | None = None
+        self,
+        events: Events,
+        backlog: Callable[[], int],
+        ledger: FragmentLedger | None = None,
+        health: Health | None = None,
     ) -> None:
         self.events = events
         self.backlog = backlog
         self.ledger = ledger
+        self.health = health
 
     def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """The metric names, without reading the database (registration runs before the
@@ -113,13 +149,16 @@ class EventsCollector:
         for name, help_text in GAUGES.items():
             yield GaugeMetricFamily(f"esa_analyzer_{name}", help_text)
         yield GaugeMetricFamily(LEDGER, LEDGER_HELP, labels=["channel", "state"])
+        if self.health is not None:
+            yield from channel_families(())
         yield from self._counters()
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """``esa_analyzer_<counter>``, ``esa_analyzer_batches_rejected{reason}``,
         ``esa_analyzer_parts_unopened`` (stored parts the opener has not accumulated yet),
-        ``esa_analyzer_parts_quarantined`` and :data:`LEDGER`; a gauge the database cannot
-        answer now is NaN (the ledger then has no sample)."""
+        ``esa_analyzer_parts_quarantined``, :data:`LEDGER` and the per-channel families; a
+        gauge the database cannot answer now is NaN (the ledger and the per-channel families
+        then have no sample)."""
         yield GaugeMetricFamily(
             "esa_analyzer_parts_unopened",
             "stored batch parts not yet opened",
@@ -131,6 +170,7 @@ class EventsCollector:
             value = 0.0 if read is None else _read(read)
             yield GaugeMetricFamily(f"esa_analyzer_{name}", help_text, value=value)
         yield self._ledger()
+        yield from self._channels()
         yield from self._counters()
 
     def _ledger(self) -> GaugeMetricFamily:
@@ -148,6 +188,17 @@ class EventsCollector:
             for state, value in zip(FRAGMENT_STATES, found, strict=True):  # (opened, invalid)
                 family.add_metric([channel, state], value)
         return family
+
+    def _channels(self) -> list[GaugeMetricFamily]:
+        """The per-channel families; none without ``health`` or while the database is
+        unavailable (a scrape never fails because of it)."""
+        if self.health is None:
+            return []
+        try:
+            return channel_families(self.health(CHANNEL_EPOCHS))
+        except SQLAlchemyError:
+            log.warning("metrics: database unavailable for the per-channel health")
+            return []
 
     def _counters(self) -> Iterator[CounterMetricFamily]:
         counts = self.events.snapshot()
@@ -170,3 +221,24 @@ def _read(read: Callable[[], int]) -> float:
     except SQLAlchemyError:
         log.warning("metrics: database unavailable for a gauge")
         return math.nan
+
+
+def channel_families(health: Sequence[EpochHealth]) -> list[GaugeMetricFamily]:
+    """The per-channel families (:data:`CHANNEL_HELP`) for ``health`` (empty: the families
+    alone), labelled by channel and epoch."""
+    kinds = {CHANNEL_CONTRIBUTIONS: ["stage"], CHANNEL_BATCHES: ["state"]}
+    families = {
+        name: GaugeMetricFamily(name, help_text, labels=["channel", "epoch", *kinds.get(name, [])])
+        for name, help_text in CHANNEL_HELP.items()
+    }
+    for row in health:
+        key = [row.channel_id, str(row.epoch)]
+        families[CHANNEL_CONTRIBUTIONS].add_metric([*key, "received"], row.received)
+        families[CHANNEL_CONTRIBUTIONS].add_metric([*key, "verified"], row.verified)
+        families[CHANNEL_BATCHES].add_metric([*key, "complete"], row.batches_complete)
+        families[CHANNEL_BATCHES].add_metric([*key, "withheld"], row.batches_withheld)
+        families[CHANNEL_BATCHES].add_metric([*key, "incomplete"], row.batches_incomplete)
+        families[CHANNEL_QUARANTINED].add_metric(key, row.parts_quarantined)
+        families[CHANNEL_INVALID].add_metric(key, row.fragments_invalid)
+        families[CHANNEL_RELEASES].add_metric(key, row.releases)
+    return list(families.values())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from analyzer.catalog import ChannelCatalog
 from analyzer.config import AnalyzerKeys, signed_config
-from analyzer.dashboard import ChannelView
+from analyzer.dashboard import DASHBOARD_EPOCHS, ChannelView
 from analyzer.descriptors import ShufflerDescriptors
 from analyzer.errors import NothingReceivedError
 from analyzer.intake import BatchIntake, IntakePolicy
@@ -260,15 +260,17 @@ class AnalyzerService:
 
     def overview(self) -> list[ChannelView]:
         """What the dashboard shows: every channel's latest published release (else a read
-        over its last epoch) and its ledger."""
+        over its last epoch), its ledger and its health."""
         views = []
         spans = self.store.epoch_spans()
+        health = self.store.channel_health(DASHBOARD_EPOCHS)
         for config in self.settings.channels:
             summary = self.store.latest_summary(config.id)
             if summary is None and config.id in spans:
                 summary = self._latest(config.id, spans[config.id][1])
             ledger = None if summary is None else self.ledger.ledger(config.id)
-            views.append(ChannelView(config, summary, ledger))
+            rows = [row for row in health if row.channel_id == config.id]
+            views.append(ChannelView(config, summary, ledger, rows))
         return views
 
     def _latest(self, channel_id: str, epoch: int) -> ReleaseBody | None:

@@ -14,6 +14,7 @@ What each table holds and why: docs/architecture.md, "Analyzer internals".
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -800,6 +801,35 @@ class AnalyzerStore:
             text = conn.execute(query).scalar_one_or_none()
         return None if text is None else ReleaseBody.model_validate_json(text)
 
+    def channel_health(self, epochs: int) -> list[EpochHealth]:
+        """Per channel, its ``epochs`` newest epochs with a batch received, newest first (see
+        :class:`EpochHealth`). Channels are whatever the stored batches name, so one added at
+        runtime appears with its first batch and one retired keeps its rows. One snapshot;
+        reads the receipts (one row per complete batch), the parts of incomplete batches
+        (waiting or quarantined ones by the status index, and those of open batches) and the
+        releases, never the parts of complete batches.
+
+        Raises:
+            ValueError: ``epochs`` is below 1.
+        """
+        if epochs < 1:
+            raise ValueError(f"epochs must be at least 1, got epochs={epochs}")
+        with self.engine.connect() as conn:
+            _read_snapshot(conn)
+            complete = _complete_epochs(conn, epochs)
+            incomplete = _incomplete_epochs(conn)
+            keys = _newest_keys(set(complete) | set(incomplete), epochs)
+            published = _releases_over(conn, keys)
+        return [
+            _epoch_health(
+                key,
+                complete.get(key, CompleteEpoch()),
+                incomplete.get(key, IncompleteEpoch()),
+                published.get(key, 0),
+            )
+            for key in keys
+        ]
+
 
 def _stored_parts(conn: Connection, batch_id: str) -> list[PartHeader]:
     p = batch_parts.c
@@ -1064,3 +1094,143 @@ def _in_range(
         c.crowd_id == crowd_id,
         c.epoch.between(epoch_from, epoch_to),
     )
+
+
+class CompleteEpoch(NamedTuple):
+    """A (channel, epoch)'s complete batches: how many, how many withheld, the crowd they
+    claim and the one they verify, and their fragments that failed to open or parse."""
+
+    batches: int = 0
+    withheld: int = 0
+    claimed: int = 0
+    verified: int = 0
+    invalid: int = 0
+
+
+class IncompleteEpoch(NamedTuple):
+    """A (channel, epoch)'s incomplete batches: how many, the crowd they claim, and their
+    parts quarantined."""
+
+    batches: int = 0
+    claimed: int = 0
+    quarantined: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EpochHealth:
+    """What a channel's owner sees of one (channel, epoch) at the analyzer, all of it about
+    batches received, so about groups the shufflers released: ``received`` is the crowd every
+    batch claims (summed over shufflers, complete or not), ``verified`` the crowd the complete
+    ones verify (withheld ones too), ``fragments_invalid`` the fragments of complete batches
+    that failed to open or parse (chaff), ``releases`` the published releases whose epoch range
+    includes the epoch."""
+
+    channel_id: str
+    epoch: int
+    received: int
+    verified: int
+    batches_complete: int
+    batches_withheld: int
+    batches_incomplete: int
+    parts_quarantined: int
+    fragments_invalid: int
+    releases: int
+
+
+def _epoch_health(
+    key: tuple[str, int], complete: CompleteEpoch, incomplete: IncompleteEpoch, releases: int
+) -> EpochHealth:
+    return EpochHealth(
+        channel_id=key[0],
+        epoch=key[1],
+        received=complete.claimed + incomplete.claimed,
+        verified=complete.verified,
+        batches_complete=complete.batches,
+        batches_withheld=complete.withheld,
+        batches_incomplete=incomplete.batches,
+        parts_quarantined=incomplete.quarantined,
+        fragments_invalid=complete.invalid,
+        releases=releases,
+    )
+
+
+def _read_snapshot(conn: Connection) -> None:
+    """Make every read of ``conn`` until it closes see one snapshot of the database (SQLite:
+    a read transaction, WAL; PostgreSQL: REPEATABLE READ)."""
+    sqlite = conn.dialect.name == "sqlite"
+    conn.exec_driver_sql("BEGIN" if sqlite else "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+
+
+def _complete_epochs(conn: Connection, epochs: int) -> dict[tuple[str, int], CompleteEpoch]:
+    """Each channel's ``epochs`` newest epochs with a receipt, and their complete batches."""
+    r = receipts.c
+    newest = func.row_number().over(partition_by=r.channel_id, order_by=r.epoch.desc())
+    per_epoch = (
+        select(
+            r.channel_id,
+            r.epoch,
+            func.count().label("batches"),
+            func.sum(case((r.withheld, 1), else_=0)).label("withheld"),
+            func.sum(r.n_contributions).label("claimed"),
+            func.sum(func.coalesce(r.n_verified, r.n_contributions)).label("verified"),
+            func.sum(r.invalid).label("invalid"),
+            newest.label("newest"),
+        )
+        .group_by(r.channel_id, r.epoch)
+        .subquery()
+    )
+    s = per_epoch.c
+    query = select(s.channel_id, s.epoch, s.batches, s.withheld, s.claimed, s.verified, s.invalid)
+    return {
+        (channel, int(epoch)): CompleteEpoch(*(int(value or 0) for value in counts))
+        for channel, epoch, *counts in conn.execute(query.where(s.newest <= epochs))
+    }
+
+
+def _incomplete_epochs(conn: Connection) -> dict[tuple[str, int], IncompleteEpoch]:
+    """Every (channel, epoch) with an incomplete batch: a part waiting or quarantined (by the
+    status index), or a batch open with some parts opened and others still to come."""
+    p = batch_parts.c
+    columns = (p.batch_id, p.part, p.channel_id, p.epoch, p.n_contributions, p.status)
+    unopened = select(*columns).where(p.status.in_((STORED, QUARANTINED)))
+    folding = select(*columns).where(p.batch_id.in_(select(open_batches.c.batch_id)))
+    parts = {(row[0], row[1]): row for query in (unopened, folding) for row in conn.execute(query)}
+    batches: dict[tuple[str, int], dict[str, int]] = {}
+    quarantined: dict[tuple[str, int], int] = {}
+    for batch_id, _, channel, epoch, n, status in parts.values():
+        key = (channel, int(epoch))
+        batches.setdefault(key, {})[batch_id] = int(n)
+        quarantined[key] = quarantined.get(key, 0) + (status == QUARANTINED)
+    return {
+        key: IncompleteEpoch(len(claims), sum(claims.values()), quarantined[key])
+        for key, claims in batches.items()
+    }
+
+
+def _newest_keys(keys: Collection[tuple[str, int]], epochs: int) -> list[tuple[str, int]]:
+    """Each channel's ``epochs`` newest of ``keys``, by channel then newest first."""
+    ordered = sorted(keys, key=lambda key: (key[0], -key[1]))
+    by_channel = itertools.groupby(ordered, key=lambda key: key[0])
+    return [key for _, group in by_channel for key in itertools.islice(group, epochs)]
+
+
+def _releases_over(conn: Connection, keys: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """How many published releases cover each (channel, epoch) of ``keys`` (a release over
+    epochs ``[from, to]`` covers each of them)."""
+    lowest: dict[str, int] = {}
+    for channel, epoch in keys:
+        lowest[channel] = min(epoch, lowest.get(channel, epoch))
+    r = releases.c
+    ranges = [
+        (channel, int(first), int(last))
+        for low_channel, low in lowest.items()
+        for channel, first, last in conn.execute(
+            select(r.channel_id, r.epoch_from, r.epoch_to).where(
+                r.channel_id == low_channel, r.epoch_to >= low
+            )
+        )
+    ]
+    return {
+        (channel, epoch): sum(c == channel and lo <= epoch <= hi for c, lo, hi in ranges)
+        for channel, epoch in keys
+    }
