@@ -4,8 +4,9 @@ released, since publishing them would void randomized deletion).
 
 The counters (``esa_shuffler_*_total``) are this process's events since it started; the gauges
 are read from the database at scrape time, so they are the whole trust domain's. Only aggregate
-counts by cause, and per (channel, epoch) what the released groups held: nothing per client,
-per group, no timestamps, no identifiers. Every metric: docs/shuffler.md, "Metrics".
+counts by cause, and per (channel, epoch) the released groups' counts (a held group counts as
+one, never its size): nothing per client, no timestamps, no identifiers. Every metric:
+docs/shuffler.md, "Metrics".
 """
 
 from __future__ import annotations
