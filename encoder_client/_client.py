@@ -367,12 +367,19 @@ class Client:
         return self.state.device_id
 
     def channel(self, channel_id: str) -> ChannelConfig:
-        """A channel of the collection config.
+        """A channel of the collection config (fetched again once when it names no such
+        channel: channels are added while the deployment runs).
 
         Raises:
             ChannelError: unknown channel.
         """
         config = self._channels.get(channel_id)
+        if config is None and self._source[0] is not None:
+            try:
+                self.refresh_config()
+            except ConfigError as error:
+                log.warning("collection config not refreshed", extra={"error": str(error)})
+            config = self._channels.get(channel_id)
         if config is None:
             raise ChannelError(f"channel {channel_id!r} is not in the collection config")
         return config

@@ -106,6 +106,7 @@ TEST_SHUFFLER_SETTINGS = {
     "ESA_SHUFFLER_FORWARD_INTERVAL_SECONDS": "0.2",
     "ESA_SHUFFLER_BACKOFF_BASE_SECONDS": "0.2",
     "ESA_SHUFFLER_BACKOFF_CAP_SECONDS": "1.0",
+    "ESA_SHUFFLER_CONFIG_REFRESH_SECONDS": "0.5",
 }
 
 #: A shuffler channel policy small enough for tests to fill and close groups quickly.

@@ -32,6 +32,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "keys": ("services.cli.servers", "keys", "create HPKE and signing key files (generate)"),
     "audit": ("services.cli.audit", "audit", "audit a shuffler: canaries, a sink, statistics"),
     "train": ("services.cli.train", "train", "federated LDP-SGD training through the pipeline"),
+    "channel": (
+        "services.cli.channel",
+        "channel",
+        "channels of a running analyzer: add, retire, list (no restart)",
+    ),
     "admin": (
         "services.cli.admin",
         "admin",

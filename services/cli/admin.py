@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
+
+
+def call(url: str, path: str, admin_token: str | None, body: Any = None) -> Any:
+    """POST ``body`` (or GET, when None and no token) to a service's route; its JSON answer.
+
+    Raises:
+        click.ClickException: a network failure or a non-2xx answer, with the service's
+            error code and detail.
+    """
+    import httpx
+
+    headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
+    target = url.rstrip("/") + path
+    try:
+        if admin_token is None:
+            response = httpx.get(target, timeout=120.0)
+        else:
+            response = httpx.post(target, json=body, headers=headers, timeout=120.0)
+    except httpx.HTTPError as error:
+        raise click.ClickException(f"{url}: {type(error).__name__}: {error}") from error
+    if response.status_code >= 300:
+        raise click.ClickException(f"{url} answered HTTP {response.status_code}: {response.text}")
+    return response.json()
 
 
 @click.group()
@@ -33,20 +58,8 @@ def requeue(url: str, admin_token: str, batch_id: str | None) -> None:
     retention purges their batch (esa_shuffler_ledger_deleted{cause="refused"}).
     At the analyzer: parts quarantined after repeated failed openings are opened again.
     """
-    import httpx
-
-    try:
-        response = httpx.post(
-            url.rstrip("/") + "/v1/admin/requeue",
-            json={"batch_id": batch_id},
-            headers={"Authorization": f"Bearer {admin_token}"},
-            timeout=120.0,
-        )
-    except httpx.HTTPError as error:
-        raise click.ClickException(f"{url}: {type(error).__name__}: {error}") from error
-    if response.status_code != 200:
-        raise click.ClickException(f"{url} answered HTTP {response.status_code}: {response.text}")
-    requeued = int(response.json()["requeued"])
+    answer = call(url, "/v1/admin/requeue", admin_token, {"batch_id": batch_id})
+    requeued = int(answer["requeued"])
     click.echo(
         f"{url}: {requeued} part(s) requeued" + (f" of batch {batch_id}" if batch_id else "")
     )
