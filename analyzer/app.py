@@ -46,12 +46,16 @@ from common.wire import (
     ChannelChange,
     ChannelConfig,
     ChannelList,
+    KeyChange,
+    KeyList,
     Ledger,
     PrivacyOverview,
     ReleaseBody,
     ReleaseRequest,
     RequeueRequest,
     RequeueResult,
+    RetireKeyRequest,
+    RotateKeyRequest,
     SignedConfig,
 )
 from runtime import logs
@@ -311,6 +315,35 @@ async def requeue(service: Service, body: RequeueRequest) -> RequeueResult:
     """Open again the batch parts quarantined after failed openings (of ``batch_id``, or all),
     once their cause is fixed (a key restored, storage repaired)."""
     return RequeueResult(requeued=await asyncio.to_thread(service.requeue, body.batch_id))
+
+
+@operations.get("/keys", response_model=KeyList, responses=error_responses(401, 503))
+async def list_keys(service: Service) -> KeyList:
+    """The analyzer's keys (HPKE and config-signing): state, times, which one is published,
+    and the successions its signing keys made."""
+    return await asyncio.to_thread(service.keys.listing)
+
+
+@operations.post(
+    "/keys/rotate", response_model=KeyChange, responses=error_responses(400, 401, 409, 503)
+)
+async def rotate_key(service: Service, body: RotateKeyRequest) -> KeyChange:
+    """Make a new HPKE or config-signing key: pending until every worker has loaded it
+    (``key_activation_seconds``), then published; an HPKE key it replaces still opens through
+    its overlap, a signing key it replaces names it in a succession devices follow. 409
+    ``rotation_pending``: a key of this kind is pending already; ``succession_limit``: the
+    signing key rotated too often."""
+    return await asyncio.to_thread(service.keys.rotate, body.key)
+
+
+@operations.post(
+    "/keys/retire", response_model=KeyChange, responses=error_responses(400, 401, 404, 409, 503)
+)
+async def retire_key(service: Service, body: RetireKeyRequest) -> KeyChange:
+    """Retire an HPKE key now, before its overlap ends (one thought compromised): fragments
+    sealed to it no longer open. 404 ``unknown_key``; 409 ``key_in_use``: it is the published
+    key or still pending (rotate first)."""
+    return await asyncio.to_thread(service.keys.retire, body.key_id)
 
 
 @operations.post(

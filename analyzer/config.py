@@ -1,29 +1,26 @@
 """The analyzer's keys and the signed collection config devices fetch (PROTOCOL.md,
 "Collection config").
 
-The config names the live HPKE keys newest first (the current key, then ``hpke-previous.pem``
-while a rotation is under way, so fragments sealed to either still open), carries each
-shuffler's own signed descriptor unchanged, and is signed with the analyzer's Ed25519 key over
-its canonical bytes (:func:`common.collection.sign_config`).
+The config names the active HPKE keys newest first (the one devices seal to, then the ones it
+replaced while their overlap lasts, so fragments sealed to any of them still open), carries each
+shuffler's own signed descriptor unchanged, and is signed with the analyzer's current Ed25519
+key over its canonical bytes, with the successions that lead to that key from the first one
+(:func:`common.collection.sign_config`). Keys rotate while the analyzer runs
+(:class:`AnalyzerKeys`, :mod:`runtime.keys`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from analyzer.settings import AnalyzerSettings
-from common.collection import sign_config
-from common.envelope import (
-    KeyRing,
-    key_id,
-    load_or_create_ed25519,
-    load_or_create_x25519,
-    public_bytes,
-)
+from common.collection import ANALYZER_KEY_FILE, ANALYZER_PARTY, sign_config
+from common.envelope import key_id, public_bytes
 from common.wire import (
     AnalyzerInfo,
     ChannelConfig,
@@ -31,29 +28,67 @@ from common.wire import (
     HpkeKey,
     SignedConfig,
     SignedDescriptor,
+    Succession,
     b64,
 )
+from runtime.keys import KeyDirectory, LiveKeys, PartyKeys
+from runtime.publish import publish
 
 
-@dataclass(frozen=True)
-class AnalyzerKeys:
-    """The live HPKE keys (newest first) and the config signing key."""
-
-    hpke: tuple[X25519PrivateKey, ...]
-    signing: Ed25519PrivateKey
+class AnalyzerKeys(LiveKeys):
+    """The analyzer's keys as it uses them (:class:`runtime.keys.LiveKeys`): the published HPKE
+    keys, the ring fragments are opened with (pending keys included, so every worker opens what
+    is sealed to a key before devices are told to use it), the config signer and its
+    successions."""
 
     @classmethod
-    def load(cls, key_dir: Path) -> AnalyzerKeys:
-        """Keys from ``key_dir`` (``hpke.pem`` and ``signing.pem`` are created if missing)."""
-        live = [load_or_create_x25519(key_dir / "hpke.pem")]
-        previous = key_dir / "hpke-previous.pem"
-        if previous.exists():
-            live.append(load_or_create_x25519(previous))
-        return cls(tuple(live), load_or_create_ed25519(key_dir / "signing.pem"))
+    def load(
+        cls,
+        settings: AnalyzerSettings,
+        clock: Callable[[], float] = time.time,
+        channels: Callable[[], Sequence[ChannelConfig]] | None = None,
+        hold: Callable[[], bool] = lambda: False,
+    ) -> AnalyzerKeys:
+        """The keys in ``settings.key_dir`` (``hpke.pem`` and ``signing.pem`` created on first
+        use), timed by ``settings`` over ``channels`` (default: the configured ones); with a
+        ``publish_dir``, ``analyzer.pub`` is published again whenever the signer changes.
 
-    def ring(self) -> KeyRing:
-        """The keys fragments are opened with."""
-        return KeyRing.of(*self.hpke)
+        Raises:
+            ValueError: the key directory is unusable (naming the file).
+        """
+        listed = channels or (lambda: settings.channels)
+        keys = cls(
+            KeyDirectory(settings.key_dir, ANALYZER_PARTY),
+            lambda: settings.key_timing(listed()),
+            clock,
+            hold,
+            settings.key_reload_seconds,
+        )
+        if settings.publish_dir is not None:
+            keys.listeners.append(lambda fresh: publish_key(settings.publish_dir, fresh))
+        return keys
+
+    @property
+    def hpke(self) -> tuple[X25519PrivateKey, ...]:
+        """The active HPKE keys, newest (the one devices seal to) first."""
+        return self.current.published_hpke()
+
+    @property
+    def signing(self) -> Ed25519PrivateKey:
+        """The key that signs the config now."""
+        return self.current.signer
+
+    @property
+    def successions(self) -> tuple[Succession, ...]:
+        """The successions from the analyzer's first signing key to :attr:`signing`."""
+        return self.current.successions
+
+
+def publish_key(directory: Path | None, keys: PartyKeys) -> None:
+    """Publish ``analyzer.pub`` (the config signer, base64) for the other parties and app
+    builders to pin."""
+    if directory is not None:
+        publish(directory, ANALYZER_KEY_FILE, b64(public_bytes(keys.signer.public_key())) + "\n")
 
 
 def collection_config(
@@ -98,4 +133,4 @@ def signed_config(
 ) -> SignedConfig:
     """``GET /v1/config``: the collection config signed with the analyzer's Ed25519 key."""
     config = collection_config(settings, keys, now, shufflers, channels, revision)
-    return sign_config(config, keys.signing)
+    return sign_config(config, keys.signing, keys.successions)

@@ -7,16 +7,25 @@ verify with), and serves it unchanged inside the signed config, where a device c
 again with the key *it* pins. The newest descriptor is kept in the database
 (:meth:`AnalyzerStore.keep_descriptor`), never replaced by an older one, so every analyzer
 worker serves the same one: a device refuses a descriptor older than one it accepted.
+
+A shuffler's signing key rotates through its descriptor: the analyzer follows the successions
+from the key it pins to the one that signed (:func:`common.collection.follow_successions`),
+verifies that shuffler's batches with that key (:attr:`ShufflerDescriptors.signers`), and
+refuses a descriptor whose keys do not descend from the kept one's signer (a fork from a stolen
+older key). A batch whose signature fails makes it look for a newer descriptor at once
+(:meth:`ShufflerDescriptors.renew_signer`, rate-limited); the shuffler's forwarder retries.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
 from analyzer.errors import ShufflersUnavailableError
@@ -24,11 +33,14 @@ from analyzer.store import AnalyzerStore
 from common.collection import (
     MAX_CLOCK_SKEW_SECONDS,
     CollectionConfigError,
+    Vouched,
     descriptor_id,
+    fingerprint,
     parse_key,
-    verify_descriptor,
+    verify_descriptor_chain,
 )
-from common.wire import ShufflerEntry, SignedDescriptor
+from common.envelope import public_bytes
+from common.wire import ShufflerDescriptor, ShufflerEntry, SignedDescriptor
 
 log = logging.getLogger("esa.analyzer")
 
@@ -36,6 +48,9 @@ log = logging.getLogger("esa.analyzer")
 RETRY_SECONDS = 1.0
 #: Timeout of one descriptor fetch.
 FETCH_TIMEOUT_SECONDS = 5.0
+#: Least seconds between two looks for a shuffler's newer signing key after bad signatures
+#: (anyone can send a part that names a registered shuffler and fails to verify).
+RENEW_SECONDS = 1.0
 
 
 class ShufflerDescriptors:
@@ -51,7 +66,12 @@ class ShufflerDescriptors:
         self.store = store
         self.clock = clock
         self._keys = {e.id: parse_key(e.signing_key, f"shuffler {e.id!r}") for e in entries}
+        #: Each shuffler's current signing key: the signer of its newest verified descriptor
+        #: (the pinned key until one is seen); batches must verify with it.
+        self.signers: dict[str, Ed25519PublicKey] = dict(self._keys)
+        self._renewed: dict[str, float] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def offer(self, document: SignedDescriptor) -> bool:
@@ -65,16 +85,63 @@ class ShufflerDescriptors:
         key = self._keys.get(named)
         if key is None:
             raise CollectionConfigError(f"descriptor of unregistered shuffler {named[:64]!r}")
-        now = self.clock()
-        descriptor = verify_descriptor(document, key, now)
-        stale = named not in self._valid(self.store.descriptors())
-        return self.store.keep_descriptor(
+        vouched = verify_descriptor_chain(document, key, self.clock())
+        kept = self.store.descriptors()
+        self._check_descends(named, vouched, kept)
+        descriptor = vouched.value
+        stale = named not in self._valid(kept)
+        if not self.store.keep_descriptor(
             named,
             descriptor.issued_at,
             descriptor.expires_at,
             document.model_dump_json(),
             stale=stale,
-        )
+        ):
+            return False
+        self.signers[named] = vouched.signer
+        return True
+
+    def _check_descends(
+        self,
+        named: str,
+        vouched: Vouched[ShufflerDescriptor],
+        kept: dict[str, tuple[int, str]],
+    ) -> None:
+        """Refuse a descriptor whose keys do not pass through the signer of the kept one (a
+        fork from an older key the shuffler rotated away from).
+
+        Raises:
+            CollectionConfigError: naming the shuffler and the key it moved to.
+        """
+        if named not in kept:
+            return
+        document = SignedDescriptor.model_validate_json(kept[named][1])
+        try:
+            moved = verify_descriptor_chain(document, self._keys[named], None).signer
+        except CollectionConfigError:  # kept under a key no longer pinned: it binds nothing
+            return
+        if public_bytes(moved) not in {public_bytes(k) for k in vouched.lineage}:
+            raise CollectionConfigError(
+                f"descriptor of shuffler {named[:64]!r} is signed by a key that does not descend "
+                f"from the one it moved to ({fingerprint(moved)}): a fork from an older key"
+            )
+
+    def renew_signer(self, shuffler_id: str) -> Ed25519PublicKey | None:
+        """After a batch of ``shuffler_id`` failed to verify: its signer as the newest kept
+        descriptor names it (another worker may have fetched one), and a fetch of every
+        descriptor soon; None when the signer did not change, or it was looked for less than
+        :data:`RENEW_SECONDS` ago."""
+        now = time.monotonic()
+        if shuffler_id not in self._keys or now - self._renewed.get(shuffler_id, -math.inf) < (
+            RENEW_SECONDS
+        ):
+            return None
+        self._renewed[shuffler_id] = now
+        before = public_bytes(self.signers[shuffler_id])
+        self._valid(self.store.descriptors())
+        self._wake.set()
+        after = self.signers[shuffler_id]
+        return None if public_bytes(after) == before else after
 
     def seed(self) -> None:
         """Offer the descriptors the registry came with (e.g. files the shufflers published)."""
@@ -91,18 +158,20 @@ class ShufflerDescriptors:
     def _valid(self, kept: dict[str, tuple[int, str]]) -> dict[str, SignedDescriptor]:
         """The kept descriptors that verify now with the key pinned for their shuffler (not
         expired, not signed by a key pinned before) and were not issued in the future beyond
-        the clock skew (one would block every fresh descriptor: only a newer one replaces it)."""
+        the clock skew (one would block every fresh descriptor: only a newer one replaces it);
+        their signers become :attr:`signers`."""
         valid, now = {}, self.clock()
         for entry in self.entries:
             if entry.id not in kept:
                 continue
             document = SignedDescriptor.model_validate_json(kept[entry.id][1])
             try:
-                found = verify_descriptor(document, self._keys[entry.id], now)
+                found = verify_descriptor_chain(document, self._keys[entry.id], now)
             except CollectionConfigError:
                 continue
-            if found.issued_at <= now + MAX_CLOCK_SKEW_SECONDS:
+            if found.value.issued_at <= now + MAX_CLOCK_SKEW_SECONDS:
                 valid[entry.id] = document
+                self.signers[entry.id] = found.signer
         return valid
 
     def missing(self) -> list[str]:
@@ -141,7 +210,7 @@ class ShufflerDescriptors:
 
     def start(self, refresh_seconds: float) -> None:
         """Fetch in a background thread: every :data:`RETRY_SECONDS` while one is missing,
-        then every ``refresh_seconds``."""
+        then every ``refresh_seconds``, and at once when :meth:`renew_signer` asks."""
         self._thread = threading.Thread(
             target=self._run, args=(refresh_seconds,), name="esa-descriptors", daemon=True
         )
@@ -155,10 +224,12 @@ class ShufflerDescriptors:
                 except Exception:  # the database, mostly: the thread must survive it
                     log.exception("fetching shuffler descriptors failed; retrying")
                     missing = ["?"]
-                self._stop.wait(RETRY_SECONDS if missing else refresh_seconds)
+                self._wake.wait(RETRY_SECONDS if missing else refresh_seconds)
+                self._wake.clear()
 
     def stop(self) -> None:
         """Stop the background fetches."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=FETCH_TIMEOUT_SECONDS * (len(self.entries) + 1))

@@ -68,6 +68,9 @@ class IntakePolicy:
     #: Reads the channels added at runtime again (a part may name one this replica has not
     #: folded in yet); returns the config revision.
     refresh_channels: Callable[[], int] = lambda: 0
+    #: The signing key of a shuffler read again after its signature failed (it may have
+    #: rotated: :meth:`analyzer.descriptors.ShufflerDescriptors.renew_signer`); None: unchanged.
+    renew_signer: Callable[[str], Ed25519PublicKey | None] = lambda _: None
 
 
 class BatchIntake:
@@ -105,8 +108,11 @@ class BatchIntake:
         key = self.sender(shuffler_id)
         if len(body) > self.policy.max_batch_bytes:
             raise BatchTooLargeError(f"batch part exceeds {self.policy.max_batch_bytes} bytes")
-        if not verify(body, signature_bytes(signature), key):
-            raise BadSignatureError("signature does not verify for this shuffler")
+        raw = signature_bytes(signature)
+        if not verify(body, raw, key):
+            renewed = self.policy.renew_signer(str(shuffler_id))
+            if renewed is None or not verify(body, raw, renewed):
+                raise BadSignatureError("signature does not verify for this shuffler")
         batch = _parsed(body)
         if batch.shuffler_id != shuffler_id:
             raise MalformedBatchError("a batch part must name the shuffler that signs it")

@@ -49,8 +49,10 @@ PARENT_CHECK_SECONDS = 1.0
 WARM_TIMEOUT_SECONDS = 60.0
 WARM_TASK_SECONDS = 0.05
 
-#: The key ring of a pool worker process (set once by :func:`_start_worker`).
+#: The key ring of a pool worker process and the raw keys it was built from (rebuilt when a
+#: task brings other keys: a rotation).
 _worker_ring: KeyRing | None = None
+_worker_keys: tuple[bytes, ...] = ()
 
 
 def open_chunk(ring: KeyRing, info: bytes, texts: Sequence[str]) -> list[bytes]:
@@ -66,9 +68,7 @@ def open_chunk(ring: KeyRing, info: bytes, texts: Sequence[str]) -> list[bytes]:
     return opened
 
 
-def _start_worker(keys: Sequence[bytes], parent: int) -> None:
-    global _worker_ring
-    _worker_ring = KeyRing.of(*(X25519PrivateKey.from_private_bytes(k) for k in keys))
+def _start_worker(parent: int) -> None:
     threading.Thread(
         target=_exit_with, args=(parent,), name="esa-parent-watch", daemon=True
     ).start()
@@ -91,15 +91,21 @@ def _worker_pid() -> int:
     return os.getpid()
 
 
-def _open_in_worker(info: bytes, texts: Sequence[str]) -> list[bytes]:
-    if _worker_ring is None:
-        raise RuntimeError("pool worker started without its key ring")
+def _open_in_worker(keys: tuple[bytes, ...], info: bytes, texts: Sequence[str]) -> list[bytes]:
+    global _worker_ring, _worker_keys
+    if _worker_ring is None or keys != _worker_keys:
+        ring = KeyRing()
+        for key in keys:
+            ring.add(X25519PrivateKey.from_private_bytes(key))
+        _worker_ring, _worker_keys = ring, keys
     return open_chunk(_worker_ring, info, texts)
 
 
 class FragmentOpener:
     """Opens fragments in chunks of ``chunk`` on ``processes`` worker processes (in this
-    process when ``processes`` is 1)."""
+    process when ``processes`` is 1), with the keys ``ring`` holds at each call: every task
+    carries them, so a rotation (:class:`analyzer.config.AnalyzerKeys` refills the ring)
+    reaches the workers without a restart."""
 
     def __init__(self, ring: KeyRing, processes: int, chunk: int) -> None:
         if processes < 1 or chunk < 1:
@@ -110,16 +116,15 @@ class FragmentOpener:
         self._pool = self._start() if processes > 1 else None
 
     def _start(self) -> ProcessPoolExecutor:
-        keys = [k.private_bytes_raw() for k in self.ring.keys.values()]
         return ProcessPoolExecutor(
             self.processes,
             mp_context=get_context("spawn"),
             initializer=_start_worker,
-            initargs=(keys, os.getpid()),
+            initargs=(os.getpid(),),
         )
 
     def warm(self, timeout: float = WARM_TIMEOUT_SECONDS) -> int:
-        """Start every worker process now and return once each has loaded its key ring (or
+        """Start every worker process now and return once each has started (or
         after ``timeout`` seconds, or if a worker died: then :meth:`open` starts the pool
         afresh); how many answered. Without it the pool starts its processes at the first
         part, whose opening then waits for them: ~2–4 s on a loaded 2-core machine, more than
@@ -145,9 +150,10 @@ class FragmentOpener:
         info = context.info()
         if self._pool is None:
             return open_chunk(self.ring, info, texts)
+        keys = tuple(k.private_bytes_raw() for k in self.ring.keys.values())
         try:
             futures = [
-                self._pool.submit(_open_in_worker, info, texts[i : i + self.chunk])
+                self._pool.submit(_open_in_worker, keys, info, texts[i : i + self.chunk])
                 for i in range(0, len(texts), self.chunk)
             ]
             return [fragment for future in futures for fragment in future.result()]

@@ -29,7 +29,7 @@ from analyzer.settings import AnalyzerSettings
 from analyzer.store import AnalyzerStore
 from analyzer.training import Trainer, published_channels
 from common.collection import ANALYZER_KEY_FILE
-from common.envelope import load_ed25519_public, public_bytes
+from common.envelope import public_bytes
 from common.wire import (
     BatchAck,
     ChannelChange,
@@ -42,7 +42,6 @@ from common.wire import (
     ReleaseRequest,
     SignedConfig,
     b64,
-    unb64,
 )
 from runtime import db
 from runtime.publish import publish
@@ -80,17 +79,22 @@ class AnalyzerService:
         Raises:
             InvalidChannelError: if a configured channel does not validate.
         """
-        keys = AnalyzerKeys.load(settings.key_dir)
         store = AnalyzerStore(db.make_engine(settings.database_url), clock)
         shuffler_ids = [s.id for s in settings.shufflers]
         catalog = ChannelCatalog(settings.channels, shuffler_ids, store, clock, settings.part_cap)
         channels = catalog.table
+        # Retired HPKE keys stay loaded while stored parts wait to be opened.
+        keys = AnalyzerKeys.load(
+            settings, clock, lambda: catalog.table.configs(), lambda: store.unopened_parts() > 0
+        )
+        descriptors = ShufflerDescriptors(settings.shufflers, store, clock)
         policy = IntakePolicy(
-            ring=keys.ring(),
+            ring=keys.ring,
             channels=channels,
-            shufflers={s.id: load_ed25519_public(unb64(s.signing_key)) for s in settings.shufflers},
+            shufflers=descriptors.signers,
             max_batch_bytes=settings.part_cap,
             refresh_channels=catalog.refresh,
+            renew_signer=descriptors.renew_signer,
         )
         events = Events()
         return cls(
@@ -108,7 +112,7 @@ class AnalyzerService:
                 events,
                 settings.fault_while_opening,
             ),
-            ShufflerDescriptors(settings.shufflers, store, clock),
+            descriptors,
             catalog,
             clock,
             Trainer(store, channels, settings.training_dir),
@@ -125,6 +129,7 @@ class AnalyzerService:
         processes = self.opener.opener.warm()
         self.opener.start(self.settings.opening_poll_seconds)
         self.descriptors.start(self.settings.descriptor_refresh_seconds)
+        self.keys.start()
         if self.settings.publish_dir is not None:
             key = b64(public_bytes(self.keys.signing.public_key())) + "\n"
             publish(self.settings.publish_dir, ANALYZER_KEY_FILE, key)
@@ -151,6 +156,7 @@ class AnalyzerService:
     def close(self) -> None:
         """Stop the opener, the descriptor fetches and retention, release the database."""
         self.stopping.set()
+        self.keys.stop()
         self.descriptors.stop()
         self.opener.stop()
         self.store.engine.dispose()

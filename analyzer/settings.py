@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from common.collection import published_key
+from common.collection import parse_key, published_key, verify_descriptor
 from common.envelope import inner_size, public_bytes
 from common.wire import (
     PART_FRAGMENTS,
@@ -29,6 +30,7 @@ from common.wire import (
     SignedDescriptor,
     b64,
 )
+from runtime.keys import Timing, key_timing, overlap_floor
 from runtime.secrets import SecretFileSettings, refuse_placeholder
 
 #: Settings that may be given as files (``ESA_ANALYZER_<NAME>_FILE``: Docker secrets).
@@ -37,6 +39,13 @@ _SECRETS = ("admin_token", "metrics_token", "database_url")
 #: to 10^6 devices (Dwork & Roth, *The Algorithmic Foundations of DP*, §2.3: δ << 1/n); the
 #: accounting reference example states its lifetime at 1e-5.
 LIFETIME_DELTA = 1e-6
+#: Beyond the shortest safe overlap of a replaced HPKE key, the time its fragments may still
+#: spend reaching the analyzer and waiting to be opened (a shuffler's forwarding retries, an
+#: analyzer outage).
+DELIVERY_ALLOWANCE = 24 * 3600.0
+#: A shuffler's grace after an epoch ends (its ``epoch_grace_seconds``, 2 s by default), with
+#: room to spare.
+EPOCH_GRACE_ALLOWANCE = 60.0
 #: Bytes of a batch part besides its fragments: the JSON keys and the longest ids and numbers
 #: they can hold (< 500 bytes), with room to spare.
 PART_HEADER_BYTES = 4096
@@ -54,7 +63,8 @@ def largest_part_bytes(channels: list[ChannelConfig]) -> int:
 
 def _pinned(entry: ShufflerEntry) -> ShufflerEntry:
     """A registry entry with the key it pins: its ``signing_key``, or the key of the descriptor
-    the shuffler published at ``descriptor_file`` (which must name the same shuffler)."""
+    the shuffler published at ``descriptor_file`` (which must name the same shuffler and, with
+    a ``signing_key``, descend from it through its successions)."""
     if entry.descriptor_file is None:
         if not entry.signing_key:
             raise ValueError(f"shuffler {entry.id!r}: give signing_key or descriptor_file")
@@ -68,9 +78,13 @@ def _pinned(entry: ShufflerEntry) -> ShufflerEntry:
             f"shuffler {entry.id!r}: its published descriptor {path} is unusable ({error}); "
             "is the shuffler started?"
         ) from error
-    pinned = b64(public_bytes(key))
-    if named != entry.id or entry.signing_key not in ("", pinned):
-        raise ValueError(f"shuffler {entry.id!r}: {path} describes {named!r} or another key")
+    pinned = entry.signing_key or b64(public_bytes(key))
+    try:
+        verify_descriptor(document, parse_key(pinned, f"shuffler {entry.id!r}"), None)
+    except ValueError as error:
+        raise ValueError(f"shuffler {entry.id!r}: {path} describes another key: {error}") from error
+    if named != entry.id:
+        raise ValueError(f"shuffler {entry.id!r}: {path} describes {named!r}")
     return entry.model_copy(update={"signing_key": pinned, "descriptor": document})
 
 
@@ -107,6 +121,17 @@ class AnalyzerSettings(SecretFileSettings):
     #: How often each shuffler's signed descriptor is fetched again (sooner while one is
     #: missing); a descriptor's own validity is the shuffler's ``descriptor_ttl_seconds``.
     descriptor_refresh_seconds: float = Field(60.0, gt=0)
+    #: How often each replica reads its key directory (``keys.json``): a rotation made at one
+    #: replica reaches the others within this time.
+    key_reload_seconds: float = Field(10.0, gt=0)
+    #: How long a new key is pending (loaded, not published): at least twice
+    #: ``key_reload_seconds``, so every replica opens what is sealed to it before devices do.
+    key_activation_seconds: float = Field(60.0, gt=0)
+    #: How long a replaced HPKE key still opens fragments; default (None): the shortest that
+    #: loses nothing (``config_ttl_seconds`` + clock skew + the longest epoch + grace,
+    #: :func:`runtime.keys.overlap_floor`) plus :data:`DELIVERY_ALLOWANCE`; a shorter one is
+    #: refused.
+    hpke_overlap_seconds: float | None = Field(None, gt=0)
     #: Largest batch part body read before its signature is checked; default (None): the
     #: largest legal part of the configured channels (:func:`largest_part_bytes`).
     max_batch_bytes: int | None = Field(None, ge=1024)
@@ -166,6 +191,27 @@ class AnalyzerSettings(SecretFileSettings):
             token = self.metrics_token.get_secret_value()
             refuse_placeholder("metrics_token", token, self.environment)
         return self
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> AnalyzerSettings:
+        self.key_timing(self.channels)
+        return self
+
+    def key_timing(self, channels: Sequence[ChannelConfig]) -> Timing:
+        """The windows of a rotation with ``channels`` configured (:func:`runtime.keys.key_timing`).
+
+        Raises:
+            ValueError: windows that could lose what devices sealed.
+        """
+        longest = max((c.epoch_seconds for c in channels), default=0)
+        floor = overlap_floor(self.config_ttl_seconds, longest, EPOCH_GRACE_ALLOWANCE)
+        return key_timing(
+            self.key_reload_seconds,
+            self.key_activation_seconds,
+            self.hpke_overlap_seconds,
+            floor,
+            DELIVERY_ALLOWANCE,
+        )
 
     @property
     def part_cap(self) -> int:

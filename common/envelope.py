@@ -52,6 +52,10 @@ class WireVersionError(EnvelopeError):
     """A contribution of a wire version this code no longer takes (the client must update)."""
 
 
+class RetiredKeyError(EnvelopeError):
+    """A blob sealed to a key its recipient has retired (the sender's config is outdated)."""
+
+
 def key_id(public_key: X25519PublicKey) -> bytes:
     """First 8 bytes of SHA-256 of the raw public key."""
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -85,10 +89,14 @@ def load_ed25519_public(raw: bytes) -> Ed25519PublicKey:
 
 @dataclass
 class KeyRing:
-    """A recipient's live X25519 keys, by key id; ``current`` is the one senders should use."""
+    """A recipient's live X25519 keys, by key id; ``current`` is the one senders should use;
+    ``retired`` the ids of keys it no longer holds (a blob naming one is an outdated sender's,
+    not garbage). A service swaps in a new ring's contents with :meth:`replace` when its keys
+    rotate, so every holder of the object sees them."""
 
     keys: dict[bytes, X25519PrivateKey] = field(default_factory=dict)
     current: bytes = b""
+    retired: frozenset[bytes] = frozenset()
 
     @classmethod
     def of(cls, *private_keys: X25519PrivateKey) -> KeyRing:
@@ -109,6 +117,12 @@ class KeyRing:
         """The current public key."""
         return self.keys[self.current].public_key()
 
+    def replace(self, other: KeyRing) -> None:
+        """Take ``other``'s keys (a reader sees the old or the new key table, each whole)."""
+        self.retired = other.retired | self.retired.difference(other.keys)
+        self.keys = dict(other.keys)
+        self.current = other.current
+
 
 def seal(plaintext: bytes, public_key: X25519PublicKey, info: bytes) -> bytes:
     """HPKE base-mode one-shot seal, prefixed with the recipient key id."""
@@ -119,12 +133,15 @@ def open_sealed(blob: bytes, ring: KeyRing, info: bytes) -> bytes:
     """Open a blob made by :func:`seal` with whichever live key it names.
 
     Raises:
+        RetiredKeyError: it names a key the ring has retired.
         EnvelopeError: unknown key id, wrong ``info``, tampering or truncation.
     """
     if len(blob) < KEY_ID_SIZE + ENC_SIZE + TAG_SIZE:
         raise EnvelopeError(f"sealed blob too short ({len(blob)} bytes)")
     private_key = ring.keys.get(blob[:KEY_ID_SIZE])
     if private_key is None:
+        if blob[:KEY_ID_SIZE] in ring.retired:
+            raise RetiredKeyError(f"sealed to key {blob[:KEY_ID_SIZE].hex()}, now retired")
         raise EnvelopeError(f"no live key with id {blob[:KEY_ID_SIZE].hex()}")
     try:
         return SUITE.decrypt(blob[KEY_ID_SIZE:], private_key, info)

@@ -245,14 +245,41 @@ class ShufflerDescriptor(BaseModel):
         )
 
 
+#: Who a key succession speaks for: the analyzer, or one shuffler (``shuffler/<id>``).
+PARTY = r"^(?:analyzer|shuffler/[a-z0-9][a-z0-9_.-]{0,63})$"
+#: Most successions a signed document carries (a verifier refuses longer chains).
+MAX_SUCCESSIONS = 32
+
+
+class Succession(BaseModel):
+    """A signing key handing over to the next one (rotation without re-pinning): ``party``'s
+    key ``from_key`` names ``to_key`` (both base64 raw Ed25519) as its successor at
+    ``issued_at``, signed by ``from_key`` over :data:`common.collection.SUCCESSION_CONTEXT`
+    and the canonical statement (:func:`common.collection.sign_succession`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    party: str = Field(pattern=PARTY)
+    from_key: str = Field(max_length=64)
+    to_key: str = Field(max_length=64)
+    issued_at: int = Field(ge=0, le=MAX_INT)
+    signature: str = Field(max_length=128)
+
+    def statement(self) -> dict[str, Any]:
+        """What the old key signs: everything but the signature."""
+        return self.model_dump(exclude={"signature"})
+
+
 class SignedDescriptor(BaseModel):
     """A shuffler's ``GET /v1/descriptor``: the descriptor as JSON and the shuffler's Ed25519
-    signature over its canonical bytes (:func:`common.collection.sign_descriptor`)."""
+    signature over its canonical bytes (:func:`common.collection.sign_descriptor`), by the
+    key its ``successions`` lead to from the one a verifier pins (none: the pinned key)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     descriptor: dict[str, Any]
     signature: str
+    successions: tuple[Succession, ...] = Field((), max_length=MAX_SUCCESSIONS)
 
 
 class ShufflerEntry(BaseModel):
@@ -356,10 +383,12 @@ class CollectionConfig(BaseModel):
 
 class SignedConfig(BaseModel):
     """``GET /v1/config`` of the analyzer: the config as JSON and an Ed25519 signature over its
-    canonical bytes (:func:`common.collection.canonical`)."""
+    canonical bytes (:func:`common.collection.canonical`), by the key its ``successions`` lead
+    to from the one a device pins (none: the pinned key)."""
 
     config: dict[str, Any]
     signature: str
+    successions: tuple[Succession, ...] = Field((), max_length=MAX_SUCCESSIONS)
 
 
 # --- shuffler answers -------------------------------------------------------------------------
@@ -433,6 +462,63 @@ class RequeueResult(BaseModel):
     """How many parts were taken up again."""
 
     requeued: int
+
+
+# --- key rotation (each party's ``/v1/admin/keys``) -------------------------------------------
+
+#: The keys a party rotates: its HPKE key (what devices seal to) or its Ed25519 signing key.
+KeyKind = Literal["hpke", "signing"]
+
+
+class KeyInfo(BaseModel):
+    """One of a party's keys: its kind, id (an HPKE key id, or a signing key's fingerprint:
+    8 bytes of SHA-256, hex), public key (base64), state and times (unix seconds). ``pending``:
+    loaded by every replica, not yet published; ``active``: in use (``published``: the one
+    devices are told to use, or the signer); ``retired``: no longer opens or signs anything."""
+
+    kind: KeyKind
+    key_id: str
+    public_key: str
+    state: Literal["pending", "active", "retired"]
+    published: bool
+    created_at: float
+    activates_at: float
+    retires_at: float | None
+
+
+class KeyList(BaseModel):
+    """``GET /v1/admin/keys``: every key of the party, oldest first, and the successions its
+    signing keys made (what its signed documents carry)."""
+
+    party: str
+    keys: list[KeyInfo]
+    successions: list[Succession]
+
+
+class RotateKeyRequest(BaseModel):
+    """``POST /v1/admin/keys/rotate``: make a new key of this kind; it is published once every
+    replica has loaded it, and the key it replaces keeps working through its overlap."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: KeyKind
+
+
+class RetireKeyRequest(BaseModel):
+    """``POST /v1/admin/keys/retire``: retire an HPKE key now, before its overlap ends (a key
+    thought compromised): what is sealed to it is refused or fails to open from then on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: Literal["hpke"]
+    key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
+
+
+class KeyChange(BaseModel):
+    """What a rotation or retirement did: the key made (or retired) and every key after it."""
+
+    key: KeyInfo
+    keys: KeyList
 
 
 # --- analyzer answers -------------------------------------------------------------------------
