@@ -1182,8 +1182,14 @@ def _complete_epochs(conn: Connection, epochs: int) -> dict[tuple[str, int], Com
     s = per_epoch.c
     query = select(s.channel_id, s.epoch, s.batches, s.withheld, s.claimed, s.verified, s.invalid)
     return {
-        (channel, int(epoch)): CompleteEpoch(*(int(value or 0) for value in counts))
-        for channel, epoch, *counts in conn.execute(query.where(s.newest <= epochs))
+        (row.channel_id, int(row.epoch)): CompleteEpoch(
+            batches=int(row.batches),
+            withheld=int(row.withheld),
+            claimed=int(row.claimed),
+            verified=int(row.verified),
+            invalid=int(row.invalid),
+        )
+        for row in conn.execute(query.where(s.newest <= epochs))
     }
 
 
