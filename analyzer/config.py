@@ -93,7 +93,7 @@ def publish_key(directory: Path | None, keys: PartyKeys) -> None:
 
 def collection_config(
     settings: AnalyzerSettings,
-    keys: AnalyzerKeys,
+    keys: PartyKeys,
     now: int,
     shufflers: list[SignedDescriptor],
     channels: list[ChannelConfig] | None = None,
@@ -101,16 +101,16 @@ def collection_config(
 ) -> CollectionConfig:
     """The config devices need, valid for ``config_ttl_seconds`` from ``now``: the shufflers'
     own signed descriptors, and ``channels`` as published (e.g. with a training channel's
-    current model)."""
+    current model), with the analyzer's keys as ``keys`` holds them."""
     analyzer = AnalyzerInfo(
         url=settings.url,
         keys=[
             HpkeKey(
                 key_id=key_id(k.public_key()).hex(), public_key=b64(public_bytes(k.public_key()))
             )
-            for k in keys.hpke
+            for k in keys.published_hpke()
         ],
-        signing_key=b64(public_bytes(keys.signing.public_key())),
+        signing_key=b64(public_bytes(keys.signer.public_key())),
     )
     return CollectionConfig(
         revision=revision,
@@ -131,6 +131,8 @@ def signed_config(
     channels: list[ChannelConfig] | None = None,
     revision: int = 0,
 ) -> SignedConfig:
-    """``GET /v1/config``: the collection config signed with the analyzer's Ed25519 key."""
-    config = collection_config(settings, keys, now, shufflers, channels, revision)
-    return sign_config(config, keys.signing, keys.successions)
+    """``GET /v1/config``: the collection config signed with the analyzer's current Ed25519
+    key, with the successions that lead to it (one snapshot of the keys: they agree)."""
+    snapshot = keys.current
+    config = collection_config(settings, snapshot, now, shufflers, channels, revision)
+    return sign_config(config, snapshot.signer, snapshot.successions)

@@ -223,8 +223,12 @@ class PartyKeys:
 
     @property
     def successions(self) -> tuple[Succession, ...]:
-        """The successions documents carry, first key to :attr:`signer`."""
-        return self.book.successions
+        """The successions documents carry: from the first key to :attr:`signer` (not to a
+        key still pending)."""
+        signer = b64(public_bytes(self.signer.public_key()))
+        chain = self.book.successions
+        ends = [i for i, link in enumerate(chain) if link.to_key == signer]
+        return chain[: ends[0] + 1] if ends else ()
 
     @property
     def signer(self) -> Ed25519PrivateKey:

@@ -8,7 +8,8 @@ details never name a client id, token or timestamp. Codes: docs/shuffler.md, "Er
         ├── MalformedContributionError (subclass: UnsupportedVersionError)       400
         ├── BadContentTypeError, UnknownChannelError, UnknownCrowdError,
         │   EpochNotOpenError, TooFewFragmentsError, FragmentSizeError           400
-        ├── ReplayedNonceError, QuotaExceededError 409; FutureEpochError 422
+        ├── ReplayedNonceError, QuotaExceededError, ConfigOutdatedError 409;
+        │   FutureEpochError 422
         ├── BodyTooLargeError, TooManyFragmentsError 413; ClientRateLimitedError 429
         └── ShufflerStorageError                                                 503
 """
@@ -80,6 +81,14 @@ class ChannelRetiredError(ShufflerError):
     it refreshes its config on this answer)."""
 
     code = "channel_retired"
+    kind = Kind.CONFLICT
+
+
+class ConfigOutdatedError(ShufflerError):
+    """The contribution is sealed to an HPKE key this shuffler has retired (the device's config
+    is stale: it refreshes its config on this answer)."""
+
+    code = "config_outdated"
     kind = Kind.CONFLICT
 
 

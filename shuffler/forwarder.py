@@ -2,8 +2,10 @@
 at least once, by exactly one forwarder at a time, with the shared backoff policy
 (:mod:`common.retry`), resumed after restarts.
 
-A part leaves as the exact bytes it was signed over (``ESA-Signature``) and the analyzer counts
-a (``batch_id``, ``part``) once, so re-sending is safe. After a refusal of the part's content
+A part leaves as the exact bytes it was signed over (``ESA-Signature``, made again with the
+shuffler's current signing key when it has one: a part staged before a key rotation is sent
+signed by the key the analyzer now follows) and the analyzer counts a (``batch_id``, ``part``)
+once, so re-sending is safe. After a refusal of the part's content
 (:data:`PERMANENT_REFUSALS`) the part is kept unsent until an admin requeues it; everything else
 is retried with backoff. Leases and which refusals are permanent: docs/shuffler.md, "Forwarding".
 """
@@ -12,15 +14,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
+from common.envelope import sign
 from common.randomness import RandomSource
 from common.retry import Backoff, retry_after_seconds
-from common.wire import BatchAck
+from common.wire import BatchAck, b64
 from shuffler.records import DuePart, PartKey
 from shuffler.store import ContributionStore
 
@@ -98,6 +102,7 @@ class Forwarder:
         rng: RandomSource,
         clock: Callable[[], float],
         lease_seconds: float,
+        signer: Callable[[], Ed25519PrivateKey] | None = None,
     ) -> None:
         if not lease_seconds > 0:
             raise ValueError(f"lease_seconds must be > 0, got {lease_seconds}")
@@ -108,6 +113,7 @@ class Forwarder:
         self.rng = rng
         self.clock = clock
         self.lease_seconds = lease_seconds
+        self.signer = signer
 
     def forward_due(self, client: httpx.Client) -> dict[Outcome, int]:
         """One round: claim and POST every due part (one body in memory at a time); how many
@@ -119,6 +125,8 @@ class Forwarder:
             part = self.store.claim(key, self.clock(), self.lease_seconds)
             if part is None:
                 continue
+            if self.signer is not None:
+                part = replace(part, signature=b64(sign(part.body, self.signer())))
             attempt = post_part(client, self.url, part, self.shuffler_id)
             self._record(part, attempt)
             tally[attempt.outcome] += 1

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from common.envelope import (
     EnvelopeError,
     KeyRing,
+    RetiredKeyError,
     WireVersionError,
     inner_size,
     open_contribution,
@@ -35,6 +36,7 @@ from shuffler.errors import (
     BadTokenError,
     ChannelRetiredError,
     ClientRateLimitedError,
+    ConfigOutdatedError,
     EpochNotOpenError,
     FragmentSizeError,
     MalformedContributionError,
@@ -189,12 +191,15 @@ class Intake:
         Raises:
             MalformedContributionError (UnsupportedVersionError: an old wire version),
             UnknownChannelError, ChannelRetiredError, TooFewFragmentsError, FragmentSizeError,
-            UnknownCrowdError, TooManyFragmentsError, EpochNotOpenError.
+            UnknownCrowdError, TooManyFragmentsError, EpochNotOpenError, ConfigOutdatedError
+            (sealed to a key this shuffler retired).
         """
         try:
             contribution = open_contribution(blob, self.settings.shuffler_id, self.ring)
         except WireVersionError as error:
             raise UnsupportedVersionError(str(error)) from error
+        except RetiredKeyError as error:
+            raise ConfigOutdatedError(f"{error}: fetch the config again") from error
         except EnvelopeError as error:
             raise MalformedContributionError(str(error)) from error
         policy = self.policies.get(contribution.channel_id)

@@ -22,15 +22,20 @@ from common.wire import (
     CloseRequest,
     CloseResult,
     EnrollResponse,
+    KeyChange,
+    KeyList,
     Receipt,
     RequeueRequest,
     RequeueResult,
+    RetireKeyRequest,
     RevokeRequest,
     RevokeResult,
+    RotateKeyRequest,
     ShufflerConfig,
     SignedDescriptor,
 )
 from runtime.http import bearer_check, bearer_scheme, checked_route, error_responses
+from runtime.keys import LiveKeys, NoSuchKeyError
 from shuffler.errors import AdminTokenError
 from shuffler.ingest import CONTENT_TYPE, Ingest
 from shuffler.service import ShufflerService
@@ -90,8 +95,9 @@ CONTRIBUTION_BODY: dict[str, Any] = {
 async def contribute(request: Request) -> Response:
     """Store one sealed contribution: 202 with a receipt only after it is committed; 400
     malformed, wrong content type, unknown channel or crowd, epoch not open; 401 bad or revoked
-    token; 409 replayed nonce or quota used; 413 too large or too many fragments; 429 slow
-    down (``Retry-After``); 503 not stored."""
+    token; 409 replayed nonce or quota used, or ``config_outdated`` (sealed to a retired key:
+    fetch the config again); 413 too large or too many fragments; 429 slow down
+    (``Retry-After``); 503 not stored."""
     ingest: Ingest = request.app.state.ingest
     status, data, extra = await ingest(request.scope["headers"], request.receive)
     headers = {name.decode(): value.decode() for name, value in extra}
@@ -126,6 +132,42 @@ async def close(body: CloseRequest, service: Service, http: Http) -> CloseResult
     groups = await asyncio.to_thread(service.close, body.channel_id, body.epoch)
     forwarded = await asyncio.to_thread(service.forward_due, http)
     return CloseResult(groups_evaluated=groups, **forwarded)
+
+
+def _keys(service: ShufflerService) -> LiveKeys:
+    """The service's live keys (every app has them; a service built by hand may not)."""
+    if service.keys is None:
+        raise NoSuchKeyError("this shuffler was built without a key directory")
+    return service.keys
+
+
+@admin.get("/keys", response_model=KeyList, responses=error_responses(401, 404, 503))
+async def list_keys(service: Service) -> KeyList:
+    """This shuffler's keys (HPKE and signing): state, times, which one is published, and the
+    successions its signing keys made."""
+    return await asyncio.to_thread(_keys(service).listing)
+
+
+@admin.post(
+    "/keys/rotate", response_model=KeyChange, responses=error_responses(400, 401, 404, 409, 503)
+)
+async def rotate_key(body: RotateKeyRequest, service: Service) -> KeyChange:
+    """Make a new HPKE or signing key: pending until every replica has loaded it
+    (``key_activation_seconds``), then in this shuffler's descriptor; an HPKE key it replaces
+    still opens contributions through its overlap, a signing key it replaces names it in a
+    succession the analyzer and devices follow. 409 ``rotation_pending``: a key of this kind
+    is pending already; ``succession_limit``: the signing key rotated too often."""
+    return await asyncio.to_thread(_keys(service).rotate, body.key)
+
+
+@admin.post(
+    "/keys/retire", response_model=KeyChange, responses=error_responses(400, 401, 404, 409, 503)
+)
+async def retire_key(body: RetireKeyRequest, service: Service) -> KeyChange:
+    """Retire an HPKE key now, before its overlap ends (one thought compromised): a
+    contribution sealed to it gets 409 ``config_outdated`` from then on. 404 ``unknown_key``;
+    409 ``key_in_use``: it is the published key or still pending (rotate first)."""
+    return await asyncio.to_thread(_keys(service).retire, body.key_id)
 
 
 @admin.post("/revoke", response_model=RevokeResult, responses=error_responses(400, 401, 503))

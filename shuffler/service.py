@@ -21,19 +21,20 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy.exc import IntegrityError
 
 from common import randomness
-from common.collection import DESCRIPTOR_SUFFIX, sign_descriptor
-from common.envelope import (
-    KeyRing,
-    key_id,
-    load_or_create_ed25519,
-    load_or_create_x25519,
-    public_bytes,
-    public_identity,
-)
+from common.collection import DESCRIPTOR_SUFFIX, shuffler_party, sign_descriptor
+from common.envelope import KeyRing, key_id, public_bytes, public_identity
 from common.randomness import RandomSource
 from common.retry import Backoff
-from common.wire import HpkeKey, ShufflerConfig, ShufflerDescriptor, SignedDescriptor, b64
+from common.wire import (
+    HpkeKey,
+    ShufflerConfig,
+    ShufflerDescriptor,
+    SignedDescriptor,
+    Succession,
+    b64,
+)
 from runtime import db
+from runtime.keys import KeyDirectory, LiveKeys, PartyKeys
 from runtime.publish import publish
 from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, group_due
 from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
@@ -47,6 +48,8 @@ from shuffler.settings import ShufflerSettings
 from shuffler.store import ContributionStore, make_store
 
 log = logging.getLogger("esa.shuffler")
+#: Most HPKE keys a descriptor lists (:class:`common.wire.ShufflerDescriptor`).
+MAX_DESCRIPTOR_KEYS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +101,11 @@ class ShufflerService:
             self.rng,
             clock,
             settings.forward_lease_seconds,
+            lambda: self.signing_key,
         )
         self.retention = Retention(store, settings.retention_seconds, clock)
+        #: The key directory's keys as this replica uses them (:func:`build_service`).
+        self.keys: LiveKeys | None = None
         self._batching = threading.Lock()
         #: Evaluations so far, and how many there were when a sweep last found nothing dead
         #: (None: look once, for what a previous run left): a sweep scans only after one.
@@ -116,6 +122,8 @@ class ShufflerService:
         every batching round, so an admin close or a revocation made at one replica of this
         trust domain reaches the others within ``batch_interval_seconds``."""
         self.intake.tokens.revoked |= self.store.revoked()
+        if self.keys is not None:
+            self.keys.refresh()
         if self.follower is not None:
             self.follower.load()
         for channel_id, epoch in self.store.closed_epochs().items():
@@ -167,27 +175,39 @@ class ShufflerService:
         )
 
     def descriptor(self) -> SignedDescriptor:
-        """``GET /v1/descriptor``: this shuffler's URL and live HPKE keys (current first),
-        signed with its own key and valid for ``descriptor_ttl_seconds`` from now: what a
-        device accepts a key of this shuffler from (never from the analyzer's word)."""
+        """``GET /v1/descriptor``: this shuffler's URL and active HPKE keys (the one devices
+        seal to first), signed with its current key — with the successions that lead to it
+        from its first — and valid for ``descriptor_ttl_seconds`` from now: what a device
+        accepts a key of this shuffler from (never from the analyzer's word)."""
         now = int(self.clock())
-        current = self.ring.keys[self.ring.current]
-        others = [k for kid, k in self.ring.keys.items() if kid != self.ring.current]
-        keys = [
-            HpkeKey(
-                key_id=key_id(k.public_key()).hex(), public_key=b64(public_bytes(k.public_key()))
-            )
-            for k in (current, *others)
-        ]
+        signer, successions = self.signing_key, tuple[Succession, ...]()
+        if self.keys is not None:
+            keys = self.keys.current  # one snapshot: signer, chain and keys agree
+            published, signer, successions = keys.published_hpke(), keys.signer, keys.successions
+        else:
+            current = self.ring.keys[self.ring.current]
+            published = (current, *(k for i, k in self.ring.keys.items() if i != self.ring.current))
         descriptor = ShufflerDescriptor(
             id=self.settings.shuffler_id,
             url=self.settings.url,
-            keys=keys,
-            signing_key=b64(public_bytes(self.signing_key.public_key())),
+            keys=[
+                HpkeKey(
+                    key_id=key_id(k.public_key()).hex(),
+                    public_key=b64(public_bytes(k.public_key())),
+                )
+                for k in published[:MAX_DESCRIPTOR_KEYS]
+            ],
+            signing_key=b64(public_bytes(signer.public_key())),
             issued_at=now,
             expires_at=now + self.settings.descriptor_ttl_seconds,
         )
-        return sign_descriptor(descriptor, self.signing_key)
+        return sign_descriptor(descriptor, signer, successions)
+
+    def keys_changed(self, keys: PartyKeys) -> None:
+        """A key became active or retired (:class:`runtime.keys.LiveKeys`): sign batches with
+        the current signing key from now on, and publish the descriptor again."""
+        self.signing_key = self.batcher.signing_key = keys.signer
+        self.publish()
 
     def publish(self) -> Path | None:
         """Write this shuffler's signed descriptor to ``publish_dir`` (public material for the
@@ -338,8 +358,20 @@ class ShufflerService:
 
 def build_service(settings: ShufflerSettings) -> ShufflerService:
     """A service over the configured database, with the keys in ``settings.key_dir`` (created
-    on first start)."""
+    on first start), read again as they rotate (:class:`runtime.keys.LiveKeys`, every
+    ``key_reload_seconds`` from the batching round).
+
+    Raises:
+        ValueError: the key directory is unusable (naming the file).
+    """
     engine = db.make_engine(settings.database_url, settings.sqlite_busy_timeout_seconds)
-    hpke_key = load_or_create_x25519(settings.key_dir / "hpke.pem")
-    signing_key = load_or_create_ed25519(settings.key_dir / "signing.pem")
-    return ShufflerService(settings, make_store(engine), KeyRing.of(hpke_key), signing_key)
+    directory = KeyDirectory(settings.key_dir, shuffler_party(settings.shuffler_id))
+    keys = LiveKeys(
+        directory,
+        lambda: settings.key_timing(service.policies.all()),
+        reload_seconds=settings.key_reload_seconds,
+    )
+    service = ShufflerService(settings, make_store(engine), keys.ring, keys.current.signer)
+    service.keys = keys
+    keys.listeners.append(service.keys_changed)
+    return service

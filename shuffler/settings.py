@@ -8,6 +8,7 @@ config's ``channels``). Placeholder secrets are refused outside ``environment=de
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -15,10 +16,13 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from common.wire import PART_FRAGMENTS, ChannelPolicy
+from runtime.keys import Timing, key_timing, overlap_floor
 from runtime.secrets import SecretFileSettings, refuse_placeholder
 
 #: Bind addresses that name no reachable host (a descriptor cannot vouch for them).
 WILDCARDS = frozenset({"0.0.0.0", "::", "", "[::]"})
+#: Beyond the shortest safe overlap of a replaced HPKE key, a margin (clocks, a slow reload).
+OVERLAP_MARGIN = 3600.0
 #: Settings that may be given as files (``ESA_SHUFFLER_<NAME>_FILE``: Docker secrets).
 _SECRETS = ("token_secret", "admin_token", "metrics_token", "database_url")
 
@@ -39,6 +43,17 @@ class ShufflerSettings(SecretFileSettings):
     #: How long a signed descriptor stays valid: devices refuse an expired one, so the analyzer
     #: must fetch a fresh one within this time (it refreshes every minute).
     descriptor_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
+    #: How often each replica reads its key directory (``keys.json``): a rotation made at one
+    #: replica reaches the others within this time (also checked every batching round).
+    key_reload_seconds: float = Field(10.0, gt=0)
+    #: How long a new key is pending (loaded, not published): at least twice
+    #: ``key_reload_seconds``, so every replica opens what is sealed to it before devices do.
+    key_activation_seconds: float = Field(60.0, gt=0)
+    #: How long a replaced HPKE key still opens contributions; default (None): the shortest
+    #: that loses nothing (``descriptor_ttl_seconds`` + clock skew + the longest epoch +
+    #: ``epoch_grace_seconds``, :func:`runtime.keys.overlap_floor`) plus an hour; a shorter one
+    #: is refused. After it, a contribution sealed to the key gets 409 ``config_outdated``.
+    hpke_overlap_seconds: float | None = Field(None, gt=0)
     database_url: str = "sqlite:///var/shuffler-1/shuffler.db"
     #: Where to publish ``<shuffler_id>.descriptor.json`` (its signed descriptor) at start, for
     #: the analyzer's registry and app builders to pin its key; none: not published.
@@ -124,6 +139,27 @@ class ShufflerSettings(SecretFileSettings):
         if len(ids) != len(set(ids)):
             raise ValueError(f"duplicate channel ids in {ids}")
         return self
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> ShufflerSettings:
+        self.key_timing(self.channels)
+        return self
+
+    def key_timing(self, channels: Sequence[ChannelPolicy]) -> Timing:
+        """The windows of a rotation with ``channels`` served (:func:`runtime.keys.key_timing`).
+
+        Raises:
+            ValueError: windows that could lose what devices sealed.
+        """
+        longest = max((c.epoch_seconds for c in channels), default=0)
+        floor = overlap_floor(self.descriptor_ttl_seconds, longest, self.epoch_grace_seconds)
+        return key_timing(
+            self.key_reload_seconds,
+            self.key_activation_seconds,
+            self.hpke_overlap_seconds,
+            floor,
+            OVERLAP_MARGIN,
+        )
 
     @property
     def url(self) -> str:

@@ -32,6 +32,9 @@ EXPECTED = {
     ("get", "/v1/channels/{channel_id}/training"): {"200", "404"},
     ("get", "/v1/privacy"): {"200", "503"},
     ("post", "/v1/admin/requeue"): {"200", "401", "503"},
+    ("get", "/v1/admin/keys"): {"200", "401", "503"},
+    ("post", "/v1/admin/keys/rotate"): {"200", "401", "409", "503"},
+    ("post", "/v1/admin/keys/retire"): {"200", "401", "404", "409", "503"},
     ("post", "/v1/admin/channels"): {"200", "201", "401", "409", "503"},
     ("post", "/v1/admin/channels/{channel_id}/retire"): {"200", "401", "404", "503"},
     ("get", "/"): {"200", "503"},
@@ -115,6 +118,8 @@ def test_a_batch_part_is_documented_so_a_client_can_send_one(document: dict[str,
         ("/v1/channels/{channel_id}/releases", "ReleaseRequest"),
         ("/v1/admin/requeue", "RequeueRequest"),
         ("/v1/admin/channels", "ChannelConfig"),
+        ("/v1/admin/keys/rotate", "RotateKeyRequest"),
+        ("/v1/admin/keys/retire", "RetireKeyRequest"),
     ],
 )
 def test_admin_operations_document_their_token_and_body(

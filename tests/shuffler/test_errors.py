@@ -17,6 +17,7 @@ EXPECTED = {
     errors.BadContentTypeError: ("bad_content_type", 400),
     errors.UnknownChannelError: ("unknown_channel", 400),
     errors.ChannelRetiredError: ("channel_retired", 409),
+    errors.ConfigOutdatedError: ("config_outdated", 409),
     errors.UnknownCrowdError: ("unknown_crowd", 400),
     errors.EpochNotOpenError: ("epoch_not_open", 400),
     errors.FutureEpochError: ("epoch_not_started", 422),

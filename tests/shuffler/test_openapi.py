@@ -86,6 +86,9 @@ def test_every_error_is_the_error_shape_and_no_status_is_invented(
         ("post", "/v1/admin/close"): {"200", "400", "401", "422", "503"},
         ("post", "/v1/admin/revoke"): {"200", "400", "401", "503"},
         ("post", "/v1/admin/requeue"): {"200", "400", "401", "503"},
+        ("get", "/v1/admin/keys"): {"200", "400", "401", "404", "503"},
+        ("post", "/v1/admin/keys/rotate"): {"200", "400", "401", "404", "409", "503"},
+        ("post", "/v1/admin/keys/retire"): {"200", "400", "401", "404", "409", "503"},
         ("get", "/v1/descriptor"): {"200", "400"},
         ("get", "/healthz"): {"200", "400"},
         ("get", "/readyz"): {"200", "400", "503"},
@@ -188,7 +191,16 @@ BAD_BODIES = [
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("path", ["/v1/admin/close", "/v1/admin/revoke", "/v1/admin/requeue"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/admin/close",
+        "/v1/admin/revoke",
+        "/v1/admin/requeue",
+        "/v1/admin/keys/rotate",
+        "/v1/admin/keys/retire",
+    ],
+)
 def test_the_admin_token_is_checked_before_the_body(service: ServiceProcess, path: str) -> None:
     for body in BAD_BODIES:
         for credential in (
