@@ -270,7 +270,8 @@ class AnalyzerService:
         views = []
         spans = self.store.epoch_spans()
         health = self.store.channel_health(DASHBOARD_EPOCHS)
-        for config in self.settings.channels:
+        self.catalog.refresh()
+        for config in self.catalog.table.configs():
             summary = self.store.latest_summary(config.id)
             if summary is None and config.id in spans:
                 summary = self._latest(config.id, spans[config.id][1])

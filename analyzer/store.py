@@ -589,7 +589,12 @@ class AnalyzerStore:
         )
         with self.engine.connect() as conn:
             rows = conn.execute(query.order_by(c.version)).all()
-        return [ChannelChange(int(v), str(i), str(a), f, r) for v, i, a, f, r in rows]
+        return [
+            ChannelChange(
+                version=int(v), channel_id=str(i), action=str(a), config=f, retired_from_epoch=r
+            )
+            for v, i, a, f, r in rows
+        ]
 
     def channel_revision(self) -> int:
         """The newest version in the channel log (0: no change yet)."""

@@ -13,6 +13,7 @@ import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import httpx
@@ -28,11 +29,12 @@ from analyzer.metrics import Events
 from analyzer.opening import FragmentOpener, PartOpener
 from analyzer.releases import ReleaseService
 from analyzer.service import MIGRATIONS
+from analyzer.settings import AnalyzerSettings
 from analyzer.store import AnalyzerStore
 from common.envelope import FragmentContext, KeyRing, seal_fragment, sign
 from common.mechanisms import krappor
 from common.randomness import SeededSource
-from common.wire import Batch, ChannelConfig, b64
+from common.wire import Batch, ChannelConfig, ShufflerEntry, b64
 from runtime import db
 
 from ..support import descriptor, registry_entry
@@ -176,3 +178,50 @@ def counter(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics").text
     found = re.search(rf"^esa_analyzer_{name}_total (\S+)$", text, re.MULTILINE)
     return 0.0 if found is None else float(found.group(1))
+
+
+#: The test app's ``max_batch_bytes``.
+CAP = 4 * 1024 * 1024
+#: Each shuffler's own signed descriptor (its HPKE key is irrelevant here).
+DESCRIPTORS = {
+    name: descriptor(key, X25519PrivateKey.generate(), name, "http://127.0.0.1:1")
+    for name, key in SHUFFLERS.items()
+}
+
+
+def app_settings(tmp_path: Path) -> AnalyzerSettings:
+    """Settings of an analyzer app over a SQLite file under ``tmp_path``, trusting
+    :data:`SHUFFLERS` (their descriptors seeded: nothing to fetch); it opens fragments sealed
+    to :data:`ANALYZER_KEY` (written as its current HPKE key)."""
+    from cryptography.hazmat.primitives import serialization
+
+    keys = tmp_path / "keys"
+    keys.mkdir(parents=True)
+    (keys / "hpke.pem").write_bytes(
+        ANALYZER_KEY.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    # each shuffler's registry entry seeded with its own signed descriptor (nothing to fetch)
+    shufflers = [
+        ShufflerEntry.model_validate(
+            {
+                **registry_entry(name, "http://127.0.0.1:1", key),
+                "descriptor": DESCRIPTORS[name].model_dump(mode="json"),
+            }
+        )
+        for name, key in SHUFFLERS.items()
+    ]
+    settings = AnalyzerSettings(
+        database_url=f"sqlite:///{tmp_path / 'analyzer.db'}",
+        key_dir=keys,
+        channels=[CHANNEL],
+        channels_file=None,
+        shufflers=shufflers,
+        shufflers_file=None,
+        max_batch_bytes=CAP,
+        opening_processes=1,
+    )
+    return settings

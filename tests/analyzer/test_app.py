@@ -8,16 +8,11 @@ import base64
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import pytest
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fastapi.testclient import TestClient
 from httpx import Response
 
-from analyzer.app import create_app
-from analyzer.settings import AnalyzerSettings
 from common.collection import TrustAnchors, verify_collection
 from common.envelope import load_ed25519_public, public_bytes, sign
 from common.wire import (
@@ -26,63 +21,15 @@ from common.wire import (
     Lifetime,
     PrivacyOverview,
     ReleaseBody,
-    ShufflerEntry,
     b64,
     unb64,
 )
 
-from ..support import descriptor, registry_entry
-from .helpers import ANALYZER_KEY, CHANNEL, SHUFFLERS, VALUES, Signed, make_batch, signed
+from .helpers import CAP, CHANNEL, DESCRIPTORS, SHUFFLERS, VALUES, Signed, make_batch, signed
 
 ADMIN = {"Authorization": "Bearer development"}
 #: A well-formed ``ESA-Signature`` that verifies for nothing.
 ANY_SIGNATURE = base64.b64encode(bytes(64)).decode()
-#: The test app's ``max_batch_bytes``.
-CAP = 4 * 1024 * 1024
-#: Each shuffler's own signed descriptor (its HPKE key is irrelevant here).
-DESCRIPTORS = {
-    name: descriptor(key, X25519PrivateKey.generate(), name, "http://127.0.0.1:1")
-    for name, key in SHUFFLERS.items()
-}
-
-
-@pytest.fixture
-def client(tmp_path: Path) -> Iterator[TestClient]:
-    """The analyzer app over a SQLite file, trusting :data:`SHUFFLERS`; it opens fragments
-    sealed to :data:`ANALYZER_KEY` (written as its current HPKE key)."""
-    from cryptography.hazmat.primitives import serialization
-
-    keys = tmp_path / "keys"
-    keys.mkdir()
-    (keys / "hpke.pem").write_bytes(
-        ANALYZER_KEY.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    # each shuffler's registry entry seeded with its own signed descriptor (nothing to fetch)
-    shufflers = [
-        ShufflerEntry.model_validate(
-            {
-                **registry_entry(name, "http://127.0.0.1:1", key),
-                "descriptor": DESCRIPTORS[name].model_dump(mode="json"),
-            }
-        )
-        for name, key in SHUFFLERS.items()
-    ]
-    settings = AnalyzerSettings(
-        database_url=f"sqlite:///{tmp_path / 'analyzer.db'}",
-        key_dir=keys,
-        channels=[CHANNEL],
-        channels_file=None,
-        shufflers=shufflers,
-        shufflers_file=None,
-        max_batch_bytes=CAP,
-        opening_processes=1,
-    )
-    with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
-        yield test_client
 
 
 def _refusal(response: Response, status: int, code: str) -> str:

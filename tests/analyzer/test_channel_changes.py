@@ -21,7 +21,6 @@ from common.envelope import load_ed25519_public
 from common.wire import Batch, SignedConfig, unb64
 
 from .helpers import CHANNEL, VALUES, reports, seal, signed
-from .test_app import client  # noqa: F401  (the fixture)
 
 ADMIN = {"Authorization": "Bearer development"}
 SEARCH = CHANNEL.model_copy(update={"id": "search", "title": "Searches"})

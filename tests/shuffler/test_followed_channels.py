@@ -5,25 +5,33 @@ floor for randomized deletion; a retired channel's contributions get ``409 chann
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from analyzer.app import create_app
 from common.collection import CollectionConfigError
 from common.envelope import public_bytes
 from common.wire import ChannelPolicy, b64
 from shuffler.errors import ChannelRetiredError, UnknownChannelError
 from shuffler.policies import ChannelPolicies, PolicyFloor
 
-from ..analyzer.helpers import CHANNEL
-from ..analyzer.test_app import client  # noqa: F401  (the analyzer fixture)
+from ..analyzer.helpers import CHANNEL, app_settings
 from .factory import POLICY, make_service, pending
 
 FLOOR = PolicyFloor(min_crowd=10, max_eps_cr=2.0, max_delta_cr=1e-5)
 ADMIN = {"Authorization": "Bearer development"}
 SEARCH = CHANNEL.model_copy(update={"id": "search", "eps_cr": 1.0, "delta_cr": 1e-6})
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    """A real analyzer app (SQLite): the party whose signed config the shuffler follows."""
+    with TestClient(create_app(app_settings(tmp_path / "analyzer"))) as analyzer:
+        yield analyzer
 
 
 def _policy(**changes: Any) -> ChannelPolicy:
@@ -59,7 +67,7 @@ def test_a_new_channel_below_the_shufflers_floor_is_refused(field: str, value: f
 
 
 def test_a_shuffler_follows_the_analyzers_signed_config(
-    client: TestClient,  # noqa: F811
+    client: TestClient,
     tmp_path: Path,
 ) -> None:
     signed = client.get("/v1/config").json()
@@ -100,7 +108,7 @@ def test_a_shuffler_follows_the_analyzers_signed_config(
 
 
 def test_a_config_signed_by_another_key_is_not_adopted(
-    client: TestClient,  # noqa: F811
+    client: TestClient,
     tmp_path: Path,
 ) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
