@@ -24,6 +24,7 @@ from common.collection import (
     TrustAnchors,
     VerifiedConfig,
     believed,
+    check_moved,
     check_rollback,
     verify_collection,
 )
@@ -282,15 +283,21 @@ class Client:
             raise ConfigError(f"collection config from {source} refused: {error}") from error
 
     def _accept(self, config: VerifiedConfig) -> None:
-        """Use ``config`` from now on, unless it is older than one this device accepted.
+        """Use ``config`` from now on, unless it is older than one this device accepted or
+        signed by a key that does not descend from one it moved its pin to; the pins move to
+        its signers (a party's next key, named by the one pinned: a rotation).
 
         Raises:
-            ConfigError: a replayed older config or descriptor, or an unusable key.
+            ConfigError: a replayed older config or descriptor, a fork from an older key, or
+                an unusable key.
         """
+        roots = self._trust.roots()
         try:
             check_rollback(config.versions, self.state.seen())
+            check_moved(config, self.state.pins(roots))
             analyzer, shufflers = _recipient_keys(config)
             self.state.see(believed(config.versions, self._clock()))
+            self.state.move_pins(roots, config.pins)
         except CollectionConfigError as error:
             raise ConfigError(f"collection config refused: {error}") from error
         except sqlite3.Error as error:

@@ -1,7 +1,8 @@
 """Device state in one small SQLite file (stdlib ``sqlite3``; no server dependencies).
 
 Holds the enrolment tokens, the issue time of the newest collection config and shuffler
-descriptors accepted (an older one is a replay, refused), report-fragment backstops,
+descriptors accepted (an older one is a replay, refused), the key each party's pin moved to
+through its successions (a fork from an older key is refused), report-fragment backstops,
 longitudinal tree states, which (channel, epoch) pairs were already reported with the local ε
 each report spent (the device budget, never reset while the file lives), and the outbox of
 sealed, unsent contributions.
@@ -36,6 +37,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS identity (device_id TEXT PRIMARY KEY, created_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS tokens (shuffler_id TEXT PRIMARY KEY, token TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS seen (name TEXT PRIMARY KEY, issued_at INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS pins (party TEXT PRIMARY KEY, root TEXT NOT NULL, key TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS channel_state (channel_id TEXT PRIMARY KEY, kind TEXT NOT NULL,
                                           data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reported (channel_id TEXT NOT NULL, epoch INTEGER NOT NULL,
@@ -202,6 +204,23 @@ class DeviceState:
                 "INSERT INTO seen VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET "
                 "issued_at = max(issued_at, excluded.issued_at)",
                 list(versions.items()),
+            )
+
+    def pins(self, roots: Mapping[str, str]) -> dict[str, str]:
+        """The keys (base64) this device moved each party's pin to, for the root keys it pins
+        now (``roots``: a pin moved from another root, before the app was given new keys, no
+        longer counts)."""
+        with self._lock:
+            rows = self._db.execute("SELECT party, root, key FROM pins").fetchall()
+        return {str(party): str(key) for party, root, key in rows if roots.get(party) == root}
+
+    def move_pins(self, roots: Mapping[str, str], pins: Mapping[str, str]) -> None:
+        """Remember the key each party's pin moved to from its root (where a config's signers
+        descend from the pinned keys through successions)."""
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO pins VALUES (?, ?, ?)",
+                [(party, roots[party], key) for party, key in pins.items() if party in roots],
             )
 
     def channel_state(self, channel_id: str, kind: str) -> dict[str, Any] | None:

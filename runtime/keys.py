@@ -526,7 +526,8 @@ class LiveKeys:
         self.clock = clock
         self.hold = hold
         self.reload_seconds = reload_seconds
-        self.current = directory.load(clock())
+        # Retired HPKE keys still on disk stay loaded until the first reload asks ``hold``.
+        self.current = directory.load(clock(), hold_retired=True)
         self.ring = self.current.ring()
         self.listeners: list[Callable[[PartyKeys], None]] = []
         self._loaded_at = time.monotonic()

@@ -29,7 +29,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("services.cli.servers", "up_command", "the whole deployment as processes on 127.0.0.1"),
     "demo": ("services.cli.demo", "demo", "a simulated device population through the pipeline"),
     "loadtest": ("services.cli.loadtest", "loadtest", "load-test a deployment, then verify it"),
-    "keys": ("services.cli.servers", "keys", "create HPKE and signing key files (generate)"),
+    "keys": (
+        "services.cli.keys",
+        "keys",
+        "key files (generate); rotate a running party's keys without downtime (rotate, list)",
+    ),
     "audit": ("services.cli.audit", "audit", "audit a shuffler: canaries, a sink, statistics"),
     "train": ("services.cli.train", "train", "federated LDP-SGD training through the pipeline"),
     "channel": (

@@ -1,4 +1,5 @@
-"""``esa shuffler serve`` and ``esa keys``: run one shuffler instance, create key files."""
+"""``esa shuffler serve`` and ``esa keys generate``: run one shuffler instance, create key
+files (``esa keys`` itself: :mod:`services.cli.keys`)."""
 
 from __future__ import annotations
 
@@ -196,12 +197,7 @@ def up_command(
         raise click.ClickException(str(error)) from error
 
 
-@click.group()
-def keys() -> None:
-    """Create key files (PEM, mode 0600)."""
-
-
-@keys.command("generate")
+@click.command("generate")
 @click.option("--role", type=click.Choice(["analyzer", "shuffler"]), required=True)
 @click.option(
     "--out",
