@@ -61,8 +61,10 @@ class ShufflerDescriptors:
         entries: Sequence[ShufflerEntry],
         store: AnalyzerStore,
         clock: Callable[[], float] = time.time,
+        renew_seconds: float = RENEW_SECONDS,
     ) -> None:
         self.entries = list(entries)
+        self.renew_seconds = renew_seconds
         self.store = store
         self.clock = clock
         self._keys = {e.id: parse_key(e.signing_key, f"shuffler {e.id!r}") for e in entries}
@@ -130,11 +132,10 @@ class ShufflerDescriptors:
         """After a batch of ``shuffler_id`` failed to verify: its signer as the newest kept
         descriptor names it (another worker may have fetched one), and a fetch of every
         descriptor soon; None when the signer did not change, or it was looked for less than
-        :data:`RENEW_SECONDS` ago."""
+        ``renew_seconds`` ago."""
         now = time.monotonic()
-        if shuffler_id not in self._keys or now - self._renewed.get(shuffler_id, -math.inf) < (
-            RENEW_SECONDS
-        ):
+        last = self._renewed.get(shuffler_id, -math.inf)
+        if shuffler_id not in self._keys or now - last < self.renew_seconds:
             return None
         self._renewed[shuffler_id] = now
         before = public_bytes(self.signers[shuffler_id])

@@ -5,6 +5,7 @@ validation, and a directory made before rotations existed."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from runtime.keys import (
     KeyState,
     LiveKeys,
     NoSuchKeyError,
+    PartyKeys,
     RotationPendingError,
     Timing,
     key_timing,
@@ -188,8 +190,12 @@ def test_every_replica_picks_up_a_rotation_and_listeners_hear_of_state_changes(
         for _ in range(2)
     ]
     heard: list[int] = []
+
+    def listener(index: int) -> Callable[[PartyKeys], None]:
+        return lambda _keys: heard.append(index)
+
     for index, replica in enumerate(replicas):
-        replica.listeners.append(lambda _keys, i=index: heard.append(i))
+        replica.listeners.append(listener(index))
     change = replicas[0].rotate(SIGNING)
     assert change.key.state == "pending" and heard == [0]
     replicas[1].reload()

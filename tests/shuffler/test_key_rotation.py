@@ -1,0 +1,151 @@
+"""Key rotation at a shuffler, through its app in process: a new HPKE key opens contributions
+while pending and is published once active, the old one keeps opening through its overlap and,
+once retired, gets 409 ``config_outdated`` (a device with a stale config, which then fetches
+it again); a new signing key signs the descriptor with the succession from the first key and
+the parts the forwarder sends (to a real HTTP receiver standing for the analyzer)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+from fastapi.testclient import TestClient
+
+from common.collection import published_key, shuffler_party, verify_descriptor_chain
+from common.envelope import (
+    Contribution,
+    load_ed25519_public,
+    load_or_create_ed25519,
+    new_nonce,
+    seal_contribution,
+    verify,
+)
+from common.wire import SignedDescriptor, unb64
+from shuffler.app import create_app
+from shuffler.settings import ShufflerSettings
+
+from ..support import receiver, wait_until
+from .factory import POLICY
+
+ADMIN = {"Authorization": "Bearer development"}
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> ShufflerSettings:
+    return ShufflerSettings(
+        database_url=f"sqlite:///{tmp_path / 'shuffler.db'}",
+        key_dir=tmp_path / "keys",
+        publish_dir=tmp_path / "public",
+        channels=[POLICY],
+        key_reload_seconds=0.05,
+        key_activation_seconds=0.2,
+        batch_interval_seconds=0.05,
+    )
+
+
+@pytest.fixture
+def client(settings: ShufflerSettings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+def _descriptor(client: TestClient) -> SignedDescriptor:
+    return SignedDescriptor.model_validate(client.get("/v1/descriptor").json())
+
+
+def _keys(document: SignedDescriptor) -> list[str]:
+    return [k["key_id"] for k in document.descriptor["keys"]]
+
+
+def _send(
+    client: TestClient, key: dict[str, str], epoch: int, key_id: bytes | None = None
+) -> httpx.Response:
+    """One contribution of a fresh client, sealed to the HPKE key ``key`` names (``key_id``:
+    naming another key id than its own)."""
+    token = client.post("/v1/enroll").json()["client_token"]
+    contribution = Contribution(POLICY.id, "", epoch, new_nonce(), (bytes(72),))
+    public = X25519PublicKey.from_public_bytes(unb64(key["public_key"]))
+    blob = seal_contribution(contribution, "shuffler-1", public)
+    blob = blob if key_id is None else key_id + blob[len(key_id) :]
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
+    response: httpx.Response = client.post("/v1/contributions", content=blob, headers=headers)
+    return response
+
+
+def _rotate(client: TestClient, kind: str) -> dict[str, Any]:
+    """Rotate a key and wait (reading the keys, which reloads them) until it is active."""
+    made = client.post("/v1/admin/keys/rotate", json={"key": kind}, headers=ADMIN)
+    assert made.status_code == 200, made.text
+    new: dict[str, Any] = made.json()["key"]
+
+    def active() -> bool:
+        listed = client.get("/v1/admin/keys", headers=ADMIN).json()["keys"]
+        return any(k["key_id"] == new["key_id"] and k["state"] == "active" for k in listed)
+
+    wait_until(active, timeout=10, interval=0.05)
+    return new
+
+
+def test_a_rotated_hpke_key_overlaps_the_old_one_which_then_answers_config_outdated(
+    client: TestClient,
+) -> None:
+    epoch = int(time.time() // POLICY.epoch_seconds)
+    first = _descriptor(client)
+    (old,) = first.descriptor["keys"]
+    assert _send(client, old, epoch).status_code == 202
+
+    new = _rotate(client, "hpke")
+    rotated = _descriptor(client)
+    assert _keys(rotated) == [new["key_id"], old["key_id"]]  # the new one first, the old listed
+    assert _send(client, rotated.descriptor["keys"][0], epoch).status_code == 202
+    assert _send(client, old, epoch).status_code == 202  # a device with the older descriptor
+
+    retire = {"key": "hpke", "key_id": old["key_id"]}
+    assert client.post("/v1/admin/keys/retire", json=retire, headers=ADMIN).status_code == 200
+    assert _keys(_descriptor(client)) == [new["key_id"]]
+    stale = _send(client, old, epoch)
+    assert stale.status_code == 409 and stale.json()["error"] == "config_outdated", stale.text
+    # A key id this shuffler never had is garbage, not a stale config.
+    garbage = _send(client, rotated.descriptor["keys"][0], epoch, key_id=bytes(8))
+    assert garbage.status_code == 400 and garbage.json()["error"] == "malformed", garbage.text
+
+
+def test_a_rotated_signing_key_signs_the_descriptor_with_its_succession_and_the_parts_sent(
+    settings: ShufflerSettings,
+) -> None:
+    root = load_or_create_ed25519(settings.key_dir / "signing.pem").public_key()
+    with receiver() as analyzer:
+        followed = settings.model_copy(update={"analyzer_url": analyzer.url})
+        with TestClient(create_app(followed), raise_server_exceptions=False) as client:
+            epoch = int(time.time() // POLICY.epoch_seconds)
+            (key,) = _descriptor(client).descriptor["keys"]
+            for _ in range(60):  # far above min_crowd after randomized deletion
+                assert _send(client, key, epoch).status_code == 202
+            new = _rotate(client, "signing")
+            document = _descriptor(client)
+            vouched = verify_descriptor_chain(document, root, None)
+            assert vouched.signer == load_ed25519_public(unb64(new["public_key"]))
+            assert [s.party for s in document.successions] == [shuffler_party("shuffler-1")]
+            assert settings.publish_dir is not None
+            published = settings.publish_dir / "shuffler-1.descriptor.json"
+
+            def republished() -> bool:
+                document = SignedDescriptor.model_validate_json(published.read_text())
+                return published_key(document)[1] == vouched.signer
+
+            wait_until(republished)
+            closed = client.post(
+                "/v1/admin/close", json={"channel_id": POLICY.id, "epoch": epoch}, headers=ADMIN
+            )
+            assert closed.status_code == 200 and closed.json()["groups_evaluated"] == 1
+            wait_until(lambda: bool(analyzer.bodies))  # by the close, or the forwarding loop
+        for body, signature in analyzer.bodies:
+            assert json.loads(body)["shuffler_id"] == "shuffler-1"
+            assert verify(body, unb64(signature), vouched.signer)
+            assert not verify(body, unb64(signature), root)
