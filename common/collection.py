@@ -545,7 +545,13 @@ def verify_collection(
     lineage = {ANALYZER_PARTY: _named(vouched.lineage)}
     lineage |= {shuffler_party(c.value.id): _named(c.lineage) for c in chains}
     shufflers = tuple(d.info() for d in descriptors)
-    return VerifiedConfig(config, shufflers, versions, expires, lineage)
+    return VerifiedConfig(
+        config=config,
+        shufflers=shufflers,
+        versions=versions,
+        expires_at=expires,
+        lineage=lineage,
+    )
 
 
 def _named(keys: Sequence[Ed25519PublicKey]) -> tuple[str, ...]:

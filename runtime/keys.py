@@ -299,7 +299,14 @@ def _record(directory: Path, file: str, key: X25519PrivateKey | Ed25519PrivateKe
     """A key active from the start (one a directory made before rotations began with)."""
     kid, public = _identify(key)
     kind: KeyKind = HPKE if isinstance(key, X25519PrivateKey) else SIGNING
-    return KeyRecord(kind, kid, file, public, (directory / file).stat().st_mtime, 0.0)
+    return KeyRecord(
+        kind=kind,
+        key_id=kid,
+        file=file,
+        public_key=public,
+        created_at=(directory / file).stat().st_mtime,
+        activates_at=0.0,
+    )
 
 
 class KeyDirectory:
@@ -425,7 +432,12 @@ class KeyDirectory:
             kid, public = _identify(new_key)
             write_private_key(self.path / f"{kind}-{kid}.pem", new_key)
             record = KeyRecord(
-                kind, kid, f"{kind}-{kid}.pem", public, now, now + timing.activation_seconds
+                kind=kind,
+                key_id=kid,
+                file=f"{kind}-{kid}.pem",
+                public_key=public,
+                created_at=now,
+                activates_at=now + timing.activation_seconds,
             )
             overlap = timing.hpke_overlap_seconds if kind == HPKE else 0.0
             book = _replaced(book, record, record.activates_at + overlap, now)

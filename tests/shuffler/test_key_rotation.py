@@ -69,7 +69,9 @@ def _send(
     """One contribution of a fresh client, sealed to the HPKE key ``key`` names (``key_id``:
     naming another key id than its own)."""
     token = client.post("/v1/enroll").json()["client_token"]
-    contribution = Contribution(POLICY.id, "", epoch, new_nonce(), (bytes(72),))
+    contribution = Contribution(
+        channel_id=POLICY.id, crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=(bytes(72),)
+    )
     public = X25519PublicKey.from_public_bytes(unb64(key["public_key"]))
     blob = seal_contribution(contribution, "shuffler-1", public)
     blob = blob if key_id is None else key_id + blob[len(key_id) :]
