@@ -56,6 +56,11 @@ class RetiredKeyError(EnvelopeError):
     """A blob sealed to a key its recipient has retired (the sender's config is outdated)."""
 
 
+class UnknownKeyError(EnvelopeError):
+    """A blob naming a key id its recipient's ring does not hold (garbage, or a key another
+    replica of the recipient has just made)."""
+
+
 def key_id(public_key: X25519PublicKey) -> bytes:
     """First 8 bytes of SHA-256 of the raw public key."""
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
@@ -134,7 +139,8 @@ def open_sealed(blob: bytes, ring: KeyRing, info: bytes) -> bytes:
 
     Raises:
         RetiredKeyError: it names a key the ring has retired.
-        EnvelopeError: unknown key id, wrong ``info``, tampering or truncation.
+        UnknownKeyError: it names a key the ring does not know.
+        EnvelopeError: wrong ``info``, tampering or truncation.
     """
     if len(blob) < KEY_ID_SIZE + ENC_SIZE + TAG_SIZE:
         raise EnvelopeError(f"sealed blob too short ({len(blob)} bytes)")
@@ -142,7 +148,7 @@ def open_sealed(blob: bytes, ring: KeyRing, info: bytes) -> bytes:
     if private_key is None:
         if blob[:KEY_ID_SIZE] in ring.retired:
             raise RetiredKeyError(f"sealed to key {blob[:KEY_ID_SIZE].hex()}, now retired")
-        raise EnvelopeError(f"no live key with id {blob[:KEY_ID_SIZE].hex()}")
+        raise UnknownKeyError(f"no live key with id {blob[:KEY_ID_SIZE].hex()}")
     try:
         return SUITE.decrypt(blob[KEY_ID_SIZE:], private_key, info)
     except (InvalidTag, ValueError) as error:

@@ -58,6 +58,9 @@ SIGNING: KeyKind = "signing"
 #: The key directory's state and the lock its writers take.
 STATE_FILE = "keys.json"
 LOCK_FILE = ".keys.lock"
+#: Least seconds between two reloads asked for by a blob naming an unknown key (anyone can send
+#: one).
+CATCH_UP_SECONDS = 1.0
 #: The files of a directory made before rotations existed.
 LEGACY_HPKE, LEGACY_PREVIOUS, LEGACY_SIGNING = "hpke.pem", "hpke-previous.pem", "signing.pem"
 
@@ -153,8 +156,8 @@ def key_timing(
     """
     if activation_seconds < 2 * reload_seconds:
         raise ValueError(
-            f"key_activation_seconds={activation_seconds:g} must be at least twice "
-            f"key_reload_seconds={reload_seconds:g}: every replica loads a new key before "
+            f"key_activation_seconds={activation_seconds:g} must be at least twice the key "
+            f"reload interval ({reload_seconds:g} s): every replica loads a new key before "
             "devices are told to use it"
         )
     if overlap_seconds is not None and overlap_seconds < floor:
@@ -543,6 +546,7 @@ class LiveKeys:
         self.ring = self.current.ring()
         self.listeners: list[Callable[[PartyKeys], None]] = []
         self._loaded_at = time.monotonic()
+        self._caught_up_at = -math.inf
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -584,6 +588,21 @@ class LiveKeys:
             self.reload()
         except Exception:
             log.exception("reading the key directory failed; the keys in use stay")
+
+    def catch_up(self) -> bool:
+        """:meth:`reload` now, unless this was asked less than :data:`CATCH_UP_SECONDS` ago (a
+        blob named a key this replica does not hold: another one may have just made it);
+        whether it reloaded."""
+        now = time.monotonic()
+        if now - self._caught_up_at < CATCH_UP_SECONDS:
+            return False
+        self._caught_up_at = now
+        try:
+            self.reload()
+        except Exception:
+            log.exception("reading the key directory failed; the keys in use stay")
+            return False
+        return True
 
     def start(self) -> None:
         """Reload every ``reload_seconds`` in a background thread."""

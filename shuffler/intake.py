@@ -24,9 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.envelope import (
+    Contribution,
     EnvelopeError,
     KeyRing,
     RetiredKeyError,
+    UnknownKeyError,
     WireVersionError,
     inner_size,
     open_contribution,
@@ -178,6 +180,9 @@ class Intake:
         #: Called when a contribution names a channel not served (yet): a follower of the
         #: analyzer's config fetches it again.
         self.on_unknown_channel: Callable[[], None] = lambda: None
+        #: Called when a contribution names an HPKE key id not in the ring: reads the keys again
+        #: (another replica may have just rotated), True if they were (then opened once more).
+        self.on_unknown_key: Callable[[], bool] = lambda: False
         self.clock = clock
         self.tokens = TokenAuthority(settings.token_secret.get_secret_value().encode())
         self.contributions = RateLimiter(settings.rate_per_second, settings.rate_burst)
@@ -195,7 +200,7 @@ class Intake:
             (sealed to a key this shuffler retired).
         """
         try:
-            contribution = open_contribution(blob, self.settings.shuffler_id, self.ring)
+            contribution = self._open(blob)
         except WireVersionError as error:
             raise UnsupportedVersionError(str(error)) from error
         except RetiredKeyError as error:
@@ -237,6 +242,16 @@ class Intake:
         if contribution.epoch <= self.closed_upto.get(policy.id, -1):  # said only of open ones
             raise EpochNotOpenError(f"epoch {contribution.epoch} is closed (by an admin)")
         return Pending(client_id, contribution, now)
+
+    def _open(self, blob: bytes) -> Contribution:
+        """The contribution sealed in ``blob``; one naming a key id this replica does not hold
+        is opened again after the keys are read again (:attr:`on_unknown_key`)."""
+        try:
+            return open_contribution(blob, self.settings.shuffler_id, self.ring)
+        except UnknownKeyError:
+            if not self.on_unknown_key():
+                raise
+        return open_contribution(blob, self.settings.shuffler_id, self.ring)
 
     def close(self, channel_id: str, epoch: int) -> None:
         """Refuse contributions to every epoch <= ``epoch`` of a channel from now on."""

@@ -43,8 +43,10 @@ class ShufflerSettings(SecretFileSettings):
     #: How long a signed descriptor stays valid: devices refuse an expired one, so the analyzer
     #: must fetch a fresh one within this time (it refreshes every minute).
     descriptor_ttl_seconds: int = Field(7 * 24 * 3600, ge=60)
-    #: How often each replica reads its key directory (``keys.json``): a rotation made at one
-    #: replica reaches the others within this time (also checked every batching round).
+    #: How often each replica reads its key directory (``keys.json``), from its batching round
+    #: (so at most every ``batch_interval_seconds``): a rotation made at one replica reaches the
+    #: others within this time; a contribution sealed to a key a replica does not hold yet makes
+    #: it read the directory at once.
     key_reload_seconds: float = Field(10.0, gt=0)
     #: How long a new key is pending (loaded, not published): at least twice
     #: ``key_reload_seconds``, so every replica opens what is sealed to it before devices do.
@@ -154,7 +156,7 @@ class ShufflerSettings(SecretFileSettings):
         longest = max((c.epoch_seconds for c in channels), default=0)
         floor = overlap_floor(self.descriptor_ttl_seconds, longest, self.epoch_grace_seconds)
         return key_timing(
-            self.key_reload_seconds,
+            max(self.key_reload_seconds, self.batch_interval_seconds),  # reloaded by the round
             self.key_activation_seconds,
             self.hpke_overlap_seconds,
             floor,

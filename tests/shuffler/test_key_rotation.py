@@ -28,6 +28,8 @@ from common.envelope import (
 )
 from common.wire import SignedDescriptor, unb64
 from shuffler.app import create_app
+from shuffler.errors import MalformedContributionError
+from shuffler.service import build_service
 from shuffler.settings import ShufflerSettings
 
 from ..support import receiver, wait_until
@@ -151,3 +153,39 @@ def test_a_rotated_signing_key_signs_the_descriptor_with_its_succession_and_the_
             assert json.loads(body)["shuffler_id"] == "shuffler-1"
             assert verify(body, unb64(signature), vouched.signer)
             assert not verify(body, unb64(signature), root)
+
+
+def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
+    tmp_path: Path,
+) -> None:
+    """A replica reloads its keys every ``key_reload_seconds``; one that meets a key id it does
+    not hold (another replica rotated meanwhile) reads them at once, then opens it."""
+    replicas = [
+        build_service(
+            ShufflerSettings(
+                database_url=f"sqlite:///{tmp_path / f'r{i}.db'}",
+                key_dir=tmp_path / "keys",
+                channels=[POLICY],
+                key_reload_seconds=3600,
+                key_activation_seconds=7200,
+            )
+        )
+        for i in (1, 2)
+    ]
+    first, second = (r.keys for r in replicas)
+    assert first is not None and second is not None
+    made = first.rotate("hpke").key  # pending: opened already, published in two hours
+    epoch = int(time.time() // POLICY.epoch_seconds)
+    contribution = Contribution(
+        channel_id=POLICY.id, crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=(bytes(72),)
+    )
+    public = X25519PublicKey.from_public_bytes(unb64(made.public_key))
+    blob = seal_contribution(contribution, "shuffler-1", public)
+    assert bytes.fromhex(made.key_id) not in second.ring.keys
+    assert replicas[1].validate("", blob, client_id="c1").contribution == contribution
+    assert bytes.fromhex(made.key_id) in second.ring.keys
+    # Garbage naming unknown keys makes it read them at most once a second.
+    with pytest.raises(MalformedContributionError):
+        replicas[1].validate("", bytes(8) + blob[8:], client_id="c2")
+    for replica in replicas:
+        replica.store.close()
