@@ -49,7 +49,7 @@ from common.wire import (
     Succession,
     b64,
 )
-from runtime.errors import DomainError, Kind
+from runtime.errors import DomainError, Kind, StorageUnavailableError
 
 log = logging.getLogger("esa.keys")
 
@@ -71,6 +71,13 @@ class KeyState(StrEnum):
     PENDING = "pending"
     ACTIVE = "active"
     RETIRED = "retired"
+
+
+class KeyStorageError(StorageUnavailableError):
+    """The key directory could not be read or written (nothing was rotated if it failed
+    before ``keys.json`` was replaced)."""
+
+    code = "key_storage_unavailable"
 
 
 class RotationPendingError(DomainError):
@@ -621,17 +628,44 @@ class LiveKeys:
             self._thread.join(timeout=self.reload_seconds + 5)
 
     def listing(self) -> KeyList:
-        """``GET /v1/admin/keys``: every key as of now."""
-        return self.reload().listing(self.directory.party)
+        """``GET /v1/admin/keys``: every key as of now.
+
+        Raises:
+            KeyStorageError: the key directory is unreadable.
+        """
+        with _storage():
+            return self.reload().listing(self.directory.party)
 
     def rotate(self, kind: KeyKind) -> KeyChange:
-        """``POST /v1/admin/keys/rotate`` (:meth:`KeyDirectory.rotate`), then reload."""
-        record = self.directory.rotate(kind, self.clock(), self.timing())
-        keys = self.reload()
+        """``POST /v1/admin/keys/rotate`` (:meth:`KeyDirectory.rotate`), then reload.
+
+        Raises:
+            RotationPendingError, SuccessionLimitError: as :meth:`KeyDirectory.rotate`.
+            KeyStorageError: the key directory is unreadable or unwritable.
+        """
+        with _storage():
+            record = self.directory.rotate(kind, self.clock(), self.timing())
+            keys = self.reload()
         return KeyChange(key=keys.info(record), keys=keys.listing(self.directory.party))
 
     def retire(self, kid: str) -> KeyChange:
-        """``POST /v1/admin/keys/retire`` (:meth:`KeyDirectory.retire`), then reload."""
-        record = self.directory.retire(kid, self.clock())
-        keys = self.reload()
+        """``POST /v1/admin/keys/retire`` (:meth:`KeyDirectory.retire`), then reload.
+
+        Raises:
+            NoSuchKeyError, KeyInUseError: as :meth:`KeyDirectory.retire`.
+            KeyStorageError: the key directory is unreadable or unwritable.
+        """
+        with _storage():
+            record = self.directory.retire(kid, self.clock())
+            keys = self.reload()
         return KeyChange(key=keys.info(record), keys=keys.listing(self.directory.party))
+
+
+@contextlib.contextmanager
+def _storage() -> Iterator[None]:
+    """Failures of the key directory as :class:`KeyStorageError` (an admin gets 503, naming
+    the file, never a 500)."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        raise KeyStorageError(f"key directory: {error}") from error

@@ -31,6 +31,7 @@ from runtime.keys import (
     KeyDirectory,
     KeyInUseError,
     KeyState,
+    KeyStorageError,
     LiveKeys,
     NoSuchKeyError,
     PartyKeys,
@@ -255,3 +256,12 @@ def test_settings_derive_and_check_the_windows(tmp_path: Path) -> None:
         ShufflerSettings(key_dir=tmp_path, key_reload_seconds=5, key_activation_seconds=9)
     shuffler = ShufflerSettings(key_dir=tmp_path, descriptor_ttl_seconds=600)
     assert shuffler.key_timing([]).hpke_overlap_seconds == 600 + 300 + 2 + OVERLAP_MARGIN
+
+
+def test_an_unusable_key_directory_is_a_storage_error_for_an_admin(tmp_path: Path) -> None:
+    live = LiveKeys(KeyDirectory(tmp_path, PARTY), lambda: TIMING, clock=lambda: T0)
+    (tmp_path / STATE_FILE).write_text("{not json")
+    for action in (live.listing, lambda: live.rotate(HPKE)):
+        with pytest.raises(KeyStorageError, match=STATE_FILE):
+            action()
+    assert live.current.signer is not None  # the keys in use stay
