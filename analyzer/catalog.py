@@ -22,6 +22,10 @@ from common.mechanisms import ldpsgd
 from common.wire import ChannelConfig
 
 log = logging.getLogger("esa.analyzer")
+#: A channel retired less than this (or half an epoch) before its epoch ends is retired from
+#: the epoch after the next: shufflers fetch the config every ``config_refresh_seconds``
+#: (10 s by default), and all of them should refuse from the same epoch on.
+RETIRE_MARGIN_SECONDS = 60.0
 
 
 class ChannelTable(Mapping[str, ChannelRuntime]):
@@ -49,6 +53,21 @@ class ChannelTable(Mapping[str, ChannelRuntime]):
         return [runtime.config for runtime in self._items.values()]
 
 
+def _check_configured(configured: ChannelConfig, logged: ChannelConfig) -> None:
+    """A channel of the settings must be the channel added at runtime under its id, if any.
+
+    Raises:
+        InvalidChannelError: naming the fields that differ.
+    """
+    changed = logged.changed_fields(configured)
+    if changed:
+        raise InvalidChannelError(
+            f"channel {configured.id!r} in the channel file differs from the channel added "
+            f"at runtime under that id ({', '.join(changed)}): a live channel's parameters "
+            "never change; give it another id"
+        )
+
+
 class ChannelCatalog:
     """Folds the settings' channels and the channel log into a :class:`ChannelTable`."""
 
@@ -69,24 +88,39 @@ class ChannelCatalog:
             {c.id: ChannelRuntime.build(c, self.shuffler_ids) for c in self.configured}
         )
         self.revision = 0
+        self._seen = (0, 0)
         self._lock = threading.Lock()
 
     def refresh(self) -> int:
-        """Fold the log again if another replica (or a restart) changed it; the revision."""
-        if self.store.channel_revision() == self.revision:
+        """Fold the log again if another replica (or a restart) changed it; the revision.
+
+        Raises:
+            InvalidChannelError: a channel of the settings names a channel added at runtime
+                with other parameters (its parameters would change under its releases).
+        """
+        if self.store.channel_revision() == self._seen:
             return self.revision
         with self._lock:
             changes = self.store.channel_changes()
             self.table.replace(self._fold(changes))
             self.revision = changes[-1].version if changes else 0
+            self._seen = (self.revision, len(changes))
         return self.revision
 
     def _fold(self, changes: Sequence[ChannelChange]) -> dict[str, ChannelRuntime]:
         configs = {c.id: c for c in self.configured}
+        added: set[str] = set()
         for change in changes:
             known = configs.get(change.channel_id)
-            if change.action == ADD and known is None and change.config is not None:
-                configs[change.channel_id] = ChannelConfig.model_validate_json(change.config)
+            if change.action == ADD and change.config is not None:
+                if change.channel_id in added:
+                    continue  # the first add of an id wins (two replicas added it at once)
+                logged = ChannelConfig.model_validate_json(change.config)
+                if known is not None:
+                    _check_configured(known, logged)
+                else:
+                    configs[change.channel_id] = logged
+                added.add(change.channel_id)
             elif change.action == RETIRE and known is not None and known.retired_from_epoch is None:
                 update = {"retired_from_epoch": change.retired_from_epoch}
                 configs[change.channel_id] = known.model_copy(update=update)
@@ -150,7 +184,10 @@ class ChannelCatalog:
             raise UnknownChannelError(f"no channel {channel_id[:64]!r}")
         if known.config.retired_from_epoch is not None:
             return known.config, False
-        first = int(self.clock() // known.config.epoch_seconds) + 1
+        now, seconds = self.clock(), known.config.epoch_seconds
+        first = int(now // seconds) + 1
+        if first * seconds - now < min(RETIRE_MARGIN_SECONDS, seconds / 2):  # too late to learn
+            first += 1
         self.store.record_channel_change(channel_id, RETIRE, None, first)
         self.refresh()
         log.info(

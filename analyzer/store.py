@@ -566,8 +566,12 @@ class AnalyzerStore:
     def record_channel_change(
         self, channel_id: str, action: str, config: str | None, retired_from_epoch: int | None
     ) -> int:
-        """Append one change to the channel log; its version (the config revision it starts)."""
+        """Append one change to the channel log; its version (the config revision it starts).
+        On PostgreSQL the log is locked for the insert, so versions commit in their order (a
+        reader that saw version v has seen every version below it)."""
         with self.engine.begin() as conn:
+            if not db.is_sqlite(self.engine):
+                conn.execute(text("LOCK TABLE channel_changes IN EXCLUSIVE MODE"))
             row = conn.execute(
                 insert(channel_changes)
                 .values(
@@ -596,11 +600,13 @@ class AnalyzerStore:
             for v, i, a, f, r in rows
         ]
 
-    def channel_revision(self) -> int:
-        """The newest version in the channel log (0: no change yet)."""
+    def channel_revision(self) -> tuple[int, int]:
+        """The newest version in the channel log and how many changes it holds ((0, 0): none);
+        both, so a version that committed after a later one is noticed."""
+        c = channel_changes.c
         with self.engine.connect() as conn:
-            found = conn.execute(select(func.max(channel_changes.c.version))).scalar()
-        return int(found or 0)
+            newest, count = conn.execute(select(func.max(c.version), func.count())).one()
+        return int(newest or 0), int(count)
 
     def descriptors(self) -> dict[str, tuple[int, str]]:
         """The kept descriptors: shuffler id → (expires_at, signed document as JSON)."""

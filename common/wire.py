@@ -178,7 +178,7 @@ class ChannelConfig(ChannelPolicy):
     display: Literal["histogram", "image", "series"] = "histogram"
     budget: DeviceBudget | None = None
     image_shape: tuple[int, int] | None = None
-    title: str = ""
+    title: str = Field("", max_length=200)
 
     def policy(self) -> ChannelPolicy:
         """The part shufflers enforce."""

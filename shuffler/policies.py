@@ -11,15 +11,21 @@ docs/operations.md.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from common.collection import CollectionConfigError, parse_key, verify_config
+from common.collection import (
+    CollectionConfigError,
+    parse_key,
+    verify_config_chain,
+)
 from common.wire import ChannelPolicy
 from shuffler.settings import ShufflerSettings
 from shuffler.store import ContributionStore
@@ -27,6 +33,9 @@ from shuffler.store import ContributionStore
 log = logging.getLogger("esa.shuffler")
 #: Least seconds between two fetches woken by contributions for unknown channels.
 WAKE_SPACING = 1.0
+#: Largest config answer read (a config lists the shufflers' descriptors and the channels:
+#: kilobytes; read before its signature can be checked).
+MAX_CONFIG_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -130,8 +139,10 @@ class ConfigFollower:
         self.policies = policies
         self.store = store
         self.clock = clock
-        self.issued_at = 0
         self._refused: dict[str, str] = {}
+        self._refused_config = ""
+        #: The analyzer key this follower moved to along the successions it verified.
+        self._pin: Ed25519PublicKey | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last = 0.0
@@ -153,27 +164,34 @@ class ConfigFollower:
         """One fetch: verify, adopt, persist; None when nothing could be read or verified.
 
         Raises:
-            CollectionConfigError: the config does not verify, expired, or went back in time.
+            CollectionConfigError: the config is not a signed JSON object of at most
+                :data:`MAX_CONFIG_BYTES`, does not verify, expired, or is at an older revision
+                than one adopted (revisions replace issue times here: a replayed config of the
+                same revision carries the same channels, and a config issued in the future
+                cannot lock the follower out of the ones after it).
         """
-        key = self.analyzer_key()
+        key = self._pin or self.analyzer_key()
         if key is None or self.settings.analyzer_url is None:
             return None
-        url = self.settings.analyzer_url.rstrip("/") + "/v1/config"
-        response = http.get(url)
-        if response.status_code != 200:
+        document = _read_config(http, self.settings.analyzer_url.rstrip("/") + "/v1/config")
+        if document is None:
             return None
-        config = verify_config(response.json(), key, self.clock())
-        if config.issued_at < self.issued_at:
+        now = self.clock()
+        vouched = verify_config_chain(document, key, now)
+        config = vouched.value
+        if config.revision < self.policies.revision:
             raise CollectionConfigError(
-                f"collection config issued at {config.issued_at} is older than one adopted "
-                f"(issued at {self.issued_at})"
+                f"collection config at revision {config.revision} is older than the revision "
+                f"adopted ({self.policies.revision}): the analyzer's channel log went back "
+                "(a restored or replaced database?)"
             )
-        self.issued_at = config.issued_at
+        self._pin = vouched.lineage[-1]  # a fork from an older key is refused from now on
         offered = [channel.policy() for channel in config.channels]
         adoption, persist = self.policies.adopt(offered, config.revision)
         if persist:
             self.store.follow(persist, config.revision)
         self._report(adoption, config.revision)
+        self._refused_config = ""
         return adoption
 
     def _report(self, adoption: Adoption, revision: int) -> None:
@@ -188,6 +206,12 @@ class ConfigFollower:
             )
         self._refused = dict(adoption.refused)
 
+    def _refusal(self, why: str) -> None:
+        """Log why a config was not adopted, once until the reason changes."""
+        if why != self._refused_config:
+            log.warning("analyzer config not adopted", extra={"error": why})
+            self._refused_config = why
+
     def wake(self) -> None:
         """Fetch soon: a contribution named a channel not served (yet)."""
         if self.clock() - self._last >= WAKE_SPACING:
@@ -200,10 +224,9 @@ class ConfigFollower:
             try:
                 self.fetch(http)
             except (httpx.HTTPError, ValueError) as error:
-                log.warning(
-                    "analyzer config not adopted",
-                    extra={"error": f"{type(error).__name__}: {error}"[:300]},
-                )
+                self._refusal(f"{type(error).__name__}: {error}"[:300])
+            except Exception:  # the follower must outlive any one answer
+                log.exception("analyzer config not adopted; fetched again next time")
             self._wake.wait(self.settings.config_refresh_seconds)
             self._wake.clear()
 
@@ -211,3 +234,27 @@ class ConfigFollower:
         """End :meth:`run`."""
         self._stop.set()
         self._wake.set()
+
+
+def _read_config(http: httpx.Client, url: str) -> dict[str, Any] | None:
+    """The analyzer's signed config document (None: it answered no 200), read up to
+    :data:`MAX_CONFIG_BYTES` (an answer is read before its signature can be checked).
+
+    Raises:
+        CollectionConfigError: larger, or not a JSON object.
+    """
+    with http.stream("GET", url) as response:
+        if response.status_code != 200:
+            return None
+        body = bytearray()
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > MAX_CONFIG_BYTES:
+                raise CollectionConfigError(f"the config answer is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        document = json.loads(body)
+    except ValueError as error:
+        raise CollectionConfigError(f"the config answer is not JSON: {error}") from error
+    if not isinstance(document, dict):
+        raise CollectionConfigError(f"the config answer is a JSON {type(document).__name__}")
+    return document

@@ -13,12 +13,18 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import insert
 
 from analyzer.app import create_app
+from analyzer.catalog import ChannelCatalog
+from analyzer.errors import InvalidChannelError
+from analyzer.service import MIGRATIONS
 from analyzer.settings import AnalyzerSettings
+from analyzer.store import ADD, AnalyzerStore, channel_changes
 from common.collection import verify_config
 from common.envelope import load_ed25519_public
-from common.wire import Batch, SignedConfig, unb64
+from common.wire import Batch, ChannelConfig, SignedConfig, unb64
+from runtime import db
 
 from .helpers import CHANNEL, VALUES, reports, seal, signed
 
@@ -125,3 +131,52 @@ def test_a_replica_and_a_restart_serve_the_channels_added_elsewhere(
     homepage = seen.channel("homepage")
     assert homepage is not None and homepage.retired_from_epoch is not None
     assert replica.get("/v1/channels/search/privacy").status_code == 200
+
+
+def _catalog(tmp_path: Path, configured: list[ChannelConfig], clock: float) -> ChannelCatalog:
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'a.db'}")
+    db.upgrade(engine, MIGRATIONS)
+    store = AnalyzerStore(engine, lambda: clock)
+    catalog = ChannelCatalog(configured, ["shuffler-1"], store, lambda: clock, 8 * 2**20)
+    catalog.refresh()
+    return catalog
+
+
+def test_a_change_that_commits_after_a_later_one_is_folded_in(tmp_path: Path) -> None:
+    catalog = _catalog(tmp_path, [CHANNEL], 1e9)
+
+    def logged(version: int, channel: ChannelConfig) -> None:
+        row = {"channel_id": channel.id, "action": ADD, "config": channel.model_dump_json()}
+        with catalog.store.engine.begin() as conn:
+            conn.execute(insert(channel_changes).values(version=version, changed_at=1e9, **row))
+
+    logged(2, SEARCH)  # committed first, though its version was taken second
+    assert catalog.refresh() == 2 and "search" in catalog.table
+    logged(1, SEARCH.model_copy(update={"id": "late"}))
+    assert catalog.refresh() == 2 and "late" in catalog.table
+
+
+def test_a_channel_file_that_changes_a_channel_added_at_runtime_is_refused(
+    tmp_path: Path,
+) -> None:
+    _catalog(tmp_path, [CHANNEL], 1e9).add(SEARCH)
+    changed = SEARCH.model_copy(update={"min_crowd": 2})
+    with pytest.raises(InvalidChannelError, match="differs from the channel added at runtime"):
+        _catalog(tmp_path, [CHANNEL, changed], 1e9)
+    same = _catalog(tmp_path, [CHANNEL, SEARCH], 1e9)
+    assert same.table["search"].config == SEARCH
+
+
+@pytest.mark.parametrize(("into_epoch", "later"), [(0.0, 1), (3600 - 61, 1), (3600 - 59, 2)])
+def test_a_channel_retired_near_its_epochs_end_is_retired_from_the_one_after(
+    tmp_path: Path, into_epoch: float, later: int
+) -> None:
+    start = 1000 * CHANNEL.epoch_seconds
+    catalog = _catalog(tmp_path, [CHANNEL], start + into_epoch)
+    retired, _ = catalog.retire("homepage")
+    assert retired.retired_from_epoch == 1000 + later
+
+
+def test_a_title_is_at_most_200_characters(client: TestClient) -> None:
+    long = {**SEARCH.model_dump(mode="json"), "title": "t" * 201}
+    assert _added(client, long).status_code == 400

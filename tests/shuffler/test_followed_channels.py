@@ -4,22 +4,36 @@ floor for randomized deletion; a retired channel's contributions get ``409 chann
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fastapi.testclient import TestClient
 
 from analyzer.app import create_app
-from common.collection import CollectionConfigError
-from common.envelope import public_bytes
-from common.wire import ChannelPolicy, b64
+from common.collection import CollectionConfigError, sign_config
+from common.envelope import key_id, public_bytes
+from common.wire import (
+    AnalyzerInfo,
+    ChannelConfig,
+    ChannelPolicy,
+    CollectionConfig,
+    HpkeKey,
+    b64,
+)
 from shuffler.errors import ChannelRetiredError, UnknownChannelError
-from shuffler.policies import ChannelPolicies, PolicyFloor
+from shuffler.policies import MAX_CONFIG_BYTES, ChannelPolicies, PolicyFloor
+from shuffler.service import ShufflerService
 
 from ..analyzer.helpers import CHANNEL, app_settings
+from ..support import wait_until
 from .factory import POLICY, make_service, pending
 
 FLOOR = PolicyFloor(min_crowd=10, max_eps_cr=2.0, max_delta_cr=1e-5)
@@ -111,8 +125,6 @@ def test_a_config_signed_by_another_key_is_not_adopted(
     client: TestClient,
     tmp_path: Path,
 ) -> None:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     other = b64(public_bytes(Ed25519PrivateKey.generate().public_key()))
     service, _ = make_service(
         f"sqlite:///{tmp_path / 's.db'}",
@@ -125,3 +137,108 @@ def test_a_config_signed_by_another_key_is_not_adopted(
     with pytest.raises(CollectionConfigError, match="does not verify"):
         service.follower.fetch(client)
     assert service.policies.get("search") is None
+
+
+class ForgedAnalyzer:
+    """A real HTTP server answering ``GET /v1/config`` with whatever a test sets: an analyzer
+    that signs what it likes with its own key, or answers garbage."""
+
+    def __init__(self) -> None:
+        self.key = Ed25519PrivateKey.generate()
+        self.body = b"{}"
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(owner.body)))
+                self.end_headers()
+                self.wfile.write(owner.body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def sign(self, revision: int, issued_at: float, channels: list[ChannelConfig]) -> None:
+        """Serve a config it signed."""
+        hpke = X25519PrivateKey.generate().public_key()
+        config = CollectionConfig(
+            revision=revision,
+            issued_at=int(issued_at),
+            expires_at=int(issued_at) + 10**7,
+            analyzer=AnalyzerInfo(
+                url=self.url,
+                keys=[HpkeKey(key_id=key_id(hpke).hex(), public_key=b64(public_bytes(hpke)))],
+                signing_key=b64(public_bytes(self.key.public_key())),
+            ),
+            shufflers=[],
+            channels=channels,
+        )
+        self.body = sign_config(config, self.key).model_dump_json().encode()
+
+
+@pytest.fixture
+def forged(tmp_path: Path) -> Iterator[tuple[ForgedAnalyzer, ShufflerService]]:
+    analyzer = ForgedAnalyzer()
+    pinned = b64(public_bytes(analyzer.key.public_key()))
+    service, clock = make_service(
+        f"sqlite:///{tmp_path / 's.db'}",
+        tmp_path,
+        analyzer_url=analyzer.url,
+        analyzer_key=pinned,
+        config_refresh_seconds=0.2,
+    )
+    clock.now = time.time()
+    yield analyzer, service
+    analyzer.server.shutdown()
+
+
+def test_garbage_from_the_analyzer_url_is_refused_and_the_follower_lives_on(
+    forged: tuple[ForgedAnalyzer, ShufflerService],
+) -> None:
+    analyzer, service = forged
+    assert service.follower is not None
+    with httpx.Client() as http:
+        for body, why in (
+            (b"[1, 2, 3]", "JSON list"),
+            (b"null", "JSON NoneType"),
+            (b"{" * 10, "not JSON"),
+            (b" " * (MAX_CONFIG_BYTES + 1), "over"),
+        ):
+            analyzer.body = body
+            with pytest.raises(CollectionConfigError, match=why):
+                service.follower.fetch(http)
+        analyzer.sign(1, time.time(), [SEARCH])
+        runner = threading.Thread(target=service.follower.run, args=(http,), daemon=True)
+        analyzer.body = b"[1]"
+        runner.start()  # the loop survives a refusal and adopts the next honest config
+        time.sleep(0.2)
+        analyzer.sign(1, time.time(), [SEARCH])
+        service.follower.wake()
+        wait_until(lambda: service.policies.get("search") is not None, timeout=15)
+        service.follower.stop()
+        runner.join(10)
+
+
+def test_a_config_from_the_future_does_not_lock_out_the_honest_ones_after_it(
+    forged: tuple[ForgedAnalyzer, ShufflerService],
+) -> None:
+    analyzer, service = forged
+    assert service.follower is not None
+    with httpx.Client() as http:
+        analyzer.sign(1, time.time() + 10**6, [])  # an analyzer clock stepped ahead
+        assert service.follower.fetch(http) is not None
+        analyzer.sign(2, time.time(), [SEARCH])
+        adoption = service.follower.fetch(http)
+        assert adoption is not None and adoption.added == ["search"]
+        analyzer.sign(1, time.time() + 1, [SEARCH, SEARCH.model_copy(update={"id": "late"})])
+        with pytest.raises(CollectionConfigError, match="revision 1 is older"):
+            service.follower.fetch(http)  # its channel log went back: refused, and said so
+        assert service.policies.get("late") is None
