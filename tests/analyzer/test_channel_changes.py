@@ -133,8 +133,10 @@ def test_a_replica_and_a_restart_serve_the_channels_added_elsewhere(
     assert replica.get("/v1/channels/search/privacy").status_code == 200
 
 
-def _catalog(tmp_path: Path, configured: list[ChannelConfig], clock: float) -> ChannelCatalog:
-    engine = db.make_engine(f"sqlite:///{tmp_path / 'a.db'}")
+def _catalog(
+    tmp_path: Path, configured: list[ChannelConfig], clock: float, url: str | None = None
+) -> ChannelCatalog:
+    engine = db.make_engine(url or f"sqlite:///{tmp_path / 'a.db'}")
     db.upgrade(engine, MIGRATIONS)
     store = AnalyzerStore(engine, lambda: clock)
     catalog = ChannelCatalog(configured, ["shuffler-1"], store, lambda: clock, 8 * 2**20)
@@ -142,8 +144,12 @@ def _catalog(tmp_path: Path, configured: list[ChannelConfig], clock: float) -> C
     return catalog
 
 
-def test_a_change_that_commits_after_a_later_one_is_folded_in(tmp_path: Path) -> None:
-    catalog = _catalog(tmp_path, [CHANNEL], 1e9)
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_change_that_commits_after_a_later_one_is_folded_in(
+    tmp_path: Path, dialect: str, request: pytest.FixtureRequest
+) -> None:
+    url = None if dialect == "sqlite" else request.getfixturevalue("postgres_url")
+    catalog = _catalog(tmp_path, [CHANNEL], 1e9, url)
 
     def logged(version: int, channel: ChannelConfig) -> None:
         row = {"channel_id": channel.id, "action": ADD, "config": channel.model_dump_json()}
@@ -154,6 +160,7 @@ def test_a_change_that_commits_after_a_later_one_is_folded_in(tmp_path: Path) ->
     assert catalog.refresh() == 2 and "search" in catalog.table
     logged(1, SEARCH.model_copy(update={"id": "late"}))
     assert catalog.refresh() == 2 and "late" in catalog.table
+    catalog.store.engine.dispose()
 
 
 def test_a_channel_file_that_changes_a_channel_added_at_runtime_is_refused(
