@@ -192,7 +192,8 @@ def shuffler_spec(
         "ESA_SHUFFLER_KEY_DIR": str(var / "keys" / sid),
         "ESA_SHUFFLER_CHANNELS_FILE": str(var / "channels.json"),
         "ESA_SHUFFLER_ANALYZER_URL": analyzer_url,
-        "ESA_SHUFFLER_ANALYZER_KEY_FILE": str(var / "analyzer.pub"),
+        # the analyzer's published config-signing key: channel changes in its signed config
+        **({"ESA_SHUFFLER_ANALYZER_KEY_FILE": str(var / "analyzer.pub")} if analyzer_url else {}),
         **SHARED_SETTINGS,
         **(LOCAL_SETTINGS if profile == "local" else {}),
     }
