@@ -1208,10 +1208,19 @@ def _incomplete_epochs(conn: Connection) -> dict[tuple[str, int], IncompleteEpoc
     """Every (channel, epoch) with an incomplete batch: a part waiting or quarantined (by the
     status index), or a batch open with some parts opened and others still to come."""
     p = batch_parts.c
-    columns = (p.batch_id, p.part, p.channel_id, p.epoch, p.n_contributions, p.status)
-    unopened = select(*columns).where(p.status.in_((STORED, QUARANTINED)))
-    folding = select(*columns).where(p.batch_id.in_(select(open_batches.c.batch_id)))
-    parts = {(row[0], row[1]): row for query in (unopened, folding) for row in conn.execute(query)}
+    columns = select(p.batch_id, p.part, p.channel_id, p.epoch, p.n_contributions)
+    # ``status`` is filtered by its index, never read: on SQLite it lies after a stored part's
+    # ~4 MB body, and reading it walks the body's overflow pages; an opened part's body is NULL.
+    queries = {
+        STORED: columns.where(p.status == STORED),
+        QUARANTINED: columns.where(p.status == QUARANTINED),
+        OPENED: columns.where(p.batch_id.in_(select(open_batches.c.batch_id)), p.body.is_(None)),
+    }
+    parts = {
+        (row[0], row[1]): (*row, status)
+        for status, query in queries.items()
+        for row in conn.execute(query)
+    }
     batches: dict[tuple[str, int], dict[str, int]] = {}
     quarantined: dict[tuple[str, int], int] = {}
     for batch_id, _, channel, epoch, n, status in parts.values():
