@@ -29,28 +29,33 @@ RETIRE_MARGIN_SECONDS = 60.0
 
 
 class ChannelTable(Mapping[str, ChannelRuntime]):
-    """The channels every part of the analyzer reads, replaced whole on a change, so a reader
-    iterating it never sees one half-applied."""
+    """The channels every part of the analyzer reads, with the config revision they are,
+    replaced whole on a change (one reference swap), so a reader never sees one half-applied."""
 
     def __init__(self, runtimes: Mapping[str, ChannelRuntime]) -> None:
-        self._items = dict(runtimes)
+        self._state: tuple[int, dict[str, ChannelRuntime]] = (0, dict(runtimes))
 
     def __getitem__(self, channel_id: str) -> ChannelRuntime:
-        return self._items[channel_id]
+        return self._state[1][channel_id]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
+        return iter(self._state[1])
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._state[1])
 
-    def replace(self, runtimes: Mapping[str, ChannelRuntime]) -> None:
-        """Publish a new table (one reference swap)."""
-        self._items = dict(runtimes)
+    def replace(self, runtimes: Mapping[str, ChannelRuntime], revision: int) -> None:
+        """Publish a new table and the config revision it is."""
+        self._state = (revision, dict(runtimes))
 
     def configs(self) -> list[ChannelConfig]:
         """Every channel's config, in the order they were configured."""
-        return [runtime.config for runtime in self._items.values()]
+        return self.published()[1]
+
+    def published(self) -> tuple[int, list[ChannelConfig]]:
+        """The config revision and its channels, read together."""
+        revision, items = self._state
+        return revision, [runtime.config for runtime in items.values()]
 
 
 def _check_configured(configured: ChannelConfig, logged: ChannelConfig) -> None:
@@ -102,8 +107,9 @@ class ChannelCatalog:
             return self.revision
         with self._lock:
             changes = self.store.channel_changes()
-            self.table.replace(self._fold(changes))
+            folded = self._fold(changes)
             self.revision = changes[-1].version if changes else 0
+            self.table.replace(folded, self.revision)
             self._seen = (self.revision, len(changes))
         return self.revision
 
@@ -142,6 +148,12 @@ class ChannelCatalog:
         known = self.table.get(config.id)
         if known is not None:
             self._check_same(known.config, config)
+            if known.config.retired_from_epoch is not None:
+                raise ChannelChangeRefusedError(
+                    f"channel {config.id!r} was retired from epoch "
+                    f"{known.config.retired_from_epoch} on; a retired id is not taken again: "
+                    "add the channel under a new id"
+                )
             return known.config, False
         if config.retired_from_epoch is not None:
             raise InvalidChannelError(f"channel {config.id!r}: a new channel cannot be retired")

@@ -200,8 +200,8 @@ class AnalyzerService:
             ShufflersUnavailableError: a shuffler's signed descriptor is not known yet.
         """
         shufflers = self.descriptors.current()
-        revision = self.catalog.refresh()
-        published = self.catalog.table.configs()
+        self.catalog.refresh()
+        revision, published = self.catalog.table.published()
         if self.trainer is not None and self.trainer.channels:
             models = {c: self.trainer.state(c) for c in self.trainer.channels}
             published = published_channels(published, models)

@@ -65,6 +65,8 @@ OUTBOX_BACKOFF = Backoff(base=0.5, cap=300.0)
 #: A shuffler's error codes saying this device's config is behind (a channel retired, a key
 #: no longer held): the contribution is dropped and the config fetched again.
 OUTDATED = frozenset({"channel_retired", "config_outdated"})
+#: Least seconds between two config fetches for channels the config does not name.
+UNKNOWN_CHANNEL_REFRESH_SECONDS = 10.0
 
 
 @functools.lru_cache(maxsize=1)
@@ -238,6 +240,8 @@ class Client:
         #: A shuffler answered that this device's config is behind (a retired channel or
         #: key): the next report fetches it again first.
         self._stale = False
+        #: When the config was last fetched for a channel it did not name (rate-limited).
+        self._unknown_refreshed = -float("inf")
         try:
             config = self._load_config()
             self.state = DeviceState(_state_path(state_path))
@@ -381,7 +385,9 @@ class Client:
             ChannelError: unknown channel.
         """
         config = self._channels.get(channel_id)
-        if config is None and self._source[0] is not None:
+        due = self._clock() - self._unknown_refreshed >= UNKNOWN_CHANNEL_REFRESH_SECONDS
+        if config is None and self._source[0] is not None and due:
+            self._unknown_refreshed = self._clock()
             try:
                 self.refresh_config()
             except ConfigError as error:

@@ -22,11 +22,13 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from common.collection import (
+    ANALYZER_PARTY,
     CollectionConfigError,
     parse_key,
     verify_config_chain,
 )
-from common.wire import ChannelPolicy
+from common.envelope import public_bytes
+from common.wire import ChannelPolicy, b64
 from shuffler.settings import ShufflerSettings
 from shuffler.store import ContributionStore
 
@@ -151,6 +153,9 @@ class ConfigFollower:
         """Adopt what was adopted before a restart (or by another replica)."""
         stored, revision = self.store.followed()
         self.policies.adopt(stored, revision)
+        pinned = self.store.followed_key(ANALYZER_PARTY)
+        if pinned is not None:
+            self._pin = parse_key(pinned, "followed analyzer")
 
     def analyzer_key(self) -> Ed25519PublicKey | None:
         """The pinned config-signing key (None: its published file is not there yet)."""
@@ -185,7 +190,10 @@ class ConfigFollower:
                 f"adopted ({self.policies.revision}): the analyzer's channel log went back "
                 "(a restored or replaced database?)"
             )
-        self._pin = vouched.lineage[-1]  # a fork from an older key is refused from now on
+        signer = vouched.lineage[-1]
+        if self._pin is None or public_bytes(signer) != public_bytes(self._pin):
+            self.store.follow_key(ANALYZER_PARTY, b64(public_bytes(signer)))
+            self._pin = signer  # a fork made later from an older key is refused
         offered = [channel.policy() for channel in config.channels]
         adoption, persist = self.policies.adopt(offered, config.revision)
         if persist:

@@ -284,6 +284,20 @@ class ContributionStore(ABC):
                 values = {"policy": policy.model_dump_json(), "version": revision}
                 conn.execute(insert(f).values(channel_id=policy.id, **values))
 
+    def follow_key(self, party: str, signing_key: str) -> None:
+        """Persist the signing key this shuffler follows for ``party`` (base64)."""
+        k = tables.followed_keys
+        with self.engine.begin() as conn:
+            conn.execute(delete(k).where(k.c.party == party))
+            conn.execute(insert(k).values(party=party, signing_key=signing_key))
+
+    def followed_key(self, party: str) -> str | None:
+        """The signing key followed for ``party`` (None: none yet)."""
+        k = tables.followed_keys.c
+        with self.engine.connect() as conn:
+            found = conn.execute(select(k.signing_key).where(k.party == party)).scalar()
+        return None if found is None else str(found)
+
     def followed(self) -> tuple[list[ChannelPolicy], int]:
         """The adopted channel policies and the newest revision they were adopted at."""
         f = tables.followed_channels.c
@@ -1158,6 +1172,8 @@ class PostgresContributionStore(ContributionStore):
         """
         c = tables.contributions.c
         wanted = np.sort(survivors)
+        if not wanted.size:
+            return
         query = select(c.id, c.fragments).where(*_unheld(key))
         streamed = conn.execution_options(stream_results=True, max_row_buffer=_READ_ROWS)
         found = 0

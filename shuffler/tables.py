@@ -132,3 +132,11 @@ followed_channels = Table(
     Column("policy", Text, nullable=False),
     Column("version", Integer, nullable=False),
 )
+
+#: The analyzer signing key this shuffler follows (moved along the analyzer's successions).
+followed_keys = Table(
+    "followed_keys",
+    metadata,
+    Column("party", String(80), primary_key=True),
+    Column("signing_key", Text, nullable=False),
+)

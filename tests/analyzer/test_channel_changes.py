@@ -108,6 +108,8 @@ def test_a_retired_channel_stops_at_its_next_epoch_and_keeps_its_reads(
     assert published is not None and published.retired_from_epoch is not None
     again = client.post("/v1/admin/channels/homepage/retire", headers=ADMIN)
     assert again.json()["changed"] is False and again.json()["revision"] == 1
+    taken = _added(client, CHANNEL.model_dump(mode="json"))  # a retired id is not taken again
+    assert taken.status_code == 409 and "new id" in taken.json()["detail"]
     unknown = client.post("/v1/admin/channels/nowhere/retire", headers=ADMIN)
     assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_channel"
     assert client.get("/v1/channels/homepage/privacy").status_code == 200

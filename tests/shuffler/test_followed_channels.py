@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fastapi.testclient import TestClient
 
 from analyzer.app import create_app
-from common.collection import CollectionConfigError, sign_config
+from common.collection import ANALYZER_PARTY, CollectionConfigError, sign_config
 from common.envelope import key_id, public_bytes
 from common.wire import (
     AnalyzerInfo,
@@ -98,7 +98,8 @@ def test_a_shuffler_follows_the_analyzers_signed_config(
     clock.now = time.time()
     follower = service.follower
     assert follower is not None
-    assert client.post("/v1/admin/channels", json=SEARCH.model_dump(mode="json"), headers=ADMIN)
+    added = client.post("/v1/admin/channels", json=SEARCH.model_dump(mode="json"), headers=ADMIN)
+    assert added.status_code == 201, added.text
     adoption = follower.fetch(client)
     assert adoption is not None and adoption.added == ["search"] and not adoption.refused
     assert service.policies.get("search") == SEARCH.policy()
@@ -132,7 +133,8 @@ def test_a_config_signed_by_another_key_is_not_adopted(
         analyzer_url="http://testserver",
         analyzer_key=other,
     )
-    assert client.post("/v1/admin/channels", json=SEARCH.model_dump(mode="json"), headers=ADMIN)
+    added = client.post("/v1/admin/channels", json=SEARCH.model_dump(mode="json"), headers=ADMIN)
+    assert added.status_code == 201, added.text
     assert service.follower is not None
     with pytest.raises(CollectionConfigError, match="does not verify"):
         service.follower.fetch(client)
@@ -242,3 +244,32 @@ def test_a_config_from_the_future_does_not_lock_out_the_honest_ones_after_it(
         with pytest.raises(CollectionConfigError, match="revision 1 is older"):
             service.follower.fetch(http)  # its channel log went back: refused, and said so
         assert service.policies.get("late") is None
+
+
+def test_the_followed_analyzer_key_is_kept_for_restarts_and_replicas(
+    forged: tuple[ForgedAnalyzer, ShufflerService], tmp_path: Path
+) -> None:
+    analyzer, service = forged
+    assert service.follower is not None
+    with httpx.Client() as http:
+        analyzer.sign(1, time.time(), [SEARCH])
+        assert service.follower.fetch(http) is not None
+    stored = service.store.followed_key(ANALYZER_PARTY)
+    assert stored == b64(public_bytes(analyzer.key.public_key()))
+    # a replica whose configured key names another signer (a swapped analyzer.pub): the key
+    # followed so far wins, and a config that does not descend from it is refused
+    thief = ForgedAnalyzer()
+    replica, clock = make_service(
+        f"sqlite:///{tmp_path / 's.db'}",
+        tmp_path,
+        analyzer_url=thief.url,
+        analyzer_key=b64(public_bytes(thief.key.public_key())),
+    )
+    clock.now = time.time()
+    replica.load_state()
+    assert replica.follower is not None
+    thief.sign(2, time.time(), [SEARCH.model_copy(update={"id": "stolen"})])
+    with httpx.Client() as http, pytest.raises(CollectionConfigError):
+        replica.follower.fetch(http)
+    assert replica.policies.get("stolen") is None
+    thief.server.shutdown()
