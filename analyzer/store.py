@@ -433,6 +433,16 @@ class AnalyzerStore:
         are not waiting, see :meth:`quarantined_parts`)."""
         return self._parts_with(STORED)
 
+    def oldest_unopened_at(self) -> float | None:
+        """When the oldest stored part still waiting for the opener was received (None: none
+        waits): the analyzer keeps a retired HPKE key while parts from before it retired wait
+        (:class:`runtime.keys.LiveKeys`)."""
+        p = batch_parts.c
+        query = select(func.min(p.received_at)).where(p.status == STORED)
+        with self.engine.connect() as conn:
+            found = conn.execute(query).scalar_one()
+        return None if found is None else float(found)
+
     def quarantined_parts(self) -> int:
         """How many parts were set aside after failed openings."""
         return self._parts_with(QUARANTINED)
@@ -1173,7 +1183,9 @@ def _read_snapshot(conn: Connection) -> None:
 
 
 def _complete_epochs(conn: Connection, epochs: int) -> dict[tuple[str, int], CompleteEpoch]:
-    """Each channel's ``epochs`` newest epochs with a receipt, and their complete batches."""
+    """Each channel's ``epochs`` newest epochs with a receipt, and their complete batches (a
+    withheld batch, whose verified crowd is below ``min_crowd``, only in the counts of batches:
+    nothing below the crowd threshold is shown)."""
     r = receipts.c
     newest = func.row_number().over(partition_by=r.channel_id, order_by=r.epoch.desc())
     per_epoch = (
@@ -1183,8 +1195,11 @@ def _complete_epochs(conn: Connection, epochs: int) -> dict[tuple[str, int], Com
             func.count().label("batches"),
             func.sum(case((r.withheld, 1), else_=0)).label("withheld"),
             func.sum(r.n_contributions).label("claimed"),
-            func.sum(func.coalesce(r.n_verified, r.n_contributions)).label("verified"),
-            func.sum(r.invalid).label("invalid"),
+            # a withheld batch's verified crowd is below min_crowd: it shows only as a count
+            func.sum(
+                case((r.withheld, 0), else_=func.coalesce(r.n_verified, r.n_contributions))
+            ).label("verified"),
+            func.sum(case((r.withheld, 0), else_=r.invalid)).label("invalid"),
             newest.label("newest"),
         )
         .group_by(r.channel_id, r.epoch)

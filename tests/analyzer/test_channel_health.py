@@ -137,11 +137,10 @@ def _store_everything(layers: Layers, waiting: bool = True) -> Truth:
             releases=1,
         ),
         (CHANNEL.id, 9): _row(
-            received=CHANNEL.min_crowd,
-            verified=CHANNEL.min_crowd - 1,
+            received=CHANNEL.min_crowd,  # the claim: at least min_crowd, or refused at intake
+            verified=0,  # below min_crowd: shown only as a withheld batch
             batches_complete=1,
             batches_withheld=1,
-            fragments_invalid=WITHHELD_CHAFF,
         ),
     }
     for epoch in SPREAD:
