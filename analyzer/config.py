@@ -47,7 +47,7 @@ class AnalyzerKeys(LiveKeys):
         settings: AnalyzerSettings,
         clock: Callable[[], float] = time.time,
         channels: Callable[[], Sequence[ChannelConfig]] | None = None,
-        hold: Callable[[], bool] = lambda: False,
+        waiting_since: Callable[[], float | None] = lambda: None,
     ) -> AnalyzerKeys:
         """The keys in ``settings.key_dir`` (``hpke.pem`` and ``signing.pem`` created on first
         use), timed by ``settings`` over ``channels`` (default: the configured ones); with a
@@ -61,7 +61,7 @@ class AnalyzerKeys(LiveKeys):
             KeyDirectory(settings.key_dir, ANALYZER_PARTY),
             lambda: settings.key_timing(listed()),
             clock,
-            hold,
+            waiting_since,
             settings.key_reload_seconds,
         )
         if settings.publish_dir is not None:

@@ -83,9 +83,10 @@ class AnalyzerService:
         shuffler_ids = [s.id for s in settings.shufflers]
         catalog = ChannelCatalog(settings.channels, shuffler_ids, store, clock, settings.part_cap)
         channels = catalog.table
-        # Retired HPKE keys stay loaded while stored parts wait to be opened.
+        # A retired HPKE key stays loaded while parts stored before it retired wait to be
+        # opened (never one an admin retired early: a compromised key).
         keys = AnalyzerKeys.load(
-            settings, clock, lambda: catalog.table.configs(), lambda: store.unopened_parts() > 0
+            settings, clock, lambda: catalog.table.configs(), store.oldest_unopened_at
         )
         descriptors = ShufflerDescriptors(settings.shufflers, store, clock)
         policy = IntakePolicy(

@@ -112,7 +112,8 @@ class SuccessionLimitError(DomainError):
 @dataclass(frozen=True)
 class KeyRecord:
     """One key: its kind, id (an HPKE key id, or a signing key's fingerprint), file, public key
-    (base64, kept after the file is deleted) and times (unix seconds)."""
+    (base64, kept after the file is deleted), times (unix seconds), and whether an admin retired
+    it before its overlap ended (a compromised key: never held back for waiting parts)."""
 
     kind: KeyKind
     key_id: str
@@ -121,12 +122,26 @@ class KeyRecord:
     created_at: float
     activates_at: float
     retires_at: float | None = None
+    retired_early: bool = False
 
     def state(self, now: float) -> KeyState:
         """The key's state at ``now``."""
         if self.retires_at is not None and now >= self.retires_at:
             return KeyState.RETIRED
         return KeyState.PENDING if now < self.activates_at else KeyState.ACTIVE
+
+    def held(self, now: float, waiting_since: float | None) -> bool:
+        """Whether this retired HPKE key must stay loaded: what waits to be opened arrived
+        since ``waiting_since`` (None: nothing waits), and some of it arrived before the key
+        retired. A key retired early is never held."""
+        return (
+            self.kind == HPKE
+            and self.state(now) is KeyState.RETIRED
+            and not self.retired_early
+            and waiting_since is not None
+            and self.retires_at is not None
+            and waiting_since < self.retires_at
+        )
 
 
 @dataclass(frozen=True)
@@ -350,9 +365,10 @@ class KeyDirectory:
         records.append(_record(self.path, LEGACY_SIGNING, signing))
         return KeyBook(tuple(records))
 
-    def load(self, now: float, hold_retired: bool = False) -> PartyKeys:
-        """The keys at ``now``, with the private keys of those not retired (and, with
-        ``hold_retired``, of retired HPKE keys whose file is still there).
+    def load(self, now: float, waiting_since: float | None = None) -> PartyKeys:
+        """The keys at ``now``, with the private keys of those not retired and of retired HPKE
+        keys still held for what waits since ``waiting_since`` (:meth:`KeyRecord.held`) whose
+        file is still there.
 
         Raises:
             ValueError: a live key's file is missing or holds another key than ``keys.json``
@@ -363,7 +379,7 @@ class KeyDirectory:
         signing: dict[str, Ed25519PrivateKey] = {}
         for record in book.records:
             live = record.state(now) is not KeyState.RETIRED
-            if not live and not (hold_retired and record.kind == HPKE):
+            if not live and not record.held(now, waiting_since):
                 continue
             key = self._private(record, required=live)
             if isinstance(key, X25519PrivateKey):
@@ -493,21 +509,25 @@ class KeyDirectory:
                     f"the HPKE key {kid} is {what}: rotate, wait until the new key is active, "
                     "then retire this one"
                 )
-            retired = replace(record, retires_at=now)
+            retired = replace(record, retires_at=now, retired_early=True)
             self._write(
                 replace(book, records=tuple(retired if r is record else r for r in book.records))
             )
         log.warning("HPKE key retired before its overlap ended", extra={"key_id": kid})
         return retired
 
-    def prune(self, now: float) -> list[str]:
-        """Delete the files of retired HPKE keys (what was sealed to them can no longer be
+    def prune(self, now: float, waiting_since: float | None = None) -> list[str]:
+        """Delete the files of retired HPKE keys not held for what waits since
+        ``waiting_since`` (:meth:`KeyRecord.held`: what was sealed to them can no longer be
         opened by anyone who takes the directory later); the ids deleted."""
         book = self.book()
         doomed = [
             r
             for r in book.records
-            if r.kind == HPKE and r.state(now) is KeyState.RETIRED and (self.path / r.file).exists()
+            if r.kind == HPKE
+            and r.state(now) is KeyState.RETIRED
+            and not r.held(now, waiting_since)
+            and (self.path / r.file).exists()
         ]
         for record in doomed:
             (self.path / record.file).unlink(missing_ok=True)
@@ -532,24 +552,27 @@ class LiveKeys:
     its holders share, refilled in place), read again from the key directory every
     ``reload_seconds`` (:meth:`refresh`, or a thread: :meth:`start`), so a rotation made at one
     replica reaches them all before its key is published. ``listeners`` run after a reload
-    that changed a key's state. ``hold`` says whether retired HPKE keys must stay loaded
-    (the analyzer: while stored parts wait to be opened); when it fails, they stay."""
+    that changed a key's state. ``waiting_since`` says since when what waits to be opened
+    arrived (the analyzer: its oldest stored part not opened yet; None: nothing waits): a
+    retired HPKE key stays loaded while some of it arrived before the key retired, unless an
+    admin retired it early (:meth:`KeyRecord.held`); when it fails, they stay."""
 
     def __init__(
         self,
         directory: KeyDirectory,
         timing: Callable[[], Timing],
         clock: Callable[[], float] = time.time,
-        hold: Callable[[], bool] = lambda: False,
+        waiting_since: Callable[[], float | None] = lambda: None,
         reload_seconds: float = 10.0,
     ) -> None:
         self.directory = directory
         self.timing = timing
         self.clock = clock
-        self.hold = hold
+        self.waiting_since = waiting_since
         self.reload_seconds = reload_seconds
-        # Retired HPKE keys still on disk stay loaded until the first reload asks ``hold``.
-        self.current = directory.load(clock(), hold_retired=True)
+        # Retired HPKE keys still on disk stay loaded until the first reload asks (the
+        # database may not be ready yet), except those retired early.
+        self.current = directory.load(clock(), waiting_since=-math.inf)
         self.ring = self.current.ring()
         self.listeners: list[Callable[[PartyKeys], None]] = []
         self._loaded_at = time.monotonic()
@@ -558,24 +581,23 @@ class LiveKeys:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _holding(self) -> bool:
+    def _waiting_since(self) -> float | None:
         try:
-            return self.hold()
+            return self.waiting_since()
         except Exception:  # the database, mostly: keep what may still be needed
             log.exception("cannot tell whether retired keys are still needed; kept")
-            return True
+            return -math.inf
 
     def reload(self) -> PartyKeys:
-        """Read the key directory now (deleting retired HPKE key files unless held).
+        """Read the key directory now (deleting the files of retired HPKE keys not held).
 
         Raises:
             ValueError: the directory is unusable (the keys in use stay).
         """
         with self._lock:
-            now, hold = self.clock(), self._holding()
-            if not hold:
-                self.directory.prune(now)
-            fresh = self.directory.load(now, hold_retired=hold)
+            now, since = self.clock(), self._waiting_since()
+            self.directory.prune(now, since)
+            fresh = self.directory.load(now, since)
             changed = fresh.fingerprint() != self.current.fingerprint()
             self.current = fresh
             self.ring.replace(fresh.ring())

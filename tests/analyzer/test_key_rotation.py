@@ -197,6 +197,36 @@ def test_fragments_open_with_a_pending_key_and_with_the_previous_one_until_it_re
     assert _deliver(service, _part(new, 6)) == "opened"
 
 
+def test_a_retired_key_is_held_only_for_parts_from_before_and_never_when_retired_early(
+    analyzer: tuple[AnalyzerService, list[float]],
+) -> None:
+    service, now = analyzer
+    change = service.keys.rotate("hpke")
+    new = X25519PrivateKey.from_private_bytes(
+        service.keys.current.hpke[change.key.key_id].private_bytes_raw()
+    )
+    old_id = key_id(ANALYZER_KEY.public_key()).hex()
+    now[0] = change.key.activates_at + service.settings.key_timing([CHANNEL]).hpke_overlap_seconds
+    service.accept(*_part(new, 1))  # stored after the old key retired, not opened yet
+    service.keys.reload()
+    assert service.store.unopened_parts() == 1
+    assert old_id not in service.keys.current.hpke  # nothing from before it waits
+    assert not (service.settings.key_dir / "hpke.pem").exists()
+
+    second = service.keys.rotate("hpke")
+    now[0] = second.key.activates_at + 1
+    service.keys.reload()
+    service.accept(*_part(new, 2))  # waits, stored before ``new`` would retire
+    assert service.keys.current.hpke.keys() == {change.key.key_id, second.key.key_id}
+    # An admin retires the previous key early (compromised): dropped at once, parts waiting.
+    service.keys.retire(change.key.key_id)
+    assert change.key.key_id not in service.keys.current.hpke
+    assert not (service.settings.key_dir / f"hpke-{change.key.key_id}.pem").exists()
+    service.opener.open_pending()  # what waited, sealed to that key, no longer opens
+    opened, invalid = _opened(service)
+    assert opened == 0 and invalid > 0 and service.store.unopened_parts() == 0
+
+
 def _rotated_descriptor(
     old: Ed25519PrivateKey, new: Ed25519PrivateKey, issued: int
 ) -> SignedDescriptor:

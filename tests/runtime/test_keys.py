@@ -5,6 +5,7 @@ validation, and a directory made before rotations existed."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -168,18 +169,40 @@ def test_retiring_early_refuses_the_published_and_pending_keys(tmp_path: Path) -
 
 
 def test_held_retired_keys_stay_in_the_ring_and_on_disk(tmp_path: Path) -> None:
-    """The analyzer holds retired keys while stored parts wait to be opened."""
+    """The analyzer holds a retired key while parts stored before it retired wait."""
     directory = KeyDirectory(tmp_path, PARTY)
     old = load_or_create_x25519(tmp_path / "hpke.pem")
     directory.rotate(HPKE, T0, TIMING)
-    waiting = [True]
-    live = LiveKeys(directory, lambda: TIMING, clock=lambda: T0 + 2000, hold=lambda: waiting[0])
+    retires_at = T0 + 60 + 1000
+    waiting: list[float | None] = [retires_at - 1]  # a part from before it retired waits
+    live = LiveKeys(
+        directory, lambda: TIMING, clock=lambda: T0 + 2000, waiting_since=lambda: waiting[0]
+    )
     ring = live.ring
     assert _opens(ring, _sealed(old)) and (tmp_path / "hpke.pem").exists()
-    waiting[0] = False
+    live.reload()
+    assert _opens(ring, _sealed(old))
+    waiting[0] = retires_at + 1  # only parts stored after it retired wait: not held
     live.reload()
     assert live.ring is ring  # refilled in place: every holder sees it
     assert not _opens(ring, _sealed(old)) and not (tmp_path / "hpke.pem").exists()
+
+
+def test_a_key_retired_early_is_never_held_even_while_parts_wait(tmp_path: Path) -> None:
+    """The compromised-key runbook: ``esa keys retire`` drops the key at once, also from a
+    replica starting while its file is still there."""
+    directory = KeyDirectory(tmp_path, PARTY)
+    old = load_or_create_x25519(tmp_path / "hpke.pem")
+    directory.rotate(HPKE, T0, TIMING)
+    live = LiveKeys(
+        directory, lambda: TIMING, clock=lambda: T0 + 61, waiting_since=lambda: -math.inf
+    )
+    assert _opens(live.ring, _sealed(old))
+    directory.retire(key_id(old.public_key()).hex(), T0 + 61)  # another replica retires it
+    starting = LiveKeys(directory, lambda: TIMING, clock=lambda: T0 + 62)
+    assert (tmp_path / "hpke.pem").exists() and not _opens(starting.ring, _sealed(old))
+    live.reload()
+    assert not _opens(live.ring, _sealed(old)) and not (tmp_path / "hpke.pem").exists()
 
 
 def test_every_replica_picks_up_a_rotation_and_listeners_hear_of_state_changes(
