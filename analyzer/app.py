@@ -332,7 +332,9 @@ async def rotate_key(service: Service, body: RotateKeyRequest) -> KeyChange:
     (``key_activation_seconds``), then published; an HPKE key it replaces still opens through
     its overlap, a signing key it replaces names it in a succession devices follow. 409
     ``rotation_pending``: a key of this kind is pending already; ``succession_limit``: the
-    signing key rotated too often."""
+    signing key rotated too often; ``key_timing``: ``hpke_overlap_seconds`` is too short for
+    the longest epoch served now (raise it). 503 ``key_storage_unavailable``: the key directory
+    cannot be read or written."""
     return await asyncio.to_thread(service.keys.rotate, body.key)
 
 

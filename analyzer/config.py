@@ -31,7 +31,7 @@ from common.wire import (
     Succession,
     b64,
 )
-from runtime.keys import KeyDirectory, LiveKeys, PartyKeys
+from runtime.keys import KeyDirectory, LiveKeys, PartyKeys, checked_timing
 from runtime.publish import publish
 
 
@@ -82,6 +82,17 @@ class AnalyzerKeys(LiveKeys):
     def successions(self) -> tuple[Succession, ...]:
         """The successions from the analyzer's first signing key to :attr:`signing`."""
         return self.current.successions
+
+
+def check_key_timing(settings: AnalyzerSettings, channels: Sequence[ChannelConfig]) -> None:
+    """Whether the analyzer's keys can still rotate safely while serving ``channels`` (an
+    explicit ``hpke_overlap_seconds`` must cover their longest epoch): a channel is added only
+    if they can with it.
+
+    Raises:
+        KeyTimingError: they cannot (``409 key_timing``).
+    """
+    checked_timing(lambda: settings.key_timing(channels))
 
 
 def publish_key(directory: Path | None, keys: PartyKeys) -> None:

@@ -70,6 +70,7 @@ from rich.console import Console
 
 from analyzer import store as analyzer_tables
 from common.collection import TrustAnchors
+from common.wire import MAX_EPOCH_SECONDS
 from runtime import db
 from services.cli import launcher
 from services.tools import loadgen
@@ -84,7 +85,7 @@ SHUFFLERS = 3
 SERVICES = ["analyzer", *(f"shuffler_{i}" for i in range(1, SHUFFLERS + 1))]
 CHANNEL_ID = "homepage"
 #: One epoch for the whole run (the requests are sealed for it once).
-EPOCH_SECONDS = 10**8
+EPOCH_SECONDS = MAX_EPOCH_SECONDS
 ADMIN = {"Authorization": "Bearer development"}
 #: Parts held back in the copied shuffler databases until the analyzer workers are ready.
 HELD_BACK = 1e12

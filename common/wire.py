@@ -22,6 +22,9 @@ MAX_INT = 2**53 - 1
 #: identifier; a channel declares at most :data:`MAX_CROWDS` of them.
 CROWD = re.compile(r"^(?:[a-z0-9][a-z0-9_.-]{0,63})?$")
 MAX_CROWDS = 64
+#: Longest epoch a channel may have (366 days): a replaced HPKE key keeps opening for the
+#: longest epoch served, so a longer one would keep old keys for years (runtime.keys).
+MAX_EPOCH_SECONDS = 366 * 86_400
 
 
 def b64(data: bytes) -> str:
@@ -77,7 +80,7 @@ class ChannelPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     id: str
-    epoch_seconds: int = Field(3600, ge=1)
+    epoch_seconds: int = Field(3600, ge=1, le=MAX_EPOCH_SECONDS)
     min_crowd: int = Field(100, ge=1)
     eps_cr: float = Field(0.5, gt=0)
     delta_cr: float = Field(1e-9, gt=0, lt=1)

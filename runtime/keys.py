@@ -87,6 +87,14 @@ class RotationPendingError(DomainError):
     kind = Kind.CONFLICT
 
 
+class KeyTimingError(DomainError):
+    """A rotation's windows are unsafe with the channels served now (an explicit
+    ``hpke_overlap_seconds`` shorter than a channel's epoch needs): raise it, then rotate."""
+
+    code = "key_timing"
+    kind = Kind.CONFLICT
+
+
 class KeyInUseError(DomainError):
     """The key is the published one (or not yet active): rotate first, then retire it."""
 
@@ -663,10 +671,12 @@ class LiveKeys:
 
         Raises:
             RotationPendingError, SuccessionLimitError: as :meth:`KeyDirectory.rotate`.
+            KeyTimingError: the windows are unsafe with the channels served now.
             KeyStorageError: the key directory is unreadable or unwritable.
         """
+        timing = checked_timing(self.timing)
         with _storage():
-            record = self.directory.rotate(kind, self.clock(), self.timing())
+            record = self.directory.rotate(kind, self.clock(), timing)
             keys = self.reload()
         return KeyChange(key=keys.info(record), keys=keys.listing(self.directory.party))
 
@@ -681,6 +691,19 @@ class LiveKeys:
             record = self.directory.retire(kid, self.clock())
             keys = self.reload()
         return KeyChange(key=keys.info(record), keys=keys.listing(self.directory.party))
+
+
+def checked_timing(timing: Callable[[], Timing]) -> Timing:
+    """``timing()``, its refusal (:func:`key_timing`) as :class:`KeyTimingError`: a party
+    checks a channel it is about to serve with it too.
+
+    Raises:
+        KeyTimingError: the windows are unsafe.
+    """
+    try:
+        return timing()
+    except ValueError as error:
+        raise KeyTimingError(str(error)) from error
 
 
 @contextlib.contextmanager

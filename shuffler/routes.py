@@ -156,7 +156,10 @@ async def rotate_key(body: RotateKeyRequest, service: Service) -> KeyChange:
     (``key_activation_seconds``), then in this shuffler's descriptor; an HPKE key it replaces
     still opens contributions through its overlap, a signing key it replaces names it in a
     succession the analyzer and devices follow. 409 ``rotation_pending``: a key of this kind
-    is pending already; ``succession_limit``: the signing key rotated too often."""
+    is pending already; ``succession_limit``: the signing key rotated too often;
+    ``key_timing``: ``hpke_overlap_seconds`` is too short for the longest epoch served now
+    (one adopted from the analyzer's config: raise it). 503 ``key_storage_unavailable``: the
+    key directory cannot be read or written."""
     return await asyncio.to_thread(_keys(service).rotate, body.key)
 
 

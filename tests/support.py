@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from common.collection import TrustAnchors, sign_config, sign_descriptor
 from common.envelope import key_id, public_bytes
 from common.wire import (
+    MAX_EPOCH_SECONDS,
     AnalyzerInfo,
     ChannelConfig,
     CollectionConfig,
@@ -59,7 +60,7 @@ LONG_EPOCH_CHANNEL = ChannelConfig(
     id="homepage",
     mechanism="krappor",
     params={"k": 20, "eps": 4.0},
-    epoch_seconds=10**8,
+    epoch_seconds=MAX_EPOCH_SECONDS,
     min_crowd=5,
     eps_cr=4.0,
     delta_cr=1e-7,

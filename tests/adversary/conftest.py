@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.wire import ChannelConfig
+from common.wire import MAX_EPOCH_SECONDS, ChannelConfig
 
 from ..support import Deployment, start_deployment
 
@@ -17,7 +17,7 @@ PAGES = ChannelConfig(
     id="pages",
     mechanism="krr",
     params={"k": 16, "eps": 2.0},
-    epoch_seconds=10**8,
+    epoch_seconds=MAX_EPOCH_SECONDS,
     min_crowd=20,
     min_fragments=1,
     max_fragments=1,
@@ -28,7 +28,7 @@ HOMEPAGE = ChannelConfig(
     id="homepage",
     mechanism="krappor",
     params={"k": 64, "eps": 2.0},
-    epoch_seconds=10**8,
+    epoch_seconds=MAX_EPOCH_SECONDS,
     min_crowd=20,
     max_fragments=64,
     delta=1e-8,
@@ -41,7 +41,7 @@ CLICKS = ChannelConfig(
     id="clicks",
     mechanism="krappor",
     params={"k": 16, "eps": 2.0},
-    epoch_seconds=10**8,
+    epoch_seconds=MAX_EPOCH_SECONDS,
     min_crowd=20,
     eps_cr=4.0,
     delta_cr=1e-7,

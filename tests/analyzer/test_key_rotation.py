@@ -20,9 +20,11 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from fastapi.testclient import TestClient
 
 from analyzer.app import create_app
+from analyzer.config import AnalyzerKeys, check_key_timing
 from analyzer.errors import BadSignatureError
 from analyzer.opening import FragmentOpener
 from analyzer.service import MIGRATIONS, AnalyzerService
+from analyzer.settings import DELIVERY_ALLOWANCE
 from common.collection import (
     ANALYZER_PARTY,
     CollectionConfigError,
@@ -35,8 +37,9 @@ from common.collection import (
     verify_config_chain,
 )
 from common.envelope import FragmentContext, KeyRing, key_id, public_bytes, seal_fragment, sign
-from common.wire import Batch, ShufflerDescriptor, SignedDescriptor, b64
+from common.wire import MAX_EPOCH_SECONDS, Batch, ShufflerDescriptor, SignedDescriptor, b64
 from runtime import db
+from runtime.keys import KeyTimingError
 
 from .helpers import ANALYZER_KEY, CHANNEL, DESCRIPTORS, SHUFFLERS, app_settings, reports
 
@@ -225,6 +228,22 @@ def test_a_retired_key_is_held_only_for_parts_from_before_and_never_when_retired
     service.opener.open_pending()  # what waited, sealed to that key, no longer opens
     opened, invalid = _opened(service)
     assert opened == 0 and invalid > 0 and service.store.unopened_parts() == 0
+
+
+def test_a_channel_the_keys_could_not_rotate_with_is_refused_as_key_timing(
+    tmp_path: Path,
+) -> None:
+    settings = app_settings(tmp_path)
+    needed = settings.key_timing([CHANNEL]).hpke_overlap_seconds - DELIVERY_ALLOWANCE
+    fixed = settings.model_copy(update={"hpke_overlap_seconds": needed})
+    check_key_timing(fixed, [CHANNEL])
+    yearly = CHANNEL.model_copy(update={"id": "yearly", "epoch_seconds": MAX_EPOCH_SECONDS})
+    with pytest.raises(KeyTimingError, match="hpke_overlap_seconds"):
+        check_key_timing(fixed, [CHANNEL, yearly])
+    # Served already (added at runtime): rotations say why they are refused.
+    keys = AnalyzerKeys.load(fixed, channels=lambda: [CHANNEL, yearly])
+    with pytest.raises(KeyTimingError):
+        keys.rotate("hpke")
 
 
 def _rotated_descriptor(

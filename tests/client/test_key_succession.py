@@ -31,6 +31,7 @@ from common.collection import (
 )
 from common.envelope import key_id, public_bytes
 from common.wire import (
+    MAX_EPOCH_SECONDS,
     MAX_SUCCESSIONS,
     AnalyzerInfo,
     ChannelConfig,
@@ -46,7 +47,11 @@ from encoder_client import Client, ConfigError
 
 T0 = 1_900_000_000
 CHANNEL = ChannelConfig(
-    id="pages", mechanism="krr", params={"k": 4, "eps": 2.0}, epoch_seconds=10**8, min_crowd=20
+    id="pages",
+    mechanism="krr",
+    params={"k": 4, "eps": 2.0},
+    epoch_seconds=MAX_EPOCH_SECONDS,
+    min_crowd=20,
 )
 HPKE = X25519PrivateKey.generate()
 

@@ -17,7 +17,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.envelope import public_bytes
-from common.wire import ChannelConfig
+from common.wire import MAX_EPOCH_SECONDS, ChannelConfig
 from encoder_client import (
     AlreadyReportedError,
     ChannelError,
@@ -33,9 +33,10 @@ from ..support import Deployment, close_epoch, start_deployment, wait_until
 
 pytestmark = pytest.mark.system  # starts real processes
 
-# epoch_seconds=10**8 on the channels whose tests span seconds (200 reports; a shuffler
-# restart): with hour-long epochs a run straddled an epoch boundary (contributions refused as
-# epoch_not_open, or split over two epochs) with probability ~(test duration)/3600, ~1% in all.
+# epoch_seconds=MAX_EPOCH_SECONDS (a year) on the channels whose tests span seconds (200
+# reports; a shuffler restart): with hour-long epochs a run straddled an epoch boundary
+# (contributions refused as epoch_not_open, or split over two epochs) with probability
+# ~(test duration)/3600, ~1% in all.
 # homepage's eps_cr, delta_cr: Algorithm 3 aborts a group with probability delta_cr / 4, so
 # 1e-3 made one of the three shufflers drop its whole crowd in 7.5e-4 of runs; 1e-7 gives
 # 7.5e-8, and each shuffler deletes ln(2 / delta_cr) / 2 + Laplace(0.5) ~ 8 contributions.
@@ -44,7 +45,7 @@ CHANNELS = [
         id="homepage",
         mechanism="krappor",
         params={"k": 10, "eps": 4.0},
-        epoch_seconds=10**8,
+        epoch_seconds=MAX_EPOCH_SECONDS,
         min_crowd=20,
         eps_cr=4.0,
         delta_cr=1e-7,
@@ -56,7 +57,7 @@ CHANNELS = [
         id="pages",
         mechanism="rfrag",
         params={"k": 10, "eps_b": 4.0, "eps_f": 2.0, "tau": 3},
-        epoch_seconds=10**8,
+        epoch_seconds=MAX_EPOCH_SECONDS,
         min_crowd=20,
         eps_cr=1.0,
         delta_cr=1e-3,
@@ -76,7 +77,7 @@ CHANNELS = [
         id="regional",
         mechanism="krr",
         params={"k": 4, "eps": 2.0},
-        epoch_seconds=10**8,
+        epoch_seconds=MAX_EPOCH_SECONDS,
         min_crowd=20,
         max_fragments=1,
         payload_size=16,

@@ -44,6 +44,7 @@ from common.envelope import (
     public_bytes,
 )
 from common.wire import (
+    MAX_EPOCH_SECONDS,
     AnalyzerInfo,
     ChannelConfig,
     CollectionConfig,
@@ -59,7 +60,7 @@ CHANNEL = ChannelConfig(
     id="pages",
     mechanism="krr",
     params={"k": 4, "eps": 2.0},
-    epoch_seconds=10**8,
+    epoch_seconds=MAX_EPOCH_SECONDS,
     min_crowd=20,
     max_fragments=1,
     payload_size=16,
@@ -436,14 +437,15 @@ def test_an_expired_config_is_fetched_again_before_a_report(served: Served, tmp_
         assert served.config_gets == 1  # still valid: not fetched again
         assert client.flush() == 1
         rotated = X25519PrivateKey.generate()
-        clock.now = (T0 // 10**8 + 1) * 10**8 + 200  # past its expiry, in the next epoch
+        # past its expiry, in the next epoch
+        clock.now = (T0 // MAX_EPOCH_SECONDS + 1) * MAX_EPOCH_SECONDS + 200
         served.config = parties.config(issued=int(clock.now) - 50, analyzer_hpke=rotated)
         client.histogram("pages").report(2)
         assert served.config_gets == 2
         assert _by_document(client._config.versions)[CONFIG] == int(clock.now) - 50
         assert client.flush() == 1
     assert len(served.contributions) == 2
-    epoch = int(clock.now // 10**8)
+    epoch = int(clock.now // MAX_EPOCH_SECONDS)
     assert _open(served.contributions[1], parties, rotated, epoch)  # sealed to the new key
     with pytest.raises(EnvelopeError, match="no live key"):
         _open(served.contributions[1], parties, parties.analyzer_hpke, epoch)
@@ -514,7 +516,8 @@ def test_an_expired_config_that_cannot_be_refreshed_sends_nothing(
         served.config = parties.config(issued=T0 + 101, lifetime=10**6)
         assert client.flush() == 1
     assert len(served.contributions) == 1
-    assert _open(served.contributions[0], parties, parties.analyzer_hpke, int((T0 + 10) // 10**8))
+    epoch = int((T0 + 10) // MAX_EPOCH_SECONDS)
+    assert _open(served.contributions[0], parties, parties.analyzer_hpke, epoch)
 
 
 def test_offline_config_pins_both_keys(tmp_path: Path) -> None:

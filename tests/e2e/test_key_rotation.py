@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from common.collection import ANALYZER_PARTY, TrustAnchors, shuffler_party
+from common.wire import MAX_EPOCH_SECONDS
 from encoder_client import Client
 from services.cli import launcher
 from services.tools.credentials import Credentials
@@ -29,8 +30,8 @@ from services.tools.loadtest import verify
 from ..support import LOADTEST_PAGES as PAGES
 from ..support import TEST_SHUFFLER_SETTINGS, Deployment, ServiceProcess, wait_until
 
-#: A channel only the stale device reports on (epochs of 10^8 s: no boundary is crossed).
-SEARCH = PAGES.model_copy(update={"id": "search", "epoch_seconds": 10**8})
+#: A channel only the stale device reports on (epochs of a year: no boundary is crossed).
+SEARCH = PAGES.model_copy(update={"id": "search", "epoch_seconds": MAX_EPOCH_SECONDS})
 #: Keys reloaded every half second and published two seconds after a rotation.
 KEY_SETTINGS = {
     f"ESA_{role}_{name}": value

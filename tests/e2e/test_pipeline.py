@@ -36,7 +36,7 @@ from common.envelope import (
 )
 from common.mechanisms import krappor
 from common.randomness import SeededSource, default_source
-from common.wire import Batch, ChannelConfig
+from common.wire import MAX_EPOCH_SECONDS, Batch, ChannelConfig
 
 from ..support import Deployment, start_deployment, wait_until
 from .forge import analyzer_key, fragments, krappor_reports, post_part
@@ -52,7 +52,7 @@ CHANNEL = ChannelConfig(
     id="homepage",
     mechanism="krappor",
     params={"k": K, "eps": EPS},
-    epoch_seconds=10**8,
+    epoch_seconds=MAX_EPOCH_SECONDS,
     min_crowd=50,
     eps_cr=2.0,
     delta_cr=1e-7,

@@ -50,6 +50,7 @@ from common.mechanisms._wire import FragmentError, frame, unframe
 from common.mechanisms.base import certify_smallest_batch
 from common.mechanisms.registry import get
 from common.randomness import RandomSource, bernoulli
+from common.wire import MAX_EPOCH_SECONDS
 
 TOY_CODE = 200
 
@@ -232,7 +233,7 @@ def deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]
         id="toy",
         mechanism="toy-bit",
         params={"eps": 2.0},
-        epoch_seconds=10**8,
+        epoch_seconds=MAX_EPOCH_SECONDS,
         min_crowd=20,
         eps_cr=4.0,
         delta_cr=1e-7,
@@ -261,7 +262,7 @@ def test_toy_mechanism_runs_through_the_whole_pipeline(deployment: Any, tmp_path
         ) as client:
             client.histogram("toy").report(int(value))
             assert client.flush() == 1
-    epoch = int(time.time() // 10**8)
+    epoch = int(time.time() // MAX_EPOCH_SECONDS)
     close_epoch(deployment, "toy", epoch)
     release = httpx.get(deployment.analyzer.url + "/v1/channels/toy/estimate", timeout=30).json()
     kept = release["n"] / len(truth)

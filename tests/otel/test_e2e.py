@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from common.wire import ChannelConfig
+from common.wire import MAX_EPOCH_SECONDS, ChannelConfig
 
 from ..support import Deployment, close_epoch, start_deployment, wait_until
 
@@ -35,7 +35,7 @@ CHANNELS = [
         id=channel,
         mechanism="krr",
         params={"k": 8, "eps": 10.0},
-        epoch_seconds=10**8,
+        epoch_seconds=MAX_EPOCH_SECONDS,
         min_crowd=5,
         eps_cr=20.0,
         delta_cr=1e-7,

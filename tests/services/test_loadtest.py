@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.collection import TrustAnchors
 from common.envelope import public_bytes
-from common.wire import b64
+from common.wire import MAX_EPOCH_SECONDS, b64
 from services.cli import launcher
 from services.cli.loadtest import loadtest
 from services.tools import loadgen
@@ -52,10 +52,10 @@ FEATURES = next(c for c in DEFAULT_CHANNELS if c.id == "features")
 TICKS = PAGES.model_copy(update={"id": "ticks", "epoch_seconds": 3})
 #: k-RR channels of the closed-epoch tests, each closing its current epoch: no other test may
 #: send to them. Their epochs last 10^8 s, so no test waits for an epoch boundary.
-AGAIN = PAGES.model_copy(update={"id": "again", "epoch_seconds": 10**8})
-SHUT = PAGES.model_copy(update={"id": "shut", "epoch_seconds": 10**8})
-MIDWAY = PAGES.model_copy(update={"id": "midway", "epoch_seconds": 10**8})
-KEYED = PAGES.model_copy(update={"id": "keyed", "epoch_seconds": 10**8})
+AGAIN = PAGES.model_copy(update={"id": "again", "epoch_seconds": MAX_EPOCH_SECONDS})
+SHUT = PAGES.model_copy(update={"id": "shut", "epoch_seconds": MAX_EPOCH_SECONDS})
+MIDWAY = PAGES.model_copy(update={"id": "midway", "epoch_seconds": MAX_EPOCH_SECONDS})
+KEYED = PAGES.model_copy(update={"id": "keyed", "epoch_seconds": MAX_EPOCH_SECONDS})
 
 
 @pytest.fixture(scope="module")

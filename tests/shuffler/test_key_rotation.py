@@ -16,6 +16,7 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from common.collection import published_key, shuffler_party, verify_descriptor_chain
 from common.envelope import (
@@ -26,11 +27,11 @@ from common.envelope import (
     seal_contribution,
     verify,
 )
-from common.wire import SignedDescriptor, unb64
+from common.wire import MAX_EPOCH_SECONDS, ChannelPolicy, SignedDescriptor, unb64
 from shuffler.app import create_app
 from shuffler.errors import MalformedContributionError
-from shuffler.service import build_service
-from shuffler.settings import ShufflerSettings
+from shuffler.service import ShufflerService, build_service
+from shuffler.settings import OVERLAP_MARGIN, ShufflerSettings
 
 from ..support import receiver, wait_until
 from .factory import POLICY
@@ -153,6 +154,34 @@ def test_a_rotated_signing_key_signs_the_descriptor_with_its_succession_and_the_
             assert json.loads(body)["shuffler_id"] == "shuffler-1"
             assert verify(body, unb64(signature), vouched.signer)
             assert not verify(body, unb64(signature), root)
+
+
+def test_a_rotation_unsafe_with_a_channel_adopted_since_is_a_409_naming_the_overlap(
+    settings: ShufflerSettings,
+) -> None:
+    """An explicit overlap checked against the channels at start can be too short for one
+    the shuffler adopted since (from the analyzer's config): its rotations are refused as
+    ``key_timing``, not as a storage failure; a year is the longest epoch there is."""
+    overlap = settings.key_timing([POLICY]).hpke_overlap_seconds - OVERLAP_MARGIN
+    fixed = settings.model_copy(update={"hpke_overlap_seconds": overlap})
+    with pytest.raises(ValidationError, match="epoch_seconds"):
+        ChannelPolicy(id="decade", epoch_seconds=10 * MAX_EPOCH_SECONDS)
+    with TestClient(create_app(fixed), raise_server_exceptions=False) as client:
+        assert client.post("/v1/admin/keys/rotate", json={"key": "hpke"}, headers=ADMIN).is_success
+        service: ShufflerService = client.app.state.service  # type: ignore[attr-defined]
+        long = POLICY.model_copy(
+            update={
+                "id": "yearly",
+                "epoch_seconds": MAX_EPOCH_SECONDS,
+                "min_crowd": 100,
+                "delta_cr": 1e-9,
+            }
+        )
+        adoption, _ = service.policies.adopt([POLICY, long], 1)
+        assert adoption.added == ["yearly"], adoption
+        refused = client.post("/v1/admin/keys/rotate", json={"key": "signing"}, headers=ADMIN)
+        assert refused.status_code == 409 and refused.json()["error"] == "key_timing", refused.text
+        assert "hpke_overlap_seconds" in refused.json()["detail"]
 
 
 def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(

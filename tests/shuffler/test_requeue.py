@@ -42,7 +42,7 @@ from common.envelope import (
 )
 from common.mechanisms import krr
 from common.randomness import default_source
-from common.wire import Batch, ChannelConfig
+from common.wire import MAX_EPOCH_SECONDS, Batch, ChannelConfig
 from services.cli import launcher
 from shuffler import tables
 
@@ -65,7 +65,7 @@ CHANNEL = ChannelConfig(
     id="homepage",
     mechanism="krr",
     params={"k": 4, "eps": 2.0},
-    epoch_seconds=10**8,
+    epoch_seconds=MAX_EPOCH_SECONDS,
     min_crowd=5,
     eps_cr=1.0,
     delta_cr=1e-6,
