@@ -1,6 +1,6 @@
 """A party's keys over time, so they rotate without a restart: each HPKE or signing key is
 ``pending`` (loaded by every replica, not yet published), then ``active`` (the newest active one
-is published, or signs), then ``retired`` (removed from the ring; an HPKE key's file deleted).
+is published, or signs), then ``retired`` (its file deleted once nothing needs it).
 
 State lives in the party's key directory, shared by its replicas: the PEM files (``hpke.pem``
 and ``signing.pem`` first, one ``<kind>-<id>.pem`` per rotation) and ``keys.json`` (each key's
@@ -399,6 +399,8 @@ class KeyDirectory:
     def _private(
         self, record: KeyRecord, required: bool
     ) -> X25519PrivateKey | Ed25519PrivateKey | None:
+        """The private key of ``record``; None for one not ``required`` (retired) whose file
+        is gone or holds another key (e.g. ``hpke.pem`` made again by an older launcher)."""
         path = self.path / record.file
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
@@ -412,7 +414,13 @@ class KeyDirectory:
             record.key_id,
             record.public_key,
         ):
-            raise ValueError(f"{path} does not hold the {record.kind} key {record.key_id}")
+            if required:
+                raise ValueError(f"{path} does not hold the {record.kind} key {record.key_id}")
+            log.warning(
+                "a retired key's file holds another key; the key is treated as gone",
+                extra={"file": str(path), "key_id": record.key_id},
+            )
+            return None
         return key
 
     @contextlib.contextmanager
@@ -525,21 +533,28 @@ class KeyDirectory:
         return retired
 
     def prune(self, now: float, waiting_since: float | None = None) -> list[str]:
-        """Delete the files of retired HPKE keys not held for what waits since
+        """Delete the files of retired keys: HPKE keys not held for what waits since
         ``waiting_since`` (:meth:`KeyRecord.held`: what was sealed to them can no longer be
-        opened by anyone who takes the directory later); the ids deleted."""
+        opened by anyone who takes the directory later), and signing keys that handed over in
+        a succession, once every replica's clock is past their retirement (whoever takes the
+        directory later cannot fork the chain from them); the ids deleted."""
         book = self.book()
+        handed_over = {link.from_key for link in book.successions}
         doomed = [
             r
             for r in book.records
-            if r.kind == HPKE
-            and r.state(now) is KeyState.RETIRED
-            and not r.held(now, waiting_since)
+            if r.state(now) is KeyState.RETIRED
             and (self.path / r.file).exists()
+            and (
+                not r.held(now, waiting_since)
+                if r.kind == HPKE
+                else r.public_key in handed_over
+                and now >= (r.retires_at or now) + MAX_CLOCK_SKEW_SECONDS
+            )
         ]
         for record in doomed:
             (self.path / record.file).unlink(missing_ok=True)
-            log.info("retired HPKE key deleted", extra={"key_id": record.key_id})
+            log.info("retired key deleted", extra={"kind": record.kind, "key_id": record.key_id})
         return [r.key_id for r in doomed]
 
 

@@ -30,12 +30,14 @@ from typing import Any, Literal
 
 import click
 import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from common.collection import TrustAnchors
-from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_bytes
+from common.collection import ANALYZER_PARTY, TrustAnchors, shuffler_party
+from common.envelope import load_ed25519_public, public_bytes
 from common.files import create_once
-from common.wire import ChannelConfig, b64
+from common.wire import ChannelConfig, b64, unb64
 from runtime import haproxy
+from runtime.keys import SIGNING, STATE_FILE, KeyDirectory
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 ANALYZER_PORT = 8100
@@ -296,22 +298,21 @@ def prepare(
     the URL its signed descriptor is fetched from — ``shuffler_url`` with ``i`` and ``port`` —
     and its Ed25519 signing key), ``var/trust.json`` (what an app pins: the analyzer's
     config-signing key and every shuffler's signing key) and ``var/analyzer.pub`` (the
-    analyzer's key alone). ``overrides`` are settings for every service of a kind (tests use
+    analyzer's key alone); after rotations, the keys that sign now (:func:`current_signer`),
+    never a retired one. ``overrides`` are settings for every service of a kind (tests use
     them to batch and forward faster).
     """
     registry, pinned = [], {}
     for i in range(1, shufflers + 1):
         sid = f"shuffler-{i}"
-        keys = var / "keys" / sid
-        load_or_create_x25519(keys / "hpke.pem")
-        signer = load_or_create_ed25519(keys / "signing.pem").public_key()
+        signer = current_signer(var / "keys" / sid, shuffler_party(sid))
         url = shuffler_url.format(i=i, port=base_port + i)
         registry.append({"id": sid, "url": url, "signing_key": b64(public_bytes(signer))})
         pinned[sid] = signer
     var.mkdir(parents=True, exist_ok=True)
     (var / "channels.json").write_text(json.dumps([c.model_dump() for c in channels], indent=2))
     (var / "shufflers.json").write_text(json.dumps(registry, indent=2))
-    signing = load_or_create_ed25519(var / "keys" / "analyzer" / "signing.pem").public_key()
+    signing = current_signer(var / "keys" / "analyzer", ANALYZER_PARTY)
     (var / "analyzer.pub").write_text(b64(public_bytes(signing)) + "\n")
     trust = TrustAnchors(signing, pinned)
     (var / TRUST_FILE).write_text(json.dumps(trust.to_json(), indent=2) + "\n")
@@ -325,6 +326,17 @@ def prepare(
         shuffler_url=shuffler_url,
     )
     return with_party_secrets(specs, var)
+
+
+def current_signer(directory: Path, party: str) -> Ed25519PublicKey:
+    """The key that signs for ``party`` now, what an app and the analyzer pin: the newest
+    active signing key of ``keys.json`` once keys have rotated (no key file is made again:
+    a retired one was deleted on purpose), else ``signing.pem`` (``hpke.pem`` and it made on
+    first use)."""
+    record = KeyDirectory(directory, party).book().newest_active(SIGNING, time.time())
+    if record is None:
+        raise LaunchError(f"{directory / STATE_FILE}: no active signing key")
+    return load_ed25519_public(unb64(record.public_key))
 
 
 def start(spec: ServiceSpec, log: Path) -> Service:

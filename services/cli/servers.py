@@ -209,7 +209,12 @@ def keys_generate(role: str, out: Path) -> None:
     """Analyzer: hpke.pem (X25519) and signing.pem (Ed25519, signs the collection config).
     Shuffler: hpke.pem (X25519) and signing.pem (Ed25519, signs batches)."""
     from common.envelope import key_id, load_or_create_ed25519, load_or_create_x25519
+    from runtime.keys import STATE_FILE
 
+    if (out / STATE_FILE).exists():  # its first keys may have retired, their files deleted
+        raise click.ClickException(
+            f"{out / STATE_FILE} exists: this party's keys rotate (esa keys list, esa keys rotate)"
+        )
     hpke_path, signing_path = out / "hpke.pem", out / "signing.pem"
     existed = hpke_path.exists(), signing_path.exists()
     hpke = load_or_create_x25519(hpke_path)

@@ -13,7 +13,12 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from common.collection import follow_successions, shuffler_party
+from common.collection import (
+    MAX_CLOCK_SKEW_SECONDS,
+    fingerprint,
+    follow_successions,
+    shuffler_party,
+)
 from common.envelope import (
     EnvelopeError,
     KeyRing,
@@ -144,6 +149,12 @@ def test_a_signing_rotation_is_a_succession_documents_carry_once_the_key_signs(
         "retired",
         "active",
     ]
+    # Its file is deleted once every replica's clock is past its retirement: whoever takes
+    # the directory later cannot fork the chain from it.
+    assert directory.prune(T0 + 60) == [] and (tmp_path / "signing.pem").exists()
+    assert directory.prune(T0 + 60 + MAX_CLOCK_SKEW_SECONDS) == [fingerprint(first.public_key())]
+    assert not (tmp_path / "signing.pem").exists()
+    assert directory.load(T0 + 400).signer is not None
 
 
 def test_retiring_early_refuses_the_published_and_pending_keys(tmp_path: Path) -> None:

@@ -14,16 +14,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+from click.testing import CliRunner
 
-from common.collection import TrustAnchors, verify_collection
+from common.collection import TrustAnchors, shuffler_party, verify_collection
 from common.envelope import load_or_create_ed25519, load_or_create_x25519, public_bytes
 from common.wire import b64
+from runtime.keys import KeyDirectory, LiveKeys, Timing
 from services.cli.launcher import (
     LOCAL_SETTINGS,
     TRUST_FILE,
     port_free,
     prepare,
 )
+from services.cli.servers import keys_generate
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 from ..support import wait_until
@@ -206,6 +209,41 @@ def test_prepare_writes_the_keys_an_app_pins_and_the_analyzers_registry(tmp_path
     before = (tmp_path / TRUST_FILE).read_text()
     prepare(tmp_path, 3, 20_000)
     assert (tmp_path / TRUST_FILE).read_text() == before
+
+
+def test_prepare_after_rotations_pins_the_keys_that_sign_now_and_makes_no_key_again(
+    tmp_path: Path,
+) -> None:
+    """``esa up`` again after shuffler-1's first HPKE and signing keys retired (their files
+    deleted): no key file is made again, and what apps and the analyzer pin is the key that
+    signs now, never the retired root (whose file is gone: nobody can fork from it)."""
+    prepare(tmp_path, 1, 20_000)
+    keys = tmp_path / "keys" / "shuffler-1"
+    directory = KeyDirectory(keys, shuffler_party("shuffler-1"))
+    root = load_or_create_ed25519(keys / "signing.pem").public_key()
+    earlier = time.time() - 10_000
+    timing = Timing(activation_seconds=60, hpke_overlap_seconds=1000)
+    hpke = directory.rotate("hpke", earlier, timing)
+    signer = directory.rotate("signing", earlier, timing)
+    assert sorted(directory.prune(time.time())) == sorted(
+        r.key_id for r in directory.book().records if r.file in ("hpke.pem", "signing.pem")
+    )
+    prepare(tmp_path, 1, 20_000)
+    assert not (keys / "hpke.pem").exists() and not (keys / "signing.pem").exists()
+    refused = CliRunner().invoke(keys_generate, ["--role", "shuffler", "--out", str(keys)])
+    assert refused.exit_code == 1 and "esa keys rotate" in refused.output, refused.output
+    assert not (keys / "signing.pem").exists()
+    trust = TrustAnchors.load(tmp_path / TRUST_FILE)
+    assert b64(public_bytes(trust.shufflers["shuffler-1"])) == signer.public_key
+    assert b64(public_bytes(trust.shufflers["shuffler-1"])) != b64(public_bytes(root))
+    (entry,) = json.loads((tmp_path / "shufflers.json").read_text())
+    assert entry["signing_key"] == signer.public_key
+    # An older launcher made hpke.pem again with another key: the retired key is gone, the
+    # shuffler still starts.
+    load_or_create_x25519(keys / "hpke.pem")
+    live = LiveKeys(directory, lambda: timing)
+    assert set(live.ring.keys) == {bytes.fromhex(hpke.key_id)}
+    assert b64(public_bytes(live.current.signer.public_key())) == signer.public_key
 
 
 def test_default_channels_leave_room_for_every_fragment_count() -> None:
