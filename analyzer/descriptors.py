@@ -44,6 +44,8 @@ from common.wire import ShufflerDescriptor, ShufflerEntry, SignedDescriptor
 
 log = logging.getLogger("esa.analyzer")
 
+#: Largest descriptor read: its keys and at most 32 successions take a few kilobytes.
+MAX_DESCRIPTOR_BYTES = 256 * 1024
 #: Seconds between fetches while a descriptor is still missing.
 RETRY_SECONDS = 1.0
 #: Timeout of one descriptor fetch.
@@ -145,7 +147,9 @@ class ShufflerDescriptors:
         return None if public_bytes(after) == before else after
 
     def seed(self) -> None:
-        """Offer the descriptors the registry came with (e.g. files the shufflers published)."""
+        """Follow the kept descriptors' signers, then offer the descriptors the registry came
+        with (e.g. files the shufflers published)."""
+        self._valid(self.store.descriptors())
         for entry in self.entries:
             if entry.descriptor is None:
                 continue
@@ -159,20 +163,22 @@ class ShufflerDescriptors:
     def _valid(self, kept: dict[str, tuple[int, str]]) -> dict[str, SignedDescriptor]:
         """The kept descriptors that verify now with the key pinned for their shuffler (not
         expired, not signed by a key pinned before) and were not issued in the future beyond
-        the clock skew (one would block every fresh descriptor: only a newer one replaces it);
-        their signers become :attr:`signers`."""
+        the clock skew (one would block every fresh descriptor: only a newer one replaces it).
+        Each kept descriptor's signer becomes that shuffler's entry in :attr:`signers`, expired
+        or not: a restart never falls back to a key the shuffler rotated away from."""
         valid, now = {}, self.clock()
         for entry in self.entries:
             if entry.id not in kept:
                 continue
             document = SignedDescriptor.model_validate_json(kept[entry.id][1])
+            pinned = self._keys[entry.id]
             try:
-                found = verify_descriptor_chain(document, self._keys[entry.id], now)
+                self.signers[entry.id] = verify_descriptor_chain(document, pinned, None).signer
+                found = verify_descriptor_chain(document, pinned, now)
             except CollectionConfigError:
                 continue
             if found.value.issued_at <= now + MAX_CLOCK_SKEW_SECONDS:
                 valid[entry.id] = document
-                self.signers[entry.id] = found.signer
         return valid
 
     def missing(self) -> list[str]:
@@ -199,9 +205,12 @@ class ShufflerDescriptors:
         """Fetch every registered shuffler's descriptor once; returns the ids still missing."""
         for entry in self.entries:
             try:
-                response = client.get(entry.url.rstrip("/") + "/v1/descriptor")
-                response.raise_for_status()
-                self.offer(SignedDescriptor.model_validate_json(response.content))
+                document = _fetched(client, entry.url.rstrip("/") + "/v1/descriptor")
+                if descriptor_id(document) != entry.id:
+                    raise CollectionConfigError(
+                        f"{entry.url} serves the descriptor of {descriptor_id(document)[:64]!r}"
+                    )
+                self.offer(document)
             except (httpx.HTTPError, ValidationError, CollectionConfigError) as error:
                 log.warning(
                     "shuffler descriptor not fetched",
@@ -234,3 +243,22 @@ class ShufflerDescriptors:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=FETCH_TIMEOUT_SECONDS * (len(self.entries) + 1))
+
+
+def _fetched(client: httpx.Client, url: str) -> SignedDescriptor:
+    """A shuffler's descriptor, read up to :data:`MAX_DESCRIPTOR_BYTES` (an answer is read
+    before its signature can be checked).
+
+    Raises:
+        httpx.HTTPError: a network failure or a non-2xx answer.
+        CollectionConfigError: a larger answer.
+        ValidationError: not a signed descriptor.
+    """
+    with client.stream("GET", url) as response:
+        response.raise_for_status()
+        body = bytearray()
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > MAX_DESCRIPTOR_BYTES:
+                raise CollectionConfigError(f"{url} answers over {MAX_DESCRIPTOR_BYTES} bytes")
+    return SignedDescriptor.model_validate_json(bytes(body))

@@ -287,6 +287,22 @@ def test_a_shuffler_signing_rotation_is_followed_for_batches_and_a_fork_is_refus
     assert verified.pins[shuffler_party("shuffler-1")] == b64(public_bytes(new.public_key()))
 
 
+def test_a_restarted_analyzer_follows_a_rotated_key_even_once_its_descriptor_expired(
+    analyzer: tuple[AnalyzerService, list[float]],
+) -> None:
+    service, now = analyzer
+    old, new = SHUFFLERS["shuffler-1"], Ed25519PrivateKey.generate()
+    rotated = _rotated_descriptor(old, new, int(now[0]) + 1)
+    assert service.descriptors.offer(rotated)
+    now[0] = rotated.descriptor["expires_at"] + 1.0  # the shuffler stopped; its descriptor expired
+    restarted = AnalyzerService.from_settings(service.settings, clock=lambda: now[0])
+    restarted.descriptors.seed()
+    assert restarted.descriptors.signers["shuffler-1"] == new.public_key()
+    with pytest.raises(BadSignatureError):  # a stolen old key does not sign for it again
+        restarted.accept(*_part(ANALYZER_KEY, 4, by=old))
+    restarted.store.engine.dispose()
+
+
 @pytest.mark.system
 def test_the_opening_pool_opens_with_the_keys_of_now() -> None:
     old, new = X25519PrivateKey.generate(), X25519PrivateKey.generate()
