@@ -83,9 +83,13 @@ class ChannelCatalog:
         store: AnalyzerStore,
         clock: Callable[[], float],
         part_cap: int,
+        check: Callable[[list[ChannelConfig]], None] = lambda channels: None,
     ) -> None:
         self.configured = list(configured)
         self.part_cap = part_cap
+        #: Refuses a channel list the rest of the analyzer cannot serve (its keys' rotation
+        #: windows must cover the longest epoch).
+        self.check = check
         self.shuffler_ids = tuple(shuffler_ids)
         self.store = store
         self.clock = clock
@@ -143,6 +147,7 @@ class ChannelCatalog:
         Raises:
             InvalidChannelError: its mechanism refuses its parameters (or it is retired already).
             ChannelChangeRefusedError: the id names a channel with other parameters.
+            KeyTimingError: the keys' rotation windows would not cover its epochs.
         """
         self.refresh()
         known = self.table.get(config.id)
@@ -169,6 +174,7 @@ class ChannelCatalog:
                 f"than this analyzer reads ({self.part_cap} bytes, max_batch_bytes); restart "
                 "the analyzer with a larger max_batch_bytes first"
             )
+        self.check([*self.table.configs(), config])
         self.store.record_channel_change(config.id, ADD, config.model_dump_json(), None)
         self.refresh()
         self._check_same(self.table[config.id].config, config)  # another replica's add first

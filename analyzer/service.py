@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from analyzer.catalog import ChannelCatalog
-from analyzer.config import AnalyzerKeys, signed_config
+from analyzer.config import AnalyzerKeys, check_key_timing, signed_config
 from analyzer.dashboard import DASHBOARD_EPOCHS, ChannelView
 from analyzer.descriptors import ShufflerDescriptors
 from analyzer.errors import NothingReceivedError
@@ -81,7 +81,14 @@ class AnalyzerService:
         """
         store = AnalyzerStore(db.make_engine(settings.database_url), clock)
         shuffler_ids = [s.id for s in settings.shufflers]
-        catalog = ChannelCatalog(settings.channels, shuffler_ids, store, clock, settings.part_cap)
+        catalog = ChannelCatalog(
+            settings.channels,
+            shuffler_ids,
+            store,
+            clock,
+            settings.part_cap,
+            lambda channels: check_key_timing(settings, channels),
+        )
         channels = catalog.table
         # A retired HPKE key stays loaded while parts stored before it retired wait to be
         # opened (never one an admin retired early: a compromised key).

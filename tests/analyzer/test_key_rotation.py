@@ -244,6 +244,13 @@ def test_a_channel_the_keys_could_not_rotate_with_is_refused_as_key_timing(
     keys = AnalyzerKeys.load(fixed, channels=lambda: [CHANNEL, yearly])
     with pytest.raises(KeyTimingError):
         keys.rotate("hpke")
+    # Added at runtime: refused before it is published.
+    with TestClient(create_app(fixed), raise_server_exceptions=False) as client:
+        refused = client.post(
+            "/v1/admin/channels", json=yearly.model_dump(mode="json"), headers=ADMIN
+        )
+        assert refused.status_code == 409 and refused.json()["error"] == "key_timing"
+        assert "yearly" not in [c["id"] for c in client.get("/v1/channels").json()["channels"]]
 
 
 def _rotated_descriptor(
