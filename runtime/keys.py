@@ -571,14 +571,15 @@ def _replaced(book: KeyBook, new: KeyRecord, retires_at: float, now: float) -> K
 
 
 class LiveKeys:
-    """A party's keys as one process uses them: :attr:`current` and :attr:`ring` (one object
-    its holders share, refilled in place), read again from the key directory every
-    ``reload_seconds`` (:meth:`refresh`, or a thread: :meth:`start`), so a rotation made at one
-    replica reaches them all before its key is published. ``listeners`` run after a reload
-    that changed a key's state. ``waiting_since`` says since when what waits to be opened
-    arrived (the analyzer: its oldest stored part not opened yet; None: nothing waits): a
-    retired HPKE key stays loaded while some of it arrived before the key retired, unless an
-    admin retired it early (:meth:`KeyRecord.held`); when it fails, they stay."""
+    """A party's keys as one process uses them: :attr:`current` (states at the instant it is
+    read, so every replica switches at the same time) and :attr:`ring` (one object its holders
+    share, refilled in place), read again from the key directory every ``reload_seconds``
+    (:meth:`refresh`, or a thread: :meth:`start`), so a rotation made at one replica reaches
+    them all before its key is published. ``listeners`` hear of the newest keys, in order,
+    after a reload that changed a key's state. ``waiting_since`` says since when what waits to
+    be opened arrived (the analyzer: its oldest stored part not opened yet; None: nothing
+    waits): a retired HPKE key stays loaded while some of it arrived before the key retired,
+    unless an admin retired it early (:meth:`KeyRecord.held`); when it fails, they stay."""
 
     def __init__(
         self,
@@ -595,12 +596,14 @@ class LiveKeys:
         self.reload_seconds = reload_seconds
         # Retired HPKE keys still on disk stay loaded until the first reload asks (the
         # database may not be ready yet), except those retired early.
-        self.current = directory.load(clock(), waiting_since=-math.inf)
-        self.ring = self.current.ring()
+        self._loaded = directory.load(clock(), waiting_since=-math.inf)
+        self._seen = self._loaded.fingerprint()
+        self.ring = self._loaded.ring()
         self.listeners: list[Callable[[PartyKeys], None]] = []
         self._loaded_at = time.monotonic()
         self._caught_up_at = -math.inf
         self._lock = threading.Lock()
+        self._telling = threading.Lock()  # listeners hear of one change at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -611,8 +614,15 @@ class LiveKeys:
             log.exception("cannot tell whether retired keys are still needed; kept")
             return -math.inf
 
+    @property
+    def current(self) -> PartyKeys:
+        """The keys last loaded, their states at this instant (pending keys are loaded ahead,
+        so a replica that has not reloaded since a key activated signs with it all the same)."""
+        return replace(self._loaded, at=self.clock())
+
     def reload(self) -> PartyKeys:
-        """Read the key directory now (deleting the files of retired HPKE keys not held).
+        """Read the key directory now (deleting the files of retired keys not needed), then
+        tell the listeners if a key's state changed since the last reload.
 
         Raises:
             ValueError: the directory is unusable (the keys in use stay).
@@ -621,14 +631,17 @@ class LiveKeys:
             now, since = self.clock(), self._waiting_since()
             self.directory.prune(now, since)
             fresh = self.directory.load(now, since)
-            changed = fresh.fingerprint() != self.current.fingerprint()
-            self.current = fresh
+            seen, self._seen = self._seen, fresh.fingerprint()
+            changed = seen != self._seen
+            self._loaded = fresh
             self.ring.replace(fresh.ring())
             self._loaded_at = time.monotonic()
         if changed:
             log.info("keys changed", extra={"party": self.directory.party})
-            for listener in self.listeners:
-                listener(fresh)
+            with self._telling:  # the newest keys, read here: a slower reload never wins
+                newest = self.current
+                for listener in self.listeners:
+                    listener(newest)
         return fresh
 
     def refresh(self) -> None:
@@ -673,13 +686,15 @@ class LiveKeys:
             self._thread.join(timeout=self.reload_seconds + 5)
 
     def listing(self) -> KeyList:
-        """``GET /v1/admin/keys``: every key as of now.
+        """``GET /v1/admin/keys``: every key as ``keys.json`` states it now (a read: nothing
+        is loaded, deleted or told).
 
         Raises:
             KeyStorageError: the key directory is unreadable.
         """
         with _storage():
-            return self.reload().listing(self.directory.party)
+            book = self.directory.book()
+        return PartyKeys(book, self.clock(), {}, {}).listing(self.directory.party)
 
     def rotate(self, kind: KeyKind) -> KeyChange:
         """``POST /v1/admin/keys/rotate`` (:meth:`KeyDirectory.rotate`), then reload.

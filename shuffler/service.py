@@ -75,7 +75,7 @@ class ShufflerService:
         self.settings = settings
         self.store = store
         self.ring = ring
-        self.signing_key = signing_key
+        self._signing_key = signing_key
         self.clock = clock
         self.rng = rng or randomness.default_source()
         self.events = Events()
@@ -111,6 +111,12 @@ class ShufflerService:
         #: (None: look once, for what a previous run left): a sweep scans only after one.
         self._evaluations = 0
         self._swept_at: int | None = None
+
+    @property
+    def signing_key(self) -> Ed25519PrivateKey:
+        """The key that signs now: with live keys, the newest active one at this instant (so
+        every replica switches at its activation, reloaded since or not)."""
+        return self._signing_key if self.keys is None else self.keys.current.signer
 
     @property
     def tokens(self) -> TokenAuthority:
@@ -168,7 +174,9 @@ class ShufflerService:
 
     def config(self) -> ShufflerConfig:
         """``GET /v1/config``: the shuffler's public identity and channel policies."""
-        hpke, signing = self.ring.public(), self.signing_key.public_key()
+        published = self.keys.current.published_hpke() if self.keys is not None else ()
+        hpke = published[0].public_key() if published else self.ring.public()
+        signing = self.signing_key.public_key()
         identity = public_identity(hpke, signing)
         return ShufflerConfig(
             id=self.settings.shuffler_id, channels=self.policies.all(), **identity
@@ -204,9 +212,8 @@ class ShufflerService:
         return sign_descriptor(descriptor, signer, successions)
 
     def keys_changed(self, keys: PartyKeys) -> None:
-        """A key became active or retired (:class:`runtime.keys.LiveKeys`): sign batches with
-        the current signing key from now on, and publish the descriptor again."""
-        self.signing_key = self.batcher.signing_key = keys.signer
+        """A key became active or retired (:class:`runtime.keys.LiveKeys`): publish the
+        descriptor again (what signs is read at each use: :attr:`signing_key`)."""
         self.publish()
 
     def publish(self) -> Path | None:
@@ -250,6 +257,7 @@ class ShufflerService:
         closed = self.intake.closed_upto.get(key.channel_id, -1)
         if now >= closes_at(policy, key.epoch, grace) or key.epoch <= closed:
             self.store.close_epoch(key.channel_id, key.epoch, now)
+        self.batcher.signing_key = self.signing_key
         outcome = self.store.evaluate_group(key, self.batcher, policy, now)
         if outcome is None:
             return None

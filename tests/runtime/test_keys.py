@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -243,6 +244,76 @@ def test_every_replica_picks_up_a_rotation_and_listeners_hear_of_state_changes(
     assert heard == [0, 1, 0, 1]
     replicas[1].reload()
     assert heard == [0, 1, 0, 1]  # no change, nobody told
+
+
+def test_replicas_switch_keys_at_activation_whenever_they_last_reloaded(
+    tmp_path: Path,
+) -> None:
+    """A replica that loaded the pending key signs with it from its activation on, without
+    reloading: no replica signs with the old key after devices moved their pins."""
+    now = [T0]
+    replicas = [
+        LiveKeys(KeyDirectory(tmp_path, PARTY), lambda: TIMING, clock=lambda: now[0])
+        for _ in range(2)
+    ]
+    old = replicas[1].current.signer.private_bytes_raw()
+    change = replicas[0].rotate(SIGNING)
+    replicas[1].reload()  # the pending key is loaded; no reload after this
+    assert replicas[1].current.signer.private_bytes_raw() == old
+    now[0] = change.key.activates_at
+    for replica in replicas:
+        assert replica.current.signer is replica.current.signing[change.key.key_id]
+        assert len(replica.current.successions) == 1
+
+
+def test_listeners_end_with_the_newest_keys_when_reloads_overlap(tmp_path: Path) -> None:
+    """A reload whose listener is slow must not undo what a later reload told them."""
+    directory = KeyDirectory(tmp_path, PARTY)
+    live = LiveKeys(directory, lambda: TIMING, clock=lambda: T0)
+    applied: list[frozenset[str]] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_listener(keys: PartyKeys) -> None:
+        if not entered.is_set():
+            entered.set()
+            release.wait()
+        applied.append(frozenset([*keys.hpke, *keys.signing]))  # the last one told wins
+
+    live.listeners.append(slow_listener)
+    directory.rotate(SIGNING, T0, TIMING)
+    earlier = threading.Thread(target=live.reload, daemon=True)
+    later = threading.Thread(target=live.reload, daemon=True)
+    try:
+        earlier.start()
+        entered.wait()  # the first reload is telling its listener of the new pending key
+        directory.rotate(HPKE, T0, TIMING)
+        later.start()
+        later.join(timeout=0.5)  # before the fix it told its listener at once, and ended
+    finally:
+        release.set()
+    earlier.join()
+    later.join()
+    newest = live.current
+    assert len(applied) == 2 and applied[-1] == frozenset([*newest.hpke, *newest.signing])
+
+
+def test_listing_the_keys_changes_nothing(tmp_path: Path) -> None:
+    """``GET /v1/admin/keys`` is a read: no key file deleted, nothing reloaded or told."""
+    directory = KeyDirectory(tmp_path, PARTY)
+    old = load_or_create_x25519(tmp_path / "hpke.pem")
+    now = [T0]
+    live = LiveKeys(directory, lambda: TIMING, clock=lambda: now[0])
+    heard: list[PartyKeys] = []
+    live.listeners.append(heard.append)
+    live.rotate(HPKE)
+    heard.clear()
+    now[0] = T0 + 60 + 1000
+    states = [k.state for k in live.listing().keys if k.kind == HPKE]
+    assert states == ["retired", "active"]
+    assert (tmp_path / "hpke.pem").exists() and _opens(live.ring, _sealed(old)) and not heard
+    live.reload()
+    assert not (tmp_path / "hpke.pem").exists() and not _opens(live.ring, _sealed(old))
+    assert len(heard) == 1
 
 
 def test_a_key_file_that_is_not_the_key_named_is_refused(tmp_path: Path) -> None:

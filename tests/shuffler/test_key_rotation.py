@@ -24,10 +24,11 @@ from common.envelope import (
     load_ed25519_public,
     load_or_create_ed25519,
     new_nonce,
+    public_bytes,
     seal_contribution,
     verify,
 )
-from common.wire import MAX_EPOCH_SECONDS, ChannelPolicy, SignedDescriptor, unb64
+from common.wire import MAX_EPOCH_SECONDS, ChannelPolicy, SignedDescriptor, b64, unb64
 from shuffler.app import create_app
 from shuffler.errors import MalformedContributionError
 from shuffler.service import ShufflerService, build_service
@@ -84,7 +85,7 @@ def _send(
 
 
 def _rotate(client: TestClient, kind: str) -> dict[str, Any]:
-    """Rotate a key and wait (reading the keys, which reloads them) until it is active."""
+    """Rotate a key and wait until the listing shows it active."""
     made = client.post("/v1/admin/keys/rotate", json={"key": kind}, headers=ADMIN)
     assert made.status_code == 200, made.text
     new: dict[str, Any] = made.json()["key"]
@@ -217,4 +218,34 @@ def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
     with pytest.raises(MalformedContributionError):
         replicas[1].validate("", bytes(8) + blob[8:], client_id="c2")
     for replica in replicas:
+        replica.store.close()
+
+
+def test_a_replica_that_has_not_reloaded_signs_with_the_new_key_from_its_activation_on(
+    tmp_path: Path,
+) -> None:
+    """Replicas switch signing keys at the activation instant, not at their next reload: a
+    lagging one would sign parts the analyzer refuses, and descriptors devices call a fork."""
+    replicas = [
+        build_service(
+            ShufflerSettings(
+                database_url=f"sqlite:///{tmp_path / f'r{i}.db'}",
+                key_dir=tmp_path / "keys",
+                channels=[POLICY],
+                key_reload_seconds=3600,
+                key_activation_seconds=7200,
+            )
+        )
+        for i in (1, 2)
+    ]
+    first, second = (r.keys for r in replicas)
+    assert first is not None and second is not None
+    old = b64(public_bytes(replicas[1].signing_key.public_key()))
+    made = first.rotate("signing").key
+    second.reload()  # within key_reload_seconds of the rotation; not again before activation
+    assert b64(public_bytes(replicas[1].signing_key.public_key())) == old
+    first.clock = second.clock = lambda: made.activates_at
+    for replica in replicas:
+        assert b64(public_bytes(replica.signing_key.public_key())) == made.public_key
+        assert replica.descriptor().descriptor["signing_key"] == made.public_key
         replica.store.close()
