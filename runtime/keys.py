@@ -601,6 +601,8 @@ class LiveKeys:
         self.ring = self._loaded.ring()
         self.listeners: list[Callable[[PartyKeys], None]] = []
         self._loaded_at = time.monotonic()
+        #: Least seconds between two reloads asked for by :meth:`catch_up`.
+        self.catch_up_seconds = CATCH_UP_SECONDS
         self._caught_up_at = -math.inf
         self._lock = threading.Lock()
         self._telling = threading.Lock()  # listeners hear of one change at a time
@@ -655,11 +657,11 @@ class LiveKeys:
             log.exception("reading the key directory failed; the keys in use stay")
 
     def catch_up(self) -> bool:
-        """:meth:`reload` now, unless this was asked less than :data:`CATCH_UP_SECONDS` ago (a
+        """:meth:`reload` now, unless this was asked less than :attr:`catch_up_seconds` ago (a
         blob named a key this replica does not hold: another one may have just made it);
-        whether it reloaded."""
+        whether it reloaded. It blocks on the key files: call it off an event loop."""
         now = time.monotonic()
-        if now - self._caught_up_at < CATCH_UP_SECONDS:
+        if now - self._caught_up_at < self.catch_up_seconds:
             return False
         self._caught_up_at = now
         try:

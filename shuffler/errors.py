@@ -160,5 +160,14 @@ class ClientRateLimitedError(RateLimitedError, ShufflerError):
     """Too many requests from one client or address; ``retry_after`` says when to come back."""
 
 
+class KeyNotLoadedError(ShufflerError):
+    """The contribution names an HPKE key this replica does not hold and could not look for
+    just now (it reads its keys again at most once a second: another replica may have just
+    made it): retry after ``retry_after`` seconds; nothing was stored."""
+
+    code = "key_not_loaded"
+    kind = Kind.UNAVAILABLE
+
+
 class ShufflerStorageError(StorageUnavailableError, ShufflerError):
     """The database did not commit; nothing was stored or acknowledged."""

@@ -30,6 +30,7 @@ from shuffler.errors import (
     BadContentTypeError,
     BadTokenError,
     BodyTooLargeError,
+    KeyNotLoadedError,
     ShufflerError,
     ShufflerStorageError,
 )
@@ -247,7 +248,11 @@ class Ingest:
         body = await read_body(receive, self.max_body)
         if headers.get(b"content-type", b"").split(b";")[0].strip().lower() != CONTENT_TYPE:
             raise BadContentTypeError("send the sealed contribution as application/octet-stream")
-        stored = await self.writer.submit(intake.validate(client_id, body))
+        try:
+            pending = intake.validate(client_id, body)
+        except KeyNotLoadedError:  # reading the key files blocks: not on the event loop
+            pending = await asyncio.to_thread(intake.catch_up, client_id, body)
+        stored = await self.writer.submit(pending)
         if stored.refusal is not None:
             raise stored.refusal
         return str(stored.receipt)

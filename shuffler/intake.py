@@ -34,6 +34,7 @@ from common.envelope import (
     open_contribution,
 )
 from common.wire import ChannelPolicy
+from runtime.keys import CATCH_UP_SECONDS
 from shuffler.errors import (
     BadTokenError,
     ChannelRetiredError,
@@ -41,6 +42,7 @@ from shuffler.errors import (
     ConfigOutdatedError,
     EpochNotOpenError,
     FragmentSizeError,
+    KeyNotLoadedError,
     MalformedContributionError,
     QuotaExceededError,
     ReplayedNonceError,
@@ -180,9 +182,10 @@ class Intake:
         #: Called when a contribution names a channel not served (yet): a follower of the
         #: analyzer's config fetches it again.
         self.on_unknown_channel: Callable[[], None] = lambda: None
-        #: Called when a contribution names an HPKE key id not in the ring: reads the keys again
-        #: (another replica may have just rotated), True if they were (then opened once more).
-        self.on_unknown_key: Callable[[], bool] = lambda: False
+        #: Called (off the event loop) when a contribution names an HPKE key id not in the
+        #: ring: reads the keys again (another replica may have just rotated), True if they
+        #: were (then :meth:`validate` is asked again with ``looked``). None: a fixed ring.
+        self.on_unknown_key: Callable[[], bool] | None = None
         self.clock = clock
         self.tokens = TokenAuthority(settings.token_secret.get_secret_value().encode())
         self.contributions = RateLimiter(settings.rate_per_second, settings.rate_burst)
@@ -190,17 +193,19 @@ class Intake:
         self.enrolments = RateLimiter(per_second, max(1.0, settings.enroll_per_minute / 6))
         self.closed_upto: dict[str, int] = {}
 
-    def validate(self, client_id: str, blob: bytes) -> Pending:
-        """Open and check one contribution of an authenticated client (nothing is stored).
+    def validate(self, client_id: str, blob: bytes, looked: bool = False) -> Pending:
+        """Open and check one contribution of an authenticated client (nothing is stored);
+        ``looked``: the keys were read again since it named a key this replica lacked.
 
         Raises:
-            MalformedContributionError (UnsupportedVersionError: an old wire version),
-            UnknownChannelError, ChannelRetiredError, TooFewFragmentsError, FragmentSizeError,
-            UnknownCrowdError, TooManyFragmentsError, EpochNotOpenError, ConfigOutdatedError
-            (sealed to a key this shuffler retired).
+            MalformedContributionError (UnsupportedVersionError: an old wire version; a key
+            still unknown once ``looked``), UnknownChannelError, ChannelRetiredError,
+            TooFewFragmentsError, FragmentSizeError, UnknownCrowdError, TooManyFragmentsError,
+            EpochNotOpenError, ConfigOutdatedError (sealed to a key this shuffler retired),
+            KeyNotLoadedError (a key it lacks: :attr:`on_unknown_key`, then again).
         """
         try:
-            contribution = self._open(blob)
+            contribution = self._open(blob, looked)
         except WireVersionError as error:
             raise UnsupportedVersionError(str(error)) from error
         except RetiredKeyError as error:
@@ -243,15 +248,35 @@ class Intake:
             raise EpochNotOpenError(f"epoch {contribution.epoch} is closed (by an admin)")
         return Pending(client_id, contribution, now)
 
-    def _open(self, blob: bytes) -> Contribution:
-        """The contribution sealed in ``blob``; one naming a key id this replica does not hold
-        is opened again after the keys are read again (:attr:`on_unknown_key`)."""
+    def _open(self, blob: bytes, looked: bool) -> Contribution:
+        """The contribution sealed in ``blob``.
+
+        Raises:
+            KeyNotLoadedError: it names a key id this replica lacks, not ``looked`` for yet.
+            EnvelopeError: it does not open (a key id still unknown once ``looked``).
+        """
         try:
             return open_contribution(blob, self.settings.shuffler_id, self.ring)
-        except UnknownKeyError:
-            if not self.on_unknown_key():
+        except UnknownKeyError as error:
+            if looked or self.on_unknown_key is None:
                 raise
-        return open_contribution(blob, self.settings.shuffler_id, self.ring)
+            raise KeyNotLoadedError(
+                f"{error}: this replica reads its keys again; retry", retry_after=CATCH_UP_SECONDS
+            ) from error
+
+    def catch_up(self, client_id: str, blob: bytes) -> Pending:
+        """:meth:`validate` for a blob naming a key this replica lacked: the keys read again
+        (blocking: off the event loop), then opened once more.
+
+        Raises:
+            KeyNotLoadedError: the keys were read less than a second ago (retry).
+            ShufflerError: as :meth:`validate`.
+        """
+        if self.on_unknown_key is None or not self.on_unknown_key():
+            raise KeyNotLoadedError(
+                "this replica read its keys again moments ago; retry", retry_after=CATCH_UP_SECONDS
+            )
+        return self.validate(client_id, blob, looked=True)
 
     def close(self, channel_id: str, epoch: int) -> None:
         """Refuse contributions to every epoch <= ``epoch`` of a channel from now on."""

@@ -97,7 +97,8 @@ async def contribute(request: Request) -> Response:
     malformed, wrong content type, unknown channel or crowd, epoch not open; 401 bad or revoked
     token; 409 replayed nonce or quota used, or ``config_outdated`` (sealed to a retired key:
     fetch the config again); 413 too large or too many fragments; 429 slow down
-    (``Retry-After``); 503 not stored."""
+    (``Retry-After``); 503 not stored: the database, or ``key_not_loaded`` (sealed to a key
+    this replica has not read yet: retry after ``Retry-After``)."""
     ingest: Ingest = request.app.state.ingest
     status, data, extra = await ingest(request.scope["headers"], request.receive)
     headers = {name.decode(): value.decode() for name, value in extra}

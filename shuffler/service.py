@@ -37,7 +37,12 @@ from runtime import db
 from runtime.keys import KeyDirectory, LiveKeys, PartyKeys
 from runtime.publish import publish
 from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, group_due
-from shuffler.errors import FutureEpochError, ShufflerError, UnknownChannelError
+from shuffler.errors import (
+    FutureEpochError,
+    KeyNotLoadedError,
+    ShufflerError,
+    UnknownChannelError,
+)
 from shuffler.forwarder import Forwarder
 from shuffler.intake import Intake, TokenAuthority, refusal
 from shuffler.metrics import Events
@@ -143,9 +148,13 @@ class ShufflerService:
 
         Raises:
             ShufflerError: bad or revoked token, malformed, unknown channel, too many
-                fragments, epoch not open.
+                fragments, epoch not open, a key not loaded (after reading the keys again).
         """
-        return self.intake.validate(client_id or self.intake.tokens.verify(token), blob)
+        client = client_id or self.intake.tokens.verify(token)
+        try:
+            return self.intake.validate(client, blob)
+        except KeyNotLoadedError:
+            return self.intake.catch_up(client, blob)
 
     def commit(self, pending: Sequence[Pending]) -> list[Stored]:
         """Commit contributions in one transaction; a receipt only for rows that landed.

@@ -28,6 +28,7 @@ EXPECTED = {
     errors.TooFewFragmentsError: ("too_few_fragments", 400),
     errors.FragmentSizeError: ("bad_fragment_size", 400),
     errors.ClientRateLimitedError: ("rate_limited", 429),
+    errors.KeyNotLoadedError: ("key_not_loaded", 503),
     errors.ShufflerStorageError: ("storage_unavailable", 503),
 }
 

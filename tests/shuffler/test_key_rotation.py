@@ -6,6 +6,7 @@ the parts the forwarder sends (to a real HTTP receiver standing for the analyzer
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -29,8 +30,9 @@ from common.envelope import (
     verify,
 )
 from common.wire import MAX_EPOCH_SECONDS, ChannelPolicy, SignedDescriptor, b64, unb64
+from runtime.keys import KeyDirectory
 from shuffler.app import create_app
-from shuffler.errors import MalformedContributionError
+from shuffler.errors import KeyNotLoadedError, MalformedContributionError
 from shuffler.service import ShufflerService, build_service
 from shuffler.settings import OVERLAP_MARGIN, ShufflerSettings
 
@@ -185,6 +187,43 @@ def test_a_rotation_unsafe_with_a_channel_adopted_since_is_a_409_naming_the_over
         assert "hpke_overlap_seconds" in refused.json()["detail"]
 
 
+def test_a_key_another_replica_made_is_read_off_the_event_loop_and_lag_is_retryable(
+    settings: ShufflerSettings,
+) -> None:
+    """Over HTTP: a contribution sealed to a key another replica has just made is opened once
+    the keys are read again, in a worker thread (never on the event loop); while they were
+    read moments ago it gets 503 ``key_not_loaded`` with Retry-After, which a device retries
+    (a 400 it would drop for good)."""
+    slow = settings.model_copy(update={"key_reload_seconds": 3600, "key_activation_seconds": 7200})
+    with TestClient(create_app(slow), raise_server_exceptions=False) as client:
+        service: ShufflerService = client.app.state.service  # type: ignore[attr-defined]
+        assert service.keys is not None
+        on_loop: list[bool] = []
+        read_again = service.intake.on_unknown_key
+        assert read_again is not None
+
+        def looked() -> bool:
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:
+                on_loop.append(False)
+            return read_again()
+
+        service.intake.on_unknown_key = looked
+        other = KeyDirectory(slow.key_dir, shuffler_party("shuffler-1"))
+        made = other.rotate("hpke", time.time(), slow.key_timing([POLICY]))
+        epoch = int(time.time() // POLICY.epoch_seconds)
+        key = {"key_id": made.key_id, "public_key": made.public_key}
+        service.keys.catch_up_seconds = 3600.0
+        assert _send(client, key, epoch).status_code == 202
+        assert on_loop == [False]
+        lagging = _send(client, key, epoch, key_id=bytes(8))  # a key it has not read yet
+        assert lagging.status_code == 503, lagging.text
+        assert lagging.json()["error"] == "key_not_loaded"
+        assert lagging.headers["retry-after"] == "1"
+
+
 def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
     tmp_path: Path,
 ) -> None:
@@ -212,9 +251,15 @@ def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
     public = X25519PublicKey.from_public_bytes(unb64(made.public_key))
     blob = seal_contribution(contribution, "shuffler-1", public)
     assert bytes.fromhex(made.key_id) not in second.ring.keys
+    second.catch_up_seconds = 3600.0
     assert replicas[1].validate("", blob, client_id="c1").contribution == contribution
     assert bytes.fromhex(made.key_id) in second.ring.keys
-    # Garbage naming unknown keys makes it read them at most once a second.
+    # Garbage naming unknown keys makes it read them at most once per catch_up_seconds: until
+    # then a retryable refusal (the key may be one it has not read yet), then malformed.
+    with pytest.raises(KeyNotLoadedError) as refused:
+        replicas[1].validate("", bytes(8) + blob[8:], client_id="c2")
+    assert refused.value.retry_after is not None
+    second.catch_up_seconds = 0.0
     with pytest.raises(MalformedContributionError):
         replicas[1].validate("", bytes(8) + blob[8:], client_id="c2")
     for replica in replicas:
