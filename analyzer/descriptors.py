@@ -1,19 +1,10 @@
 """The shufflers' own signed descriptors, which the collection config passes on to devices.
 
 The analyzer never states a shuffler's URL or HPKE key itself (PROTOCOL.md, "Who vouches for
-what"): it fetches each registered shuffler's ``GET /v1/descriptor``, keeps it only if it
-verifies with the key the analyzer pins for that shuffler (the same key its batches must
-verify with), and serves it unchanged inside the signed config, where a device checks it
-again with the key *it* pins. The newest descriptor is kept in the database
-(:meth:`AnalyzerStore.keep_descriptor`), never replaced by an older one, so every analyzer
-worker serves the same one: a device refuses a descriptor older than one it accepted.
-
-A shuffler's signing key rotates through its descriptor: the analyzer follows the successions
-from the key it pins to the one that signed (:func:`common.collection.follow_successions`),
-verifies that shuffler's batches with that key (:attr:`ShufflerDescriptors.signers`), and
-refuses a descriptor whose keys do not descend from the kept one's signer (a fork from a stolen
-older key). A batch whose signature fails makes it look for a newer descriptor at once
-(:meth:`ShufflerDescriptors.renew_signer`, rate-limited); the shuffler's forwarder retries.
+what"): it keeps each registered shuffler's ``GET /v1/descriptor`` only if it verifies with the
+key pinned for that shuffler or one its successions lead to, keeps the newest in the database,
+and verifies that shuffler's batches with the key that signed it. Details:
+docs/architecture.md, "Shuffler descriptors".
 """
 
 from __future__ import annotations

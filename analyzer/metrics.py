@@ -1,18 +1,9 @@
 """The analyzer's event counters and gauges, and their Prometheus view (read at scrape time).
 
-Two kinds of numbers, as at the shuffler: the counters (``esa_analyzer_*_total``) are this
-PROCESS's events since it started, so with several analyzer workers on one database a scrape
-sees one worker's share; the gauges are read from the database at scrape time, the same at every
-worker. :data:`LEDGER` (``esa_analyzer_ledger_fragments{channel, state}``) is the database's
-count of the fragments in every part opened so far, per configured channel: ``opened`` (the sum
-of every worker's ``esa_analyzer_fragments_opened_total``) and ``invalid`` (of their
-``esa_analyzer_fragments_invalid_total``), so a load test reads what all the workers together
-opened from whichever one answers. Labels are channel ids of the collection config only.
-
-The per-channel families (``esa_analyzer_channel_*{channel, epoch}``) are read from the
-database too, for each channel's :data:`CHANNEL_EPOCHS` newest epochs with a batch received;
-they describe received batches, so only groups the shufflers released. Every metric:
-docs/operations.md.
+The counters (``esa_analyzer_*_total``) are this process's events since it started; the gauges
+(:data:`LEDGER`, the per-channel families for :data:`CHANNEL_EPOCHS` epochs) are read from the
+database at scrape time, the same at every worker; labels are channel ids of the collection
+config only. Details: docs/architecture.md, "Metrics"; every metric: docs/operations.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """What a shuffler refuses, as domain errors with stable codes (no HTTP here); catch
 :class:`ShufflerError`. :mod:`runtime.http` maps each error's ``kind`` to the status shown;
-details never name a client id, token or timestamp. Codes: docs/shuffler.md, "Errors". ::
-
-    DomainError (runtime.errors)
-    └── ShufflerError
-        ├── BadTokenError, RevokedTokenError, AdminTokenError                    401
-        ├── MalformedContributionError (subclass: UnsupportedVersionError)       400
-        ├── BadContentTypeError, UnknownChannelError, UnknownCrowdError,
-        │   EpochNotOpenError, TooFewFragmentsError, FragmentSizeError           400
-        ├── ReplayedNonceError, QuotaExceededError, ConfigOutdatedError 409;
-        │   FutureEpochError 422
-        ├── BodyTooLargeError, TooManyFragmentsError 413; ClientRateLimitedError 429
-        └── ShufflerStorageError                                                 503
+details never name a client id, token or timestamp. The tree of codes and statuses:
+docs/shuffler.md, "Errors".
 """
 
 from __future__ import annotations
