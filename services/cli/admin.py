@@ -7,8 +7,11 @@ from typing import Any
 import click
 
 
-def call(url: str, path: str, admin_token: str | None, body: Any = None) -> Any:
-    """POST ``body`` (or GET, when None and no token) to a service's route; its JSON answer.
+def call(
+    url: str, path: str, admin_token: str | None, body: Any = None, *, method: str | None = None
+) -> Any:
+    """Send ``body`` to a service's route (``method``; by default POST, or GET without a
+    token), with the admin token if given; its JSON answer.
 
     Raises:
         click.ClickException: a network failure or a non-2xx answer, with the service's
@@ -18,11 +21,11 @@ def call(url: str, path: str, admin_token: str | None, body: Any = None) -> Any:
 
     headers = {} if admin_token is None else {"Authorization": f"Bearer {admin_token}"}
     target = url.rstrip("/") + path
+    method = method or ("GET" if admin_token is None else "POST")
     try:
-        if admin_token is None:
-            response = httpx.get(target, timeout=120.0)
-        else:
-            response = httpx.post(target, json=body, headers=headers, timeout=120.0)
+        response = httpx.request(
+            method, target, json=None if method == "GET" else body, headers=headers, timeout=120.0
+        )
     except httpx.HTTPError as error:
         raise click.ClickException(f"{url}: {type(error).__name__}: {error}") from error
     if response.status_code >= 300:

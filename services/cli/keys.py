@@ -10,12 +10,11 @@ from typing import Any
 
 import click
 
+from services.cli.admin import call
 from services.cli.servers import keys_generate
 
 #: Where ``esa up`` serves the analyzer unless told otherwise.
 DEFAULT_ANALYZER_URL = "http://127.0.0.1:8100"
-#: One HTTP call's timeout.
-TIMEOUT_SECONDS = 30.0
 
 
 @click.group()
@@ -95,29 +94,6 @@ def _registry(var: Path) -> dict[str, str]:
     return {str(e["id"]): str(e["url"]) for e in entries if isinstance(e, dict) and "id" in e}
 
 
-def call(method: str, url: str, token: str, body: dict[str, Any] | None = None) -> Any:
-    """One admin API call; its JSON answer.
-
-    Raises:
-        click.ClickException: the party did not answer, or refused (its error and detail).
-    """
-    import httpx
-
-    try:
-        response = httpx.request(
-            method,
-            url,
-            json=body,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=TIMEOUT_SECONDS,
-        )
-    except httpx.HTTPError as error:
-        raise click.ClickException(f"{url}: {type(error).__name__}: {error}") from error
-    if response.status_code != 200:
-        raise click.ClickException(f"{url} answered HTTP {response.status_code}: {response.text}")
-    return response.json()
-
-
 def _when(at: float | None, now: float) -> str:
     if at is None:
         return "-"
@@ -168,7 +144,7 @@ def list_keys(
     named = parties or ("analyzer", *_registry(var))
     for party in named:
         url, token = resolve(party, var, analyzer_url, admin_token)
-        show(call("GET", url + "/v1/admin/keys", token), url)
+        show(call(url, "/v1/admin/keys", token, method="GET"), url)
 
 
 @keys.command("rotate")
@@ -196,7 +172,7 @@ def rotate(party: str, kind: str, var: Path, analyzer_url: str, admin_token: str
     still pending. `esa keys list` shows the states.
     """
     url, token = resolve(party, var, analyzer_url, admin_token)
-    change = call("POST", url + "/v1/admin/keys/rotate", token, {"key": kind})
+    change = call(url, "/v1/admin/keys/rotate", token, {"key": kind})
     key, now = change["key"], time.time()
     click.echo(
         f"{party}: new {kind} key {key['key_id']}, published {_when(key['activates_at'], now)}"
@@ -226,5 +202,5 @@ def retire(party: str, key_id: str, var: Path, analyzer_url: str, admin_token: s
     first and wait until the new key is active.
     """
     url, token = resolve(party, var, analyzer_url, admin_token)
-    change = call("POST", url + "/v1/admin/keys/retire", token, {"key": "hpke", "key_id": key_id})
+    change = call(url, "/v1/admin/keys/retire", token, {"key": "hpke", "key_id": key_id})
     click.echo(f"{party}: HPKE key {change['key']['key_id']} is {change['key']['state']}")
