@@ -36,6 +36,7 @@ from analyzer.errors import (
 )
 from analyzer.metrics import Events
 from analyzer.store import AnalyzerStore, PartHeader, StoredBatch
+from common.collection import fingerprint
 from common.envelope import KeyRing, verify
 from common.wire import Batch
 
@@ -113,6 +114,7 @@ class BatchIntake:
             renewed = self.policy.renew_signer(str(shuffler_id))
             if renewed is None or not verify(body, raw, renewed):
                 raise BadSignatureError("signature does not verify for this shuffler")
+            key = renewed
         batch = _parsed(body)
         if batch.shuffler_id != shuffler_id:
             raise MalformedBatchError("a batch part must name the shuffler that signs it")
@@ -134,6 +136,8 @@ class BatchIntake:
                 "channel": header.channel_id,
                 "epoch": header.epoch,
                 "n": header.n_contributions,
+                "shuffler": header.shuffler_id,
+                "signer": fingerprint(key),  # which of its keys (they rotate)
             },
         )
         return Intake(header.batch_id, header.part, False)

@@ -3,8 +3,9 @@ started as ``esa up`` starts them, each party with its own tokens): the analyzer
 config-signing keys and shuffler-1's HPKE and signing keys are rotated with ``esa keys rotate``
 under a running ``esa loadtest`` whose contributions were all sealed to the old keys. The load
 test's own verification then finds nothing lost and nothing counted twice (acknowledged =
-received at the analyzer + deleted + held), the release certified, and no batch refused: the
-analyzer followed shuffler-1's signing succession for the batches it signed with its new key.
+received at the analyzer + deleted + held), the release certified, and no batch refused:
+shuffler-1 made no batch before its new signing key was active (the load test closes the epoch
+at its end), and the analyzer verified every part of it with that key, following the succession.
 A device whose config predates the rotations, sending to shuffler-1's retired HPKE key, gets
 409 ``config_outdated`` and recovers by itself: it fetches the config again, follows both
 successions from the keys it pins, moves its pins, and its next report is taken."""
@@ -23,6 +24,7 @@ import pytest
 from common.collection import ANALYZER_PARTY, TrustAnchors, shuffler_party
 from common.wire import MAX_EPOCH_SECONDS
 from encoder_client import Client
+from runtime.conservation import LEDGER_CONTRIBUTIONS
 from services.cli import launcher
 from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
@@ -69,7 +71,7 @@ def _esa(*args: str) -> str:
 
 
 def _keys(deployment: Deployment, party: str) -> list[dict[str, object]]:
-    """``party``'s keys, read with its own admin token (which reloads them)."""
+    """``party``'s keys, read with its own admin token."""
     url = deployment.analyzer.url if party == "analyzer" else _url(deployment, party)
     token = (deployment.var / "keys" / party / launcher.ADMIN_TOKEN_FILE).read_text().strip()
     listed = httpx.get(url + "/v1/admin/keys", headers={"Authorization": f"Bearer {token}"})
@@ -137,6 +139,12 @@ def test_every_key_rotates_under_load_and_a_stale_device_recovers(
             return all(now[key] != old[key] for key in old)
 
         wait_until(rotated, timeout=20)  # published while the load runs on
+        # shuffler-1 has made no batch yet: every part it sends is signed by its new key.
+        ledger = verify.scrape(shuffler, tokens)
+        assert load.poll() is None and not any(
+            ledger.get(f'{LEDGER_CONTRIBUTIONS}{{state="{state}"}}', 0.0)
+            for state in ("in_batches_forwarded", "in_batches_unforwarded", "in_batches_refused")
+        ), "shuffler-1 made a batch before its new signing key was active"
         output, _ = load.communicate(timeout=240)
     finally:
         if load.poll() is None:
@@ -151,6 +159,9 @@ def test_every_key_rotates_under_load_and_a_stale_device_recovers(
     row = check["channels"][PAGES.id]
     assert row["received"] == totals["received_at_analyzer"] > 0
     assert row["central_eps"] is not None and row["central_eps"] < 10, row
+    signer = _published(deployment, "shuffler-1", "signing")
+    assert signer != old[("shuffler-1", "signing")]
+    assert _signers(deployment.analyzer.log_path, "shuffler-1") == {signer}
 
     listing = _esa("keys", "list", "--var", str(var), "--analyzer-url", analyzer)
     assert listing.count("succession(s)") == 3 and "pending" not in listing
@@ -178,3 +189,14 @@ def _carries(analyzer: str, key_id: str) -> bool:
     config = httpx.get(analyzer + "/v1/config").json()["config"]
     first = next(d for d in config["shufflers"] if d["descriptor"]["id"] == "shuffler-1")
     return bool(first["descriptor"]["keys"][0]["key_id"] == key_id)
+
+
+def _signers(log: Path, shuffler_id: str) -> set[str]:
+    """The keys (fingerprints) the analyzer verified the parts it stored from ``shuffler_id``
+    with, from its log."""
+    found = set()
+    for line in log.read_text().splitlines():
+        entry = json.loads(line) if line.startswith("{") else {}
+        if entry.get("message") == "batch part stored" and entry["shuffler"] == shuffler_id:
+            found.add(str(entry["signer"]))
+    return found
