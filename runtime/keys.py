@@ -58,8 +58,7 @@ SIGNING: KeyKind = "signing"
 #: The key directory's state and the lock its writers take.
 STATE_FILE = "keys.json"
 LOCK_FILE = ".keys.lock"
-#: Least seconds between two reloads asked for by a blob naming an unknown key (anyone can send
-#: one).
+#: Least seconds between two failed reloads asked for by blobs naming an unknown key.
 CATCH_UP_SECONDS = 1.0
 #: The files of a directory made before rotations existed.
 LEGACY_HPKE, LEGACY_PREVIOUS, LEGACY_SIGNING = "hpke.pem", "hpke-previous.pem", "signing.pem"
@@ -596,15 +595,17 @@ class LiveKeys:
         self.reload_seconds = reload_seconds
         # Retired HPKE keys still on disk stay loaded until the first reload asks (the
         # database may not be ready yet), except those retired early.
+        self._stamp = self._state_stamp()
         self._loaded = directory.load(clock(), waiting_since=-math.inf)
         self._seen = self._loaded.fingerprint()
         self.ring = self._loaded.ring()
         self.listeners: list[Callable[[PartyKeys], None]] = []
         self._loaded_at = time.monotonic()
-        #: Least seconds between two reloads asked for by :meth:`catch_up`.
+        #: Least seconds between two reloads :meth:`catch_up` tries after one failed.
         self.catch_up_seconds = CATCH_UP_SECONDS
-        self._caught_up_at = -math.inf
+        self._failed_at = -math.inf
         self._lock = threading.Lock()
+        self._catching = threading.Lock()
         self._telling = threading.Lock()  # listeners hear of one change at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -632,7 +633,9 @@ class LiveKeys:
         with self._lock:
             now, since = self.clock(), self._waiting_since()
             self.directory.prune(now, since)
+            stamp = self._state_stamp()
             fresh = self.directory.load(now, since)
+            self._stamp = stamp
             seen, self._seen = self._seen, fresh.fingerprint()
             changed = seen != self._seen
             self._loaded = fresh
@@ -656,19 +659,39 @@ class LiveKeys:
         except Exception:
             log.exception("reading the key directory failed; the keys in use stay")
 
-    def catch_up(self) -> bool:
-        """:meth:`reload` now, unless this was asked less than :attr:`catch_up_seconds` ago (a
-        blob named a key this replica does not hold: another one may have just made it);
-        whether it reloaded. It blocks on the key files: call it off an event loop."""
-        now = time.monotonic()
-        if now - self._caught_up_at < self.catch_up_seconds:
-            return False
-        self._caught_up_at = now
+    def _state_stamp(self) -> tuple[int, int, int] | None:
+        """What tells ``keys.json`` apart from the one last loaded (replaced whole: a new
+        inode); None without one."""
         try:
-            self.reload()
-        except Exception:
-            log.exception("reading the key directory failed; the keys in use stay")
-            return False
+            found = os.stat(self.directory.path / STATE_FILE)
+        except FileNotFoundError:
+            return None
+        return found.st_ino, found.st_mtime_ns, found.st_size
+
+    def stale(self) -> bool:
+        """Whether ``keys.json`` changed since it was last loaded (one ``stat``: cheap enough
+        for every blob naming a key this replica lacks, which anyone can send)."""
+        try:
+            return self._state_stamp() != self._stamp
+        except OSError:  # unreadable: a reload will say why
+            return True
+
+    def catch_up(self) -> bool:
+        """A blob named a key this replica lacks: :meth:`reload` if ``keys.json`` changed
+        since it was last loaded (another replica may have just made the key); whether the
+        keys loaded are the file's now (False: the reload failed, or one failed less than
+        :attr:`catch_up_seconds` ago). It blocks on the key files: call it off an event loop."""
+        with self._catching:
+            if not self.stale():
+                return True
+            if time.monotonic() - self._failed_at < self.catch_up_seconds:
+                return False
+            try:
+                self.reload()
+            except Exception:
+                self._failed_at = time.monotonic()
+                log.exception("reading the key directory failed; the keys in use stay")
+                return False
         return True
 
     def start(self) -> None:

@@ -151,9 +151,9 @@ class ClientRateLimitedError(RateLimitedError, ShufflerError):
 
 
 class KeyNotLoadedError(ShufflerError):
-    """The contribution names an HPKE key this replica does not hold and could not look for
-    just now (it reads its keys again at most once a second: another replica may have just
-    made it): retry after ``retry_after`` seconds; nothing was stored."""
+    """The contribution names an HPKE key this replica does not hold while its key files
+    changed (another replica may have just made the key) and could not be read just now:
+    retry after ``retry_after`` seconds; nothing was stored."""
 
     code = "key_not_loaded"
     kind = Kind.UNAVAILABLE

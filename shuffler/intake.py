@@ -182,9 +182,11 @@ class Intake:
         #: Called when a contribution names a channel not served (yet): a follower of the
         #: analyzer's config fetches it again.
         self.on_unknown_channel: Callable[[], None] = lambda: None
-        #: Called (off the event loop) when a contribution names an HPKE key id not in the
-        #: ring: reads the keys again (another replica may have just rotated), True if they
-        #: were (then :meth:`validate` is asked again with ``looked``). None: a fixed ring.
+        #: When a contribution names an HPKE key id not in the ring: whether the key files
+        #: changed since they were read (cheap), and, called off the event loop, reads them
+        #: again (another replica may have just rotated), True once they are (then
+        #: :meth:`validate` is asked again with ``looked``). None: a fixed ring.
+        self.keys_stale: Callable[[], bool] = lambda: False
         self.on_unknown_key: Callable[[], bool] | None = None
         self.clock = clock
         self.tokens = TokenAuthority(settings.token_secret.get_secret_value().encode())
@@ -252,13 +254,14 @@ class Intake:
         """The contribution sealed in ``blob``.
 
         Raises:
-            KeyNotLoadedError: it names a key id this replica lacks, not ``looked`` for yet.
-            EnvelopeError: it does not open (a key id still unknown once ``looked``).
+            KeyNotLoadedError: it names a key id this replica lacks while its key files
+                changed since it read them (:attr:`keys_stale`), not ``looked`` for yet.
+            EnvelopeError: it does not open (a key id in no key file: garbage).
         """
         try:
             return open_contribution(blob, self.settings.shuffler_id, self.ring)
         except UnknownKeyError as error:
-            if looked or self.on_unknown_key is None:
+            if looked or self.on_unknown_key is None or not self.keys_stale():
                 raise
             raise KeyNotLoadedError(
                 f"{error}: this replica reads its keys again; retry", retry_after=CATCH_UP_SECONDS
@@ -269,12 +272,13 @@ class Intake:
         (blocking: off the event loop), then opened once more.
 
         Raises:
-            KeyNotLoadedError: the keys were read less than a second ago (retry).
+            KeyNotLoadedError: the key files could not be read just now (retry).
             ShufflerError: as :meth:`validate`.
         """
         if self.on_unknown_key is None or not self.on_unknown_key():
             raise KeyNotLoadedError(
-                "this replica read its keys again moments ago; retry", retry_after=CATCH_UP_SECONDS
+                "this replica could not read its changed keys just now; retry",
+                retry_after=CATCH_UP_SECONDS,
             )
         return self.validate(client_id, blob, looked=True)
 

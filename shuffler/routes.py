@@ -98,7 +98,8 @@ async def contribute(request: Request) -> Response:
     token; 409 replayed nonce or quota used, or ``config_outdated`` (sealed to a retired key:
     fetch the config again); 413 too large or too many fragments; 429 slow down
     (``Retry-After``); 503 not stored: the database, or ``key_not_loaded`` (sealed to a key
-    this replica has not read yet: retry after ``Retry-After``)."""
+    another replica has just made, which this one could not read yet: retry after
+    ``Retry-After``)."""
     ingest: Ingest = request.app.state.ingest
     status, data, extra = await ingest(request.scope["headers"], request.receive)
     headers = {name.decode(): value.decode() for name, value in extra}

@@ -391,5 +391,5 @@ def build_service(settings: ShufflerSettings) -> ShufflerService:
     service = ShufflerService(settings, make_store(engine), keys.ring, keys.current.signer)
     service.keys = keys
     keys.listeners.append(service.keys_changed)
-    service.intake.on_unknown_key = keys.catch_up
+    service.intake.keys_stale, service.intake.on_unknown_key = keys.stale, keys.catch_up
     return service

@@ -32,7 +32,7 @@ from common.envelope import (
 from common.wire import MAX_EPOCH_SECONDS, ChannelPolicy, SignedDescriptor, b64, unb64
 from runtime.keys import KeyDirectory
 from shuffler.app import create_app
-from shuffler.errors import KeyNotLoadedError, MalformedContributionError
+from shuffler.errors import MalformedContributionError
 from shuffler.service import ShufflerService, build_service
 from shuffler.settings import OVERLAP_MARGIN, ShufflerSettings
 
@@ -187,13 +187,13 @@ def test_a_rotation_unsafe_with_a_channel_adopted_since_is_a_409_naming_the_over
         assert "hpke_overlap_seconds" in refused.json()["detail"]
 
 
-def test_a_key_another_replica_made_is_read_off_the_event_loop_and_lag_is_retryable(
+def test_a_key_another_replica_made_is_read_off_the_event_loop_and_a_failed_read_is_retryable(
     settings: ShufflerSettings,
 ) -> None:
     """Over HTTP: a contribution sealed to a key another replica has just made is opened once
-    the keys are read again, in a worker thread (never on the event loop); while they were
-    read moments ago it gets 503 ``key_not_loaded`` with Retry-After, which a device retries
-    (a 400 it would drop for good)."""
+    the changed key files are read again, in a worker thread (never on the event loop); when
+    they cannot be read it gets 503 ``key_not_loaded`` with Retry-After, which a device
+    retries (a 400 it would drop for good), and the retry is taken once they can."""
     slow = settings.model_copy(update={"key_reload_seconds": 3600, "key_activation_seconds": 7200})
     with TestClient(create_app(slow), raise_server_exceptions=False) as client:
         service: ShufflerService = client.app.state.service  # type: ignore[attr-defined]
@@ -215,13 +215,16 @@ def test_a_key_another_replica_made_is_read_off_the_event_loop_and_lag_is_retrya
         made = other.rotate("hpke", time.time(), slow.key_timing([POLICY]))
         epoch = int(time.time() // POLICY.epoch_seconds)
         key = {"key_id": made.key_id, "public_key": made.public_key}
-        service.keys.catch_up_seconds = 3600.0
-        assert _send(client, key, epoch).status_code == 202
-        assert on_loop == [False]
-        lagging = _send(client, key, epoch, key_id=bytes(8))  # a key it has not read yet
+        pem = slow.key_dir / f"hpke-{made.key_id}.pem"
+        pem.rename(pem.with_suffix(".away"))  # its file not there yet: the read fails
+        lagging = _send(client, key, epoch)
         assert lagging.status_code == 503, lagging.text
         assert lagging.json()["error"] == "key_not_loaded"
         assert lagging.headers["retry-after"] == "1"
+        pem.with_suffix(".away").rename(pem)
+        service.keys.catch_up_seconds = 0.0  # the device's retry, a while later
+        assert _send(client, key, epoch).status_code == 202
+        assert on_loop == [False, False]
 
 
 def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
@@ -251,17 +254,15 @@ def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
     public = X25519PublicKey.from_public_bytes(unb64(made.public_key))
     blob = seal_contribution(contribution, "shuffler-1", public)
     assert bytes.fromhex(made.key_id) not in second.ring.keys
-    second.catch_up_seconds = 3600.0
     assert replicas[1].validate("", blob, client_id="c1").contribution == contribution
     assert bytes.fromhex(made.key_id) in second.ring.keys
-    # Garbage naming unknown keys makes it read them at most once per catch_up_seconds: until
-    # then a retryable refusal (the key may be one it has not read yet), then malformed.
-    with pytest.raises(KeyNotLoadedError) as refused:
-        replicas[1].validate("", bytes(8) + blob[8:], client_id="c2")
-    assert refused.value.retry_after is not None
-    second.catch_up_seconds = 0.0
+    # Garbage naming a key in no key file is malformed at once: the key files did not change
+    # since they were read, so nothing is read again (anyone can send such a blob).
+    reloads: list[str] = []
+    second.reload = lambda: reloads.append("reload")  # type: ignore[method-assign]
     with pytest.raises(MalformedContributionError):
         replicas[1].validate("", bytes(8) + blob[8:], client_id="c2")
+    assert reloads == []
     for replica in replicas:
         replica.store.close()
 
