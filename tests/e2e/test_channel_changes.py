@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from common.wire import ChannelConfig
+from common.wire import MAX_EPOCH_SECONDS, ChannelConfig
 from encoder_client import ChannelRetiredError, Client
 
 from ..support import Deployment, close_epoch, start_deployment, wait_until
@@ -29,7 +29,7 @@ HOME = ChannelConfig(
     id="homepage",
     mechanism="krappor",
     params={"k": 10, "eps": 4.0},
-    epoch_seconds=10**8,
+    epoch_seconds=MAX_EPOCH_SECONDS,
     min_crowd=10,
     eps_cr=2.0,
     delta_cr=1e-7,
