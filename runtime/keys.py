@@ -237,10 +237,19 @@ class KeyBook:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("version") != 1:
             raise ValueError("not a version 1 key state file")
-        records = tuple(KeyRecord(**r) for r in data["keys"])
-        if any(r.kind not in (HPKE, SIGNING) for r in records):
-            raise ValueError(f"key kinds must be {HPKE} or {SIGNING}")
+        records = tuple(_checked(KeyRecord(**r)) for r in data["keys"])
         return cls(records, tuple(Succession.model_validate(s) for s in data["successions"]))
+
+    def check_usable(self, now: float) -> None:
+        """A book a party can run on at ``now``: an active signing key and an active HPKE key.
+
+        Raises:
+            ValueError: one is missing (the file was edited or damaged: the keys in use stay,
+                and no key file is deleted on its word).
+        """
+        for kind in (SIGNING, HPKE):
+            if self.newest_active(kind, now) is None:
+                raise ValueError(f"{STATE_FILE} names no active {kind} key")
 
 
 @dataclass(frozen=True)
@@ -341,6 +350,31 @@ def _record(directory: Path, file: str, key: X25519PrivateKey | Ed25519PrivateKe
     )
 
 
+def _checked(record: KeyRecord) -> KeyRecord:
+    """``record`` if each field has its type (a file edited by hand or damaged).
+
+    Raises:
+        ValueError: naming the field.
+    """
+    texts = ("kind", "key_id", "file", "public_key")
+    times = ("created_at", "activates_at")
+    for name in texts:
+        if not isinstance(getattr(record, name), str):
+            raise ValueError(f"key {name} must be text")
+    for name in times:
+        value = getattr(record, name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"key {name} must be a number of seconds")
+    retires = record.retires_at
+    if retires is not None and (isinstance(retires, bool) or not isinstance(retires, int | float)):
+        raise ValueError("key retires_at must be a number of seconds or null")
+    if not isinstance(record.retired_early, bool):
+        raise ValueError("key retired_early must be true or false")
+    if record.kind not in (HPKE, SIGNING) or "/" in record.file or record.file.startswith("."):
+        raise ValueError(f"key kinds must be {HPKE} or {SIGNING}, files plain names")
+    return record
+
+
 class KeyDirectory:
     """A party's key directory: read by every replica, changed under a lock by the one that
     rotates."""
@@ -362,6 +396,12 @@ class KeyDirectory:
                 return KeyBook.from_json(state.read_text())
             except (KeyError, TypeError, ValueError) as error:
                 raise ValueError(f"{state}: {error}") from error
+        rotated = sorted(p.name for p in self.path.glob("*-*.pem") if p.name != LEGACY_PREVIOUS)
+        if rotated:  # never fall back to the first keys once they rotated
+            raise ValueError(
+                f"{state} is missing, yet keys made by rotations are here ({', '.join(rotated)}): "
+                "restore it from a backup of the key directory"
+            )
         records = []
         if (self.path / LEGACY_PREVIOUS).exists():
             previous = load_or_create_x25519(self.path / LEGACY_PREVIOUS)
@@ -379,9 +419,10 @@ class KeyDirectory:
 
         Raises:
             ValueError: a live key's file is missing or holds another key than ``keys.json``
-                names (naming the file).
+                names (naming the file), or the book names no active key of a kind.
         """
         book = self.book()
+        book.check_usable(now)
         hpke: dict[str, X25519PrivateKey] = {}
         signing: dict[str, Ed25519PrivateKey] = {}
         for record in book.records:
@@ -538,6 +579,7 @@ class KeyDirectory:
         a succession, once every replica's clock is past their retirement (whoever takes the
         directory later cannot fork the chain from them); the ids deleted."""
         book = self.book()
+        book.check_usable(now)
         handed_over = {link.from_key for link in book.successions}
         doomed = [
             r
@@ -767,5 +809,5 @@ def _storage() -> Iterator[None]:
     the file, never a 500)."""
     try:
         yield
-    except (OSError, ValueError) as error:
+    except (OSError, TypeError, ValueError) as error:
         raise KeyStorageError(f"key directory: {error}") from error

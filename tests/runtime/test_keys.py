@@ -372,3 +372,49 @@ def test_an_unusable_key_directory_is_a_storage_error_for_an_admin(tmp_path: Pat
         with pytest.raises(KeyStorageError, match=STATE_FILE):
             action()
     assert live.current.signer is not None  # the keys in use stay
+
+
+def _rotated_twice(tmp_path: Path) -> KeyDirectory:
+    """A directory whose HPKE key and signing key rotated (both new keys active at T0 + 61)."""
+    directory = KeyDirectory(tmp_path, PARTY)
+    directory.rotate(HPKE, T0, TIMING)
+    directory.rotate(SIGNING, T0, TIMING)
+    return directory
+
+
+def test_a_lost_key_state_file_never_brings_back_the_first_keys(tmp_path: Path) -> None:
+    directory = _rotated_twice(tmp_path)
+    (tmp_path / STATE_FILE).unlink()
+    with pytest.raises(ValueError, match="restore it from a backup"):
+        directory.load(T0 + 61)
+
+
+@pytest.mark.parametrize("damage", ["every hpke key retired", "no signing key"])
+def test_a_state_file_naming_no_usable_key_is_refused_and_deletes_nothing(
+    tmp_path: Path, damage: str
+) -> None:
+    directory = _rotated_twice(tmp_path)
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    if damage == "no signing key":
+        state["keys"] = [k for k in state["keys"] if k["kind"] != SIGNING]
+    else:
+        for key in state["keys"]:
+            key["retires_at"] = T0 if key["kind"] == HPKE else key["retires_at"]
+    (tmp_path / STATE_FILE).write_text(json.dumps(state))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="names no active"):
+        directory.load(T0 + 61)
+    with pytest.raises(ValueError, match="names no active"):
+        directory.prune(T0 + 10**6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == files  # no private key deleted
+
+
+def test_a_state_file_with_fields_of_the_wrong_type_is_a_storage_error(tmp_path: Path) -> None:
+    _rotated_twice(tmp_path)
+    live = LiveKeys(KeyDirectory(tmp_path, PARTY), lambda: TIMING, clock=lambda: T0 + 61)
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    state["keys"][0]["activates_at"] = "soon"
+    (tmp_path / STATE_FILE).write_text(json.dumps(state))
+    for action in (live.listing, lambda: live.rotate(HPKE)):
+        with pytest.raises(KeyStorageError, match="activates_at"):
+            action()
