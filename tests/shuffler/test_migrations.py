@@ -10,18 +10,21 @@ from runtime import db
 from shuffler.app import MIGRATIONS
 
 
-def test_postgresql_keeps_a_contributions_fragments_in_its_row(postgres_url: str) -> None:
-    """0006 sets ``toast_tuple_target`` to its maximum (a 2-3 KB contribution was moved out of
-    line, and every close read it back through the TOAST index); its downgrade resets it."""
+def test_postgresql_stores_part_bodies_uncompressed(postgres_url: str) -> None:
+    """0006 makes ``part_bodies.body`` ``EXTERNAL`` (out of line, never compressed); its
+    downgrade makes it ``EXTENDED`` again (PostgreSQL's default for ``bytea``)."""
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     engine = db.make_engine(postgres_url)
-    options = text("SELECT reloptions FROM pg_class WHERE relname = 'contributions'")
+    storage = text(
+        "SELECT a.attstorage FROM pg_attribute a JOIN pg_class c ON a.attrelid = c.oid"
+        " WHERE c.relname = 'part_bodies' AND a.attname = 'body'"
+    )
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.upgrade(config, "head")
-        upgraded = conn.execute(options).scalar_one()
+        upgraded = conn.execute(storage).scalar_one()
         command.downgrade(config, "0005")
-        downgraded = conn.execute(options).scalar_one()
+        downgraded = conn.execute(storage).scalar_one()
     engine.dispose()
-    assert upgraded == ["toast_tuple_target=8160"] and not downgraded
+    assert (upgraded, downgraded) == ("e", "x")
