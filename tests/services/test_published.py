@@ -251,7 +251,7 @@ def test_an_analyzer_refuses_to_start_on_a_descriptor_file_it_cannot_pin(
                 _pinned_entry(first, parties.descriptor_file("shuffler-1"), signing_key=other),
                 _pinned_entry(second, parties.descriptor_file("shuffler-2")),
             ],
-            [str(parties.descriptor_file("shuffler-1")), "or another key"],
+            [str(parties.descriptor_file("shuffler-1")), "not signed by the key pinned for it"],
         ),
     }
     for case, (registry, expected) in cases.items():
