@@ -227,12 +227,10 @@ def test_a_key_another_replica_made_is_read_off_the_event_loop_and_a_failed_read
         assert on_loop == [False, False]
 
 
-def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
-    tmp_path: Path,
-) -> None:
-    """A replica reloads its keys every ``key_reload_seconds``; one that meets a key id it does
-    not hold (another replica rotated meanwhile) reads them at once, then opens it."""
-    replicas = [
+def _replicas(tmp_path: Path) -> list[ShufflerService]:
+    """Two replicas of shuffler-1 sharing one key directory, reloading it hourly and
+    publishing a new key two hours after it is made."""
+    return [
         build_service(
             ShufflerSettings(
                 database_url=f"sqlite:///{tmp_path / f'r{i}.db'}",
@@ -244,6 +242,14 @@ def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
         )
         for i in (1, 2)
     ]
+
+
+def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
+    tmp_path: Path,
+) -> None:
+    """A replica reloads its keys every ``key_reload_seconds``; one that meets a key id it does
+    not hold (another replica rotated meanwhile) reads them at once, then opens it."""
+    replicas = _replicas(tmp_path)
     first, second = (r.keys for r in replicas)
     assert first is not None and second is not None
     made = first.rotate("hpke").key  # pending: opened already, published in two hours
@@ -272,18 +278,7 @@ def test_a_replica_that_has_not_reloaded_signs_with_the_new_key_from_its_activat
 ) -> None:
     """Replicas switch signing keys at the activation instant, not at their next reload: a
     lagging one would sign parts the analyzer refuses, and descriptors devices call a fork."""
-    replicas = [
-        build_service(
-            ShufflerSettings(
-                database_url=f"sqlite:///{tmp_path / f'r{i}.db'}",
-                key_dir=tmp_path / "keys",
-                channels=[POLICY],
-                key_reload_seconds=3600,
-                key_activation_seconds=7200,
-            )
-        )
-        for i in (1, 2)
-    ]
+    replicas = _replicas(tmp_path)
     first, second = (r.keys for r in replicas)
     assert first is not None and second is not None
     old = b64(public_bytes(replicas[1].signing_key.public_key()))
