@@ -239,7 +239,7 @@ class ShufflerService:
     def due_groups(self, now: float) -> list[GroupKey]:
         """Groups whose epoch closed: each is evaluated whole, never split by arrival."""
         found = []
-        for key, _ in self.store.open_groups():
+        for key in self.store.open_groups():
             policy = self.policies.get(key.channel_id)
             if policy is None:
                 continue

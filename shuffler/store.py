@@ -308,10 +308,11 @@ class ContributionStore(ABC):
 
     # --- batching -------------------------------------------------------------------------
 
-    def open_groups(self) -> list[tuple[GroupKey, int]]:
-        """Every group with contributions awaiting evaluation, and how many."""
+    def open_groups(self) -> list[GroupKey]:
+        """Every group with contributions awaiting evaluation (one short query per group:
+        the batching round asks every second, while the table holds a whole epoch)."""
         with self.engine.connect() as conn:
-            return list(_waiting_groups(conn, evaluated=False).items())
+            return _group_keys(conn, evaluated=False)
 
     def evaluate_group(
         self, key: GroupKey, batcher: Batcher, policy: ChannelPolicy, now: float
@@ -625,7 +626,7 @@ class ContributionStore(ABC):
         holding the write lock for long; the count is the shuffler's own (never published: a
         group's size is secret unless released)."""
         with self.engine.connect() as conn:  # dead stays dead: found without the write lock
-            dead = list(_waiting_groups(conn, evaluated=True))
+            dead = _group_keys(conn, evaluated=True)
         swept = 0
         for key in dead:
             while swept < budget:
@@ -848,6 +849,22 @@ def _waiting_groups(conn: Connection, evaluated: bool) -> dict[GroupKey, int]:
     counts = {GroupKey(ch, cr, int(ep)): int(n) for ch, cr, ep, n in conn.execute(query)}
     done = _evaluated_among(conn, counts)
     return {key: n for key, n in counts.items() if (key in done) == evaluated}
+
+
+def _group_keys(conn: Connection, evaluated: bool) -> list[GroupKey]:
+    """The groups of :func:`_waiting_groups` without their counts, found by skipping through
+    the group index from one group to the next (a query per group) instead of counting every
+    row of the table."""
+    c = tables.contributions.c
+    columns = (c.channel_id, c.crowd_id, c.epoch)
+    first = select(*columns).where(c.held_part.is_(None)).order_by(*columns).limit(1)
+    keys: list[GroupKey] = []
+    query = first
+    while (row := conn.execute(query).first()) is not None:
+        keys.append(GroupKey(row[0], row[1], int(row[2])))
+        query = first.where(tuple_(*columns) > tuple_(row[0], row[1], row[2]))
+    done = _evaluated_among(conn, keys)
+    return [key for key in keys if (key in done) == evaluated]
 
 
 def _unheld(key: GroupKey) -> list[Any]:

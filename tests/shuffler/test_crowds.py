@@ -76,7 +76,7 @@ def test_a_crowd_the_channel_does_not_declare_is_refused(database_url: str, tmp_
             _pending(service, service.tokens.issue(), clock.epoch, crowd)
         assert raised.value.code == "unknown_crowd" and "homepage" in raised.value.detail
         assert len(raised.value.detail) < 200  # a 255-byte crowd is not echoed whole
-    groups = sorted(key.crowd_id for key, _ in service.store.open_groups())
+    groups = sorted(key.crowd_id for key in service.store.open_groups())
     assert groups == sorted(CROWDS)  # Algorithm 3's groups stay per (channel, crowd, epoch)
 
 
@@ -100,11 +100,14 @@ def test_the_quota_is_per_channel_and_epoch_whatever_the_crowd(
     assert service.ledger()["pending"] == 2
     clock.now += POLICY.epoch_seconds  # the next epoch is a new quota
     assert service.commit([_pending(service, token, clock.epoch, "us-west.1")])[0].receipt
-    assert {key: n for key, n in service.store.open_groups()} == {
-        GroupKey("homepage", "eu", clock.epoch - 1): 1,
-        GroupKey("homepage", "", clock.epoch - 1): 1,
-        GroupKey("homepage", "us-west.1", clock.epoch): 1,
-    }
+    assert sorted(service.store.open_groups()) == sorted(
+        [
+            GroupKey("homepage", "eu", clock.epoch - 1),
+            GroupKey("homepage", "", clock.epoch - 1),
+            GroupKey("homepage", "us-west.1", clock.epoch),
+        ]
+    )
+    assert service.ledger()["pending"] == 3
 
 
 def test_migration_keeps_the_first_contribution_per_client_channel_epoch(
