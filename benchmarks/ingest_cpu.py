@@ -1,0 +1,270 @@
+"""Ingest CPU per contribution, this tree against an earlier commit, in one run.
+
+Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/ingest_cpu.py [--before REF]
+[--postgres USER@HOST:PORT] [--profile DIR]``. The earlier commit's tree is exported with
+``git archive`` and both shufflers run side by side as real ``esa shuffler serve`` processes
+(same interpreter and packages, each importing its own tree), on SQLite (WAL,
+synchronous=FULL) or on fresh PostgreSQL databases. Rounds alternate between them: each round
+sends the same number of pre-sealed ``homepage`` contributions (8 fragments, the e2e
+epoch's mean being 8.4) over 64 keep-alive connections, and the server process's CPU
+(``/proc/<pid>/stat``, all its threads) is divided by the contributions it acknowledged.
+Prints the median CPU-µs per contribution of each and their ratio; with ``--profile``
+py-spy records this tree's shuffler during one extra round and the hottest functions are
+printed (docs/benchmarks.md, "Ingest CPU per contribution").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from rich.progress import track
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _profile import Profile, top_frames
+from epoch_e2e import _postgres
+
+from common.envelope import (
+    Contribution,
+    inner_size,
+    load_x25519_public,
+    new_nonce,
+    seal_contribution,
+)
+from services.cli import launcher
+from shuffler.intake import TokenAuthority
+from tests.support import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/shuffler.py's raw HTTP/1.1 load and CPU reader (its name is the package's)
+_spec = importlib.util.spec_from_file_location("shuffler_bench", ROOT / "benchmarks/shuffler.py")
+assert _spec is not None and _spec.loader is not None
+_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bench)
+_load, _post = _bench._load, _bench._post
+#: The code as it was when the 10^6-device epoch issue was filed (before its first commit).
+BEFORE = "cc2bbdb"
+#: The shuffler's policy of the catalogue's ``homepage`` channel, with a one-day epoch.
+SHUFFLER_FIELDS = ("id", "min_crowd", "eps_cr", "delta_cr", "max_fragments", "payload_size")
+CHANNEL = {
+    **{
+        field: value
+        for c in json.loads((ROOT / "deploy/channels.json").read_text())
+        if c["id"] == "homepage"
+        for field, value in c.items()
+        if field in SHUFFLER_FIELDS
+    },
+    "epoch_seconds": 86_400,
+}
+#: Fragments per contribution (the e2e epoch's mean is 8.4), each sealed to the analyzer.
+FRAGMENTS = 8
+
+
+def export(ref: str, into: Path) -> Path:
+    """``ref``'s tree, written under ``into`` by ``git archive``."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", ref],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+@contextlib.contextmanager
+def serving(tree: Path, var: Path, database: str) -> Iterator[tuple[int, int]]:
+    """``esa shuffler serve`` from ``tree`` (its own working directory and import path):
+    yields its port and pid, once it answers ``/readyz``."""
+    port = free_port()
+    spec = launcher.shuffler_spec(var, 1, port, "", database)
+    env = {
+        **os.environ,
+        **spec.env,
+        "ESA_SHUFFLER_KEY_DIR": str(var / "keys"),
+        "ESA_SHUFFLER_CHANNELS": json.dumps([CHANNEL]),
+        "ESA_SHUFFLER_CHANNELS_FILE": "",
+        "ESA_SHUFFLER_RATE_PER_SECOND": "1000",
+        "ESA_SHUFFLER_RATE_BURST": "1000",
+        "PYTHONPATH": str(tree),
+    }
+    env = {k: v for k, v in env.items() if v != ""}
+    var.mkdir(parents=True, exist_ok=True)
+    log = (var / "shuffler.log").open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "shuffler", "serve"],
+        cwd=tree,
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", process, var / "shuffler.log")
+        yield port, process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+
+
+def _wait_ready(
+    url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 60.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log.read_text()[-1500:]
+            raise RuntimeError(f"shuffler exited with {process.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout} s")
+
+
+def requests(port: int, count: int) -> list[bytes]:
+    """``count`` contributions sealed to the shuffler on ``port``, each with its own token."""
+    config = httpx.get(f"http://127.0.0.1:{port}/v1/config").json()
+    public = load_x25519_public(base64.b64decode(config["public_key"]))
+    tokens, epoch = TokenAuthority(b"development"), int(time.time() // 86_400)
+    return [
+        _post(
+            tokens.issue(),
+            seal_contribution(
+                Contribution(
+                    channel_id="homepage",
+                    crowd_id="",
+                    epoch=epoch,
+                    nonce=new_nonce(),
+                    fragments=tuple(
+                        os.urandom(inner_size(CHANNEL["payload_size"])) for _ in range(FRAGMENTS)
+                    ),
+                ),
+                "shuffler-1",
+                public,
+            ),
+        )
+        for _ in range(count)
+    ]
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` (``/proc/<pid>/task``), the main thread (the
+    event loop) named ``main``."""
+    found: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name = "main" if task.name == str(pid) else "other threads"
+            used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            found[name] = found.get(name, 0.0) + used
+    return found
+
+
+def one_round(port: int, pid: int, load: list[bytes]) -> dict[str, float]:
+    """One round: server CPU-µs per contribution (all threads, and the event loop's thread
+    apart) and contributions/s."""
+    before = thread_cpu(pid)
+    seconds, _ = asyncio.run(_load(port, load))
+    after = thread_cpu(pid)
+    used = {name: (after[name] - before.get(name, 0.0)) / len(load) * 1e6 for name in after}
+    return {"cpu": sum(used.values()), "main": used["main"], "rate": len(load) / seconds}
+
+
+def prefill(port: int, pid: int, count: int, chunk: int = 20_000) -> None:
+    """``count`` contributions stored before measuring, so the indexes have the size they
+    have mid-way through a 10^6-device epoch at one of three shufflers."""
+    for start in track(range(0, count, chunk), description=f"prefill :{port}"):
+        one_round(port, pid, requests(port, min(chunk, count - start)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", default=BEFORE, help=f"earlier commit (default {BEFORE})")
+    parser.add_argument("--requests", type=int, default=10_000, help="contributions per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per tree")
+    parser.add_argument(
+        "--prefill", type=int, default=200_000, help="contributions stored before the rounds"
+    )
+    parser.add_argument("--postgres", help="PostgreSQL server USER@HOST:PORT (else SQLite)")
+    parser.add_argument("--profile", type=Path, help="py-spy this tree's shuffler into DIR")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        trees = {"before": export(args.before, tmp / "before-tree"), "after": ROOT}
+        print(compare(trees, tmp, args))
+
+
+def compare(trees: dict[str, Path], tmp: Path, args: argparse.Namespace) -> str:
+    """Alternate rounds between the trees' shufflers; the medians and their ratio."""
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(_postgres(args.postgres))
+        servers = {}
+        for index, (name, tree) in enumerate(trees.items(), start=1):
+            var = tmp / name
+            sqlite = f"sqlite:///{var / 'db.sqlite'}"
+            database = url.format(service=f"shuffler_{index}") if url else sqlite
+            servers[name] = stack.enter_context(serving(tree, var, database))
+        for port, pid in servers.values():
+            prefill(port, pid, args.prefill)
+        rounds: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+        for _ in range(args.rounds):
+            for name, (port, pid) in servers.items():
+                rounds[name].append(one_round(port, pid, requests(port, args.requests)))
+        if args.profile:
+            profile_round(*servers["after"], args)
+    return summary(rounds, args)
+
+
+def profile_round(port: int, pid: int, args: argparse.Namespace) -> None:
+    """py-spy on this tree's shuffler during one more round; the hottest functions."""
+    load = requests(port, args.requests)
+    args.profile.mkdir(parents=True, exist_ok=True)
+    profile = Profile(pid, args.profile / "ingest", rate=200)
+    time.sleep(1)
+    one_round(port, pid, load)
+    profile.stop()
+    for frame, inside, alone in top_frames(profile.raw, count=25):
+        print(f"{inside:6.1%} {alone:6.1%}  {frame}")
+
+
+def summary(rounds: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
+    """The rounds and the medians as text."""
+    lines = [
+        f"before = {args.before}, after = this tree; {args.prefill:,} stored first, then "
+        f"{args.rounds} rounds of {args.requests:,} each"
+    ]
+    medians = {}
+    for name, measured in rounds.items():
+        medians[name] = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+        each = ", ".join(f"{r['cpu']:.0f}" for r in measured)
+        m = medians[name]
+        lines.append(
+            f"{name}: median {m['cpu']:.0f} CPU-µs/contribution ({each}), event loop thread "
+            f"{m['main']:.0f}, other threads {m['cpu'] - m['main']:.0f}; "
+            f"{m['rate']:,.0f} contributions/s"
+        )
+    ratio = medians["after"]["cpu"] / medians["before"]["cpu"]
+    lines.append(f"after / before: {ratio:.3f} (target <= 0.667)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
