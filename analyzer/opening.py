@@ -3,10 +3,10 @@
 :class:`PartOpener` opens each part :mod:`analyzer.intake` stored, on a pool of processes
 (:class:`FragmentOpener`: HPKE opening is the analyzer's bottleneck), and folds it with
 :meth:`AnalyzerStore.fold_part`, which marks it opened in the same transaction: after a crash a
-part is opened again from scratch, never counted twice. Memory is bounded by one part plus one
-accumulator. A part whose opening fails :data:`OPEN_ATTEMPTS` times is quarantined (never folded
-in, so its batch stays incomplete); failures of the database are not the part's fault and count
-against none.
+part is opened again from scratch, never counted twice. The pool opens one part ahead while the
+part in hand is folded; memory is bounded by two parts plus one accumulator. A part whose
+opening fails :data:`OPEN_ATTEMPTS` times is quarantined (never folded in, so its batch stays
+incomplete); failures of the database are not the part's fault and count against none.
 
 Paging, retries and quarantine: docs/architecture.md, "Analyzer internals".
 """
@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from multiprocessing import get_context
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -147,25 +149,60 @@ class FragmentOpener:
         Raises:
             BrokenProcessPool: if a worker died; the pool is started afresh for the next call.
         """
-        info = context.info()
-        if self._pool is None:
-            return open_chunk(self.ring, info, texts)
+        return self.submit(context, texts)()
+
+    def submit(self, context: FragmentContext, texts: Sequence[str]) -> Callable[[], list[bytes]]:
+        """Start opening ``texts`` on the pool and return what waits for :meth:`open`'s
+        answer, so the caller can prepare the next part meanwhile (in this process the
+        opening happens when the answer is asked for).
+
+        Raises (from the returned call):
+            BrokenProcessPool: if a worker died; the pool is started afresh for the next call.
+        """
+        info, pool = context.info(), self._pool
+        if pool is None:
+            return lambda: open_chunk(self.ring, info, texts)
         keys = tuple(k.private_bytes_raw() for k in self.ring.keys.values())
         try:
             futures = [
-                self._pool.submit(_open_in_worker, keys, info, texts[i : i + self.chunk])
+                pool.submit(_open_in_worker, keys, info, texts[i : i + self.chunk])
                 for i in range(0, len(texts), self.chunk)
             ]
-            return [fragment for future in futures for fragment in future.result()]
         except BrokenProcessPool:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = self._start()
+            self._restart(pool)
             raise
+
+        def answer() -> list[bytes]:
+            try:
+                return [fragment for future in futures for fragment in future.result()]
+            except BrokenProcessPool:
+                self._restart(pool)
+                raise
+
+        return answer
+
+    def _restart(self, broken: ProcessPoolExecutor) -> None:
+        """Start the pool afresh, unless an earlier failure of ``broken`` did already."""
+        if self._pool is broken:
+            broken.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._start()
 
     def close(self) -> None:
         """Stop the worker processes."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Opening:
+    """A part being opened: its header and channel, how many fragments it carries, what
+    waits for them opened, and the lock that keeps other analyzer workers off it."""
+
+    header: PartHeader
+    runtime: ChannelRuntime
+    fragments: int
+    answer: Callable[[], list[bytes]]
+    lock: contextlib.ExitStack
 
 
 class PartOpener:
@@ -197,31 +234,62 @@ class PartOpener:
         returns how many were folded in. A part that fails is counted against it and left for
         the next pass (quarantined at :attr:`attempts` failures).
 
+        The pool opens one part ahead: the next part is read, parsed and handed to the pool
+        before the one in hand is folded, so the workers do not wait while this process reads
+        and folds (an epoch benchmark measured the serial steps at ~12% of its time).
+
         Raises:
             sqlalchemy.exc.SQLAlchemyError, StorageConflictError: the database failed (no
                 part is blamed; the pass starts over later).
         """
-        folded, after = 0, None
-        while not self._stop.is_set() and (page := self.store.pending_parts(after=after)):
-            for header in page:
-                if self._stop.is_set():  # stopping: the rest waits, stored, for the next start
-                    break
-                folded += self._attempt(header)
-            after = page[-1]
+        folded, after, ahead = 0, None, None
+        try:
+            while not self._stop.is_set() and (page := self.store.pending_parts(after=after)):
+                for header in page:
+                    if self._stop.is_set():  # stopping: the rest waits, stored, for next start
+                        break
+                    previous, ahead = ahead, self._begin(header)
+                    if previous is not None:
+                        folded += self._finish(previous)
+                after = page[-1]
+            if ahead is not None:
+                folded += self._finish(ahead)
+        finally:
+            if ahead is not None:
+                ahead.lock.close()  # a failure on the way: this part is opened again later
         return folded
 
-    def _attempt(self, header: PartHeader) -> int:
-        # Another analyzer worker opening this part right now: skip it (it folds it, or its
-        # lock dies with it and a later pass takes the part over).
-        with self.store.opening(header) as mine:
-            if not mine:
-                return 0
+    def _begin(self, header: PartHeader) -> _Opening | None:
+        """Take the part (another analyzer worker opening it right now keeps it: it folds
+        it, or its lock dies with it and a later pass takes the part over), read and parse
+        it and start opening it; None if it is not this worker's, no longer waiting, or
+        failed (counted against it)."""
+        lock = contextlib.ExitStack()
+        try:
+            if not lock.enter_context(self.store.opening(header)):
+                lock.close()
+                return None
+            started = self._start(header, lock)
+        except Exception as error:
+            lock.close()
+            if _transient(error):
+                raise
+            self._failed(header, error)
+            return None
+        if started is None:
+            lock.close()
+        return started
+
+    def _finish(self, opening: _Opening) -> int:
+        """Wait for a started part's fragments and fold them in (1), or count its failure (0);
+        its lock is released either way."""
+        with opening.lock:
             try:
-                return int(self.open_part(header))
+                return int(self._fold(opening))
             except Exception as error:
                 if _transient(error):
                     raise
-                self._failed(header, error)
+                self._failed(opening.header, error)
                 return 0
 
     def _failed(self, header: PartHeader, error: Exception) -> None:
@@ -237,16 +305,29 @@ class PartOpener:
     def open_part(self, header: PartHeader) -> bool:
         """Open one stored part and fold it in; False if it is no longer waiting (opened, or
         quarantined) or its channel is no longer configured (it stays stored)."""
+        with contextlib.ExitStack() as lock:
+            opening = self._start(header, lock)
+            return opening is not None and self._fold(opening)
+
+    def _start(self, header: PartHeader, lock: contextlib.ExitStack) -> _Opening | None:
+        """Read and parse a stored part and hand its fragments to the pool; None if it is no
+        longer waiting or its channel is no longer configured (it stays stored)."""
         runtime = self.channels.get(header.channel_id)
         body = self.store.part_body(header)
         if runtime is None or body is None:
-            return False
+            return None
         fragments = Batch.model_validate_json(body).fragments
-        del body
         context = FragmentContext(header.channel_id, header.epoch, header.crowd_id)
-        opened = self.opener.open(context, fragments)
-        undecryptable = len(fragments) - len(opened)
-        del fragments
+        answer = self.opener.submit(context, fragments)
+        return _Opening(
+            header=header, runtime=runtime, fragments=len(fragments), answer=answer, lock=lock
+        )
+
+    def _fold(self, opening: _Opening) -> bool:
+        """Fold a started part's opened fragments in; False if it was no longer waiting."""
+        header, runtime = opening.header, opening.runtime
+        opened = opening.answer()
+        undecryptable = opening.fragments - len(opened)
         if self.fault_while_opening == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         invalid: list[int] = []

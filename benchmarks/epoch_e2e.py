@@ -79,7 +79,10 @@ RATE_SAMPLE = 40_000
 @dataclass
 class Processes:
     """Every service's process tree, sampled from ``/proc`` every half second: peak RSS
-    (``VmHWM``) per process and CPU seconds per service at each phase boundary."""
+    (``VmHWM``) per process and CPU seconds per service at each phase boundary; beside them
+    the PostgreSQL server's processes (those alive at each sample: a backend that ended takes
+    its CPU with it), this benchmark's own process (the load generator) and the machine's idle
+    and I/O-wait time (``/proc/stat``, all cores)."""
 
     services: dict[str, int]
     peaks: dict[str, int] = field(default_factory=dict)
@@ -104,7 +107,7 @@ class Processes:
                 hwm = int(status.split("VmHWM:", 1)[1].split()[0])
                 self.peaks[label] = max(self.peaks.get(label, 0), hwm)
                 cpu[name] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-        return cpu
+        return cpu | _beside()
 
     def mark(self, phase: str) -> None:
         self.marks.append((phase, self.sample()))
@@ -114,6 +117,25 @@ class Processes:
             phase: {n: round(cpu[n] - before[n], 1) for n in cpu}
             for (_, before), (phase, cpu) in zip(self.marks, self.marks[1:], strict=False)
         }
+
+
+def _beside() -> dict[str, float]:
+    """CPU seconds of what runs beside the services: the PostgreSQL server's processes, this
+    process, and the machine's idle and I/O-wait time."""
+    tick, postgres = os.sysconf("SC_CLK_TCK"), 0.0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (proc / "comm").read_text().strip() == "postgres":
+                    stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                    postgres += (int(stat[11]) + int(stat[12])) / tick
+    own = os.times()
+    idle = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[4:6]]
+    return {
+        "postgres server": postgres,
+        "load generator (this process)": own.user + own.system,
+        "idle + iowait (machine)": sum(idle) / tick,
+    }
 
 
 def _deployment(var: Path, template: str | None) -> list[launcher.Service]:

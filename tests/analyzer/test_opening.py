@@ -11,8 +11,10 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic import command
@@ -165,6 +167,72 @@ def test_a_database_failure_is_not_counted_against_the_part(tmp_path: Path) -> N
     assert layers.events.get("part_open_failures") == 0
     assert layers.opener.open_pending() == 1
     assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == 300
+
+
+def _deliver_halves(layers: Layers, batches: int) -> None:
+    """Store ``batches`` batches of 200 contributions, one per shuffler, each in 2 parts."""
+    for i, shuffler in enumerate(sorted(SHUFFLERS)[:batches]):
+        body = make_batch(VALUES[200 * i : 200 * (i + 1)], seed=i, shuffler=shuffler).body
+        for half in _halves(body):
+            layers.intake.accept(half, b64(sign(half, SHUFFLERS[shuffler])), shuffler)
+
+
+def _advisory_locks(layers: Layers) -> int:
+    """Advisory locks held in the test's database (PostgreSQL; SQLite takes none)."""
+    if layers.store.engine.dialect.name != "postgresql":
+        return 0
+    query = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database())"
+    )
+    with layers.store.engine.connect() as conn:
+        return int(conn.execute(text(query)).scalar_one())
+
+
+def test_the_pool_opens_the_next_part_while_the_one_in_hand_is_folded(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layers = build(database_url)
+    _deliver_halves(layers, 3)
+    pool = FragmentOpener(layers.opener.opener.ring, 1, 50)  # in this process: the same calls
+    opener = PartOpener(layers.store, layers.opener.channels, pool, layers.events)
+    steps: list[str] = []
+    submit, fold = pool.submit, layers.store.fold_part
+
+    def submitted(context: FragmentContext, texts: list[str]) -> Callable[[], list[bytes]]:
+        steps.append("submit")
+        return submit(context, texts)
+
+    def folded(*args: Any, **kwargs: Any) -> Any:
+        steps.append("fold")
+        return fold(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "submit", submitted)
+    monkeypatch.setattr(layers.store, "fold_part", folded)
+    assert opener.open_pending() == 6
+    assert steps == ["submit"] + ["submit", "fold"] * 5 + ["fold"]
+    assert _advisory_locks(layers) == 0
+    assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == 600
+
+
+def test_a_database_failure_with_a_part_opened_ahead_leaves_no_part_taken(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layers = build(database_url)
+    _deliver_halves(layers, 2)
+    fold = layers.store.fold_part
+
+    def connection_lost(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("UPDATE batch_parts", {}, Exception("connection lost"))
+
+    monkeypatch.setattr(layers.store, "fold_part", connection_lost)
+    with pytest.raises(OperationalError):
+        layers.opener.open_pending()  # fails folding part 0 with part 1 already started
+    assert _advisory_locks(layers) == 0  # another analyzer worker may take both parts
+    monkeypatch.setattr(layers.store, "fold_part", fold)
+    assert layers.opener.open_pending() == 4
+    assert layers.events.get("part_open_failures") == 0
+    assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == 400
 
 
 @pytest.mark.system
