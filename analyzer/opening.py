@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -103,6 +103,36 @@ def _open_in_worker(keys: tuple[bytes, ...], info: bytes, texts: Sequence[str]) 
     return open_chunk(_worker_ring, info, texts)
 
 
+class OpeningTask:
+    """Fragments being opened: their result is taken once, after which the task holds
+    neither the sealed fragments nor the opened ones; :meth:`cancel` drops the chunks no
+    worker has started (a pass that failed on the way)."""
+
+    def __init__(self, answer: Callable[[], list[bytes]], futures: list[Future[list[bytes]]]):
+        self._answer: Callable[[], list[bytes]] | None = answer
+        self._futures = futures
+
+    def result(self) -> list[bytes]:
+        """The opened fragments, in order (waits for the pool).
+
+        Raises:
+            RuntimeError: the result was taken already.
+        """
+        answer, self._answer = self._answer, None
+        if answer is None:
+            raise RuntimeError("an opening's result is taken once")
+        try:
+            return answer()
+        finally:
+            self._futures = []
+
+    def cancel(self) -> None:
+        """Drop the chunks no worker has started, and the task's hold on every chunk."""
+        for future in self._futures:
+            future.cancel()
+        self._answer, self._futures = None, []
+
+
 class FragmentOpener:
     """Opens fragments in chunks of ``chunk`` on ``processes`` worker processes (in this
     process when ``processes`` is 1), with the keys ``ring`` holds at each call: every task
@@ -149,19 +179,19 @@ class FragmentOpener:
         Raises:
             BrokenProcessPool: if a worker died; the pool is started afresh for the next call.
         """
-        return self.submit(context, texts)()
+        return self.submit(context, texts).result()
 
-    def submit(self, context: FragmentContext, texts: Sequence[str]) -> Callable[[], list[bytes]]:
-        """Start opening ``texts`` on the pool and return what waits for :meth:`open`'s
-        answer, so the caller can prepare the next part meanwhile (in this process the
-        opening happens when the answer is asked for).
+    def submit(self, context: FragmentContext, texts: Sequence[str]) -> OpeningTask:
+        """Start opening ``texts`` on the pool, so the caller can prepare the next part
+        meanwhile; the task's :meth:`OpeningTask.result` is :meth:`open`'s answer (in this
+        process the opening happens when the result is asked for).
 
-        Raises (from the returned call):
+        Raises (from the result):
             BrokenProcessPool: if a worker died; the pool is started afresh for the next call.
         """
         info, pool = context.info(), self._pool
         if pool is None:
-            return lambda: open_chunk(self.ring, info, texts)
+            return OpeningTask(lambda: open_chunk(self.ring, info, texts), [])
         keys = tuple(k.private_bytes_raw() for k in self.ring.keys.values())
         try:
             futures = [
@@ -179,7 +209,7 @@ class FragmentOpener:
                 self._restart(pool)
                 raise
 
-        return answer
+        return OpeningTask(answer, futures)
 
     def _restart(self, broken: ProcessPoolExecutor) -> None:
         """Start the pool afresh, unless an earlier failure of ``broken`` did already."""
@@ -201,7 +231,7 @@ class _Opening:
     header: PartHeader
     runtime: ChannelRuntime
     fragments: int
-    answer: Callable[[], list[bytes]]
+    task: OpeningTask
     lock: contextlib.ExitStack
 
 
@@ -242,7 +272,9 @@ class PartOpener:
             sqlalchemy.exc.SQLAlchemyError, StorageConflictError: the database failed (no
                 part is blamed; the pass starts over later).
         """
-        folded, after, ahead = 0, None, None
+        folded, after = 0, None
+        ahead: _Opening | None = None
+        previous: _Opening | None = None
         try:
             while not self._stop.is_set() and (page := self.store.pending_parts(after=after)):
                 for header in page:
@@ -251,12 +283,15 @@ class PartOpener:
                     previous, ahead = ahead, self._begin(header)
                     if previous is not None:
                         folded += self._finish(previous)
+                        previous = None  # folded: its fragments are no longer held
                 after = page[-1]
             if ahead is not None:
-                folded += self._finish(ahead)
+                previous, ahead = ahead, None
+                folded += self._finish(previous)
         finally:
-            if ahead is not None:
-                ahead.lock.close()  # a failure on the way: this part is opened again later
+            if ahead is not None:  # a failure on the way: this part is opened again later
+                ahead.task.cancel()
+                ahead.lock.close()
         return folded
 
     def _begin(self, header: PartHeader) -> _Opening | None:
@@ -265,17 +300,17 @@ class PartOpener:
         it and start opening it; None if it is not this worker's, no longer waiting, or
         failed (counted against it)."""
         lock = contextlib.ExitStack()
+        if not lock.enter_context(self.store.opening(header)):
+            lock.close()
+            return None
         try:
-            if not lock.enter_context(self.store.opening(header)):
-                lock.close()
-                return None
             started = self._start(header, lock)
         except Exception as error:
-            lock.close()
-            if _transient(error):
-                raise
-            self._failed(header, error)
-            return None
+            with lock:  # the failure is recorded while the part is still this worker's
+                if _transient(error):
+                    raise
+                self._failed(header, error)
+                return None
         if started is None:
             lock.close()
         return started
@@ -318,15 +353,15 @@ class PartOpener:
             return None
         fragments = Batch.model_validate_json(body).fragments
         context = FragmentContext(header.channel_id, header.epoch, header.crowd_id)
-        answer = self.opener.submit(context, fragments)
+        task = self.opener.submit(context, fragments)
         return _Opening(
-            header=header, runtime=runtime, fragments=len(fragments), answer=answer, lock=lock
+            header=header, runtime=runtime, fragments=len(fragments), task=task, lock=lock
         )
 
     def _fold(self, opening: _Opening) -> bool:
         """Fold a started part's opened fragments in; False if it was no longer waiting."""
         header, runtime = opening.header, opening.runtime
-        opened = opening.answer()
+        opened = opening.task.result()
         undecryptable = opening.fragments - len(opened)
         if self.fault_while_opening == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -381,7 +416,8 @@ class PartOpener:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (after the part in hand) and the worker processes."""
+        """Stop the thread (after the part in hand and the one started ahead of it, both
+        folded) and the worker processes."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

@@ -80,11 +80,11 @@ RATE_SAMPLE = 40_000
 class Processes:
     """Every service's process tree, sampled from ``/proc`` every half second: peak RSS
     (``VmHWM``) per process and CPU seconds per service at each phase boundary; beside them
-    the PostgreSQL server's processes (those alive at each sample: a backend that ended takes
-    its CPU with it), this benchmark's own process (the load generator) and the machine's idle
-    and I/O-wait time (``/proc/stat``, all cores)."""
+    the PostgreSQL server (with ``postgres``), this benchmark's own process (the load
+    generator) and the machine's idle and I/O-wait time (``/proc/stat``, all cores)."""
 
     services: dict[str, int]
+    postgres: bool
     peaks: dict[str, int] = field(default_factory=dict)
     marks: list[tuple[str, dict[str, float]]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
@@ -107,7 +107,7 @@ class Processes:
                 hwm = int(status.split("VmHWM:", 1)[1].split()[0])
                 self.peaks[label] = max(self.peaks.get(label, 0), hwm)
                 cpu[name] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-        return cpu | _beside()
+        return cpu | _beside(self.postgres)
 
     def mark(self, phase: str) -> None:
         self.marks.append((phase, self.sample()))
@@ -119,22 +119,32 @@ class Processes:
         }
 
 
-def _beside() -> dict[str, float]:
-    """CPU seconds of what runs beside the services: the PostgreSQL server's processes, this
-    process, and the machine's idle and I/O-wait time."""
-    tick, postgres = os.sysconf("SC_CLK_TCK"), 0.0
+def _postgres_cpu() -> float:
+    """CPU seconds of the PostgreSQL server: its postmaster (the ``postgres`` process whose
+    parent is not one) with the children it reaped (``cutime``, ``cstime``: backends and
+    autovacuum workers that ended) and the children alive now."""
+    tick, found = os.sysconf("SC_CLK_TCK"), {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             with contextlib.suppress(OSError):
                 if (proc / "comm").read_text().strip() == "postgres":
-                    stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-                    postgres += (int(stat[11]) + int(stat[12])) / tick
+                    found[int(proc.name)] = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    total = 0.0
+    for stat in found.values():
+        reaped = 0 if int(stat[1]) in found else int(stat[13]) + int(stat[14])
+        total += (int(stat[11]) + int(stat[12]) + reaped) / tick
+    return total
+
+
+def _beside(postgres: bool) -> dict[str, float]:
+    """CPU seconds of what runs beside the services: the PostgreSQL server (``postgres``),
+    this process (the load generator), and the machine's idle and I/O-wait time."""
     own = os.times()
     idle = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[4:6]]
     return {
-        "postgres server": postgres,
+        **({"postgres server": _postgres_cpu()} if postgres else {}),
         "load generator (this process)": own.user + own.system,
-        "idle + iowait (machine)": sum(idle) / tick,
+        "idle + iowait (machine)": sum(idle) / os.sysconf("SC_CLK_TCK"),
     }
 
 
@@ -353,7 +363,9 @@ def _measure(
     paths = _seal_devices(var, devices, epoch, reports, _shufflers(var, services))
     prepare_seconds = time.perf_counter() - start
     rate = _opening_rate(var, reports, epoch)
-    processes = Processes({s.name: s.process.pid for s in services})
+    on_postgres = any("postgresql" in s.spec.env.get(f"ESA_{k}_DATABASE_URL", "")
+                      for s in services if s.spec for k in ("ANALYZER", "SHUFFLER"))  # fmt: skip
+    processes = Processes({s.name: s.process.pid for s in services}, on_postgres)
     threading.Thread(target=processes.run, daemon=True).start()
     processes.mark("start")
     recorder = None if profile is None else Profile(shufflers[0].process.pid, profile / "ingest")

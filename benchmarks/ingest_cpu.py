@@ -10,7 +10,7 @@ epoch's mean being 8.4) over 64 keep-alive connections, and the server process's
 (``/proc/<pid>/stat``, all its threads) is divided by the contributions it acknowledged.
 Prints the median CPU-µs per contribution of each and their ratio; with ``--profile``
 py-spy records this tree's shuffler during one extra round and the hottest functions are
-printed (docs/benchmarks.md, "Ingest CPU per contribution").
+printed (docs/benchmarks.md, "Ingest CPU per contribution, before and after").
 """
 
 from __future__ import annotations
@@ -166,8 +166,8 @@ def requests(port: int, count: int) -> list[bytes]:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of ``pid`` (``/proc/<pid>/task``), the main thread (the
-    event loop) named ``main``."""
+    """CPU seconds of the threads of ``pid`` alive now (``/proc/<pid>/task``): the main
+    thread (the event loop) as ``main``, the others together."""
     found: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
@@ -179,13 +179,22 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 
 def one_round(port: int, pid: int, load: list[bytes]) -> dict[str, float]:
-    """One round: server CPU-µs per contribution (all threads, and the event loop's thread
-    apart) and contributions/s."""
-    before = thread_cpu(pid)
+    """One round: server CPU-µs per contribution (the process, threads that ended included,
+    and the event loop's thread apart) and contributions/s."""
+    before, main = process_cpu(pid), thread_cpu(pid)["main"]
     seconds, _ = asyncio.run(_load(port, load))
-    after = thread_cpu(pid)
-    used = {name: (after[name] - before.get(name, 0.0)) / len(load) * 1e6 for name in after}
-    return {"cpu": sum(used.values()), "main": used["main"], "rate": len(load) / seconds}
+    per = 1e6 / len(load)
+    return {
+        "cpu": (process_cpu(pid) - before) * per,
+        "main": (thread_cpu(pid)["main"] - main) * per,
+        "rate": len(load) / seconds,
+    }
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid``, all its threads (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prefill(port: int, pid: int, count: int, chunk: int = 20_000) -> None:

@@ -862,7 +862,8 @@ def _group_keys(conn: Connection, evaluated: bool) -> list[GroupKey]:
     query = first
     while (row := conn.execute(query).first()) is not None:
         keys.append(GroupKey(row[0], row[1], int(row[2])))
-        query = first.where(tuple_(*columns) > tuple_(row[0], row[1], row[2]))
+        after = tuple_(row[0], row[1], row[2], types=[column.type for column in columns])
+        query = first.where(tuple_(*columns) > after)
     done = _evaluated_among(conn, keys)
     return [key for key in keys if (key in done) == evaluated]
 

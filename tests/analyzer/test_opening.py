@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from sqlalchemy.exc import OperationalError
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import NothingReceivedError
 from analyzer.metrics import EventsCollector
-from analyzer.opening import OPEN_ATTEMPTS, FragmentOpener, PartOpener
+from analyzer.opening import OPEN_ATTEMPTS, FragmentOpener, OpeningTask, PartOpener
 from analyzer.service import MIGRATIONS
 from analyzer.store import PENDING_PAGE, BatchProgress, PartHeader, PartStatus
 from common.envelope import FragmentContext, KeyRing, seal_fragment, sign
@@ -177,16 +176,26 @@ def _deliver_halves(layers: Layers, batches: int) -> None:
             layers.intake.accept(half, b64(sign(half, SHUFFLERS[shuffler])), shuffler)
 
 
-def _advisory_locks(layers: Layers) -> int:
-    """Advisory locks held in the test's database (PostgreSQL; SQLite takes none)."""
-    if layers.store.engine.dialect.name != "postgresql":
-        return 0
-    query = (
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
-        "(SELECT oid FROM pg_database WHERE datname = current_database())"
-    )
-    with layers.store.engine.connect() as conn:
-        return int(conn.execute(text(query)).scalar_one())
+class _Taken:
+    """Wraps ``store.opening``, counting the parts whose lock is held now. A class: a lock a
+    pass leaked is never released by garbage collection (a generator's would be), so the
+    count shows it while the failure's traceback keeps the pass's frame alive."""
+
+    def __init__(self, store: Any) -> None:
+        self.opening, self.held = store.opening, 0
+
+    def __call__(self, header: PartHeader) -> _Taken:
+        self._inner = self.opening(header)
+        return self
+
+    def __enter__(self) -> bool:
+        mine = bool(self._inner.__enter__())
+        self.held += 1
+        return mine
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.held -= 1
+        return self._inner.__exit__(*exc)
 
 
 def test_the_pool_opens_the_next_part_while_the_one_in_hand_is_folded(
@@ -199,7 +208,7 @@ def test_the_pool_opens_the_next_part_while_the_one_in_hand_is_folded(
     steps: list[str] = []
     submit, fold = pool.submit, layers.store.fold_part
 
-    def submitted(context: FragmentContext, texts: list[str]) -> Callable[[], list[bytes]]:
+    def submitted(context: FragmentContext, texts: list[str]) -> OpeningTask:
         steps.append("submit")
         return submit(context, texts)
 
@@ -209,30 +218,54 @@ def test_the_pool_opens_the_next_part_while_the_one_in_hand_is_folded(
 
     monkeypatch.setattr(pool, "submit", submitted)
     monkeypatch.setattr(layers.store, "fold_part", folded)
+    taken = _Taken(layers.store)
+    monkeypatch.setattr(layers.store, "opening", taken)
     assert opener.open_pending() == 6
     assert steps == ["submit"] + ["submit", "fold"] * 5 + ["fold"]
-    assert _advisory_locks(layers) == 0
+    assert taken.held == 0
     assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == 600
 
 
+@pytest.mark.parametrize("fails", ["fold_part", "part_body"])
 def test_a_database_failure_with_a_part_opened_ahead_leaves_no_part_taken(
-    database_url: str, monkeypatch: pytest.MonkeyPatch
+    database_url: str, monkeypatch: pytest.MonkeyPatch, fails: str
 ) -> None:
+    """The database fails folding part 0 once part 1 is started (``fold_part``), or reading
+    part 1 while part 0 is in hand (``part_body``): both parts' locks are released, no part
+    is blamed, and the next pass folds every part."""
     layers = build(database_url)
     _deliver_halves(layers, 2)
-    fold = layers.store.fold_part
+    taken = _Taken(layers.store)
+    monkeypatch.setattr(layers.store, "opening", taken)
+    real, calls = getattr(layers.store, fails), []
 
     def connection_lost(*args: Any, **kwargs: Any) -> Any:
-        raise OperationalError("UPDATE batch_parts", {}, Exception("connection lost"))
+        calls.append(fails)
+        if fails == "part_body" and len(calls) == 1:
+            return real(*args, **kwargs)  # part 0 is read; reading part 1 fails
+        raise OperationalError("SELECT", {}, Exception("connection lost"))
 
-    monkeypatch.setattr(layers.store, "fold_part", connection_lost)
-    with pytest.raises(OperationalError):
-        layers.opener.open_pending()  # fails folding part 0 with part 1 already started
-    assert _advisory_locks(layers) == 0  # another analyzer worker may take both parts
-    monkeypatch.setattr(layers.store, "fold_part", fold)
+    monkeypatch.setattr(layers.store, fails, connection_lost)
+    with pytest.raises(OperationalError) as raised:
+        layers.opener.open_pending()
+    assert raised.value is not None and taken.held == 0  # the traceback keeps the pass alive
+    assert _advisory_locks(layers) == 0
+    monkeypatch.setattr(layers.store, fails, real)
     assert layers.opener.open_pending() == 4
     assert layers.events.get("part_open_failures") == 0
     assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == 400
+
+
+def _advisory_locks(layers: Layers) -> int:
+    """Advisory locks held in the test's database (PostgreSQL; SQLite takes none)."""
+    if layers.store.engine.dialect.name != "postgresql":
+        return 0
+    query = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database())"
+    )
+    with layers.store.engine.connect() as conn:
+        return int(conn.execute(text(query)).scalar_one())
 
 
 @pytest.mark.system
@@ -249,6 +282,20 @@ def test_a_dead_pool_worker_fails_one_opening_and_the_pool_starts_again() -> Non
         threading.Event().wait(0.5)
         with pytest.raises(BrokenProcessPool):
             opener.open(CONTEXT, texts)
+        assert len(opener.open(CONTEXT, texts)) == 40
+        # Two parts in flight when a worker dies: both fail, the pool starts again once.
+        many = texts * 500  # ~0.5 s of opening each: both still in flight when the worker dies
+        first, second = opener.submit(CONTEXT, many), opener.submit(CONTEXT, many)
+        broken = opener._pool
+        assert broken is not None
+        os.kill(next(iter(broken._processes)), signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):
+            first.result()
+        restarted = opener._pool
+        assert restarted is not broken
+        with pytest.raises(BrokenProcessPool):
+            second.result()
+        assert opener._pool is restarted
         assert len(opener.open(CONTEXT, texts)) == 40
     finally:
         opener.close()
