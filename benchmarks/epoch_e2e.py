@@ -365,7 +365,7 @@ def _measure(
     rate = _opening_rate(var, reports, epoch)
     on_postgres = any("postgresql" in s.spec.env.get(f"ESA_{k}_DATABASE_URL", "")
                       for s in services if s.spec for k in ("ANALYZER", "SHUFFLER"))  # fmt: skip
-    processes = Processes({s.name: s.process.pid for s in services}, on_postgres)
+    processes = Processes(services={s.name: s.process.pid for s in services}, postgres=on_postgres)
     threading.Thread(target=processes.run, daemon=True).start()
     processes.mark("start")
     recorder = None if profile is None else Profile(shufflers[0].process.pid, profile / "ingest")
