@@ -307,9 +307,7 @@ class PartOpener:
             started = self._start(header, lock)
         except Exception as error:
             with lock:  # the failure is recorded while the part is still this worker's
-                if _transient(error):
-                    raise
-                self._failed(header, error)
+                self._charge(header, error)
                 return None
         if started is None:
             lock.close()
@@ -322,10 +320,15 @@ class PartOpener:
             try:
                 return int(self._fold(opening))
             except Exception as error:
-                if _transient(error):
-                    raise
-                self._failed(opening.header, error)
+                self._charge(opening.header, error)
                 return 0
+
+    def _charge(self, header: PartHeader, error: Exception) -> None:
+        """Count a failure against its part, unless it is the database's or the pool's
+        (:func:`_transient`: raised again, no part blamed)."""
+        if _transient(error):
+            raise error
+        self._failed(header, error)
 
     def _failed(self, header: PartHeader, error: Exception) -> None:
         where = {"batch_id": header.batch_id, "part": header.part, "channel": header.channel_id}

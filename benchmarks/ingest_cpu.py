@@ -58,7 +58,7 @@ _spec = importlib.util.spec_from_file_location("shuffler_bench", ROOT / "benchma
 assert _spec is not None and _spec.loader is not None
 _bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_bench)
-_load, _post = _bench._load, _bench._post
+_cpu_seconds, _load, _post = _bench._cpu_seconds, _bench._load, _bench._post
 #: The code as it was when the 10^6-device epoch issue was filed (before its first commit).
 BEFORE = "cc2bbdb"
 #: The shuffler's policy of the catalogue's ``homepage`` channel, with a one-day epoch.
@@ -115,28 +115,14 @@ def serving(tree: Path, var: Path, database: str) -> Iterator[tuple[int, int]]:
         stdout=log,
         stderr=log,
     )
+    service = launcher.Service("shuffler-1", spec.url, process, var / "shuffler.log")
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", process, var / "shuffler.log")
+        launcher.wait_ready([service], 60.0)
         yield port, process.pid
     finally:
         process.terminate()
         process.wait(timeout=60)
         log.close()
-
-
-def _wait_ready(
-    url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 60.0
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log.read_text()[-1500:]
-            raise RuntimeError(f"shuffler exited with {process.returncode}:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
 def requests(port: int, count: int) -> list[bytes]:
@@ -181,20 +167,14 @@ def thread_cpu(pid: int) -> dict[str, float]:
 def one_round(port: int, pid: int, load: list[bytes]) -> dict[str, float]:
     """One round: server CPU-µs per contribution (the process, threads that ended included,
     and the event loop's thread apart) and contributions/s."""
-    before, main = process_cpu(pid), thread_cpu(pid)["main"]
+    before, main = _cpu_seconds(pid), thread_cpu(pid)["main"]
     seconds, _ = asyncio.run(_load(port, load))
     per = 1e6 / len(load)
     return {
-        "cpu": (process_cpu(pid) - before) * per,
+        "cpu": (_cpu_seconds(pid) - before) * per,
         "main": (thread_cpu(pid)["main"] - main) * per,
         "rate": len(load) / seconds,
     }
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds of process ``pid``, all its threads (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prefill(port: int, pid: int, count: int, chunk: int = 20_000) -> None:
