@@ -115,7 +115,9 @@ def serving(tree: Path, var: Path, database: str) -> Iterator[tuple[int, int]]:
         stdout=log,
         stderr=log,
     )
-    service = launcher.Service("shuffler-1", spec.url, process, var / "shuffler.log")
+    service = launcher.Service(
+        name="shuffler-1", url=spec.url, process=process, log=var / "shuffler.log"
+    )
     try:
         launcher.wait_ready([service], 60.0)
         yield port, process.pid
