@@ -236,17 +236,17 @@ def test_sqlite_a_close_cannot_commit_between_the_inserts_reads_and_its_write(
     epoch = clock.epoch
     fill(service, epoch, 10)
     writer, closing = threading.current_thread(), []
-    read = store_module._closed_among
+    read = store_module._checks_among
 
-    def a_close_arrives_after_the_read(conn: Any, channels: Any = None) -> dict[str, int]:
-        result = read(conn, channels)
+    def a_close_arrives_after_the_read(*args: Any) -> tuple[set[str], dict[str, int]]:
+        result = read(*args)
         if threading.current_thread() is writer and not closing:
             closing.append(threading.Thread(target=service.close, args=(POLICY.id, epoch)))
             closing[0].start()
             time.sleep(0.3)  # without the lock, the close commits and evaluates here
         return result
 
-    monkeypatch.setattr(store_module, "_closed_among", a_close_arrives_after_the_read)
+    monkeypatch.setattr(store_module, "_checks_among", a_close_arrives_after_the_read)
     stored = service.commit([pending(service, service.tokens.issue(), epoch)])
     closing[0].join(30)
     assert stored[0].receipt
