@@ -59,6 +59,7 @@ from common.mechanisms import krappor
 from common.randomness import SeededSource
 from common.wire import PART_FRAGMENTS, Batch, ChannelConfig, b64
 from services.cli import launcher
+from services.tools import loadgen
 
 SECTION = "## Part intake and opening throughput"
 EPOCH_SECTION = "## An epoch of 10^6 at the analyzer"
@@ -129,28 +130,8 @@ def _status_kb(pid: int, name: str) -> int:
 
 
 def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (the opening pool's workers, multiprocessing's helpers),
-    from the parent ids in ``/proc/<pid>/stat``."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (``/proc/<pid>/stat`` fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """Every descendant of ``pid`` (the opening pool's workers, multiprocessing's helpers)."""
+    return [member for member in loadgen.process_tree(pid) if member != pid]
 
 
 def _raw_rate(var: Path, pool: list[str], count: int = 20_000) -> float:
@@ -188,7 +169,7 @@ class Memory:
         for pid in [self.pid, *_children(self.pid)]:
             try:
                 self.peaks[pid] = max(self.peaks.get(pid, 0), _status_kb(pid, "VmHWM"))
-                self.cpu[pid] = _cpu_seconds(pid)
+                self.cpu[pid] = loadgen.cpu_seconds(pid)
                 self.roles.setdefault(pid, "analyzer" if pid == self.pid else _role(pid))
                 total += _status_kb(pid, "VmRSS")
             except (FileNotFoundError, ProcessLookupError):

@@ -98,15 +98,17 @@ class Processes:
         for name, pid in self.services.items():
             cpu[name] = 0.0
             for member in loadgen.process_tree(pid):
+                stat = loadgen.stat_fields(f"/proc/{member}/stat")
                 try:
                     status = Path(f"/proc/{member}/status").read_text()
-                    stat = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
                 except OSError:
+                    continue
+                if stat is None:
                     continue
                 label = name if member == pid else f"{name} child {member}"
                 hwm = int(status.split("VmHWM:", 1)[1].split()[0])
                 self.peaks[label] = max(self.peaks.get(label, 0), hwm)
-                cpu[name] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+                cpu[name] += loadgen.stat_seconds(stat)
         return cpu | _beside(self.postgres)
 
     def mark(self, phase: str) -> None:
@@ -123,17 +125,17 @@ def _postgres_cpu() -> float:
     """CPU seconds of the PostgreSQL server: its postmaster (the ``postgres`` process whose
     parent is not one) with the children it reaped (``cutime``, ``cstime``: backends and
     autovacuum workers that ended) and the children alive now."""
-    tick, found = os.sysconf("SC_CLK_TCK"), {}
+    found = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             with contextlib.suppress(OSError):
                 if (proc / "comm").read_text().strip() == "postgres":
-                    found[int(proc.name)] = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-    total = 0.0
-    for stat in found.values():
-        reaped = 0 if int(stat[1]) in found else int(stat[13]) + int(stat[14])
-        total += (int(stat[11]) + int(stat[12]) + reaped) / tick
-    return total
+                    found[int(proc.name)] = loadgen.stat_fields(proc / "stat")
+    return sum(
+        loadgen.stat_seconds(stat, reaped=int(stat[1]) not in found)
+        for stat in found.values()
+        if stat is not None
+    )
 
 
 def _beside(postgres: bool) -> dict[str, float]:

@@ -8,7 +8,9 @@ synchronous=FULL) or on fresh PostgreSQL databases. Rounds alternate between the
 sends the same number of pre-sealed ``homepage`` contributions (8 fragments, the e2e
 epoch's mean being 8.4) over 64 keep-alive connections, and the server process's CPU
 (``/proc/<pid>/stat``, all its threads) is divided by the contributions it acknowledged.
-Prints the median CPU-µs per contribution of each and their ratio; with ``--profile``
+Prints the median CPU-µs per contribution of each and their ratio, and what this tree's
+contribution is made of, each part measured alone in the same run (:func:`measured_apart`:
+the HTTP cycle of a refused request, HPKE opening, the SQLite store); with ``--profile``
 py-spy records this tree's shuffler during one extra round and the hottest functions are
 printed (docs/benchmarks.md, "Ingest CPU per contribution, before and after").
 """
@@ -21,8 +23,10 @@ import base64
 import contextlib
 import importlib.util
 import io
+import itertools
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -33,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from rich.progress import track
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,13 +48,19 @@ from epoch_e2e import _postgres
 
 from common.envelope import (
     Contribution,
+    KeyRing,
     inner_size,
     load_x25519_public,
     new_nonce,
+    open_contribution,
     seal_contribution,
 )
+from runtime.db import make_engine, upgrade
 from services.cli import launcher
+from services.tools import loadgen
 from shuffler.intake import TokenAuthority
+from shuffler.records import Pending
+from shuffler.store import make_store
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,50 +142,24 @@ def requests(port: int, count: int) -> list[bytes]:
     """``count`` contributions sealed to the shuffler on ``port``, each with its own token."""
     config = httpx.get(f"http://127.0.0.1:{port}/v1/config").json()
     public = load_x25519_public(base64.b64decode(config["public_key"]))
-    tokens, epoch = TokenAuthority(b"development"), int(time.time() // 86_400)
+    tokens = TokenAuthority(b"development")
     return [
-        _post(
-            tokens.issue(),
-            seal_contribution(
-                Contribution(
-                    channel_id="homepage",
-                    crowd_id="",
-                    epoch=epoch,
-                    nonce=new_nonce(),
-                    fragments=tuple(
-                        os.urandom(inner_size(CHANNEL["payload_size"])) for _ in range(FRAGMENTS)
-                    ),
-                ),
-                "shuffler-1",
-                public,
-            ),
-        )
-        for _ in range(count)
+        _post(tokens.issue(), seal_contribution(c, "shuffler-1", public))
+        for c in contributions(count)
     ]
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of the threads of ``pid`` alive now (``/proc/<pid>/task``): the main
-    thread (the event loop) as ``main``, the others together."""
-    found: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            name = "main" if task.name == str(pid) else "other threads"
-            used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            found[name] = found.get(name, 0.0) + used
-    return found
-
-
-def one_round(port: int, pid: int, load: list[bytes]) -> dict[str, float]:
-    """One round: server CPU-µs per contribution (the process, threads that ended included,
-    and the event loop's thread apart) and contributions/s."""
-    before, main = _cpu_seconds(pid), thread_cpu(pid)["main"]
-    seconds, _ = asyncio.run(_load(port, load))
+def one_round(
+    port: int, pid: int, load: list[bytes], statuses: tuple[int, ...] = (202,)
+) -> dict[str, float]:
+    """One round: server CPU-µs per request (the process, threads that ended included, and
+    the event loop's thread apart) and requests/s; every answer has one of ``statuses``."""
+    before, main = _cpu_seconds(pid), loadgen.thread_cpu_seconds(pid)[pid]
+    seconds, _ = asyncio.run(_load(port, load, statuses))
     per = 1e6 / len(load)
     return {
         "cpu": (_cpu_seconds(pid) - before) * per,
-        "main": (thread_cpu(pid)["main"] - main) * per,
+        "main": (loadgen.thread_cpu_seconds(pid)[pid] - main) * per,
         "rate": len(load) / seconds,
     }
 
@@ -204,7 +189,8 @@ def main() -> None:
 
 
 def compare(trees: dict[str, Path], tmp: Path, args: argparse.Namespace) -> str:
-    """Alternate rounds between the trees' shufflers; the medians and their ratio."""
+    """Alternate rounds between the trees' shufflers, each followed by a round of refused
+    requests at this tree's; the medians, their ratio and this tree's parts."""
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(_postgres(args.postgres))
         servers = {}
@@ -216,12 +202,91 @@ def compare(trees: dict[str, Path], tmp: Path, args: argparse.Namespace) -> str:
         for port, pid in servers.values():
             prefill(port, pid, args.prefill)
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+        refused = []
         for _ in range(args.rounds):
             for name, (port, pid) in servers.items():
                 rounds[name].append(one_round(port, pid, requests(port, args.requests)))
+            refused.append(refused_round(*servers["after"], args.requests))
+        parts = measured_apart(refused, args)
         if args.profile:
             profile_round(*servers["after"], args)
-    return summary(rounds, args)
+    return summary(rounds, parts, args)
+
+
+def refused_round(port: int, pid: int, count: int) -> float:
+    """The server's CPU-µs per request refused before any work: ``count`` contributions as
+    the rounds send them, each with a forged token (401)."""
+    forged = [r.replace(b"Bearer ", b"Bearer forged", 1) for r in requests(port, count)]
+    return one_round(port, pid, forged, (401,))["cpu"]
+
+
+def measured_apart(refused: list[float], args: argparse.Namespace) -> dict[str, float]:
+    """What this tree's contribution is made of, each part measured alone in the same run
+    (CPU-µs per contribution):
+
+    * ``http``: the server's CPU per request refused before any work (:func:`refused_round`,
+      median of one after each round): the same bytes over the same 64 connections through
+      uvicorn's HTTP cycle and the sockets, answered by the route's refusal;
+    * ``hpke``: opening one sealed contribution (this process, the same HPKE suite);
+    * ``store``: one row of the group commit (``ContributionStore.insert``) in transactions of
+      :data:`COMMIT_ROWS`, on a SQLite database that holds ``--prefill`` rows (this process;
+      with ``--postgres`` the database's own CPU would be missing, so it is not measured).
+    """
+    parts = {"http": statistics.median(refused), "hpke": hpke_cpu(2_000)}
+    if not args.postgres:
+        parts["store"] = store_cpu(args.prefill, args.requests)
+    return parts
+
+
+def contributions(count: int) -> Iterator[Contribution]:
+    """``count`` contributions of the rounds' shape (``homepage``, :data:`FRAGMENTS`)."""
+    epoch = int(time.time() // 86_400)
+    size = inner_size(CHANNEL["payload_size"])
+    for _ in range(count):
+        fragments = tuple(os.urandom(size) for _ in range(FRAGMENTS))
+        yield Contribution(
+            channel_id="homepage", crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=fragments
+        )
+
+
+def hpke_cpu(count: int) -> float:
+    """CPU-µs of opening one contribution sealed as the rounds' are (to a key of this run)."""
+    key = X25519PrivateKey.generate()
+    ring = KeyRing.of(key)
+    blobs = [seal_contribution(c, "shuffler-1", key.public_key()) for c in contributions(count)]
+    start = time.process_time()
+    for blob in blobs:
+        open_contribution(blob, "shuffler-1", ring)
+    return (time.process_time() - start) / count * 1e6
+
+
+#: Rows per group-commit transaction in :func:`store_cpu`: what ``strace -c`` counted per
+#: ``fdatasync`` at a shuffler under the rounds' load.
+COMMIT_ROWS = 51
+
+
+def store_cpu(prefill: int, count: int) -> float:
+    """CPU-µs of storing one row through ``ContributionStore.insert`` in transactions of
+    :data:`COMMIT_ROWS`, once ``prefill`` rows are stored (a fresh SQLite file, WAL, FULL)."""
+    with tempfile.TemporaryDirectory() as directory:
+        engine = make_engine(f"sqlite:///{directory}/store.sqlite")
+        store = make_store(engine)  # before the first connection: its pragmas apply to all
+        upgrade(engine, ROOT / "shuffler" / "migrations")
+
+        def batches(rows: int, size: int) -> Iterator[list[Pending]]:
+            made = (Pending(secrets.token_hex(16), c, time.time()) for c in contributions(rows))
+            while batch := list(itertools.islice(made, size)):
+                yield batch
+
+        for batch in track(batches(prefill, 1_000), description="store prefill"):
+            store.insert(batch)
+        timed, used = 0, 0.0
+        for batch in batches(count, COMMIT_ROWS):
+            start = time.process_time()
+            store.insert(batch)
+            used, timed = used + time.process_time() - start, timed + len(batch)
+        engine.dispose()
+    return used / timed * 1e6
 
 
 def profile_round(port: int, pid: int, args: argparse.Namespace) -> None:
@@ -236,8 +301,10 @@ def profile_round(port: int, pid: int, args: argparse.Namespace) -> None:
         print(f"{inside:6.1%} {alone:6.1%}  {frame}")
 
 
-def summary(rounds: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
-    """The rounds and the medians as text."""
+def summary(
+    rounds: dict[str, list[dict[str, float]]], parts: dict[str, float], args: argparse.Namespace
+) -> str:
+    """The rounds, the medians and this tree's parts (:func:`measured_apart`) as text."""
     lines = [
         f"before = {args.before}, after = this tree; {args.prefill:,} stored first, then "
         f"{args.rounds} rounds of {args.requests:,} each"
@@ -254,6 +321,9 @@ def summary(rounds: dict[str, list[dict[str, float]]], args: argparse.Namespace)
         )
     ratio = medians["after"]["cpu"] / medians["before"]["cpu"]
     lines.append(f"after / before: {ratio:.3f} (target <= 0.667)")
+    rest = medians["after"]["cpu"] - sum(parts.values())
+    named = ", ".join(f"{name} {value:.0f}" for name, value in parts.items())
+    lines.append(f"after, measured apart (CPU-µs per contribution): {named}; the rest {rest:.0f}")
     return "\n".join(lines)
 
 

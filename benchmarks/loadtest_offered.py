@@ -62,7 +62,6 @@ from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 DEPLOYMENT_CORE, DRIVER_CORE = 0, 1
-TICK = os.sysconf("SC_CLK_TCK")
 PID = os.getpid()
 
 
@@ -88,14 +87,8 @@ def pin(pids: Iterable[int], core: int) -> int:
 
 def process_cpu(pids: Iterable[int]) -> float:
     """CPU seconds (utime + stime) used so far by ``pids`` (every thread)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / TICK
+    used = (loadgen.cpu_seconds(pid) for pid in pids)
+    return sum(seconds for seconds in used if seconds == seconds)  # NaN: the process is gone
 
 
 def core_ticks() -> dict[int, tuple[int, int, int]]:

@@ -29,6 +29,7 @@ import trivial_app
 from _report import machine, write_section
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
+from services.tools import loadgen
 from shuffler.intake import TokenAuthority
 from shuffler.records import GroupKey, pack_fragments
 from tests.support import free_port, shuffler_process
@@ -46,8 +47,15 @@ CHANNEL = {
 }
 
 
-async def _connection(host: str, port: int, requests: list[bytes], latencies: list[float]) -> None:
-    """One keep-alive HTTP/1.1 connection sending its requests back to back.
+async def _connection(
+    host: str,
+    port: int,
+    requests: list[bytes],
+    latencies: list[float],
+    statuses: tuple[int, ...] = (200, 202),
+) -> None:
+    """One keep-alive HTTP/1.1 connection sending its requests back to back; an answer whose
+    status is not among ``statuses`` stops the run.
 
     A raw asyncio client: general-purpose Python HTTP clients top out near the server's rate
     on this 2-core machine and would measure themselves instead of the server.
@@ -64,18 +72,21 @@ async def _connection(host: str, port: int, requests: list[bytes], latencies: li
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":", 1)[1])
             await reader.readexactly(length)
-            if status not in (200, 202):
+            if status not in statuses:
                 raise RuntimeError(f"unexpected status {status}: {head!r}")
             latencies.append(time.perf_counter() - start)
     finally:
         writer.close()
 
 
-async def _load(port: int, requests: list[bytes]) -> tuple[float, list[float]]:
+async def _load(
+    port: int, requests: list[bytes], statuses: tuple[int, ...] = (200, 202)
+) -> tuple[float, list[float]]:
     latencies: list[float] = []
     shares = [requests[i::CONCURRENCY] for i in range(CONCURRENCY)]
     start = time.perf_counter()
-    await asyncio.gather(*(_connection("127.0.0.1", port, share, latencies) for share in shares))
+    connections = (_connection("127.0.0.1", port, share, latencies, statuses) for share in shares)
+    await asyncio.gather(*connections)
     return time.perf_counter() - start, latencies
 
 
@@ -99,11 +110,7 @@ def _cpu_seconds(pid: int | None = None) -> float:
     if pid is None:
         times = os.times()
         return times.user + times.system
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return loadgen.cpu_seconds(pid)
 
 
 def _ingest(tmp: Path) -> dict[str, Any]:

@@ -20,7 +20,15 @@ from services.tools.loadgen.devices import (
     enroll,
 )
 from services.tools.loadgen.http import HttpConnection, Response
-from services.tools.loadgen.processes import Usage, process_tree, process_usage
+from services.tools.loadgen.processes import (
+    Usage,
+    cpu_seconds,
+    process_tree,
+    process_usage,
+    stat_fields,
+    stat_seconds,
+    thread_cpu_seconds,
+)
 from services.tools.loadgen.replay import (
     ChannelSource,
     Driver,
@@ -69,6 +77,7 @@ __all__ = [
     "Usage",
     "Wave",
     "ZipfValues",
+    "cpu_seconds",
     "domain_of",
     "enroll",
     "fetch_config",
@@ -77,4 +86,7 @@ __all__ = [
     "process_tree",
     "process_usage",
     "read_requests",
+    "stat_fields",
+    "stat_seconds",
+    "thread_cpu_seconds",
 ]

@@ -37,6 +37,42 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def stat_fields(path: str | Path) -> list[str] | None:
+    """The fields after the command name of a ``stat`` file (``/proc/<pid>/stat`` or a
+    thread's ``/proc/<pid>/task/<tid>/stat``: ``fields[1]`` is the parent id, ``[11:13]``
+    user and system ticks, ``[13:15]`` those of the children it reaped); None once gone."""
+    try:
+        return Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def stat_seconds(fields: list[str], reaped: bool = False) -> float:
+    """User + system CPU seconds of :func:`stat_fields`; with ``reaped`` also those of the
+    children the process waited for (workers that ended)."""
+    used = int(fields[11]) + int(fields[12])
+    if reaped:
+        used += int(fields[13]) + int(fields[14])
+    return used / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, every thread (threads that ended included);
+    NaN once it is gone."""
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return float("nan") if fields is None else stat_seconds(fields)
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of each thread of ``pid`` alive now, by thread id."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = stat_fields(task / "stat")
+        if fields is not None:
+            found[int(task.name)] = stat_seconds(fields)
+    return found
+
+
 def process_usage(pid: int) -> Usage:
     """:class:`Usage` of ``pid`` and every process below it (Linux ``/proc``); zeros once it
     is gone."""
