@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import secrets
@@ -169,7 +170,8 @@ class Memory:
         for pid in [self.pid, *_children(self.pid)]:
             try:
                 self.peaks[pid] = max(self.peaks.get(pid, 0), _status_kb(pid, "VmHWM"))
-                self.cpu[pid] = loadgen.cpu_seconds(pid)
+                used = loadgen.cpu_seconds(pid)  # NaN once gone: keep the last reading
+                self.cpu[pid] = self.cpu.get(pid, 0.0) if math.isnan(used) else used
                 self.roles.setdefault(pid, "analyzer" if pid == self.pid else _role(pid))
                 total += _status_kb(pid, "VmRSS")
             except (FileNotFoundError, ProcessLookupError):

@@ -99,11 +99,11 @@ class Processes:
             cpu[name] = 0.0
             for member in loadgen.process_tree(pid):
                 stat = loadgen.stat_fields(f"/proc/{member}/stat")
+                if stat is None:
+                    continue
                 try:
                     status = Path(f"/proc/{member}/status").read_text()
                 except OSError:
-                    continue
-                if stat is None:
                     continue
                 label = name if member == pid else f"{name} child {member}"
                 hwm = int(status.split("VmHWM:", 1)[1].split()[0])
@@ -129,13 +129,10 @@ def _postgres_cpu() -> float:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             with contextlib.suppress(OSError):
-                if (proc / "comm").read_text().strip() == "postgres":
-                    found[int(proc.name)] = loadgen.stat_fields(proc / "stat")
-    return sum(
-        loadgen.stat_seconds(stat, reaped=int(stat[1]) not in found)
-        for stat in found.values()
-        if stat is not None
-    )
+                stat = loadgen.stat_fields(proc / "stat")
+                if stat is not None and (proc / "comm").read_text().strip() == "postgres":
+                    found[int(proc.name)] = stat
+    return sum(loadgen.stat_seconds(s, reaped=int(s[1]) not in found) for s in found.values())
 
 
 def _beside(postgres: bool) -> dict[str, float]:

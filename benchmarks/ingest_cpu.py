@@ -138,14 +138,15 @@ def serving(tree: Path, var: Path, database: str) -> Iterator[tuple[int, int]]:
         log.close()
 
 
-def requests(port: int, count: int) -> list[bytes]:
-    """``count`` contributions sealed to the shuffler on ``port``, each with its own token."""
+def requests(port: int, count: int, crowd: str = "") -> list[bytes]:
+    """``count`` contributions sealed to the shuffler on ``port``, each with its own token
+    (``crowd``: the crowd they name)."""
     config = httpx.get(f"http://127.0.0.1:{port}/v1/config").json()
     public = load_x25519_public(base64.b64decode(config["public_key"]))
     tokens = TokenAuthority(b"development")
     return [
         _post(tokens.issue(), seal_contribution(c, "shuffler-1", public))
-        for c in contributions(count)
+        for c in contributions(count, crowd)
     ]
 
 
@@ -202,50 +203,72 @@ def compare(trees: dict[str, Path], tmp: Path, args: argparse.Namespace) -> str:
         for port, pid in servers.values():
             prefill(port, pid, args.prefill)
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
-        refused = []
+        refused: dict[str, list[float]] = {"forged": [], "opened": []}
         for _ in range(args.rounds):
             for name, (port, pid) in servers.items():
                 rounds[name].append(one_round(port, pid, requests(port, args.requests)))
-            refused.append(refused_round(*servers["after"], args.requests))
+            for kind, answers in refused.items():
+                answers.append(refused_round(*servers["after"], args.requests, kind))
         parts = measured_apart(refused, args)
         if args.profile:
             profile_round(*servers["after"], args)
     return summary(rounds, parts, args)
 
 
-def refused_round(port: int, pid: int, count: int) -> float:
-    """The server's CPU-µs per request refused before any work: ``count`` contributions as
-    the rounds send them, each with a forged token (401)."""
-    forged = [r.replace(b"Bearer ", b"Bearer forged", 1) for r in requests(port, count)]
-    return one_round(port, pid, forged, (401,))["cpu"]
+#: A crowd the ``homepage`` channel does not declare: refused (400) once opened and parsed.
+UNDECLARED_CROWD = "undeclared"
 
 
-def measured_apart(refused: list[float], args: argparse.Namespace) -> dict[str, float]:
+def refused_round(port: int, pid: int, count: int, kind: str) -> float:
+    """The server's CPU-µs per request refused: ``count`` contributions as the rounds send
+    them, each with a forged token (``forged``: 401 before any work) or naming a crowd the
+    channel does not declare (``opened``: 400 after opening, parsing and the policy checks)."""
+    if kind == "forged":
+        load = [r.replace(b"Bearer ", b"Bearer forged", 1) for r in requests(port, count)]
+        return one_round(port, pid, load, (401,))["cpu"]
+    return one_round(port, pid, requests(port, count, UNDECLARED_CROWD), (400,))["cpu"]
+
+
+def measured_apart(refused: dict[str, list[float]], args: argparse.Namespace) -> dict[str, float]:
     """What this tree's contribution is made of, each part measured alone in the same run
-    (CPU-µs per contribution):
+    (CPU-µs per contribution; medians of the :func:`refused_round` after each round):
 
-    * ``http``: the server's CPU per request refused before any work (:func:`refused_round`,
-      median of one after each round): the same bytes over the same 64 connections through
-      uvicorn's HTTP cycle and the sockets, answered by the route's refusal;
+    * ``http``: a request refused before any work (``forged``): the same bytes over the same
+      64 connections through uvicorn's HTTP cycle and the sockets, and the route's refusal;
     * ``hpke``: opening one sealed contribution (this process, the same HPKE suite);
+    * ``checks``: a request refused after opening (``opened``) less ``http`` and ``hpke``:
+      the token and quota-bucket checks, parsing, the channel's policy;
     * ``store``: one row of the group commit (``ContributionStore.insert``) in transactions of
       :data:`COMMIT_ROWS`, on a SQLite database that holds ``--prefill`` rows (this process;
       with ``--postgres`` the database's own CPU would be missing, so it is not measured).
+
+    What is left of a stored contribution is the hand-off to the commit thread and back
+    (futures, wake-ups, a second task step) and the receipt.
     """
-    parts = {"http": statistics.median(refused), "hpke": hpke_cpu(2_000)}
+    http, hpke = statistics.median(refused["forged"]), hpke_cpu(2_000)
+    parts = {
+        "http": http,
+        "hpke": hpke,
+        "checks": statistics.median(refused["opened"]) - http - hpke,
+    }
     if not args.postgres:
         parts["store"] = store_cpu(args.prefill, args.requests)
     return parts
 
 
-def contributions(count: int) -> Iterator[Contribution]:
-    """``count`` contributions of the rounds' shape (``homepage``, :data:`FRAGMENTS`)."""
+def contributions(count: int, crowd: str = "") -> Iterator[Contribution]:
+    """``count`` contributions of the rounds' shape (``homepage``, :data:`FRAGMENTS`) naming
+    ``crowd``."""
     epoch = int(time.time() // 86_400)
     size = inner_size(CHANNEL["payload_size"])
     for _ in range(count):
         fragments = tuple(os.urandom(size) for _ in range(FRAGMENTS))
         yield Contribution(
-            channel_id="homepage", crowd_id="", epoch=epoch, nonce=new_nonce(), fragments=fragments
+            channel_id="homepage",
+            crowd_id=crowd,
+            epoch=epoch,
+            nonce=new_nonce(),
+            fragments=fragments,
         )
 
 

@@ -88,7 +88,7 @@ def pin(pids: Iterable[int], core: int) -> int:
 def process_cpu(pids: Iterable[int]) -> float:
     """CPU seconds (utime + stime) used so far by ``pids`` (every thread)."""
     used = (loadgen.cpu_seconds(pid) for pid in pids)
-    return sum(seconds for seconds in used if seconds == seconds)  # NaN: the process is gone
+    return sum(seconds for seconds in used if not math.isnan(seconds))  # NaN: it is gone
 
 
 def core_ticks() -> dict[int, tuple[int, int, int]]:

@@ -77,6 +77,7 @@ _NONCE, _RECEIPT = _COLUMNS.index("nonce"), _COLUMNS.index("receipt")
 _CLIENT = _COLUMNS.index("client_id")
 _CHANNEL, _EPOCH = _COLUMNS.index("channel_id"), _COLUMNS.index("epoch")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
+_CLIENTS_PER_CHECK = 900  # with the batch's channels, a check statement's parameters (same)
 #: How long a close or revocation waits for the running inserts before it gives up (ingest
 #: queues behind it meanwhile): :meth:`PostgresContributionStore._barrier`.
 BARRIER_TIMEOUT_MS = 2_000
@@ -220,6 +221,8 @@ class ContributionStore(ABC):
         itself. When the database reports every row inserted (the common case) that is the
         whole transaction; otherwise the rows that landed are the receipts found afterwards.
         """
+        if not rows:
+            return set(), {}, set(), set()
         c = tables.contributions.c
         with self.engine.begin() as conn:
             self.begin_writing(conn)  # SQLite: no close commits between these reads and the insert
@@ -801,11 +804,17 @@ def _checks_among(
     read in the insert's transaction (SQLite; PostgreSQL reads them in the insert statement
     itself, :data:`_PG_INSERT`): a replica of the same trust domain may have revoked a client
     or closed an epoch since this process loaded them, and what any replica answered must hold
-    at every replica from then on. One statement written once per pair of counts and sent as
-    is: two SQLAlchemy queries with expanding ``IN`` lists cost ~12 µs per row at the batch
-    sizes of a loaded replica."""
-    sql = _checks_sql(mark, len(clients), len(channels))
-    return _checks(conn.exec_driver_sql(sql, (*clients, *channels)).all())
+    at every replica from then on. One statement per :data:`_CLIENTS_PER_CHECK` clients,
+    written once per pair of counts and sent as is: two SQLAlchemy queries with expanding
+    ``IN`` lists cost several µs per row at the batch sizes of a loaded replica
+    (docs/benchmarks.md, "Ingest CPU per contribution")."""
+    names, revoked, closed = sorted(clients), set[str](), dict[str, int]()
+    for start in range(0, max(len(names), 1), _CLIENTS_PER_CHECK):  # once with no clients
+        chunk = names[start : start + _CLIENTS_PER_CHECK]
+        sql = _checks_sql(mark, len(chunk), len(channels))
+        found, closed = _checks(conn.exec_driver_sql(sql, (*chunk, *channels)).all())
+        revoked |= found
+    return revoked, closed
 
 
 def _nonces_among(conn: Connection, nonces: list[bytes]) -> set[bytes]:

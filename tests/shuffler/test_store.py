@@ -82,6 +82,25 @@ def test_a_revocation_by_another_replica_holds_at_once(database_url: str, tmp_pa
     assert service.store.ledger()["pending"] == 1
 
 
+def test_revocations_hold_in_a_commit_checked_in_several_statements(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite checks a commit's clients for revocation :data:`_CLIENTS_PER_CHECK` at a time
+    (the parameter limit): a revoked client in any of the statements is refused, the closed
+    epochs are read with each, and every other client lands."""
+    monkeypatch.setattr(store_module, "_CLIENTS_PER_CHECK", 4)
+    service, clock = make_service(f"sqlite:///{tmp_path / 'test.db'}", tmp_path)
+    waiting = [pending(service, service.tokens.issue(), clock.epoch) for _ in range(10)]
+    ordered = sorted(waiting, key=lambda p: p.client_id)
+    for revoked in (ordered[1], ordered[9]):  # in the first statement and in the third
+        service.store.revoke(revoked.client_id, clock())
+    stored = dict(zip((p.client_id for p in waiting), service.commit(waiting), strict=True))
+    refused = {client for client, s in stored.items() if s.receipt is None}
+    assert refused == {ordered[1].client_id, ordered[9].client_id}
+    assert all(isinstance(stored[c].refusal, RevokedTokenError) for c in refused)
+    assert service.store.ledger()["pending"] == 8
+
+
 def test_an_admin_close_by_another_replica_holds_at_once(database_url: str, tmp_path: Path) -> None:
     """An admin close answered by one replica persists the closed epoch; another replica,
     whose in-memory ``closed_upto`` has not seen it, must not acknowledge a contribution for

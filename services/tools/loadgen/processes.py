@@ -64,7 +64,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """User + system CPU seconds of each thread of ``pid`` alive now, by thread id."""
+    """User + system CPU seconds of each thread of ``pid`` alive now, by thread id.
+
+    Raises:
+        FileNotFoundError: the process is gone.
+    """
     found = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         fields = stat_fields(task / "stat")
