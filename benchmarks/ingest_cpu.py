@@ -9,8 +9,8 @@ sends the same number of pre-sealed ``homepage`` contributions (8 fragments, the
 epoch's mean being 8.4) over 64 keep-alive connections, and the server process's CPU
 (``/proc/<pid>/stat``, all its threads) is divided by the contributions it acknowledged.
 Prints the median CPU-µs per contribution of each and their ratio, and what this tree's
-contribution is made of, each part measured alone in the same run (:func:`measured_apart`:
-the HTTP cycle of a refused request, HPKE opening, the SQLite store); with ``--profile``
+contribution is made of, measured in the same run (:func:`measured_apart`: requests refused
+before any work and after opening, HPKE opening and the SQLite store alone); with ``--profile``
 py-spy records this tree's shuffler during one extra round and the hottest functions are
 printed (docs/benchmarks.md, "Ingest CPU per contribution, before and after").
 """
@@ -230,29 +230,21 @@ def refused_round(port: int, pid: int, count: int, kind: str) -> float:
 
 
 def measured_apart(refused: dict[str, list[float]], args: argparse.Namespace) -> dict[str, float]:
-    """What this tree's contribution is made of, each part measured alone in the same run
-    (CPU-µs per contribution; medians of the :func:`refused_round` after each round):
-
-    * ``http``: a request refused before any work (``forged``): the same bytes over the same
-      64 connections through uvicorn's HTTP cycle and the sockets, and the route's refusal;
-    * ``hpke``: opening one sealed contribution (this process, the same HPKE suite);
-    * ``checks``: a request refused after opening (``opened``) less ``http`` and ``hpke``:
-      the token and quota-bucket checks, parsing, the channel's policy;
-    * ``store``: one row of the group commit (``ContributionStore.insert``) in transactions of
-      :data:`COMMIT_ROWS`, on a SQLite database that holds ``--prefill`` rows (this process;
-      with ``--postgres`` the database's own CPU would be missing, so it is not measured).
-
-    What is left of a stored contribution is the hand-off to the commit thread and back
-    (futures, wake-ups, a second task step) and the receipt.
-    """
-    http, hpke = statistics.median(refused["forged"]), hpke_cpu(2_000)
-    parts = {
-        "http": http,
-        "hpke": hpke,
-        "checks": statistics.median(refused["opened"]) - http - hpke,
-    }
+    """What this tree's contribution is made of (CPU-µs per contribution), measured in the same
+    run. At the server (medians of the :func:`refused_round` after each round): ``forged``, a
+    request refused before any work (uvicorn's HTTP cycle, the sockets, the refusal), and
+    ``opened``, one refused after HPKE opening, parsing and the policy checks; a stored
+    contribution's round less ``opened`` is the storing (the commit thread and the hand-offs).
+    Alone, in this process on an otherwise idle machine: ``hpke alone``, opening one
+    contribution; ``store alone``, one row of ``ContributionStore.insert`` in transactions of
+    :data:`COMMIT_ROWS` on a SQLite file that holds ``--prefill`` rows (not with
+    ``--postgres``: the database's own CPU would be missing). The two kinds do not add up: at
+    the server the load generator shares the machine's two cores, which slows the same work
+    (docs/benchmarks.md, "Ingest CPU per contribution, before and after")."""
+    parts = {kind: statistics.median(cpu) for kind, cpu in refused.items()}
+    parts["hpke alone"] = hpke_cpu(2_000)
     if not args.postgres:
-        parts["store"] = store_cpu(args.prefill, args.requests)
+        parts["store alone"] = store_cpu(args.prefill, args.requests)
     return parts
 
 
@@ -344,9 +336,14 @@ def summary(
         )
     ratio = medians["after"]["cpu"] / medians["before"]["cpu"]
     lines.append(f"after / before: {ratio:.3f} (target <= 0.667)")
-    rest = medians["after"]["cpu"] - sum(parts.values())
-    named = ", ".join(f"{name} {value:.0f}" for name, value in parts.items())
-    lines.append(f"after, measured apart (CPU-µs per contribution): {named}; the rest {rest:.0f}")
+    stored, forged, opened = medians["after"]["cpu"], parts["forged"], parts["opened"]
+    lines.append(
+        f"after, at the server (CPU-µs per request): refused before any work {forged:.0f} "
+        f"(the HTTP cycle), refused after opening {opened:.0f} (opening and checks "
+        f"{opened - forged:.0f}), stored {stored:.0f} (storing {stored - opened:.0f})"
+    )
+    alone = ", ".join(f"{name} {value:.0f}" for name, value in parts.items() if "alone" in name)
+    lines.append(f"after, alone in this process (CPU-µs per contribution): {alone}")
     return "\n".join(lines)
 
 
