@@ -77,7 +77,7 @@ _NONCE, _RECEIPT = _COLUMNS.index("nonce"), _COLUMNS.index("receipt")
 _CLIENT = _COLUMNS.index("client_id")
 _CHANNEL, _EPOCH = _COLUMNS.index("channel_id"), _COLUMNS.index("epoch")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
-_CLIENTS_PER_CHECK = 900  # with the batch's channels, a check statement's parameters (same)
+_PARAMETERS_PER_CHECK = 900  # a check statement's clients and channels together (same limit)
 #: How long a close or revocation waits for the running inserts before it gives up (ingest
 #: queues behind it meanwhile): :meth:`PostgresContributionStore._barrier`.
 BARRIER_TIMEOUT_MS = 2_000
@@ -804,13 +804,15 @@ def _checks_among(
     read in the insert's transaction (SQLite; PostgreSQL reads them in the insert statement
     itself, :data:`_PG_INSERT`): a replica of the same trust domain may have revoked a client
     or closed an epoch since this process loaded them, and what any replica answered must hold
-    at every replica from then on. One statement per :data:`_CLIENTS_PER_CHECK` clients,
+    at every replica from then on. One statement per :data:`_PARAMETERS_PER_CHECK`
+    parameters (the channels, then as many clients as fit),
     written once per pair of counts and sent as is: two SQLAlchemy queries with expanding
     ``IN`` lists cost several µs per row at the batch sizes of a loaded replica
     (docs/benchmarks.md, "Ingest CPU per contribution")."""
     names, revoked, closed = sorted(clients), set[str](), dict[str, int]()
-    for start in range(0, max(len(names), 1), _CLIENTS_PER_CHECK):  # once with no clients
-        chunk = names[start : start + _CLIENTS_PER_CHECK]
+    per = max(1, _PARAMETERS_PER_CHECK - len(channels))
+    for start in range(0, max(len(names), 1), per):  # once with no clients
+        chunk = names[start : start + per]
         sql = _checks_sql(mark, len(chunk), len(channels))
         found, closed = _checks(conn.exec_driver_sql(sql, (*chunk, *channels)).all())
         revoked |= found

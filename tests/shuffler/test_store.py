@@ -85,10 +85,11 @@ def test_a_revocation_by_another_replica_holds_at_once(database_url: str, tmp_pa
 def test_revocations_hold_in_a_commit_checked_in_several_statements(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SQLite checks a commit's clients for revocation :data:`_CLIENTS_PER_CHECK` at a time
-    (the parameter limit): a revoked client in any of the statements is refused, the closed
-    epochs are read with each, and every other client lands."""
-    monkeypatch.setattr(store_module, "_CLIENTS_PER_CHECK", 4)
+    """SQLite checks a commit's clients for revocation as many at a time as fit beside its
+    channels in :data:`_PARAMETERS_PER_CHECK` (the parameter limit): a revoked client in any
+    of the statements is refused, the closed epochs are read with each, and every other
+    client lands."""
+    monkeypatch.setattr(store_module, "_PARAMETERS_PER_CHECK", 5)  # 1 channel + 4 clients
     service, clock = make_service(f"sqlite:///{tmp_path / 'test.db'}", tmp_path)
     waiting = [pending(service, service.tokens.issue(), clock.epoch) for _ in range(10)]
     ordered = sorted(waiting, key=lambda p: p.client_id)
