@@ -78,10 +78,12 @@ RATE_SAMPLE = 40_000
 
 @dataclass
 class Processes:
-    """Every service's process tree, sampled from ``/proc`` every half second: peak RSS
-    (``VmHWM``) per process and CPU seconds per service at each phase boundary; beside them
-    the PostgreSQL server (with ``postgres``), this benchmark's own process (the load
-    generator) and the machine's idle and I/O-wait time (``/proc/stat``, all cores)."""
+    """Every service's process tree, read from ``/proc`` every two seconds for peak RSS
+    (``VmHWM``, the kernel's own high-water mark, so a slower sampler misses only a process
+    that ends between two reads) and at each phase boundary for CPU seconds per service; beside
+    them the PostgreSQL server (with ``postgres``), this benchmark's own process (the load
+    generator) and the machine's idle and I/O-wait time (``/proc/stat``, all cores). Each read
+    is one pass over ``/proc``: this process shares the two cores with what it measures."""
 
     services: dict[str, int]
     postgres: bool
@@ -90,17 +92,15 @@ class Processes:
     done: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        while not self.done.wait(0.5):
+        while not self.done.wait(2.0):
             self.sample()
 
     def sample(self) -> dict[str, float]:
+        table = loadgen.process_table()
         cpu: dict[str, float] = {}
         for name, pid in self.services.items():
             cpu[name] = 0.0
-            for member in loadgen.process_tree(pid):
-                stat = loadgen.stat_fields(f"/proc/{member}/stat")
-                if stat is None:
-                    continue
+            for member in loadgen.process_tree(pid, table):
                 try:
                     status = Path(f"/proc/{member}/status").read_text()
                 except OSError:
@@ -108,8 +108,8 @@ class Processes:
                 label = name if member == pid else f"{name} child {member}"
                 hwm = int(status.split("VmHWM:", 1)[1].split()[0])
                 self.peaks[label] = max(self.peaks.get(label, 0), hwm)
-                cpu[name] += loadgen.stat_seconds(stat)
-        return cpu | _beside(self.postgres)
+                cpu[name] += loadgen.stat_seconds(table[member][1])
+        return cpu | _beside(table if self.postgres else None)
 
     def mark(self, phase: str) -> None:
         self.marks.append((phase, self.sample()))
@@ -121,27 +121,21 @@ class Processes:
         }
 
 
-def _postgres_cpu() -> float:
+def _postgres_cpu(table: dict[int, tuple[str, list[str]]]) -> float:
     """CPU seconds of the PostgreSQL server: its postmaster (the ``postgres`` process whose
     parent is not one) with the children it reaped (``cutime``, ``cstime``: backends and
     autovacuum workers that ended) and the children alive now."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                stat = loadgen.stat_fields(proc / "stat")
-                if stat is not None and (proc / "comm").read_text().strip() == "postgres":
-                    found[int(proc.name)] = stat
+    found = {pid: fields for pid, (name, fields) in table.items() if name == "postgres"}
     return sum(loadgen.stat_seconds(s, reaped=int(s[1]) not in found) for s in found.values())
 
 
-def _beside(postgres: bool) -> dict[str, float]:
-    """CPU seconds of what runs beside the services: the PostgreSQL server (``postgres``),
-    this process (the load generator), and the machine's idle and I/O-wait time."""
+def _beside(table: dict[int, tuple[str, list[str]]] | None) -> dict[str, float]:
+    """CPU seconds of what runs beside the services: the PostgreSQL server (given the process
+    table), this process (the load generator), and the machine's idle and I/O-wait time."""
     own = os.times()
     idle = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[4:6]]
     return {
-        **({"postgres server": _postgres_cpu()} if postgres else {}),
+        **({"postgres server": _postgres_cpu(table)} if table is not None else {}),
         "load generator (this process)": own.user + own.system,
         "idle + iowait (machine)": sum(idle) / os.sysconf("SC_CLK_TCK"),
     }

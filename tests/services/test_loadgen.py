@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -180,3 +182,28 @@ def test_a_sealing_worker_that_dies_fails_the_pool_instead_of_hanging(tmp_path: 
         assert not sealing.is_alive(), "the pool still waits for the dead worker"
     assert len(failures) == 1 and isinstance(failures[0], loadgen.LoadError), failures
     assert "sealing worker died" in str(failures[0])
+
+
+@pytest.mark.system
+def test_process_table_gives_every_tree_from_one_pass() -> None:
+    """A child and grandchild appear under this process with their names, from one table, and
+    a process that is not below another is not in its tree."""
+    script = "import subprocess, sys, time; subprocess.Popen(['sleep', '30']); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            table = loadgen.process_table()
+            tree = loadgen.process_tree(os.getpid(), table)
+            if len(tree) >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert tree[0] == os.getpid() and child.pid in tree
+        names = {table[member][0] for member in tree}
+        assert "sleep" in names
+        assert os.getpid() not in loadgen.process_tree(child.pid, table)
+        assert loadgen.stat_seconds(table[os.getpid()][1]) > 0
+    finally:
+        for member in reversed(loadgen.process_tree(child.pid)):
+            os.kill(member, signal.SIGKILL)
+        child.wait()

@@ -23,6 +23,7 @@ from services.tools.loadgen.http import HttpConnection, Response
 from services.tools.loadgen.processes import (
     Usage,
     cpu_seconds,
+    process_table,
     process_tree,
     process_usage,
     stat_fields,
@@ -83,6 +84,7 @@ __all__ = [
     "fetch_config",
     "fetch_target",
     "percentile",
+    "process_table",
     "process_tree",
     "process_usage",
     "read_requests",

@@ -18,16 +18,26 @@ class Usage:
     processes: int
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (Linux ``/proc``); empty once it is gone."""
-    parents: dict[int, int] = {}
+def process_table() -> dict[int, tuple[str, list[str]]]:
+    """Every process now, by pid: its command name and :func:`stat_fields`, from one pass over
+    ``/proc`` (a sampler that needs several trees reads it once per sample, not per tree)."""
+    table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
+                text = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+            name, rest = text.split("(", 1)[1].rsplit(")", 1)
+            table[int(entry)] = (name, rest.split())
+    return table
+
+
+def process_tree(pid: int, table: dict[int, tuple[str, list[str]]] | None = None) -> list[int]:
+    """``pid`` and every process below it (Linux ``/proc``, or a :func:`process_table` read
+    before); empty once it is gone."""
+    found = process_table() if table is None else table
+    parents = {member: int(fields[1]) for member, (_, fields) in found.items()}
     tree, frontier = [], [pid]
     while frontier:
         current = frontier.pop()
