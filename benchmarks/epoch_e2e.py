@@ -121,21 +121,13 @@ class Processes:
         }
 
 
-def _postgres_cpu(table: dict[int, tuple[str, list[str]]]) -> float:
-    """CPU seconds of the PostgreSQL server: its postmaster (the ``postgres`` process whose
-    parent is not one) with the children it reaped (``cutime``, ``cstime``: backends and
-    autovacuum workers that ended) and the children alive now."""
-    found = {pid: fields for pid, (name, fields) in table.items() if name == "postgres"}
-    return sum(loadgen.stat_seconds(s, reaped=int(s[1]) not in found) for s in found.values())
-
-
 def _beside(table: dict[int, tuple[str, list[str]]] | None) -> dict[str, float]:
     """CPU seconds of what runs beside the services: the PostgreSQL server (given the process
     table), this process (the load generator), and the machine's idle and I/O-wait time."""
     own = os.times()
     idle = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[4:6]]
     return {
-        **({"postgres server": _postgres_cpu(table)} if table is not None else {}),
+        **({"postgres server": loadgen.server_cpu_seconds("postgres", table)} if table else {}),
         "load generator (this process)": own.user + own.system,
         "idle + iowait (machine)": sum(idle) / os.sysconf("SC_CLK_TCK"),
     }

@@ -515,6 +515,7 @@ class ContributionStore(ABC):
                     (body.batch_id == p.batch_id) & (body.part == p.part),
                 )
                 .where(*_part_filter(key))
+                .execution_options(**{db.BINARY_RESULTS: True})
             ).one()
         return DuePart(
             batch_id=key.batch_id,
@@ -1236,7 +1237,11 @@ class PostgresContributionStore(ContributionStore):
         wanted = np.sort(survivors)
         if not wanted.size:
             return
-        query = select(c.id, c.fragments).where(*_unheld(key))
+        query = (
+            select(c.id, c.fragments)
+            .where(*_unheld(key))
+            .execution_options(**{db.BINARY_RESULTS: True})
+        )
         streamed = conn.execution_options(stream_results=True, max_row_buffer=_READ_ROWS)
         found = 0
         for rows in streamed.execute(query).partitions(_READ_ROWS):

@@ -202,7 +202,9 @@ def test_process_table_gives_every_tree_from_one_pass() -> None:
         names = {table[member][0] for member in tree}
         assert "sleep" in names
         assert os.getpid() not in loadgen.process_tree(child.pid, table)
-        assert loadgen.stat_seconds(table[os.getpid()][1]) > 0
+        own = loadgen.stat_seconds(table[os.getpid()][1])
+        assert own > 0
+        assert loadgen.server_cpu_seconds(table[os.getpid()][0], table) >= own
     finally:
         for member in reversed(loadgen.process_tree(child.pid)):
             os.kill(member, signal.SIGKILL)

@@ -47,6 +47,18 @@ def process_tree(pid: int, table: dict[int, tuple[str, list[str]]] | None = None
     return tree
 
 
+def server_cpu_seconds(name: str, table: dict[int, tuple[str, list[str]]] | None = None) -> float:
+    """CPU seconds of a multi-process server by command name (``postgres``): every process of
+    that name alive now, and for its root (the one whose parent has another name) also the
+    children it reaped (``cutime``, ``cstime``: backends and workers that ended)."""
+    found = {
+        pid: fields
+        for pid, (command, fields) in (process_table() if table is None else table).items()
+        if command == name
+    }
+    return sum(stat_seconds(s, reaped=int(s[1]) not in found) for s in found.values())
+
+
 def stat_fields(path: str | Path) -> list[str] | None:
     """The fields after the command name of a ``stat`` file (``/proc/<pid>/stat`` or a
     thread's ``/proc/<pid>/task/<tid>/stat``: ``fields[1]`` is the parent id, ``[11:13]``
