@@ -1,9 +1,9 @@
 """Ingest CPU per contribution, this tree against an earlier commit, in one run.
 
 Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/ingest_cpu.py [--before REF]
-[--postgres USER@HOST:PORT] [--profile DIR]``. The earlier commit's tree is exported with
-``git archive`` and both shufflers run side by side as real ``esa shuffler serve`` processes
-(same interpreter and packages, each importing its own tree), on SQLite (WAL,
+[--postgres USER@HOST:PORT] [--profile DIR] [--perf DIR]``. The earlier commit's tree is
+exported with ``git archive`` and both shufflers run side by side as real ``esa shuffler
+serve`` processes (same interpreter and packages, each importing its own tree), on SQLite (WAL,
 synchronous=FULL) or on fresh PostgreSQL databases. Rounds alternate between them: each round
 sends the same number of pre-sealed ``homepage`` contributions (8 fragments, the e2e
 epoch's mean being 8.4) over 64 keep-alive connections, and the server process's CPU
@@ -12,7 +12,8 @@ Prints the median CPU-µs per contribution of each and their ratio, and what thi
 contribution is made of, measured in the same run (:func:`measured_apart`: requests refused
 before any work and after opening, HPKE opening and the SQLite store alone); with ``--profile``
 py-spy records this tree's shuffler during one extra round and the hottest functions are
-printed (docs/benchmarks.md, "Ingest CPU per contribution, before and after").
+printed, with ``--perf DIR`` perf does and the CPU is split by what does the work, native code
+and system calls included (docs/benchmarks.md, "Ingest CPU per contribution, before and after").
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from rich.progress import track
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _perf import PerfRecord, shares
 from _profile import Profile, top_frames
 from epoch_e2e import _postgres
 
@@ -182,6 +184,9 @@ def main() -> None:
     )
     parser.add_argument("--postgres", help="PostgreSQL server USER@HOST:PORT (else SQLite)")
     parser.add_argument("--profile", type=Path, help="py-spy this tree's shuffler into DIR")
+    parser.add_argument(
+        "--perf", type=Path, help="perf record this tree's shuffler into DIR (native stacks)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
@@ -212,6 +217,8 @@ def compare(trees: dict[str, Path], tmp: Path, args: argparse.Namespace) -> str:
         parts = measured_apart(refused, args)
         if args.profile:
             profile_round(*servers["after"], args)
+        if args.perf:
+            perf_round(*servers["after"], args)
     return summary(rounds, parts, args)
 
 
@@ -314,6 +321,19 @@ def profile_round(port: int, pid: int, args: argparse.Namespace) -> None:
     profile.stop()
     for frame, inside, alone in top_frames(profile.raw, count=25):
         print(f"{inside:6.1%} {alone:6.1%}  {frame}")
+
+
+def perf_round(port: int, pid: int, args: argparse.Namespace) -> None:
+    """perf on this tree's shuffler during one more round: what its CPU is spent on, native
+    code and system calls included (:func:`_perf.shares`)."""
+    load = requests(port, args.requests)
+    args.perf.mkdir(parents=True, exist_ok=True)
+    record = PerfRecord(pid, args.perf / "ingest")
+    time.sleep(1)
+    one_round(port, pid, load)
+    record.stop()
+    for name, share in shares(record.data):
+        print(f"{share:6.1%}  {name}")
 
 
 def summary(
