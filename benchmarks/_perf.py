@@ -12,17 +12,17 @@ import subprocess
 from pathlib import Path
 
 #: (category, substrings of a frame's symbol or library): the first that any frame of a
-#: sample's stack matches takes the sample. The kernel's stack is whole but the user stack
-#: above a system call often stops at libc, so system calls are told apart by their own entry
-#: point (in the shuffler only SQLite uses ``pwrite64``/``pread64``). What matches none is
-#: counted by its system call, else by its leaf library (the interpreter running uvicorn,
-#: asyncio and the route; libc ...).
+#: sample's stack matches takes the sample, so a system call counts as itself whoever made it.
+#: The user stack above a system call may stop at libc, so system calls are told apart by
+#: their own entry point (in the shuffler only SQLite uses ``pwrite64``/``pread64``). What
+#: matches none is counted by its system call, else by its leaf library (the interpreter
+#: running uvicorn, asyncio and the route; libc ...).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HPKE opening (OpenSSL inside cryptography's module)", ("_rust.abi3.so",)),
     ("hashes and HMAC (Python's hashlib, the system's OpenSSL)", ("libcrypto", "_hashlib")),
-    ("SQLite's own code", ("libsqlite3", "_sqlite3")),
     ("kernel: fdatasync and fsync", ("_sys_fsync", "_sys_fdatasync")),
     ("kernel: SQLite's file reads and writes", ("_sys_pwrite64", "_sys_pread64")),
+    ("SQLite's own code", ("libsqlite3", "_sqlite3")),
     ("kernel: sockets and epoll (loopback TCP)", ("tcp_", "sock_", "_sys_epoll", "ep_poll")),
     ("HTTP parsing (httptools)", ("httptools",)),
 )

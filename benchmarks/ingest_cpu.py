@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _perf import PerfRecord, shares
 from _profile import Profile, top_frames
+from _store import COMMIT_ROWS, migrated_sqlite
 from epoch_e2e import _postgres
 
 from common.envelope import (
@@ -57,12 +58,10 @@ from common.envelope import (
     open_contribution,
     seal_contribution,
 )
-from runtime.db import make_engine, upgrade
 from services.cli import launcher
 from services.tools import loadgen
 from shuffler.intake import TokenAuthority
 from shuffler.records import Pending
-from shuffler.store import make_store
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,18 +281,11 @@ def hpke_cpu(count: int) -> float:
     return (time.process_time() - start) / count * 1e6
 
 
-#: Rows per group-commit transaction in :func:`store_cpu`: what ``strace -c`` counted per
-#: ``fdatasync`` at a shuffler under the rounds' load.
-COMMIT_ROWS = 51
-
-
 def store_cpu(prefill: int, count: int) -> float:
     """CPU-µs of storing one row through ``ContributionStore.insert`` in transactions of
     :data:`COMMIT_ROWS`, once ``prefill`` rows are stored (a fresh SQLite file, WAL, FULL)."""
     with tempfile.TemporaryDirectory() as directory:
-        engine = make_engine(f"sqlite:///{directory}/store.sqlite")
-        store = make_store(engine)  # before the first connection: its pragmas apply to all
-        upgrade(engine, ROOT / "shuffler" / "migrations")
+        engine, store = migrated_sqlite(Path(directory) / "store.sqlite")
 
         def batches(rows: int, size: int) -> Iterator[list[Pending]]:
             made = (Pending(secrets.token_hex(16), c, time.time()) for c in contributions(rows))

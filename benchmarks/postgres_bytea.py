@@ -25,8 +25,10 @@ import psycopg
 from sqlalchemy import insert, select
 from sqlalchemy.engine import Engine
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _store import COMMIT_ROWS
 from alembic import command
 from alembic.config import Config
 
@@ -35,7 +37,6 @@ from services.tools import loadgen
 from shuffler.app import MIGRATIONS
 from shuffler.tables import contributions
 
-COMMIT_ROWS = 51
 SCHEMAS = {"rows inline (head)": "head", "PostgreSQL's default (0006)": "0006"}
 
 

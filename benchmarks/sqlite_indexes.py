@@ -24,15 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.envelope import inner_size, new_nonce
-from runtime.db import make_engine, upgrade
-from shuffler.records import pack_fragments
-from shuffler.store import WAL_AUTOCHECKPOINT_PAGES, _insert_sql, make_store, new_receipts
+from _store import COMMIT_ROWS, migrated_sqlite
 
-ROOT = Path(__file__).resolve().parents[1]
-COMMIT_ROWS = 51
+from common.envelope import inner_size, new_nonce
+from shuffler.records import pack_fragments
+from shuffler.store import WAL_AUTOCHECKPOINT_PAGES, _insert_sql, new_receipts
+
 NONCE = "UNIQUE (nonce)"
 QUOTA = "CONSTRAINT uq_contribution_quota UNIQUE (client_id, channel_id, epoch)"
 #: name: (edit of the table's DDL, extra DDL, page size, checkpoint interval in pages)
@@ -60,9 +60,7 @@ VARIANTS = {
 
 def shipped_schema(directory: Path) -> list[str]:
     """The DDL of ``contributions`` and its indexes, from a file the migrations made."""
-    engine = make_engine(f"sqlite:///{directory / 'migrated.sqlite'}")
-    make_store(engine)
-    upgrade(engine, ROOT / "shuffler" / "migrations")
+    engine, _ = migrated_sqlite(directory / "migrated.sqlite")
     engine.dispose()
     with sqlite3.connect(directory / "migrated.sqlite") as conn:
         found = conn.execute(
