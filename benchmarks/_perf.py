@@ -12,9 +12,9 @@ import subprocess
 from pathlib import Path
 
 #: (category, substrings of a frame's symbol or library): the first that any frame of a
-#: sample's stack matches takes the sample, so a system call counts as itself whoever made it.
-#: The user stack above a system call may stop at libc, so system calls are told apart by
-#: their own entry point (in the shuffler only SQLite uses ``pwrite64``/``pread64``). What
+#: sample's stack matches takes the sample: cryptography first, then system calls (by their
+#: own entry point: the user stack above a system call may stop at libc, so the library that
+#: made it is not always known) (in the shuffler only SQLite uses ``pwrite64``/``pread64``). What
 #: matches none is counted by its system call, else by its leaf library (the interpreter
 #: running uvicorn, asyncio and the route; libc ...).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -35,17 +35,22 @@ class PerfRecord:
         if shutil.which("perf") is None:
             raise RuntimeError("perf is not installed (Debian: linux-perf)")
         self.data = out.with_suffix(".perf.data")
+        self.log = out.with_suffix(".perf.log")
         command = ["perf", "record", "-q", "-F", str(rate), "--call-graph", "dwarf,16384"]
-        self._process = subprocess.Popen(
-            [*command, "-p", str(pid), "-o", str(self.data)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        with self.log.open("w") as log:
+            self._process = subprocess.Popen(
+                [*command, "-p", str(pid), "-o", str(self.data)], stdout=log, stderr=log
+            )
 
     def stop(self) -> None:
-        """End the recording (SIGINT makes perf write its file)."""
+        """End the recording (SIGINT makes perf write its file).
+
+        Raises:
+            RuntimeError: perf failed (``perf_event_paranoid``, no such process): its log.
+        """
         self._process.send_signal(2)
-        self._process.wait(timeout=120)
+        if self._process.wait(timeout=120) not in (0, -2) or not self.data.exists():
+            raise RuntimeError(f"perf record failed: {self.log.read_text().strip()}")
 
 
 def _stacks(data: Path) -> list[list[str]]:
@@ -59,9 +64,10 @@ def _stacks(data: Path) -> list[list[str]]:
     ]
 
 
-def shares(data: Path) -> list[tuple[str, float]]:
-    """``(category, share of samples)``, largest first (:data:`CATEGORIES`, then by the leaf
-    library of the rest: the interpreter running uvicorn, asyncio and the route, libc ...)."""
+def shares(data: Path) -> list[tuple[str, float, int]]:
+    """``(category, share of samples, samples in all)``, largest first (:data:`CATEGORIES`,
+    then by system call or leaf library: the interpreter running uvicorn, asyncio and the
+    route, libc ...)."""
     counts: collections.Counter[str] = collections.Counter()
     stacks = _stacks(data)
     for frames in stacks:
@@ -71,7 +77,7 @@ def shares(data: Path) -> list[tuple[str, float]]:
             found = _other(frames)
         counts[found] += 1
     total = max(1, len(stacks))
-    return [(name, count / total) for name, count in counts.most_common()]
+    return [(name, count / total, len(stacks)) for name, count in counts.most_common()]
 
 
 def _other(frames: list[str]) -> str:

@@ -12,8 +12,9 @@ Prints the median CPU-µs per contribution of each and their ratio, and what thi
 contribution is made of, measured in the same run (:func:`measured_apart`: requests refused
 before any work and after opening, HPKE opening and the SQLite store alone); with ``--profile``
 py-spy records this tree's shuffler during one extra round and the hottest functions are
-printed, with ``--perf DIR`` perf does and the CPU is split by what does the work, native code
-and system calls included (docs/benchmarks.md, "Ingest CPU per contribution, before and after").
+printed; with ``--perf DIR`` perf records one more round and its CPU is split by what does
+the work, native code and system calls included (docs/benchmarks.md, "Ingest CPU per
+contribution, before and after").
 """
 
 from __future__ import annotations
@@ -316,15 +317,20 @@ def profile_round(port: int, pid: int, args: argparse.Namespace) -> None:
 
 
 def perf_round(port: int, pid: int, args: argparse.Namespace) -> None:
-    """perf on this tree's shuffler during one more round: what its CPU is spent on, native
-    code and system calls included (:func:`_perf.shares`)."""
-    load = requests(port, args.requests)
+    """perf on this tree's shuffler during one more round, five times as long as the others
+    (a few thousand samples at perf's 250 Hz): what its CPU is spent on, native code and
+    system calls included (:func:`_perf.shares`)."""
+    load = requests(port, 5 * args.requests)
     args.perf.mkdir(parents=True, exist_ok=True)
     record = PerfRecord(pid, args.perf / "ingest")
-    time.sleep(1)
-    one_round(port, pid, load)
-    record.stop()
-    for name, share in shares(record.data):
+    try:
+        time.sleep(1)
+        one_round(port, pid, load)
+    finally:
+        record.stop()
+    found = shares(record.data)
+    print(f"perf: {found[0][2]:,} samples of a round of {len(load):,} stored contributions")
+    for name, share, _ in found:
         print(f"{share:6.1%}  {name}")
 
 

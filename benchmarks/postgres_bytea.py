@@ -1,21 +1,24 @@
-"""What PostgreSQL's ``bytea`` handling costs the shuffler: a contribution row stored whole in
-its page or moved to TOAST, and rows read as hex text or in the binary format.
+"""What reading ``bytea`` rows costs the PostgreSQL server and the reader: as hex text (psycopg's
+default) or in the binary format (:data:`runtime.db.BINARY_RESULTS`).
 
 Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/postgres_bytea.py
-[--server postgres@127.0.0.1:5432] [--rows N] [--bytes N]``. For each schema, a fresh database
-migrated by the shuffler's own migrations (head: rows kept inline, ``toast_tuple_target``; and
-0006, PostgreSQL's default), ``--rows`` contributions of ``--bytes`` random bytes of fragments
-(2,100: a 30-fragment k-RAPPOR contribution) inserted in transactions of 51 rows, then read
-back whole by one server-side cursor as the close reads a group (rows as text, then in the
-binary format of :data:`runtime.db.BINARY_RESULTS`). Prints CPU-µs per row of the PostgreSQL
-server (every ``postgres`` process) and of this process, for each step.
+[--server postgres@127.0.0.1:5432] [--rows N] [--bytes N] [--repeats N]``. A fresh database
+migrated by the shuffler's own migrations gets ``--rows`` contributions of ``--bytes`` random
+bytes of fragments (2,100: a 30-fragment k-RAPPOR contribution) in transactions of 51 rows,
+then ``VACUUM``, ``CHECKPOINT`` and one untimed scan, so no timed read sets hint bits or
+writes pages back. Then the rows are read whole by one server-side cursor, as the close reads
+a group, ``--repeats`` times in each format, alternating. Prints the median CPU-µs per row of
+the PostgreSQL server (every ``postgres`` process on the machine) and of this process, with
+the range.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import secrets
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,15 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _store import COMMIT_ROWS
-from alembic import command
-from alembic.config import Config
 
 from runtime import db
 from services.tools import loadgen
 from shuffler.app import MIGRATIONS
 from shuffler.tables import contributions
-
-SCHEMAS = {"rows inline (head)": "head", "PostgreSQL's default (0006)": "0006"}
 
 
 def cpu_per_row(step: Callable[[], None], rows: int) -> tuple[float, float]:
@@ -76,27 +75,31 @@ def read(engine: Engine, binary: bool) -> None:
     with engine.connect() as conn:
         streamed = conn.execution_options(stream_results=True, max_row_buffer=2000)
         for rows in streamed.execute(query).partitions(2000):
-            assert all(len(row[1]) for row in rows)
+            if not all(row[1] for row in rows):
+                raise RuntimeError("a row came back without its fragments")
 
 
-def measure(server: str, revision: str, rows: int, size: int) -> dict[str, tuple[float, float]]:
-    """Insert, then read as text and as binary, on a fresh database at ``revision``."""
-    user, _, hostport = server.partition("@")
+def measure(args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    """Fill a fresh database, settle it, then time the reads in both formats, alternating."""
+    user, _, hostport = args.server.partition("@")
     name = f"esa_bench_{secrets.token_hex(4)}"
     with psycopg.connect(f"postgresql://{user}@{hostport}/postgres", autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
         engine = db.make_engine(f"postgresql+psycopg://{user}@{hostport}/{name}")
         try:
-            config = Config()
-            config.set_main_option("script_location", str(MIGRATIONS))
-            with engine.begin() as conn:
-                config.attributes["connection"] = conn
-                command.upgrade(config, revision)
-            return {
-                "insert": cpu_per_row(lambda: fill(engine, rows, size), rows),
-                "read as text": cpu_per_row(lambda: read(engine, False), rows),
-                "read in binary": cpu_per_row(lambda: read(engine, True), rows),
-            }
+            db.upgrade(engine, MIGRATIONS)
+            fill(engine, args.rows, args.bytes)
+            with engine.connect() as conn:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                conn.exec_driver_sql("VACUUM contributions")
+                conn.exec_driver_sql("CHECKPOINT")
+            read(engine, True)
+            found: dict[str, list[tuple[float, float]]] = {"text": [], "binary": []}
+            for _ in range(args.repeats):
+                for label in found:
+                    step = functools.partial(read, engine, label == "binary")
+                    found[label].append(cpu_per_row(step, args.rows))
+            return found
         finally:
             engine.dispose()
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -105,13 +108,18 @@ def measure(server: str, revision: str, rows: int, size: int) -> dict[str, tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", default="postgres@127.0.0.1:5432", help="USER@HOST:PORT")
-    parser.add_argument("--rows", type=int, default=100_000, help="contributions per schema")
+    parser.add_argument("--rows", type=int, default=100_000, help="contributions stored")
     parser.add_argument("--bytes", type=int, default=2100, help="fragments bytes per row")
+    parser.add_argument("--repeats", type=int, default=5, help="reads in each format")
     args = parser.parse_args()
-    print(f"{args.rows:,} rows of {args.bytes:,} bytes; CPU-µs per row (server, this process)")
-    for label, revision in SCHEMAS.items():
-        for step, (server, own) in measure(args.server, revision, args.rows, args.bytes).items():
-            print(f"{label}, {step}: server {server:.1f}, this process {own:.1f}")
+    print(f"{args.rows:,} rows of {args.bytes:,} bytes; CPU-µs per row, median (range)")
+    for label, samples in measure(args).items():
+        server, own = ([sample[i] for sample in samples] for i in (0, 1))
+        print(
+            f"rows as {label}: server {statistics.median(server):.1f} "
+            f"({min(server):.1f}-{max(server):.1f}), this process "
+            f"{statistics.median(own):.1f} ({min(own):.1f}-{max(own):.1f})"
+        )
 
 
 if __name__ == "__main__":

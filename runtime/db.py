@@ -25,11 +25,12 @@ from sqlalchemy.exc import OperationalError
 
 log = logging.getLogger(__name__)
 
-#: Execution option (``statement.execution_options(binary_results=True)``): on PostgreSQL the
-#: statement's rows come in the binary format, so a ``bytea`` column arrives as its bytes
-#: instead of hex text the server encodes and the driver decodes, twice its size on the wire
-#: (about half the CPU of reading a contribution's fragments or a batch part's body, on both
-#: sides: benchmarks/postgres_bytea.py). Ignored on SQLite, whose blobs are bytes already.
+#: Execution option (``statement.execution_options(binary_results=True)``): on PostgreSQL
+#: through psycopg the statement's rows come in the binary format, so a ``bytea`` column
+#: arrives as its bytes instead of hex text (twice its size) that the server encodes and the
+#: driver decodes: less CPU on both sides for the big reads, a group's fragments and a batch
+#: part's body (benchmarks/postgres_bytea.py). The values are the same Python types. Ignored
+#: on SQLite, whose blobs are bytes already.
 BINARY_RESULTS = "binary_results"
 
 
@@ -59,7 +60,8 @@ def make_engine(url: str, busy_timeout: float = 5.0) -> Engine:
     engine = create_engine(
         url, pool_pre_ping=True, pool_size=10, max_overflow=10, hide_parameters=True
     )
-    event.listen(engine, "before_cursor_execute", _result_format)
+    if engine.dialect.driver == "psycopg":
+        event.listen(engine, "before_cursor_execute", _result_format)
     return engine
 
 
@@ -69,7 +71,7 @@ def _result_format(
     """Ask psycopg for binary rows when the statement's :data:`BINARY_RESULTS` option is set
     (the cursor is the statement's own, so no other statement is affected)."""
     if context is not None and context.execution_options.get(BINARY_RESULTS):
-        from psycopg.pq import Format  # the postgres extra; only PostgreSQL engines get here
+        from psycopg.pq import Format  # the postgres extra; only psycopg engines get here
 
         cursor.format = Format.BINARY
 

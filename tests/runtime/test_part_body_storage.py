@@ -1,5 +1,5 @@
-"""What only PostgreSQL sees: batch part bodies stored uncompressed at both parties, contribution
-rows kept whole in their page, and rows read in the binary format where a statement asks."""
+"""What only PostgreSQL sees: batch part bodies stored uncompressed at both parties, and rows
+read in the binary format where a statement asks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import LargeBinary, event, literal, select, text
-from sqlalchemy.engine import Connection
 
 from analyzer.service import MIGRATIONS as ANALYZER_MIGRATIONS
 from runtime import db
@@ -44,43 +43,6 @@ def test_postgresql_stores_part_bodies_uncompressed(
         downgraded = conn.execute(storage, {"table": table}).scalar_one()
     engine.dispose()
     assert (upgraded, downgraded) == ("e", "x")
-
-
-def _toast_bytes_after_a_contribution(conn: Connection, number: int) -> int:
-    """Insert one contribution of 2,100 bytes of fragments (30 k-RAPPOR fragments' worth of
-    ciphertext); the size of the table's TOAST relation afterwards."""
-    row = {"number": number, "nonce": os.urandom(16), "fragments": os.urandom(2100)}
-    conn.execute(
-        text(
-            "INSERT INTO contributions (channel_id, crowd_id, epoch, client_id, nonce,"
-            " fragments, n_fragments, received_at, receipt) VALUES ('homepage', 'all', 1,"
-            " 'client-' || :number, :nonce, :fragments, 30, 0, 'receipt-' || :number)"
-        ),
-        row,
-    )
-    size = "SELECT pg_relation_size(reltoastrelid) FROM pg_class WHERE relname = 'contributions'"
-    return int(conn.execute(text(size)).scalar_one())
-
-
-def test_postgresql_keeps_contribution_rows_inline(postgres_url: str) -> None:
-    """The shuffler's migration 0007 sets ``toast_tuple_target`` to a page on
-    ``contributions``: a ~2 KB contribution stays in its row, and the TOAST relation stays
-    empty; after the downgrade (PostgreSQL's default) the same row goes to TOAST."""
-    config = Config()
-    config.set_main_option("script_location", str(SHUFFLER_MIGRATIONS))
-    engine = db.make_engine(postgres_url)
-    options = text("SELECT reloptions FROM pg_class WHERE relname = 'contributions'")
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, "head")
-        upgraded = conn.execute(options).scalar_one()
-        inline = _toast_bytes_after_a_contribution(conn, 1)
-        command.downgrade(config, "0006")
-        downgraded = conn.execute(options).scalar_one()
-        toasted = _toast_bytes_after_a_contribution(conn, 2)
-    engine.dispose()
-    assert (upgraded, inline) == (["toast_tuple_target=8160"], 0)
-    assert downgraded is None and toasted > 0
 
 
 def test_binary_results_only_for_the_statement_that_asks(postgres_url: str) -> None:

@@ -184,28 +184,39 @@ def test_a_sealing_worker_that_dies_fails_the_pool_instead_of_hanging(tmp_path: 
     assert "sealing worker died" in str(failures[0])
 
 
+#: A root that waits for a child burning CPU under its own name, then starts ``sleep`` and
+#: says so: its reaped child's CPU is in its ``cutime``.
+_ROOT = """
+import subprocess, sys, time
+burn = "import time\\nwhile time.process_time() < 0.5: pass"
+subprocess.run([sys.argv[1], "-c", burn], check=True)
+subprocess.Popen(["sleep", "30"])
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
 @pytest.mark.system
-def test_process_table_gives_every_tree_from_one_pass() -> None:
-    """A child and grandchild appear under this process with their names, from one table, and
-    a process that is not below another is not in its tree."""
-    script = "import subprocess, sys, time; subprocess.Popen(['sleep', '30']); time.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", script])
+def test_process_table_gives_every_tree_and_a_servers_reaped_cpu(tmp_path: Path) -> None:
+    """One table gives this process's tree (a root under a name of its own, its ``sleep``) and
+    the root's (not this process); the root's name counts the 0.5 CPU-s of a child it reaped,
+    which its own ticks do not hold."""
+    name = "esa-test-root"
+    interpreter = tmp_path / name
+    interpreter.symlink_to(Path(sys.executable).resolve())  # comm is the executable's name
+    root = subprocess.Popen(
+        [str(interpreter), "-c", _ROOT, str(interpreter)], stdout=subprocess.PIPE, text=True
+    )
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            table = loadgen.process_table()
-            tree = loadgen.process_tree(os.getpid(), table)
-            if len(tree) >= 3 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert tree[0] == os.getpid() and child.pid in tree
-        names = {table[member][0] for member in tree}
-        assert "sleep" in names
-        assert os.getpid() not in loadgen.process_tree(child.pid, table)
-        own = loadgen.stat_seconds(table[os.getpid()][1])
-        assert own > 0
-        assert loadgen.server_cpu_seconds(table[os.getpid()][0], table) >= own
+        assert root.stdout is not None and root.stdout.readline().strip() == "ready"
+        table = loadgen.process_table()
+        below = loadgen.process_tree(root.pid, table)
+        assert below[0] == root.pid and root.pid in loadgen.process_tree(os.getpid(), table)
+        assert [table[m][0] for m in below[1:]] == ["sleep"]
+        assert os.getpid() not in below
+        assert loadgen.stat_seconds(table[root.pid][1]) < 0.4
+        assert loadgen.server_cpu_seconds(name, table) >= 0.5
     finally:
-        for member in reversed(loadgen.process_tree(child.pid)):
+        for member in reversed(loadgen.process_tree(root.pid)):
             os.kill(member, signal.SIGKILL)
-        child.wait()
+        root.wait()

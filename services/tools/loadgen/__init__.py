@@ -21,6 +21,7 @@ from services.tools.loadgen.devices import (
 )
 from services.tools.loadgen.http import HttpConnection, Response
 from services.tools.loadgen.processes import (
+    ProcessTable,
     Usage,
     cpu_seconds,
     process_table,
@@ -68,6 +69,7 @@ __all__ = [
     "HttpConnection",
     "LoadError",
     "Pace",
+    "ProcessTable",
     "Request",
     "Response",
     "SealTiming",

@@ -18,14 +18,20 @@ class Usage:
     processes: int
 
 
-def process_table() -> dict[int, tuple[str, list[str]]]:
+#: pid -> (command name, :func:`stat_fields`): every process at one moment.
+ProcessTable = dict[int, tuple[str, list[str]]]
+
+
+def process_table() -> ProcessTable:
     """Every process now, by pid: its command name and :func:`stat_fields`, from one pass over
-    ``/proc`` (a sampler that needs several trees reads it once per sample, not per tree)."""
-    table = {}
+    ``/proc`` (a sampler that needs several trees reads it once per sample, not per tree). A
+    process that ends during the pass is left out; a name that is not UTF-8 (the kernel cuts
+    names at 15 bytes, maybe inside a character) is read with replacement characters."""
+    table: ProcessTable = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                text = Path(f"/proc/{entry}/stat").read_text()
+                text = Path(f"/proc/{entry}/stat").read_bytes().decode(errors="replace")
             except OSError:
                 continue
             name, rest = text.split("(", 1)[1].rsplit(")", 1)
@@ -33,24 +39,27 @@ def process_table() -> dict[int, tuple[str, list[str]]]:
     return table
 
 
-def process_tree(pid: int, table: dict[int, tuple[str, list[str]]] | None = None) -> list[int]:
+def process_tree(pid: int, table: ProcessTable | None = None) -> list[int]:
     """``pid`` and every process below it (Linux ``/proc``, or a :func:`process_table` read
     before); empty once it is gone."""
     found = process_table() if table is None else table
-    parents = {member: int(fields[1]) for member, (_, fields) in found.items()}
-    tree, frontier = [], [pid]
+    children: dict[int, list[int]] = {}
+    for member, (_, fields) in found.items():
+        children.setdefault(int(fields[1]), []).append(member)
+    tree, frontier = [], [pid] if pid in found else []
     while frontier:
         current = frontier.pop()
-        if current in parents:
-            tree.append(current)
-            frontier += [child for child, parent in parents.items() if parent == current]
+        tree.append(current)
+        frontier += children.get(current, [])
     return tree
 
 
-def server_cpu_seconds(name: str, table: dict[int, tuple[str, list[str]]] | None = None) -> float:
-    """CPU seconds of a multi-process server by command name (``postgres``): every process of
-    that name alive now, and for its root (the one whose parent has another name) also the
-    children it reaped (``cutime``, ``cstime``: backends and workers that ended)."""
+def server_cpu_seconds(name: str, table: ProcessTable | None = None) -> float:
+    """CPU seconds of the processes named ``name`` (``postgres``) on this machine, in
+    containers too: each one's own, and for each whose parent has another name (a server's
+    root) also the children it reaped (``cutime``, ``cstime``: backends and workers that
+    ended). A child that ends and is reaped during :func:`process_table`'s pass can be
+    missing from that one reading."""
     found = {
         pid: fields
         for pid, (command, fields) in (process_table() if table is None else table).items()
