@@ -12,11 +12,12 @@ import subprocess
 from pathlib import Path
 
 #: (category, substrings of a frame's symbol or library): the first that any frame of a
-#: sample's stack matches takes the sample: cryptography first, then system calls (by their
-#: own entry point: the user stack above a system call may stop at libc, so the library that
-#: made it is not always known) (in the shuffler only SQLite uses ``pwrite64``/``pread64``). What
-#: matches none is counted by its system call, else by its leaf library (the interpreter
-#: running uvicorn, asyncio and the route; libc ...).
+#: sample's stack matches takes the sample: cryptography first, then fsync and SQLite's file
+#: I/O by their system call's own entry point (the user stack above a system call may stop at
+#: libc, so the library that made it is not always known; in the shuffler only SQLite uses
+#: ``pwrite64`` and ``pread64``), SQLite's code, then sockets. What matches none is counted by
+#: its system call, else by its leaf library (the interpreter running uvicorn, asyncio and the
+#: route; libc ...).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HPKE opening (OpenSSL inside cryptography's module)", ("_rust.abi3.so",)),
     ("hashes and HMAC (Python's hashlib, the system's OpenSSL)", ("libcrypto", "_hashlib")),

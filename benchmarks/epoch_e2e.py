@@ -108,7 +108,7 @@ class Processes:
             cpu[name] = 0.0
             for member in loadgen.process_tree(pid, table):
                 try:
-                    status = Path(f"/proc/{member}/status").read_text()
+                    status = Path(f"/proc/{member}/status").read_bytes().decode(errors="replace")
                 except OSError:
                     continue
                 label = name if member == pid else f"{name} child {member}"

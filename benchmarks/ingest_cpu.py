@@ -329,6 +329,8 @@ def perf_round(port: int, pid: int, args: argparse.Namespace) -> None:
     finally:
         record.stop()
     found = shares(record.data)
+    if not found:
+        raise RuntimeError(f"perf recorded no samples of the shuffler (pid {pid})")
     print(f"perf: {found[0][2]:,} samples of a round of {len(load):,} stored contributions")
     for name, share, _ in found:
         print(f"{share:6.1%}  {name}")

@@ -1,12 +1,14 @@
 """On PostgreSQL the big ``bytea`` reads come in the binary format at both parties: the
 shuffler's read of a closing group's fragments and of a part body it forwards, the analyzer's
-read of a stored part it opens (:data:`runtime.db.BINARY_RESULTS`); the rows are what was
-stored, and the estimate is the truth the test knows."""
+read of a stored part it opens (:data:`runtime.db.BINARY_RESULTS`). What was read is what was
+stored: the forwarded fragments are exactly the contributions' (two known fragments each),
+and every fragment of the stored part opens."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +17,14 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from common.randomness import SeededSource
-from common.wire import BatchAck
+from common.wire import Batch, BatchAck, b64
 from tests.analyzer.helpers import CHANNEL, VALUES, build, make_batch
 from tests.shuffler.factory import fill, make_service
 
-#: A statement that reads one of the big columns: a group's fragments, a part's body.
-BIG_READ = re.compile(r"^SELECT .*\b(contributions\.fragments|\w+\.body)\b", re.DOTALL)
+#: What a SELECT returns (its column list, up to ``FROM``), and a big column in it: a group's
+#: fragments, a part's body (a filter on one, ``body IS NULL``, is not a read of it).
+SELECTED = re.compile(r"^SELECT (.*?)\s*\nFROM ", re.DOTALL)
+BIG_COLUMN = re.compile(r"\b(contributions\.fragments|\w+\.body)\b")
 
 
 def _reads(engine: Engine) -> list[tuple[str, int]]:
@@ -30,7 +34,8 @@ def _reads(engine: Engine) -> list[tuple[str, int]]:
 
     @event.listens_for(engine, "before_cursor_execute")
     def _seen(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        read = BIG_READ.match(statement)
+        selected = SELECTED.match(statement)
+        read = BIG_COLUMN.search(selected.group(1)) if selected else None
         if read:
             found.append((read.group(1), int(cursor.format)))
 
@@ -56,7 +61,8 @@ def test_the_shuffler_reads_fragments_and_part_bodies_in_binary(
     with httpx.Client(transport=httpx.MockTransport(analyzer)) as client:
         assert service.forward_due(client)["forwarded"] == 1
     kept = posted[0]["n_contributions"]
-    assert sum(len(part["fragments"]) for part in posted) == 2 * kept > 0  # 2 per contribution
+    forwarded = Counter(f for part in posted for f in part["fragments"])
+    assert forwarded == {b64(bytes([0]) * 72): kept, b64(bytes([1]) * 72): kept} and kept > 0
     assert {column for column, _ in reads} == {"contributions.fragments", "part_bodies.body"}
     assert {fmt for _, fmt in reads} == {1}
 
@@ -64,9 +70,12 @@ def test_the_shuffler_reads_fragments_and_part_bodies_in_binary(
 def test_the_analyzer_reads_a_stored_part_in_binary(postgres_url: str) -> None:
     layers = build(postgres_url)
     reads = _reads(layers.store.engine)
-    layers.intake.accept(*make_batch(VALUES))
+    signed = make_batch(VALUES)
+    layers.intake.accept(*signed)
     assert layers.opener.open_pending() == 1
-    estimate = layers.releases.release(CHANNEL.id, 7, 7).estimate
-    assert estimate.n == len(VALUES)
+    sent = len(Batch.model_validate_json(signed.body).fragments)
+    assert layers.events.get("fragments_opened") == sent  # every one read back opens
+    assert layers.events.get("fragments_invalid") == 0
+    assert layers.releases.release(CHANNEL.id, 7, 7).estimate.n == len(VALUES)
     assert {column for column, _ in reads} == {"batch_parts.body"}
     assert {fmt for _, fmt in reads} == {1}

@@ -73,7 +73,7 @@ def stat_fields(path: str | Path) -> list[str] | None:
     thread's ``/proc/<pid>/task/<tid>/stat``: ``fields[1]`` is the parent id, ``[11:13]``
     user and system ticks, ``[13:15]`` those of the children it reaped); None once gone."""
     try:
-        return Path(path).read_text().rsplit(")", 1)[1].split()
+        return Path(path).read_bytes().decode(errors="replace").rsplit(")", 1)[1].split()
     except OSError:
         return None
 
@@ -115,7 +115,7 @@ def process_usage(pid: int) -> Usage:
     rss = fds = 0
     for member in tree:
         try:
-            status = Path(f"/proc/{member}/status").read_text()
+            status = Path(f"/proc/{member}/status").read_bytes().decode(errors="replace")
             rss += 1024 * int(status.split("VmRSS:", 1)[1].split()[0])
             fds += len(os.listdir(f"/proc/{member}/fd"))
         except (OSError, IndexError):
