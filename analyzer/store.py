@@ -487,10 +487,10 @@ class AnalyzerStore:
     def part_body(self, header: PartHeader) -> bytes | None:
         """The signed body of a part waiting for the opener, None once opened or quarantined."""
         p = batch_parts.c
-        query = (
-            select(p.body)
-            .where(p.batch_id == header.batch_id, p.part == header.part, p.status == STORED)
-            .execution_options(**{db.BINARY_RESULTS: True})
+        query = db.binary_rows(
+            select(p.body).where(
+                p.batch_id == header.batch_id, p.part == header.part, p.status == STORED
+            )
         )
         with self.engine.connect() as conn:
             body = conn.execute(query).scalar_one_or_none()

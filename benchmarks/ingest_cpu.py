@@ -304,14 +304,22 @@ def store_cpu(prefill: int, count: int) -> float:
     return used / timed * 1e6
 
 
+def recorded_round(port: int, pid: int, load: list[bytes], recorder: Profile | PerfRecord) -> None:
+    """One round of ``load`` while ``recorder`` (started a second before) samples the server;
+    the recording ends even if the round fails."""
+    try:
+        time.sleep(1)
+        one_round(port, pid, load)
+    finally:
+        recorder.stop()
+
+
 def profile_round(port: int, pid: int, args: argparse.Namespace) -> None:
     """py-spy on this tree's shuffler during one more round; the hottest functions."""
     load = requests(port, args.requests)
     args.profile.mkdir(parents=True, exist_ok=True)
     profile = Profile(pid, args.profile / "ingest", rate=200)
-    time.sleep(1)
-    one_round(port, pid, load)
-    profile.stop()
+    recorded_round(port, pid, load, profile)
     for frame, inside, alone in top_frames(profile.raw, count=25):
         print(f"{inside:6.1%} {alone:6.1%}  {frame}")
 
@@ -323,11 +331,7 @@ def perf_round(port: int, pid: int, args: argparse.Namespace) -> None:
     load = requests(port, 5 * args.requests)
     args.perf.mkdir(parents=True, exist_ok=True)
     record = PerfRecord(pid, args.perf / "ingest")
-    try:
-        time.sleep(1)
-        one_round(port, pid, load)
-    finally:
-        record.stop()
+    recorded_round(port, pid, load, record)
     found = shares(record.data)
     if not found:
         raise RuntimeError(f"perf recorded no samples of the shuffler (pid {pid})")

@@ -71,7 +71,8 @@ def fill(engine: Engine, rows: int, size: int) -> None:
 def read(engine: Engine, binary: bool) -> None:
     """Every row's id and fragments through one server-side cursor (the close's read)."""
     c = contributions.c
-    query = select(c.id, c.fragments).execution_options(**{db.BINARY_RESULTS: binary})
+    query = select(c.id, c.fragments)
+    query = db.binary_rows(query) if binary else query
     with engine.connect() as conn:
         streamed = conn.execution_options(stream_results=True, max_row_buffer=2000)
         for rows in streamed.execute(query).partitions(2000):

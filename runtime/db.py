@@ -15,23 +15,25 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.sql.base import Executable
 
 log = logging.getLogger(__name__)
 
-#: Execution option (``statement.execution_options(binary_results=True)``): on PostgreSQL
+#: Execution option (:func:`binary_rows`): on PostgreSQL
 #: through psycopg the statement's rows come in the binary format, so a ``bytea`` column
 #: arrives as its bytes instead of hex text (twice its size) that the server encodes and the
 #: driver decodes: less CPU on both sides for the big reads, a group's fragments and a batch
 #: part's body (benchmarks/postgres_bytea.py). The values are the same Python types. Ignored
 #: on SQLite, whose blobs are bytes already.
 BINARY_RESULTS = "binary_results"
+_Statement = TypeVar("_Statement", bound=Executable)
 
 
 def make_engine(url: str, busy_timeout: float = 5.0) -> Engine:
@@ -63,6 +65,11 @@ def make_engine(url: str, busy_timeout: float = 5.0) -> Engine:
     if engine.dialect.driver == "psycopg":
         event.listen(engine, "before_cursor_execute", _result_format)
     return engine
+
+
+def binary_rows(statement: _Statement) -> _Statement:
+    """``statement`` with :data:`BINARY_RESULTS` set."""
+    return statement.execution_options(**{BINARY_RESULTS: True})
 
 
 def _result_format(

@@ -508,14 +508,15 @@ class ContributionStore(ABC):
                 return None
             body = tables.part_bodies.c
             row = conn.execute(
-                select(body.body, p.signature, p.attempts)
-                .join_from(
-                    tables.batch_parts,
-                    tables.part_bodies,
-                    (body.batch_id == p.batch_id) & (body.part == p.part),
+                db.binary_rows(
+                    select(body.body, p.signature, p.attempts)
+                    .join_from(
+                        tables.batch_parts,
+                        tables.part_bodies,
+                        (body.batch_id == p.batch_id) & (body.part == p.part),
+                    )
+                    .where(*_part_filter(key))
                 )
-                .where(*_part_filter(key))
-                .execution_options(**{db.BINARY_RESULTS: True})
             ).one()
         return DuePart(
             batch_id=key.batch_id,
@@ -1237,11 +1238,7 @@ class PostgresContributionStore(ContributionStore):
         wanted = np.sort(survivors)
         if not wanted.size:
             return
-        query = (
-            select(c.id, c.fragments)
-            .where(*_unheld(key))
-            .execution_options(**{db.BINARY_RESULTS: True})
-        )
+        query = db.binary_rows(select(c.id, c.fragments).where(*_unheld(key)))
         streamed = conn.execution_options(stream_results=True, max_row_buffer=_READ_ROWS)
         found = 0
         for rows in streamed.execute(query).partitions(_READ_ROWS):
