@@ -32,6 +32,7 @@ from common.collection import (
 )
 from common.envelope import public_bytes
 from common.wire import ShufflerDescriptor, ShufflerEntry, SignedDescriptor
+from runtime.http import read_capped
 
 log = logging.getLogger("esa.analyzer")
 
@@ -247,9 +248,7 @@ def _fetched(client: httpx.Client, url: str) -> SignedDescriptor:
     """
     with client.stream("GET", url) as response:
         response.raise_for_status()
-        body = bytearray()
-        for chunk in response.iter_bytes():
-            body += chunk
-            if len(body) > MAX_DESCRIPTOR_BYTES:
-                raise CollectionConfigError(f"{url} answers over {MAX_DESCRIPTOR_BYTES} bytes")
-    return SignedDescriptor.model_validate_json(bytes(body))
+        body = read_capped(response, MAX_DESCRIPTOR_BYTES)
+    if body is None:
+        raise CollectionConfigError(f"{url} answers over {MAX_DESCRIPTOR_BYTES} bytes")
+    return SignedDescriptor.model_validate_json(body)

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -380,3 +381,15 @@ def _add_metrics_route(
         # In a thread: collectors read the database, which must not stall the event loop.
         body = await asyncio.to_thread(generate_latest, registry)
         return PlainTextResponse(body.decode(), media_type="text/plain; version=0.0.4")
+
+
+def read_capped(response: httpx.Response, limit: int) -> bytes | None:
+    """The body of a streamed ``response``, or None as soon as it exceeds ``limit`` bytes: a
+    signed document is read whole before its signature can be checked, so its size is what
+    bounds the memory a party that answers can make another spend."""
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)

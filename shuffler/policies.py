@@ -29,6 +29,7 @@ from common.collection import (
 )
 from common.envelope import public_bytes
 from common.wire import ChannelPolicy, b64
+from runtime.http import read_capped
 from shuffler.settings import ShufflerSettings
 from shuffler.store import ContributionStore
 
@@ -254,11 +255,9 @@ def _read_config(http: httpx.Client, url: str) -> dict[str, Any] | None:
     with http.stream("GET", url) as response:
         if response.status_code != 200:
             return None
-        body = bytearray()
-        for chunk in response.iter_bytes():
-            body += chunk
-            if len(body) > MAX_CONFIG_BYTES:
-                raise CollectionConfigError(f"the config answer is over {MAX_CONFIG_BYTES} bytes")
+        body = read_capped(response, MAX_CONFIG_BYTES)
+    if body is None:
+        raise CollectionConfigError(f"the config answer is over {MAX_CONFIG_BYTES} bytes")
     try:
         document = json.loads(body)
     except ValueError as error:
