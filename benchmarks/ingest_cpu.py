@@ -35,7 +35,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -102,10 +102,17 @@ def export(ref: str, into: Path) -> Path:
     return into
 
 
+def esa_serve(port: int) -> list[str]:
+    """The shuffler as shipped: ``esa shuffler serve`` (uvicorn; the port from its settings)."""
+    return [sys.executable, "-m", "services.cli", "shuffler", "serve"]
+
+
 @contextlib.contextmanager
-def serving(tree: Path, var: Path, database: str) -> Iterator[tuple[int, int]]:
-    """``esa shuffler serve`` from ``tree`` (its own working directory and import path):
-    yields its port and pid, once it answers ``/readyz``."""
+def serving(
+    tree: Path, var: Path, database: str, command: Callable[[int], list[str]] = esa_serve
+) -> Iterator[tuple[int, int]]:
+    """The shuffler of ``tree`` (its own working directory and import path) served by
+    ``command(port)``: yields its port and pid, once it answers ``/readyz``."""
     port = free_port()
     spec = launcher.shuffler_spec(var, 1, port, "", database)
     env = {
@@ -122,7 +129,7 @@ def serving(tree: Path, var: Path, database: str) -> Iterator[tuple[int, int]]:
     var.mkdir(parents=True, exist_ok=True)
     log = (var / "shuffler.log").open("ab")
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "shuffler", "serve"],
+        command(port),
         cwd=tree,
         env=env,
         stdout=log,
