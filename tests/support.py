@@ -332,7 +332,6 @@ class Receiver:
     port: int
     status: int = 201
     bodies: list[tuple[bytes, str]] = field(default_factory=list)
-    server: ThreadingHTTPServer | None = None
 
     @property
     def url(self) -> str:
@@ -342,11 +341,31 @@ class Receiver:
         return {json.loads(body)["batch_id"] for body, _ in self.bodies}
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that keeps the test output clean (no line per request)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def handler_served(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Iterator[str]:
+    """``handler`` served on 127.0.0.1 (``port``, or a free one) by a thread of its own while
+    the block runs: a real HTTP peer whose answers the test writes. Yields its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @contextmanager
 def receiver(port: int | None = None) -> Iterator[Receiver]:
     state = Receiver(port or free_port())
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["content-length"]))
             state.bodies.append((body, self.headers.get("ESA-Signature", "")))
@@ -357,17 +376,8 @@ def receiver(port: int | None = None) -> Iterator[Receiver]:
             ack = {"batch_id": sent.get("batch_id", ""), "part": sent.get("part", 0)}
             self.wfile.write(json.dumps({**ack, "duplicate": False}).encode())
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    state.server = ThreadingHTTPServer(("127.0.0.1", state.port), Handler)
-    thread = threading.Thread(target=state.server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with handler_served(Handler, state.port):
         yield state
-    finally:
-        state.server.shutdown()
-        state.server.server_close()
 
 
 def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.1) -> None:

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ from common.envelope import load_or_create_ed25519
 from common.wire import b64
 from encoder_client import Client, ConfigError
 
-from ..support import Deployment, descriptor, free_port
+from ..support import Deployment, QuietHandler, descriptor, handler_served
 
 
 @contextmanager
@@ -39,7 +37,7 @@ def serving(answer: Callable[[str], dict[str, Any]]) -> Iterator[tuple[str, list
     URL and the paths it was asked for."""
     asked: list[str] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             self._answer()
 
@@ -57,16 +55,8 @@ def serving(answer: Callable[[str], dict[str, Any]]) -> Iterator[tuple[str, list
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", asked
-    finally:
-        server.shutdown()
-        server.server_close()
+    with handler_served(Handler) as url:
+        yield url, asked
 
 
 class Analyzer:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
 
@@ -42,7 +40,7 @@ from encoder_client import (
     ValueOutOfDomainError,
 )
 
-from ..support import descriptor, free_port
+from ..support import QuietHandler, descriptor, free_port, handler_served
 
 CHANNEL = ChannelConfig(
     id="homepage",
@@ -58,7 +56,7 @@ SHUFFLER_SIGNER = Ed25519PrivateKey.generate()
 SHUFFLER_KEYS = {"shuffler-1": b64(public_bytes(SHUFFLER_SIGNER.public_key()))}
 
 
-class Answers(BaseHTTPRequestHandler):
+class Answers(QuietHandler):
     """``GET /<status>/<kind>`` and ``POST`` anything: answers with that status and a body of
     that kind (``html``, ``list``, ``text``)."""
 
@@ -84,19 +82,12 @@ class Answers(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._answer()
 
-    def log_message(self, *args: object) -> None:
-        pass
-
 
 @pytest.fixture(scope="module")
 def broken() -> Iterator[str]:
     """A real HTTP server that answers every request wrongly (HTML, lists, 500s)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with handler_served(Answers) as url:
+        yield url
 
 
 def _signed_config(tmp: Path, shuffler_url: str) -> tuple[Path, str]:

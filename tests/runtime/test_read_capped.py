@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import httpx
@@ -13,10 +12,12 @@ import pytest
 
 from runtime.http import read_capped
 
+from ..support import QuietHandler, handler_served
+
 CHUNK = 64 * 1024
 
 
-class _Streaming(BaseHTTPRequestHandler):
+class _Streaming(QuietHandler):
     """Answers ``GET /<n>`` with n bytes, chunked, in pieces of :data:`CHUNK`; counts what it
     managed to send before the reader hung up."""
 
@@ -38,18 +39,11 @@ class _Streaming(BaseHTTPRequestHandler):
         finally:
             type(self).sent.append(sent)
 
-    def log_message(self, *_: object) -> None:
-        pass
-
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Streaming)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with handler_served(_Streaming) as url:
+        yield url
 
 
 def _read(url: str, limit: int) -> bytes | None:

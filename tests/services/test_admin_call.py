@@ -5,10 +5,8 @@ refusal is a ClickException naming the party's error code."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import click
 import pytest
@@ -16,6 +14,8 @@ from click.testing import CliRunner
 
 from services.cli.admin import call
 from services.cli.keys import keys
+
+from ..support import QuietHandler, handler_served
 
 LISTING = {
     "party": "shuffler/shuffler-1",
@@ -41,7 +41,7 @@ def party() -> Iterator[tuple[str, list[tuple[str, str, str, bytes]]]]:
     elsewhere; every request as (method, path, Authorization, body)."""
     seen: list[tuple[str, str, str, bytes]] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def _answer(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length") or 0))
             seen.append((self.command, self.path, self.headers.get("Authorization", ""), body))
@@ -61,16 +61,8 @@ def party() -> Iterator[tuple[str, list[tuple[str, str, str, bytes]]]]:
         def do_POST(self) -> None:
             self._answer()
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with handler_served(Handler) as url:
+        yield url, seen
 
 
 def test_the_method_and_token_reach_the_party_and_a_refusal_names_its_code() -> None:
