@@ -1,20 +1,20 @@
 """Ingest CPU per contribution, this tree against an earlier commit, in one run.
 
 Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/ingest_cpu.py [--before REF]
-[--postgres USER@HOST:PORT] [--profile DIR] [--perf DIR]``. The earlier commit's tree is
-exported with ``git archive`` and both shufflers run side by side as real ``esa shuffler
-serve`` processes (same interpreter and packages, each importing its own tree), on SQLite (WAL,
-synchronous=FULL) or on fresh PostgreSQL databases. Rounds alternate between them: each round
-sends the same number of pre-sealed ``homepage`` contributions (8 fragments, the e2e
-epoch's mean being 8.4) over 64 keep-alive connections, and the server process's CPU
-(``/proc/<pid>/stat``, all its threads) is divided by the contributions it acknowledged.
-Prints the median CPU-µs per contribution of each and their ratio, and what this tree's
-contribution is made of, measured in the same run (:func:`measured_apart`: requests refused
-before any work and after opening, HPKE opening and the SQLite store alone); with ``--profile``
-py-spy records this tree's shuffler during one extra round and the hottest functions are
-printed; with ``--perf DIR`` perf records one more round and its CPU is split by what does
-the work, native code and system calls included (docs/benchmarks.md, "Ingest CPU per
-contribution, before and after").
+[--also REF] [--postgres USER@HOST:PORT] [--profile DIR] [--perf DIR]``. The earlier commit's
+tree (and each ``--also`` commit's) is exported with ``git archive`` and the shufflers run side
+by side as real ``esa shuffler serve`` processes (same interpreter and packages, each importing
+its own tree), on SQLite (WAL, synchronous=FULL) or on fresh PostgreSQL databases. Rounds
+alternate between them: each round sends the same number of pre-sealed ``homepage``
+contributions (8 fragments, the e2e epoch's mean being 8.4) over 64 keep-alive connections, and
+the server process's CPU (``/proc/<pid>/stat``, all its threads) is divided by the
+contributions it acknowledged. Prints the median CPU-µs per contribution of each and their
+ratio, and what this tree's contribution is made of, measured in the same run
+(:func:`measured_apart`: requests refused before any work and after opening, HPKE opening and
+the SQLite store alone); with ``--profile`` py-spy records this tree's shuffler during one
+extra round and the hottest functions are printed; with ``--perf DIR`` perf records one more
+round and its CPU is split by what does the work, native code and system calls included
+(docs/benchmarks.md, "Ingest CPU per contribution, before and after").
 """
 
 from __future__ import annotations
@@ -184,6 +184,14 @@ def prefill(port: int, pid: int, count: int, chunk: int = 20_000) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default=BEFORE, help=f"earlier commit (default {BEFORE})")
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="REF",
+        help="another commit measured in the same rounds (an experiment's branch, say); "
+        "printed with its ratio to before (repeatable)",
+    )
     parser.add_argument("--requests", type=int, default=10_000, help="contributions per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per tree")
     parser.add_argument(
@@ -197,8 +205,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
-        trees = {"before": export(args.before, tmp / "before-tree"), "after": ROOT}
-        print(compare(trees, tmp, args))
+        trees = {"before": export(args.before, tmp / "before-tree")}
+        trees |= {ref: export(ref, tmp / f"tree-{i}") for i, ref in enumerate(args.also)}
+        print(compare({**trees, "after": ROOT}, tmp, args))
 
 
 def compare(trees: dict[str, Path], tmp: Path, args: argparse.Namespace) -> str:
@@ -208,7 +217,7 @@ def compare(trees: dict[str, Path], tmp: Path, args: argparse.Namespace) -> str:
         url = stack.enter_context(_postgres(args.postgres))
         servers = {}
         for index, (name, tree) in enumerate(trees.items(), start=1):
-            var = tmp / name
+            var = tmp / f"var-{index}"
             sqlite = f"sqlite:///{var / 'db.sqlite'}"
             database = url.format(service=f"shuffler_{index}") if url else sqlite
             servers[name] = stack.enter_context(serving(tree, var, database))
@@ -365,6 +374,8 @@ def summary(
             f"{m['main']:.0f}, other threads {m['cpu'] - m['main']:.0f}; "
             f"{m['rate']:,.0f} contributions/s"
         )
+    for name in medians.keys() - {"before", "after"}:
+        lines.append(f"{name} / before: {medians[name]['cpu'] / medians['before']['cpu']:.3f}")
     ratio = medians["after"]["cpu"] / medians["before"]["cpu"]
     lines.append(f"after / before: {ratio:.3f} (target <= 0.667)")
     stored, forged, opened = medians["after"]["cpu"], parts["forged"], parts["opened"]
