@@ -93,6 +93,7 @@ def _lifespan(
         await asyncio.to_thread(db.wait_for, engine)
         await asyncio.to_thread(db.upgrade, engine, MIGRATIONS)
         await asyncio.to_thread(service.load_state)
+        await asyncio.to_thread(service.store.start_writing)
         published = await asyncio.to_thread(service.publish)
         writer.start()
         tasks = _background(service, http)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import secrets
 import threading
 import time
@@ -61,6 +62,7 @@ from shuffler.records import (
     SealedPart,
     pack_fragments,
 )
+from shuffler.uniqueness import HeldKeys, Key, writer_lock
 
 _COLUMNS = (
     "channel_id",
@@ -212,32 +214,11 @@ class ContributionStore(ABC):
         revoked, closed, landed, taken = self._insert_checked(rows)
         return [_landing(row, landed, taken, revoked, closed) for row in rows]
 
+    @abstractmethod
     def _insert_checked(self, rows: list[Row]) -> Landings:
         """One transaction: read which clients are revoked and which epochs closed, insert the
-        other rows; (revoked, closed, receipts landed, nonces already taken).
-
-        One multi-row ``INSERT ... ON CONFLICT DO NOTHING`` per (up to) 100 rows, written once
-        per row count and sent as is: per-row SQLAlchemy compilation costs more than the insert
-        itself. When the database reports every row inserted (the common case) that is the
-        whole transaction; otherwise the rows that landed are the receipts found afterwards.
-        """
-        if not rows:
-            return set(), {}, set(), set()
-        c = tables.contributions.c
-        with self.engine.begin() as conn:
-            self.begin_writing(conn)  # SQLite: no close commits between these reads and the insert
-            revoked, closed = _checks_among(
-                conn, self.mark, {row[_CLIENT] for row in rows}, {row[_CHANNEL] for row in rows}
-            )
-            kept = _admitted(rows, revoked, closed)
-            if self._insert_rows(conn, kept) == len(kept):
-                return revoked, closed, {row[_RECEIPT] for row in kept}, set()
-            found = conn.execute(
-                select(c.receipt).where(c.receipt.in_([r[_RECEIPT] for r in rows]))
-            )
-            landed = set(found.scalars())
-            taken = _nonces_among(conn, _refused_nonces(rows, revoked, closed, landed))
-        return revoked, closed, landed, taken
+        other rows unless they replay a nonce or exceed the quota; (revoked, closed, receipts
+        landed, nonces already taken)."""
 
     def _insert_rows(self, conn: Connection, rows: list[Row]) -> int:
         """Rows inserted, or -1 when the driver cannot tell (the caller then looks up)."""
@@ -254,6 +235,9 @@ class ContributionStore(ABC):
 
     def close(self) -> None:  # noqa: B027 (a hook: only PostgreSQL holds a connection)
         """Give back any connection the store holds (before the engine is disposed)."""
+
+    def start_writing(self) -> None:  # noqa: B027 (a hook: only SQLite prepares)
+        """Prepare this process to insert contributions, before the server answers any."""
 
     def revoke(self, client_id: str, now: float) -> None:
         """Persist a revocation (idempotent)."""
@@ -761,6 +745,18 @@ def _delete_parts(conn: Connection, *where: Any) -> None:
     conn.execute(delete(tables.batch_parts).where(*where))
 
 
+#: The keys of the stored rows of epochs still open, for :class:`HeldKeys`.
+_OPEN_KEYS_SQL = (
+    f"SELECT c.channel_id, c.epoch, c.client_id, c.nonce FROM {tables.contributions.name} c "
+    f"WHERE c.epoch > COALESCE((SELECT max(e.epoch) FROM {tables.closed_epochs.name} e "
+    "WHERE e.channel_id = c.channel_id), -1)"
+)
+
+
+def _key(row: Row) -> Key:
+    return Key(row[_CHANNEL], row[_EPOCH], row[_CLIENT], row[_NONCE])
+
+
 def _landing(
     row: Row, landed: set[str], taken: set[bytes], revoked: set[str], closed: dict[str, int]
 ) -> str | Conflict:
@@ -1095,7 +1091,8 @@ def _checkpoint_interval(dbapi_connection: Any, _: Any) -> None:
 
 
 class SqliteContributionStore(ContributionStore):
-    """SQLite (one file, write-ahead log): ``?`` placeholders, less frequent checkpoints."""
+    """SQLite (one file, write-ahead log, one writing process): ``?`` placeholders, less
+    frequent checkpoints, the replay and quota checks in memory (:mod:`shuffler.uniqueness`)."""
 
     mark = "?"
     #: Deferred: the snapshot is taken at the first read (WAL) and kept to the end.
@@ -1104,6 +1101,69 @@ class SqliteContributionStore(ContributionStore):
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
         event.listen(engine, "connect", _checkpoint_interval)
+        self._held: HeldKeys | None = None
+        self._writer: int | None = None
+        self._writing = threading.Lock()
+
+    def _insert_checked(self, rows: list[Row]) -> Landings:
+        """One transaction: read which clients are revoked and which epochs closed, insert the
+        rows neither from those nor replaying a nonce or over the quota (the held keys, checked
+        and then added under the writing lock, so two inserts of this process never interleave
+        between them). One multi-row ``INSERT`` per (up to) 100 rows, written once per row
+        count and sent as is: per-row SQLAlchemy compilation costs more than the insert itself.
+
+        Raises:
+            SecondWriterError: another process writes to this file (at the first insert).
+        """
+        if not rows:
+            return set(), {}, set(), set()
+        with self._writing:
+            held = self._held_keys()
+            with self.engine.begin() as conn:
+                self.begin_writing(conn)  # no close commits between these reads and the insert
+                revoked, closed = _checks_among(
+                    conn, self.mark, {r[_CLIENT] for r in rows}, {r[_CHANNEL] for r in rows}
+                )
+                held.forget_closed(closed)
+                kept = _admitted(rows, revoked, closed)
+                fresh, replayed = held.sort([_key(row) for row in kept])
+                new = [kept[index] for index in fresh]
+                if self._insert_rows(conn, new) != len(new):  # only a receipt could collide
+                    raise OperationalError("INSERT", None, Exception("a receipt collided"))
+            held.add(_key(row) for row in new)
+        return revoked, closed, {row[_RECEIPT] for row in new}, replayed
+
+    def start_writing(self) -> None:
+        """Take the file's writer lock and read the held keys now, so a second server on the
+        same file stops at its start, not at its first contribution.
+
+        Raises:
+            SecondWriterError: another process writes to this file.
+        """
+        with self._writing:
+            self._held_keys()
+
+    def _held_keys(self) -> HeldKeys:
+        """The keys of the open epochs' rows, read from the table at the first insert (after
+        taking the file's writer lock, so no other process adds rows meanwhile)."""
+        if self._held is None:
+            database = self.engine.url.database
+            if database and database != ":memory:":
+                self._writer = writer_lock(database)
+            held = HeldKeys()
+            with self.engine.connect() as conn:
+                held.add(Key(*row) for row in conn.exec_driver_sql(_OPEN_KEYS_SQL))
+            self._held = held
+        return self._held
+
+    def close(self) -> None:
+        """Let go of the held keys and the writer lock (a store opened later reads them
+        again)."""
+        with self._writing:
+            self._held = None
+            if self._writer is not None:
+                os.close(self._writer)
+                self._writer = None
 
     def insert_ignore(self, table: Table) -> Insert:
         return sqlite_insert(table).on_conflict_do_nothing()

@@ -1,0 +1,164 @@
+"""On SQLite the replay and quota checks are held in memory by the one writing process
+(shuffler/uniqueness.py, migration 0007): they must refuse exactly what the unique indexes
+refused, across a restart and a migration, and a second writer of the file must be stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import inspect
+
+from common.envelope import new_nonce
+from runtime import db
+from services.cli import launcher
+from shuffler.app import MIGRATIONS
+from shuffler.records import Conflict
+from shuffler.store import make_store
+from shuffler.uniqueness import HeldKeys, Key, SecondWriterError
+
+from ..support import free_port
+from .factory import POLICY, make_service, pending
+
+
+def test_held_keys_refuse_a_replayed_nonce_and_a_second_contribution_in_and_across_batches() -> (
+    None
+):
+    held = HeldKeys()
+    n1, n2, n3 = b"1" * 16, b"2" * 16, b"3" * 16
+    batch = [Key("c", 7, "a", n1), Key("c", 7, "b", n1), Key("c", 7, "a", n2), Key("c", 8, "a", n2)]
+    fresh, replayed = held.sort(batch)
+    assert fresh == [0, 3] and replayed == {n1}  # index 2: client a's second in epoch 7
+    held.add(batch[i] for i in fresh)
+    fresh, replayed = held.sort([Key("d", 7, "z", n2), Key("c", 7, "a", n3), Key("c", 9, "a", n3)])
+    assert fresh == [2] and replayed == {n2}
+    assert len(held) == 2
+
+
+def test_the_keys_of_closed_epochs_are_dropped_and_only_theirs() -> None:
+    held = HeldKeys()
+    held.add(
+        [Key("c", 7, "a", b"1" * 16), Key("c", 8, "a", b"2" * 16), Key("d", 7, "a", b"3" * 16)]
+    )
+    held.forget_closed({"c": 7})
+    assert len(held) == 2
+    assert held.sort([Key("c", 7, "a", b"1" * 16)]) == ([0], set())  # the closed epoch's keys
+    assert held.sort([Key("c", 8, "a", b"4" * 16)]) == ([], set())  # still over quota
+    assert held.sort([Key("x", 1, "q", b"3" * 16)]) == ([], {b"3" * 16})  # still a replay
+
+
+def test_a_restarted_sqlite_shuffler_refuses_what_it_stored_before(tmp_path: Path) -> None:
+    """The held keys are read back from the table: a replay of a stored nonce and a second
+    contribution of a client are 409s after a restart as before it, and the close forgets
+    what only a closed epoch held."""
+    url = f"sqlite:///{tmp_path / 'shuffler.db'}"
+    service, clock = make_service(url, tmp_path)
+    client, nonce = service.tokens.issue(), new_nonce()
+    assert isinstance(
+        service.store.insert([pending(service, client, clock.epoch, nonce=nonce)])[0], str
+    )
+    service.store.close()
+    again, clock = make_service(url, tmp_path)
+    other = again.tokens.issue()
+    landings = again.store.insert(
+        [
+            pending(again, other, clock.epoch, nonce=nonce),
+            pending(again, client, clock.epoch),
+            pending(again, other, clock.epoch),
+        ]
+    )
+    assert landings[:2] == [Conflict.REPLAYED_NONCE, Conflict.OVER_QUOTA]
+    assert isinstance(landings[2], str)
+    again.store.close_epoch(POLICY.id, clock.epoch, clock.now)
+    clock.now += POLICY.epoch_seconds
+    later = again.store.insert([pending(again, client, clock.epoch, nonce=nonce)])
+    assert isinstance(later[0], str)  # the closed epoch's nonce is no longer held
+    again.store.close()
+
+
+def test_a_second_writer_of_one_sqlite_file_is_refused_until_the_first_lets_go(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'shuffler.db'}"
+    first, clock = make_service(url, tmp_path)
+    second = make_store(db.make_engine(url))
+    first.store.start_writing()
+    with pytest.raises(SecondWriterError, match="another shuffler process writes"):
+        second.start_writing()
+    with pytest.raises(SecondWriterError):
+        second.insert([pending(first, first.tokens.issue(), clock.epoch)])
+    first.store.close()
+    landing = second.insert([pending(first, first.tokens.issue(), clock.epoch)])
+    assert isinstance(landing[0], str)
+    second.close()
+
+
+def test_migration_0007_keeps_the_rows_and_drops_only_the_two_random_keyed_indexes(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'shuffler.db'}"
+    service, clock = make_service(url, tmp_path)
+    client, nonce = service.tokens.issue(), new_nonce()
+    stored = service.store.insert([pending(service, client, clock.epoch, nonce=nonce)])
+    service.store.close()
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "0006")
+        before = {
+            u["name"] or str(u["column_names"])
+            for u in inspect(conn).get_unique_constraints("contributions")
+        }
+        command.upgrade(config, "head")
+        after = {
+            str(u["column_names"]) for u in inspect(conn).get_unique_constraints("contributions")
+        }
+        indexes = {i["name"] for i in inspect(conn).get_indexes("contributions")}
+    engine.dispose()
+    assert before == {"uq_contribution_quota", "['nonce']", "['receipt']"}
+    assert after == {"['receipt']"} and indexes == {"ix_contributions_group"}
+    again, _ = make_service(url, tmp_path)
+    assert again.ledger()["pending"] == 1
+    replay = again.store.insert([pending(again, again.tokens.issue(), clock.epoch, nonce=nonce)])
+    assert replay == [Conflict.REPLAYED_NONCE] and isinstance(stored[0], str)
+    again.store.close()
+
+
+@pytest.mark.system
+def test_a_second_shuffler_server_on_the_same_sqlite_file_stops_at_its_start(
+    tmp_path: Path,
+) -> None:
+    """A real ``esa shuffler serve`` whose SQLite file another process writes exits before it
+    answers anything, saying why (it would otherwise break the replay and quota checks)."""
+    url = f"sqlite:///{tmp_path / 'shuffler.db'}"
+    holder, _ = make_service(url, tmp_path)
+    holder.store.start_writing()
+    port = free_port()
+    spec = launcher.shuffler_spec(tmp_path, 1, port, "", url)
+    env = {
+        **os.environ,
+        **spec.env,
+        "ESA_SHUFFLER_KEY_DIR": str(tmp_path / "keys2"),
+        "ESA_SHUFFLER_CHANNELS": json.dumps([POLICY.model_dump()]),
+        "ESA_SHUFFLER_CHANNELS_FILE": "",
+    }
+    env = {k: v for k, v in env.items() if v != ""}
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli", "shuffler", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode != 0
+    assert "another shuffler process writes contributions to" in run.stderr + run.stdout
+    holder.store.close()
