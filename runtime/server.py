@@ -168,13 +168,9 @@ def uvicorn_options() -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` that every service uses: the protocol above, no
     WebSocket support (nothing is served over it, and uvicorn would refuse an upgrade with a
     bodiless 403: without it an upgrade request is an ordinary request, answered in JSON), and
-    the same head limit for h11 should anyone select it instead. No proxy headers: nothing
-    reads a client's address (the shuffler must not learn more of a device than its token), so
-    uvicorn's middleware that rewrites it from ``X-Forwarded-For`` would only cost every
-    request its time."""
+    the same head limit for h11 should anyone select it instead."""
     return {
         "http": JsonHttpToolsProtocol,
         "ws": "none",
         "h11_max_incomplete_event_size": HEAD_LIMIT,
-        "proxy_headers": False,
     }
