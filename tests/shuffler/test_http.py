@@ -282,3 +282,18 @@ def test_logs_never_contain_tokens_or_client_ids(service: ServiceProcess) -> Non
     _post(service, _blob(service), token)
     log_text = service.log_path.read_text()
     assert token not in log_text and token.split(".")[0] not in log_text
+
+
+def test_the_enrolment_limit_is_per_address_behind_a_local_proxy(tmp_path: Path) -> None:
+    """Behind HAProxy (``option forwardfor``, on this host) every device arrives from the
+    proxy's address: uvicorn's proxy-headers middleware takes the device's own from
+    ``X-Forwarded-For``, so one address spending its enrolments leaves the others theirs."""
+    process = shuffler_process(tmp_path, "shuffler-1", [CHANNEL], enroll_per_minute="6").start()
+    try:
+        url = process.url + "/v1/enroll"
+        first = [httpx.post(url, headers={"X-Forwarded-For": "203.0.113.7"}) for _ in range(2)]
+        other = httpx.post(url, headers={"X-Forwarded-For": "203.0.113.8"})
+    finally:
+        process.stop()
+    assert [a.status_code for a in first] == [200, 429]  # a burst of 6/6 = 1
+    assert other.status_code == 200
