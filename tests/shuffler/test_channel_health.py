@@ -201,6 +201,7 @@ def test_the_app_serves_them_behind_its_metrics_token(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'shuffler.db'}"
     service, clock = _service(url, tmp_path)
     truth = _truth(service, clock)
+    service.store.close()  # lets go of the file's writer lock: the app below writes to it
     service.store.engine.dispose()
     with TestClient(create_app(_settings(url, tmp_path, "app-keys"))) as client:
         refused = client.get("/metrics")
