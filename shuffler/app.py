@@ -90,6 +90,7 @@ def _lifespan(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(service.store.claim_file)  # before migrating: one writer per file
         await asyncio.to_thread(db.wait_for, engine)
         await asyncio.to_thread(db.upgrade, engine, MIGRATIONS)
         await asyncio.to_thread(service.load_state)

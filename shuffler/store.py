@@ -236,6 +236,10 @@ class ContributionStore(ABC):
     def close(self) -> None:  # noqa: B027 (a hook: only PostgreSQL holds a connection)
         """Give back any connection the store holds (before the engine is disposed)."""
 
+    def claim_file(self) -> None:  # noqa: B027 (a hook: only SQLite has a file to claim)
+        """Claim the database for this process before anything changes it (migrations
+        included)."""
+
     def start_writing(self) -> None:  # noqa: B027 (a hook: only SQLite prepares)
         """Prepare this process to insert contributions, before the server answers any."""
 
@@ -1133,6 +1137,19 @@ class SqliteContributionStore(ContributionStore):
             held.add(_key(row) for row in new)
         return revoked, closed, {row[_RECEIPT] for row in new}, replayed
 
+    def claim_file(self) -> None:
+        """Take the file's writer lock (creating an empty file if there is none yet, which
+        SQLite takes as an empty database), so a second server on the same file stops before
+        it migrates or writes anything.
+
+        Raises:
+            SecondWriterError: another process writes to this file.
+        """
+        database = self.engine.url.database
+        with self._writing:
+            if self._writer is None and database and database != ":memory:":
+                self._writer = writer_lock(database)
+
     def start_writing(self) -> None:
         """Take the file's writer lock and read the held keys now, so a second server on the
         same file stops at its start, not at its first contribution.
@@ -1148,7 +1165,7 @@ class SqliteContributionStore(ContributionStore):
         taking the file's writer lock, so no other process adds rows meanwhile)."""
         if self._held is None:
             database = self.engine.url.database
-            if database and database != ":memory:":
+            if self._writer is None and database and database != ":memory:":
                 self._writer = writer_lock(database)
             held = HeldKeys()
             with self.engine.connect() as conn:

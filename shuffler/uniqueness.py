@@ -36,9 +36,13 @@ class HeldKeys:
     """The nonces and the quotas (clients per channel and epoch) of the rows a SQLite shuffler
     holds for epochs still open. Not thread-safe: the store calls it under its writing lock.
 
-    A nonce is refused while any open epoch's row holds it, as the unique index did. Keys of
-    closed epochs are dropped (:meth:`forget_closed`): a contribution for a closed epoch is
-    refused before these checks, whatever its keys.
+    A nonce is refused while a row of an open epoch holds it. Keys of closed epochs are
+    dropped (:meth:`forget_closed`): a contribution for a closed epoch is refused before these
+    checks, whatever its keys. So, unlike PostgreSQL's unique index, a nonce held only by a
+    closed epoch's rows (a held group's, or dead ones not yet swept) is taken again by a
+    contribution for a later epoch. That is not a replay (a replayed ciphertext names its own,
+    closed, epoch, and the analyzer's fragments are bound to it); only a client that knows the
+    nonce, its own, can reuse it, and a client can send any fresh contribution anyway.
     """
 
     def __init__(self) -> None:
@@ -93,7 +97,7 @@ def writer_lock(database: str) -> int:
     Raises:
         SecondWriterError: another process (or another store in this one) holds it.
     """
-    descriptor = os.open(database, os.O_RDONLY | os.O_CLOEXEC)
+    descriptor = os.open(database, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as error:

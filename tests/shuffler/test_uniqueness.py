@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -137,10 +138,16 @@ def test_a_second_shuffler_server_on_the_same_sqlite_file_stops_at_its_start(
     tmp_path: Path,
 ) -> None:
     """A real ``esa shuffler serve`` whose SQLite file another process writes exits before it
-    answers anything, saying why (it would otherwise break the replay and quota checks)."""
+    answers anything or migrates the file, saying why (it would otherwise break the replay and
+    quota checks)."""
     url = f"sqlite:///{tmp_path / 'shuffler.db'}"
     holder, _ = make_service(url, tmp_path)
     holder.store.start_writing()
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with holder.store.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "0006")  # as if the holder ran an older release
     port = free_port()
     spec = launcher.shuffler_spec(tmp_path, 1, port, "", url)
     env = {
@@ -161,4 +168,8 @@ def test_a_second_shuffler_server_on_the_same_sqlite_file_stops_at_its_start(
     )
     assert run.returncode != 0
     assert "another shuffler process writes contributions to" in run.stderr + run.stdout
+    with sqlite3.connect(tmp_path / "shuffler.db") as file:
+        assert file.execute("SELECT version_num FROM alembic_version_shuffler").fetchall() == [
+            ("0006",)
+        ]
     holder.store.close()
