@@ -8,8 +8,9 @@ and whether a sealed contribution is acceptable — before anything is stored.
 * :class:`Intake`: opens a contribution with the shuffler's HPKE key and checks it against the
   channel's policy (its declared crowds, fragment limit) and the open epochs → a
   :class:`~shuffler.records.Pending` record. The quota (one contribution per client, channel and
-  epoch, whatever crowd it names: PROTOCOL.md) and the nonce replay check are the database's
-  unique constraints; :func:`refusal` names what a conflict means.
+  epoch, whatever crowd it names: PROTOCOL.md) and the nonce replay check are the store's:
+  unique constraints on PostgreSQL, :mod:`shuffler.uniqueness` on SQLite; :func:`refusal`
+  names what a conflict means.
 """
 
 from __future__ import annotations

@@ -198,8 +198,8 @@ class ContributionStore(ABC):
 
     def insert(self, pending: Sequence[Pending]) -> list[str | Conflict]:
         """Commit contributions in ONE transaction (group commit): a receipt per row that
-        landed, else why not (the client is revoked, the epoch closed, or which unique
-        constraint it hit: the nonce, or the quota).
+        landed, else why not (the client is revoked, the epoch closed, the nonce replayed or
+        the quota exceeded).
 
         The revocations and closed epochs are read in the same transaction as the insert
         (:meth:`_insert_checked`): a replica of the same trust domain may have revoked a client
@@ -758,6 +758,7 @@ _OPEN_KEYS_SQL = (
 
 
 def _key(row: Row) -> Key:
+    """What the replay and quota checks read of a row."""
     return Key(row[_CHANNEL], row[_EPOCH], row[_CLIENT], row[_NONCE])
 
 
@@ -1087,9 +1088,10 @@ WAL_AUTOCHECKPOINT_PAGES = 10_000
 def _checkpoint_interval(dbapi_connection: Any, _: Any) -> None:
     """Checkpoint the SQLite write-ahead log every 10,000 pages (~40 MB) instead of 1,000.
 
-    Ingest touches random pages of the nonce and quota indexes; a checkpoint copies each page
-    once however often it changed since the last one, so checkpointing less often writes far
-    less. Durability is unchanged: a commit is on disk (in the log) when it returns.
+    A checkpoint copies each page once however often it changed since the last one, so
+    checkpointing less often writes less (it mattered most while ingest touched random pages
+    of the nonce and quota indexes, which SQLite has not had since migration 0007). Durability
+    is unchanged: a commit is on disk (in the log) when it returns.
     """
     dbapi_connection.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
 
@@ -1145,10 +1147,8 @@ class SqliteContributionStore(ContributionStore):
         Raises:
             SecondWriterError: another process writes to this file.
         """
-        database = self.engine.url.database
         with self._writing:
-            if self._writer is None and database and database != ":memory:":
-                self._writer = writer_lock(database)
+            self._lock_file()
 
     def start_writing(self) -> None:
         """Take the file's writer lock and read the held keys now, so a second server on the
@@ -1164,14 +1164,26 @@ class SqliteContributionStore(ContributionStore):
         """The keys of the open epochs' rows, read from the table at the first insert (after
         taking the file's writer lock, so no other process adds rows meanwhile)."""
         if self._held is None:
-            database = self.engine.url.database
-            if self._writer is None and database and database != ":memory:":
-                self._writer = writer_lock(database)
+            self._lock_file()
             held = HeldKeys()
             with self.engine.connect() as conn:
                 held.add(Key(*row) for row in conn.exec_driver_sql(_OPEN_KEYS_SQL))
             self._held = held
         return self._held
+
+    def _lock_file(self) -> None:
+        """Take the writer lock once (a file database only: ``:memory:`` is this process's)."""
+        database = self.engine.url.database
+        if self._writer is None and database and database != ":memory:":
+            self._writer = writer_lock(database)
+
+    def close_epoch(self, channel_id: str, epoch: int, now: float) -> None:
+        """Persist the close, then drop the keys of the epochs it closed (no insert admits a
+        contribution for them any more: each reads the closed epochs in its transaction)."""
+        super().close_epoch(channel_id, epoch, now)
+        with self._writing:
+            if self._held is not None:
+                self._held.forget_closed({channel_id: epoch})
 
     def close(self) -> None:
         """Let go of the held keys and the writer lock (a store opened later reads them

@@ -42,6 +42,8 @@ contributions = Table(
     Column("received_at", Float, nullable=False),
     Column("held_part", Integer, nullable=True),
     Column("receipt", String(32), nullable=False, unique=True),
+    # The nonce's and the quota's uniqueness: PostgreSQL's schema. On SQLite migration 0007
+    # drops both and the writing process checks them (shuffler/uniqueness.py).
     UniqueConstraint("client_id", "channel_id", "epoch", name="uq_contribution_quota"),
     Index("ix_contributions_group", "channel_id", "crowd_id", "epoch", "held_part"),
 )

@@ -36,6 +36,9 @@ class HeldKeys:
     """The nonces and the quotas (clients per channel and epoch) of the rows a SQLite shuffler
     holds for epochs still open. Not thread-safe: the store calls it under its writing lock.
 
+    Memory: about 220 bytes a key (measured with tracemalloc), so ~220 MB for an open epoch of
+    10^6 contributions at one shuffler.
+
     A nonce is refused while a row of an open epoch holds it. Keys of closed epochs are
     dropped (:meth:`forget_closed`): a contribution for a closed epoch is refused before these
     checks, whatever its keys. So, unlike PostgreSQL's unique index, a nonce held only by a
@@ -71,6 +74,7 @@ class HeldKeys:
         return fresh, replayed
 
     def _over_quota(self, key: Key) -> bool:
+        """Whether a row of the key's client is held for its channel and epoch."""
         held = self._epochs.get((key.channel_id, key.epoch))
         return held is not None and key.client_id in held[0]
 
@@ -90,14 +94,23 @@ class HeldKeys:
             self._nonces.difference_update(nonces)
 
 
+def lock_path(database: str) -> str:
+    """The lock file of the SQLite file ``database``: beside it (symbolic links resolved, so
+    two paths to one file share it), never the database itself. Closing any descriptor of
+    the database file would drop the POSIX locks SQLite holds on it in this process, and
+    another process could then checkpoint and delete the write-ahead log under it."""
+    return os.path.realpath(database) + "-writer"
+
+
 def writer_lock(database: str) -> int:
-    """An exclusive lock on the SQLite file ``database`` for as long as the returned file
-    descriptor stays open (``flock``, released by the kernel when the process ends).
+    """An exclusive lock for writing the SQLite file ``database``, held for as long as the
+    returned descriptor stays open (``flock`` on :func:`lock_path`; the kernel releases it
+    when the process ends).
 
     Raises:
         SecondWriterError: another process (or another store in this one) holds it.
     """
-    descriptor = os.open(database, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    descriptor = os.open(lock_path(database), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as error:

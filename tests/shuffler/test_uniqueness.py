@@ -21,11 +21,11 @@ from runtime import db
 from services.cli import launcher
 from shuffler.app import MIGRATIONS
 from shuffler.records import Conflict
-from shuffler.store import make_store
-from shuffler.uniqueness import HeldKeys, Key, SecondWriterError
+from shuffler.store import SqliteContributionStore, make_store
+from shuffler.uniqueness import HeldKeys, Key, SecondWriterError, lock_path
 
 from ..support import free_port
-from .factory import POLICY, make_service, pending
+from .factory import POLICY, fill, make_service, pending
 
 
 def test_held_keys_refuse_a_replayed_nonce_and_a_second_contribution_in_and_across_batches() -> (
@@ -114,6 +114,9 @@ def test_migration_0007_keeps_the_rows_and_drops_only_the_two_random_keyed_index
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.downgrade(config, "0006")
+        conn.exec_driver_sql("UPDATE contributions SET held_part = 3")
+        rows = conn.exec_driver_sql("SELECT id, held_part, receipt FROM contributions").all()
+        conn.exec_driver_sql("CREATE TABLE contributions_0007 (x)")  # an attempt's leftover
         before = {
             u["name"] or str(u["column_names"])
             for u in inspect(conn).get_unique_constraints("contributions")
@@ -123,9 +126,12 @@ def test_migration_0007_keeps_the_rows_and_drops_only_the_two_random_keyed_index
             str(u["column_names"]) for u in inspect(conn).get_unique_constraints("contributions")
         }
         indexes = {i["name"] for i in inspect(conn).get_indexes("contributions")}
+        kept = conn.exec_driver_sql("SELECT id, held_part, receipt FROM contributions").all()
+        conn.exec_driver_sql("UPDATE contributions SET held_part = NULL")  # pending again
     engine.dispose()
     assert before == {"uq_contribution_quota", "['nonce']", "['receipt']"}
     assert after == {"['receipt']"} and indexes == {"ix_contributions_group"}
+    assert kept == rows and len(rows) == 1
     again, _ = make_service(url, tmp_path)
     assert again.ledger()["pending"] == 1
     replay = again.store.insert([pending(again, again.tokens.issue(), clock.epoch, nonce=nonce)])
@@ -173,3 +179,54 @@ def test_a_second_shuffler_server_on_the_same_sqlite_file_stops_at_its_start(
             ("0006",)
         ]
     holder.store.close()
+
+
+@pytest.mark.system
+def test_the_writer_lock_is_a_file_of_its_own_and_letting_go_keeps_sqlite_s_locks(
+    tmp_path: Path,
+) -> None:
+    """Closing a descriptor of the database file would drop the POSIX locks SQLite holds on
+    it in this process: another process closing its connection would then take itself for
+    the last one, checkpoint and delete the write-ahead log, and this process's next commit
+    would go to a deleted file. The lock lives beside the database instead."""
+    database = tmp_path / "shuffler.db"
+    service, clock = make_service(f"sqlite:///{database}", tmp_path)
+    service.store.start_writing()
+    assert Path(lock_path(str(database))) == database.with_name("shuffler.db-writer")
+    fill(service, clock.epoch, 1)
+    with service.store.engine.connect() as held:  # a connection of this process stays open
+        held.exec_driver_sql("SELECT count(*) FROM contributions").all()
+        service.store.close()  # lets go of the writer lock
+        subprocess.run([sys.executable, "-c", OPEN_AND_CLOSE, str(database)], check=True)
+        held.exec_driver_sql("UPDATE contributions SET n_fragments = 99")
+        held.commit()
+        read = [sys.executable, "-c", READ_BACK, str(database)]  # while this process is open
+        seen = subprocess.run(read, check=True, capture_output=True, text=True).stdout
+    service.store.engine.dispose()
+    assert seen.strip() == "[(99,)]"
+
+
+#: Another process reading what this one committed.
+READ_BACK = (
+    "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+    "print(c.execute('SELECT n_fragments FROM contributions').fetchall()); c.close()"
+)
+#: Another process opening the database and closing it again (a backup, an audit, sqlite3).
+OPEN_AND_CLOSE = (
+    "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+    "c.execute('SELECT count(*) FROM contributions').fetchall(); c.close()"
+)
+
+
+def test_closing_an_epoch_drops_its_keys_at_once(tmp_path: Path) -> None:
+    """Not only at the next insert of the same channel: a channel that goes quiet after its
+    close keeps no keys in memory."""
+    service, clock = make_service(f"sqlite:///{tmp_path / 'shuffler.db'}", tmp_path)
+    fill(service, clock.epoch, 3)
+    store = service.store
+    assert isinstance(store, SqliteContributionStore)
+    held = store._held  # the store's memory of keys, looked at directly
+    assert held is not None and len(held) == 3
+    service.store.close_epoch(POLICY.id, clock.epoch, clock.now)
+    assert len(held) == 0
+    service.store.close()

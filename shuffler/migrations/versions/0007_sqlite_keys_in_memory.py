@@ -20,11 +20,17 @@ COLUMNS = (
     "id, channel_id, crowd_id, epoch, client_id, nonce, fragments, n_fragments, received_at, "
     "held_part, receipt"
 )
+REPEATED_NONCES = (
+    "SELECT count(*) FROM (SELECT nonce FROM contributions GROUP BY nonce HAVING count(*) > 1)"
+)
 GROUP_INDEX = ("ix_contributions_group", ["channel_id", "crowd_id", "epoch", "held_part"])
 
 
 def _rebuild(name: str, *constraints: sa.Constraint) -> None:
-    """``contributions`` again, rows and ids kept, with ``constraints`` besides the receipt's."""
+    """``contributions`` again, rows and ids kept, with ``constraints`` besides the receipt's.
+    SQLite commits a ``CREATE TABLE`` on its own, so a copy that an earlier attempt left
+    behind (a full disk, a kill) is dropped first."""
+    op.execute(f"DROP TABLE IF EXISTS {name}")
     op.create_table(
         name,
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
@@ -53,6 +59,13 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "sqlite":
+        repeated = op.get_bind().execute(sa.text(REPEATED_NONCES)).scalar_one()
+        if repeated:
+            raise RuntimeError(
+                f"{repeated} nonces are stored more than once (a client may reuse its nonce in "
+                "a later epoch since 0007): the unique index of 0006 cannot be built; "
+                "delete those rows first or stay at 0007"
+            )
         _rebuild(
             "contributions_0006",
             sa.UniqueConstraint("nonce"),
