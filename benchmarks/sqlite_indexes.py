@@ -34,7 +34,7 @@ from shuffler.records import pack_fragments
 from shuffler.store import WAL_AUTOCHECKPOINT_PAGES, _insert_sql, new_receipts
 
 #: name: (edit of the table's DDL, extra DDL, page size, checkpoint interval in pages)
-VARIANTS = {
+VARIANTS: dict[str, tuple[dict[str, str], list[str], int, int]] = {
     "shipped (the replay and quota checks in memory)": ({}, [], 4096, WAL_AUTOCHECKPOINT_PAGES),
     "with the two random-keyed unique indexes (as before migration 0007)": (
         {},
