@@ -6,8 +6,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from alembic.config import Config
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from sqlalchemy.engine import Connection
 
 from common.envelope import Contribution, KeyRing, new_nonce, seal_contribution
 from common.randomness import RandomSource
@@ -118,3 +120,12 @@ def open_files() -> list[str]:
         except OSError:  # the descriptor listdir itself used, closed meanwhile
             continue
     return links
+
+
+def migrations_on(conn: Connection) -> Config:
+    """The shuffler's alembic migrations, to run on ``conn`` (inside the caller's
+    transaction) with ``alembic.command.upgrade`` / ``downgrade``."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = conn
+    return config

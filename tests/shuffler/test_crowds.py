@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 from alembic import command
-from alembic.config import Config
 from pydantic import ValidationError
 from sqlalchemy import inspect, select, text
 
@@ -16,12 +15,11 @@ from common.envelope import Contribution, new_nonce, seal_contribution
 from common.wire import MAX_CROWDS, ChannelConfig, ChannelPolicy
 from runtime import db
 from shuffler import tables
-from shuffler.app import MIGRATIONS
 from shuffler.errors import QuotaExceededError, UnknownCrowdError
 from shuffler.records import Conflict, GroupKey, Pending
 from shuffler.service import ShufflerService
 
-from .factory import POLICY, make_service
+from .factory import POLICY, make_service, migrations_on
 
 CROWDS = ("", "eu", "us-west.1")
 
@@ -115,12 +113,10 @@ def test_migration_keeps_the_first_contribution_per_client_channel_epoch(
 ) -> None:
     """Contributions stored under the old quota (one per crowd): the first of each (client,
     channel, epoch) stays, the others are recorded as purged (nothing unaccounted for)."""
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
     engine = db.make_engine(database_url)
     rows = [("a", "", 1), ("a", "x", 1), ("a", "y", 1), ("a", "", 2), ("b", "x", 1)]
     with engine.begin() as conn:
-        config.attributes["connection"] = conn
+        config = migrations_on(conn)
         command.upgrade(config, "0002")
         for i, (client, crowd, epoch) in enumerate(rows):
             conn.execute(

@@ -12,18 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 from alembic import command
-from alembic.config import Config
 from sqlalchemy import select, text
 
 from common.randomness import SeededSource
 from common.wire import Batch, BatchAck
 from runtime import db
 from shuffler import tables
-from shuffler.app import MIGRATIONS
 from shuffler.forwarder import Outcome
 from shuffler.service import ShufflerService
 
-from .factory import Clock, fill, make_service
+from .factory import Clock, fill, make_service, migrations_on
 
 #: 40 contributions of 2 fragments in parts of 7: several parts per batch.
 PART_FRAGMENTS = 7
@@ -148,11 +146,9 @@ def test_size_and_configuration_refusals_are_retried_not_failed(
 def test_migration_moves_a_stored_batch_into_part_0_of_1(database_url: str) -> None:
     """A batch stored before parts existed (revision 0001) is sent unchanged after upgrade
     (its body in ``part_bodies`` since 0004), and a downgrade puts it back."""
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
     engine = db.make_engine(database_url)
     with engine.begin() as conn:
-        config.attributes["connection"] = conn
+        config = migrations_on(conn)
         command.upgrade(config, "0001")
         conn.execute(
             text(

@@ -13,19 +13,17 @@ from pathlib import Path
 
 import pytest
 from alembic import command
-from alembic.config import Config
 from sqlalchemy import inspect
 
 from common.envelope import new_nonce
 from runtime import db
 from services.cli import launcher
-from shuffler.app import MIGRATIONS
 from shuffler.records import Conflict
 from shuffler.store import SqliteContributionStore, make_store
 from shuffler.uniqueness import HeldKeys, Key, SecondWriterError, lock_path
 
 from ..support import free_port
-from .factory import POLICY, fill, make_service, pending
+from .factory import POLICY, fill, make_service, migrations_on, pending
 
 
 def test_held_keys_refuse_a_replayed_nonce_and_a_second_contribution_in_and_across_batches() -> (
@@ -108,11 +106,9 @@ def test_migration_0007_keeps_the_rows_and_drops_only_the_two_random_keyed_index
     client, nonce = service.tokens.issue(), new_nonce()
     stored = service.store.insert([pending(service, client, clock.epoch, nonce=nonce)])
     service.store.close()
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
     engine = db.make_engine(url)
     with engine.begin() as conn:
-        config.attributes["connection"] = conn
+        config = migrations_on(conn)
         command.downgrade(config, "0006")
         conn.exec_driver_sql("UPDATE contributions SET held_part = 3")
         rows = conn.exec_driver_sql("SELECT id, held_part, receipt FROM contributions").all()
@@ -149,10 +145,8 @@ def test_a_second_shuffler_server_on_the_same_sqlite_file_stops_at_its_start(
     url = f"sqlite:///{tmp_path / 'shuffler.db'}"
     holder, _ = make_service(url, tmp_path)
     holder.store.start_writing()
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
     with holder.store.engine.begin() as conn:
-        config.attributes["connection"] = conn
+        config = migrations_on(conn)
         command.downgrade(config, "0006")  # as if the holder ran an older release
     port = free_port()
     spec = launcher.shuffler_spec(tmp_path, 1, port, "", url)
