@@ -83,6 +83,23 @@ def _background(service: ShufflerService, http: httpx.Client) -> list[asyncio.Ta
     ]
 
 
+async def _prepare(service: ShufflerService) -> Path | None:
+    """Claim the database (before migrating it: one writing process per SQLite file), migrate
+    it, load the state, prepare writing and publish the descriptor (its path). On a failure the
+    store lets go of the file, so a process that goes on (a test's) can open it again."""
+    engine = service.store.engine
+    try:
+        await asyncio.to_thread(service.store.claim_file)
+        await asyncio.to_thread(db.wait_for, engine)
+        await asyncio.to_thread(db.upgrade, engine, MIGRATIONS)
+        await asyncio.to_thread(service.load_state)
+        await asyncio.to_thread(service.store.start_writing)
+        return await asyncio.to_thread(service.publish)
+    except BaseException:
+        service.store.close()
+        raise
+
+
 def _lifespan(
     service: ShufflerService, writer: CommitQueue, http: httpx.Client
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
@@ -90,12 +107,7 @@ def _lifespan(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await asyncio.to_thread(service.store.claim_file)  # before migrating: one writer per file
-        await asyncio.to_thread(db.wait_for, engine)
-        await asyncio.to_thread(db.upgrade, engine, MIGRATIONS)
-        await asyncio.to_thread(service.load_state)
-        await asyncio.to_thread(service.store.start_writing)
-        published = await asyncio.to_thread(service.publish)
+        published = await _prepare(service)
         writer.start()
         tasks = _background(service, http)
         channels = [c.id for c in service.policies.all()]

@@ -1140,9 +1140,9 @@ class SqliteContributionStore(ContributionStore):
         return revoked, closed, {row[_RECEIPT] for row in new}, replayed
 
     def claim_file(self) -> None:
-        """Take the file's writer lock (creating an empty file if there is none yet, which
-        SQLite takes as an empty database), so a second server on the same file stops before
-        it migrates or writes anything.
+        """Take the file's writer lock (:func:`~shuffler.uniqueness.writer_lock`, on a lock
+        file beside the database), so a second server on the same file stops before it
+        migrates or writes anything.
 
         Raises:
             SecondWriterError: another process writes to this file.
@@ -1161,8 +1161,9 @@ class SqliteContributionStore(ContributionStore):
             self._held_keys()
 
     def _held_keys(self) -> HeldKeys:
-        """The keys of the open epochs' rows, read from the table at the first insert (after
-        taking the file's writer lock, so no other process adds rows meanwhile)."""
+        """The keys of the open epochs' rows, read from the table once (at
+        :meth:`start_writing`, else at the first insert), after taking the file's writer lock,
+        so no other process adds rows meanwhile."""
         if self._held is None:
             self._lock_file()
             held = HeldKeys()

@@ -8,7 +8,7 @@ refuses a second writer of the file), and the two unique indexes cost two thirds
 contribution's CPU: their keys are random, so each insert dirties a random page of each, which
 the write-ahead log copies whole (docs/benchmarks.md, "Ingest CPU per contribution, before and
 after"). So that process keeps the keys of the open epochs' rows in memory instead, loaded from
-the table at its first insert and kept in step with every commit.
+the table before the server answers anything and kept in step with every commit and close.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def writer_lock(database: str) -> int:
     Raises:
         SecondWriterError: another process (or another store in this one) holds it.
     """
-    descriptor = os.open(lock_path(database), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    descriptor = os.open(lock_path(database), os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as error:
@@ -119,4 +119,7 @@ def writer_lock(database: str) -> int:
             f"another shuffler process writes contributions to {database}: SQLite serves one "
             "process per file (several replicas need PostgreSQL)"
         ) from error
+    except BaseException:
+        os.close(descriptor)
+        raise
     return descriptor

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 from alembic import command
+from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 
 from common.envelope import new_nonce
 from runtime import db
 from services.cli import launcher
+from shuffler.app import create_app
 from shuffler.records import Conflict
+from shuffler.settings import ShufflerSettings
 from shuffler.store import SqliteContributionStore, make_store
 from shuffler.uniqueness import HeldKeys, Key, SecondWriterError, lock_path
 
@@ -224,3 +227,45 @@ def test_closing_an_epoch_drops_its_keys_at_once(tmp_path: Path) -> None:
     service.store.close_epoch(POLICY.id, clock.epoch, clock.now)
     assert len(held) == 0
     service.store.close()
+
+
+def test_a_downgrade_below_0007_refuses_while_a_nonce_is_stored_twice(tmp_path: Path) -> None:
+    """Since 0007 a client may reuse its nonce in a later epoch; 0006's unique index could
+    not hold both rows, so the downgrade stops and keeps them."""
+    url = f"sqlite:///{tmp_path / 'shuffler.db'}"
+    service, clock = make_service(url, tmp_path)
+    client, nonce = service.tokens.issue(), new_nonce()
+    assert isinstance(
+        service.store.insert([pending(service, client, clock.epoch, nonce=nonce)])[0], str
+    )
+    service.store.close_epoch(POLICY.id, clock.epoch, clock.now)
+    clock.now += POLICY.epoch_seconds
+    assert isinstance(
+        service.store.insert([pending(service, client, clock.epoch, nonce=nonce)])[0], str
+    )
+    service.store.close()
+    engine = db.make_engine(url)
+    refused = pytest.raises(RuntimeError, match="1 nonces are stored more than once")
+    with refused, engine.begin() as conn:
+        command.downgrade(migrations_on(conn), "0006")
+    with engine.connect() as conn:
+        version = conn.exec_driver_sql("SELECT version_num FROM alembic_version_shuffler").all()
+        rows = conn.exec_driver_sql("SELECT count(*) FROM contributions").all()
+    engine.dispose()
+    assert version == [("0007",)] and rows == [(2,)]
+
+
+def test_a_shuffler_app_that_fails_to_start_lets_go_of_its_file(tmp_path: Path) -> None:
+    """A start that fails after the app claimed its file (here: its descriptor cannot be
+    published, the directory being a file) leaves no lock behind in a process that goes on."""
+    url = f"sqlite:///{tmp_path / 'shuffler.db'}"
+    (tmp_path / "not-a-directory").write_text("")
+    keys = tmp_path / "app-keys"
+    broken = ShufflerSettings(
+        database_url=url, key_dir=keys, channels=[POLICY], publish_dir=tmp_path / "not-a-directory"
+    )
+    with pytest.raises(OSError), TestClient(create_app(broken)):
+        pass
+    settings = ShufflerSettings(database_url=url, key_dir=keys, channels=[POLICY])
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/readyz").status_code == 200

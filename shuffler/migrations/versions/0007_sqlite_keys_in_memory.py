@@ -28,8 +28,8 @@ GROUP_INDEX = ("ix_contributions_group", ["channel_id", "crowd_id", "epoch", "he
 
 def _rebuild(name: str, *constraints: sa.Constraint) -> None:
     """``contributions`` again, rows and ids kept, with ``constraints`` besides the receipt's.
-    SQLite commits a ``CREATE TABLE`` on its own, so a copy that an earlier attempt left
-    behind (a full disk, a kill) is dropped first."""
+    Python's sqlite3 module runs a ``CREATE TABLE`` outside the transaction, so a copy that
+    an earlier attempt left behind (a full disk, a kill) is dropped first."""
     op.execute(f"DROP TABLE IF EXISTS {name}")
     op.create_table(
         name,
