@@ -17,6 +17,7 @@ import base64
 import contextlib
 import hashlib
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ KEY_ID_SIZE = 8
 ENC_SIZE = 32
 TAG_SIZE = 16
 NONCE_SIZE = 16
+#: Reads a fragment's length (``uint16``, big-endian) in place, without slicing it out.
+_U16 = struct.Struct(">H").unpack_from
 MAGIC = CONTRIBUTION_MAGIC
 #: The magic of wire version 1 contributions, refused by name.
 OLD_MAGIC = OLD_CONTRIBUTION_MAGIC
@@ -279,14 +282,13 @@ class Contribution:
             count = int.from_bytes(data[offset : offset + 2], "big")
             offset += 2
             fragments = []
-            for _ in range(count):
-                length = int.from_bytes(data[offset : offset + 2], "big")
-                fragment = data[offset + 2 : offset + 2 + length]
-                if len(fragment) != length:
-                    raise EnvelopeError("truncated fragment")
-                fragments.append(fragment)
-                offset += 2 + length
-        except (IndexError, UnicodeDecodeError) as error:
+            for _ in range(count):  # the ingest path: one struct read and one slice each
+                start = offset + 2
+                offset = start + _U16(data, offset)[0]
+                fragments.append(data[start:offset])
+            if offset > len(data):
+                raise EnvelopeError("truncated fragment")
+        except (IndexError, UnicodeDecodeError, struct.error) as error:
             raise EnvelopeError(f"malformed contribution: {error}") from error
         if offset != len(data) or len(nonce) != NONCE_SIZE:
             raise EnvelopeError("malformed contribution: trailing or missing bytes")

@@ -154,7 +154,9 @@ class CommitQueue:
         the batch is there."""
         self._stopping = self._stopping or item is None
         self._inbox.put(item)
-        if self._full_or_stopping():
+        # Only a cleared event needs setting: the writer clears it before it checks the queue,
+        # so an item put while it was still set is seen by that check.
+        if not self._filled.is_set() and self._full_or_stopping():
             self._filled.set()
 
     def _commit(self, pending: list[Pending]) -> list[Stored]:
@@ -215,9 +217,11 @@ class Ingest:
 
     async def __call__(self, raw_headers: Headers, receive: Any) -> Answer:
         try:
-            if sum(name == b"authorization" for name, _ in raw_headers) > 1:
+            headers = dict(raw_headers)  # a repeated name keeps its last value: count them
+            repeated = len(headers) < len(raw_headers)
+            if repeated and sum(name == b"authorization" for name, _ in raw_headers) > 1:
                 raise BadTokenError("send one Authorization header")
-            receipt = await self._accept(dict(raw_headers), receive)
+            receipt = await self._accept(headers, receive)
         except ShufflerError as error:
             self.service.events.count(f"rejected_{error.code}")
             return refused(error)

@@ -69,7 +69,7 @@ class DuePart:
 
 def pack_fragments(fragments: Sequence[bytes]) -> bytes:
     """``u16 length | bytes`` per fragment (fragments are at most 65,535 bytes)."""
-    return b"".join(len(f).to_bytes(2, "big") + f for f in fragments)
+    return b"".join([len(f).to_bytes(2, "big") + f for f in fragments])
 
 
 @dataclass(frozen=True, slots=True)
