@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import secrets
+import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -45,6 +46,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql.dml import Insert
 
 from common.wire import ChannelPolicy
@@ -164,6 +166,22 @@ UNION ALL SELECT 'i', receipt, NULL::bigint FROM i
 """
 
 
+def _insert_rows(cursor: Any, mark: str, rows: list[Row]) -> int:
+    """Insert ``rows`` through a DB-API ``cursor`` (``mark``: its placeholder) in multi-row
+    statements of up to :data:`_ROWS_PER_STATEMENT`; the rows inserted, or -1 when the driver
+    cannot tell."""
+    inserted = 0
+    for start in range(0, len(rows), _ROWS_PER_STATEMENT):
+        chunk = rows[start : start + _ROWS_PER_STATEMENT]
+        cursor.execute(
+            _insert_sql(mark, len(chunk)), tuple(value for row in chunk for value in row)
+        )
+        if cursor.rowcount is None or cursor.rowcount < 0:
+            return -1
+        inserted += cursor.rowcount
+    return inserted
+
+
 def _row(pending: Pending, receipt: str) -> Row:
     c = pending.contribution
     fragments = pack_fragments(c.fragments)
@@ -219,19 +237,6 @@ class ContributionStore(ABC):
         """One transaction: read which clients are revoked and which epochs closed, insert the
         other rows unless they replay a nonce or exceed the quota; (revoked, closed, receipts
         landed, nonces already taken)."""
-
-    def _insert_rows(self, conn: Connection, rows: list[Row]) -> int:
-        """Rows inserted, or -1 when the driver cannot tell (the caller then looks up)."""
-        inserted = 0
-        for start in range(0, len(rows), _ROWS_PER_STATEMENT):
-            chunk = rows[start : start + _ROWS_PER_STATEMENT]
-            result = conn.exec_driver_sql(
-                _insert_sql(self.mark, len(chunk)), tuple(value for row in chunk for value in row)
-            )
-            if result.rowcount is None or result.rowcount < 0:
-                return -1
-            inserted += result.rowcount
-        return inserted
 
     def close(self) -> None:  # noqa: B027 (a hook: only PostgreSQL holds a connection)
         """Give back any connection the store holds (before the engine is disposed)."""
@@ -801,7 +806,7 @@ def _checks_sql(mark: str, clients: int, channels: int) -> str:
 
 
 def _checks_among(
-    conn: Connection, mark: str, clients: set[str], channels: set[str]
+    cursor: Any, mark: str, clients: set[str], channels: set[str]
 ) -> tuple[set[str], dict[str, int]]:
     """Which of ``clients`` are revoked and the latest closed epoch of each of ``channels``,
     read in the insert's transaction (SQLite; PostgreSQL reads them in the insert statement
@@ -817,7 +822,7 @@ def _checks_among(
     for start in range(0, max(len(names), 1), per):  # once with no clients
         chunk = names[start : start + per]
         sql = _checks_sql(mark, len(chunk), len(channels))
-        found, closed = _checks(conn.exec_driver_sql(sql, (*chunk, *channels)).all())
+        found, closed = _checks(cursor.execute(sql, (*chunk, *channels)).fetchall())
         revoked |= found
     return revoked, closed
 
@@ -1109,6 +1114,7 @@ class SqliteContributionStore(ContributionStore):
         event.listen(engine, "connect", _checkpoint_interval)
         self._held: HeldKeys | None = None
         self._writer: int | None = None
+        self._writer_connection: PoolProxiedConnection | None = None
         self._writing = threading.Lock()
 
     def _insert_checked(self, rows: list[Row]) -> Landings:
@@ -1116,28 +1122,64 @@ class SqliteContributionStore(ContributionStore):
         rows neither from those nor replaying a nonce or over the quota (the held keys, checked
         and then added under the writing lock, so two inserts of this process never interleave
         between them). One multi-row ``INSERT`` per (up to) 100 rows, written once per row
-        count and sent as is: per-row SQLAlchemy compilation costs more than the insert itself.
+        count and sent as is, on the writer's own connection (:meth:`_writer_transaction`).
 
         Raises:
             SecondWriterError: another process writes to this file (at the first insert).
+            sqlalchemy.exc.OperationalError: the transaction failed (nothing stored).
         """
         if not rows:
             return set(), {}, set(), set()
         with self._writing:
             held = self._held_keys()
-            with self.engine.begin() as conn:
-                self.begin_writing(conn)  # no close commits between these reads and the insert
+            with self._writer_transaction() as cursor:
                 revoked, closed = _checks_among(
-                    conn, self.mark, {r[_CLIENT] for r in rows}, {r[_CHANNEL] for r in rows}
+                    cursor, self.mark, {r[_CLIENT] for r in rows}, {r[_CHANNEL] for r in rows}
                 )
                 held.forget_closed(closed)
                 kept = _admitted(rows, revoked, closed)
                 fresh, replayed = held.sort([_key(row) for row in kept])
                 new = [kept[index] for index in fresh]
-                if self._insert_rows(conn, new) != len(new):  # only a receipt could collide
-                    raise OperationalError("INSERT", None, Exception("a receipt collided"))
+                if _insert_rows(cursor, self.mark, new) != len(new):  # only a receipt collides
+                    raise sqlite3.IntegrityError("a receipt collided: nothing was stored")
             held.add(_key(row) for row in new)
         return revoked, closed, {row[_RECEIPT] for row in new}, replayed
+
+    @contextlib.contextmanager
+    def _writer_transaction(self) -> Iterator[Any]:
+        """``BEGIN IMMEDIATE`` … ``COMMIT`` through the driver's cursor on the one connection
+        this process keeps for its group commits (used under the writing lock only). A pool
+        check-out, its reset and SQLAlchemy's execution machinery cost ~150 CPU-µs a
+        transaction, twice the transaction itself (docs/benchmarks.md, "Ingest CPU per
+        contribution"). Rolled back on any failure; a connection that cannot roll back is
+        dropped for a new one. Driver errors come out as SQLAlchemy's, like every query's.
+
+        Raises:
+            sqlalchemy.exc.OperationalError: the transaction failed (nothing stored).
+        """
+        if self._writer_connection is None:
+            self._writer_connection = self.engine.raw_connection()
+        connection = self._writer_connection
+        cursor = connection.cursor()
+        try:
+            cursor.execute("BEGIN IMMEDIATE")  # the write lock before the reads (begin_writing)
+            yield cursor
+            connection.commit()
+        except BaseException as error:
+            self._roll_back(connection)
+            if isinstance(error, sqlite3.Error):  # its message has no parameters in it
+                raise OperationalError("group commit", None, error) from error
+            raise
+        finally:
+            cursor.close()
+
+    def _roll_back(self, connection: PoolProxiedConnection) -> None:
+        """End a failed transaction; if even that fails, drop the connection for a new one."""
+        try:
+            connection.rollback()
+        except sqlite3.Error:
+            connection.invalidate()
+            self._writer_connection = None
 
     def claim_file(self) -> None:
         """Take the file's writer lock (:func:`~shuffler.uniqueness.writer_lock`, on a lock
@@ -1191,6 +1233,9 @@ class SqliteContributionStore(ContributionStore):
         again)."""
         with self._writing:
             self._held = None
+            if self._writer_connection is not None:
+                self._writer_connection.close()
+                self._writer_connection = None
             if self._writer is not None:
                 os.close(self._writer)
                 self._writer = None

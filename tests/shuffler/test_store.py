@@ -215,7 +215,7 @@ def test_a_close_waits_for_inserts_that_read_the_epoch_open(
     def uncommitted_at_b() -> None:
         with b.store.engine.begin() as conn:
             row = store_module._row(pending(a, a.tokens.issue(), epoch, nonce=nonce), "r" * 32)
-            b.store._insert_rows(conn, [row])
+            store_module._insert_rows(conn.connection.cursor(), b.store.mark, [row])
             held.set()
             release.wait(30)
 
