@@ -4,6 +4,7 @@ refused, across a restart and a migration, and a second writer of the file must 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -15,10 +16,12 @@ import pytest
 from alembic import command
 from fastapi.testclient import TestClient
 from sqlalchemy import inspect
+from sqlalchemy.exc import OperationalError
 
 from common.envelope import new_nonce
 from runtime import db
 from services.cli import launcher
+from shuffler import store as store_module
 from shuffler.app import create_app
 from shuffler.records import Conflict
 from shuffler.settings import ShufflerSettings
@@ -269,3 +272,40 @@ def test_a_shuffler_app_that_fails_to_start_lets_go_of_its_file(tmp_path: Path) 
     settings = ShufflerSettings(database_url=url, key_dir=keys, channels=[POLICY])
     with TestClient(create_app(settings)) as client:
         assert client.get("/readyz").status_code == 200
+
+
+def test_a_failed_group_commit_stores_nothing_holds_no_key_and_the_next_one_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group commit runs on the writer's own connection: a transaction that fails before
+    its write (another process holds the write lock) or after it (the row count comes back
+    wrong: the one failure after a write that cannot be caused from outside, hence patched)
+    is rolled back and raised as SQLAlchemy's error; its keys are not held, so the same
+    contribution lands on the next try, on the same connection."""
+    path = tmp_path / "shuffler.db"
+    service, clock = make_service(f"sqlite:///{path}", tmp_path)
+    service.store.close()  # let go of the file for a store that waits 0.2 s for the lock
+    store = make_store(db.make_engine(f"sqlite:///{path}", busy_timeout=0.2))
+    batch = [pending(service, service.tokens.issue(), clock.epoch)]
+    blocker = sqlite3.connect(path)
+    blocker.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(OperationalError, match="database is locked"):
+        store.insert(batch)
+    blocker.rollback()
+    blocker.close()
+    real = store_module._insert_rows
+    monkeypatch.setattr(store_module, "_insert_rows", lambda *args: real(*args) - 1)
+    with pytest.raises(OperationalError, match="a receipt collided"):
+        store.insert(batch)
+    monkeypatch.undo()
+    assert _stored(path) == 0
+    assert isinstance(store.insert(batch)[0], str)  # neither a replay nor over the quota
+    assert store.insert(batch) == [Conflict.REPLAYED_NONCE]
+    assert _stored(path) == 1
+    store.close()
+
+
+def _stored(path: Path) -> int:
+    """Contributions in the file, read by a connection of its own."""
+    with contextlib.closing(sqlite3.connect(path)) as reader:
+        return int(reader.execute("SELECT count(*) FROM contributions").fetchone()[0])
