@@ -14,10 +14,15 @@ Why: docs/architecture.md, "Runtime: HAProxy and the server".
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, Protocol, cast
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from runtime.http import error_body
 
@@ -26,6 +31,33 @@ HEAD_LIMIT = 32 * 1024
 #: Bytes of a request head still being received before the connection is refused anyway (a
 #: single endless header never reaches the parsed-size check).
 RAW_HEAD_LIMIT = 2 * HEAD_LIMIT
+
+
+Headers = list[tuple[bytes, bytes]]
+#: A direct route's answer: (status, JSON body, extra response headers).
+Answer = tuple[int, bytes, Headers]
+#: A direct route: the request's headers (lower-case names) and uvicorn's ``receive``, to its
+#: answer. It answers every failure itself (a refusal, or a 500 for a bug).
+DirectHandler = Callable[[Headers, Callable[[], Awaitable[Any]]], Awaitable[Answer]]
+#: How far :func:`direct_routes` looks through middleware (``.app``) for an app's routes.
+WRAPPERS = 4
+
+
+class DirectRoutes(Protocol):
+    """An ASGI app with routes answered without the ASGI cycle (:class:`JsonHttpToolsProtocol`)."""
+
+    def direct_route(self, method: str, path: str) -> DirectHandler | None:
+        """The handler for ``method path``, or None to serve it through ASGI."""
+
+
+def direct_routes(app: Any) -> DirectRoutes | None:
+    """The first app with direct routes among ``app`` and what it wraps (uvicorn wraps the
+    served app in middleware such as its proxy-headers one)."""
+    for _ in range(WRAPPERS):
+        if hasattr(app, "direct_route"):
+            return cast(DirectRoutes, app)
+        app = getattr(app, "app", None)
+    return None
 
 
 class HeadTooLargeError(Exception):
@@ -89,6 +121,7 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0  # parsed request line and headers of the current request
         self._raw_head_bytes = 0  # bytes received while the current head is incomplete
+        self._direct = direct_routes(self.app)
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
@@ -134,6 +167,52 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not None:
             writes = OneWriteResponse(self.transport, self.loop)
             self.cycle.transport = cast(asyncio.Transport, writes)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        """Start a request (now, or once the pipelined ones before it are answered): through
+        the app's direct route for it if it has one, else through ASGI."""
+        handler = None
+        if self._direct is not None and app is self.app:  # not uvicorn's own 503 app
+            handler = self._direct.direct_route(cycle.scope["method"], cycle.scope["path"])
+        if handler is None:
+            super()._start_asgi_task(cycle, app)
+            return
+        task = self.loop.create_task(self._answer_directly(cycle, handler))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    async def _answer_directly(self, cycle: RequestResponseCycle, handler: DirectHandler) -> None:
+        """A direct route's request, answered in one write with what uvicorn's ``send``
+        would write (status line, default headers, JSON content type and length, the
+        handler's extra headers, ``connection: close`` when the connection ends, the body),
+        then the cycle ended as ``send`` ends it: the same wire answer without the ASGI
+        scope's middleware, its two ``send`` calls and their header checks, a few µs of a
+        request that costs ~100."""
+        try:
+            status, body, extra = await handler(
+                cast(Headers, cycle.scope["headers"]), cycle.receive
+            )
+        except Exception:  # the handler answers its failures: this is a bug in it
+            self.logger.exception("Exception in a direct route")
+            status, body, extra = 500, error_body("internal", "unexpected server error"), []
+            cycle.keep_alive = False
+        finally:
+            on_response, cycle.on_response = cycle.on_response, lambda: None
+        if cycle.disconnected:
+            return
+        if self.flow.write_paused:
+            await self.flow.drain()
+        lines = [*cycle.default_headers, (b"content-type", b"application/json"), *extra]
+        lines.append((b"content-length", b"%d" % len(body)))
+        if not cycle.keep_alive:
+            lines.append((b"connection", b"close"))
+        head = b"".join(name + b": " + value + b"\r\n" for name, value in lines)
+        self.transport.write(b"".join([STATUS_LINE[status], head, b"\r\n", body]))
+        cycle.response_started = cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        on_response()
 
     def _grow(self, size: int) -> None:
         self._head_bytes += size

@@ -270,6 +270,14 @@ class IngestFastPath:
     def __init__(self, app: FastAPI) -> None:
         self.app = app
 
+    def direct_route(self, method: str, path: str) -> Ingest | None:
+        """:class:`Ingest` for ``POST /v1/contributions`` once the app started, for the
+        services' HTTP server to call without the ASGI cycle
+        (:class:`runtime.server.JsonHttpToolsProtocol`); None for every other request."""
+        if method != "POST" or path != ROUTE:
+            return None
+        return getattr(self.app.state, "ingest", None)
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != ROUTE or scope["method"] != "POST":
             await self.app(scope, receive, send)
