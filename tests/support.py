@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
@@ -30,6 +32,7 @@ from common.wire import (
     SignedDescriptor,
     b64,
 )
+from runtime.server import uvicorn_options
 from services.cli import launcher
 from services.tools.catalogue import DELETION
 
@@ -451,3 +454,36 @@ def offline_config(
     trust = TrustAnchors(signer.public_key(), {"shuffler-1": shuffler_signer.public_key()})
     found.trust_file.write_text(json.dumps(trust.to_json()))
     return found
+
+
+@contextmanager
+def served(app: Any) -> Iterator[int]:
+    """``app`` under the services' uvicorn options, in a thread; yields its port."""
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="error", **uvicorn_options()
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def exchange(port: int, request: bytes, answers: int = 1) -> bytes:
+    """``request`` sent, and what came back until the server closed or ``answers`` heads."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request)
+        answer = b""
+        while answer.count(b"HTTP/1.1 ") < answers or not answer.endswith((b"\r\n\r\n", b"}")):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer

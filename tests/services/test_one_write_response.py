@@ -5,20 +5,14 @@ without its body on the wire, which HAProxy cannot resend to another replica."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from runtime.server import OneWriteResponse, uvicorn_options
+from runtime.server import OneWriteResponse
 
-from ..support import free_port
+from ..support import exchange, served
 
 
 class Recorded:
@@ -60,26 +54,6 @@ def test_a_bodiless_head_still_leaves_on_the_next_turn_of_the_loop() -> None:
     assert asyncio.run(answer()) == [b"HTTP/1.1 204 No Content\r\n\r\n"]
 
 
-@contextmanager
-def _serving(app: FastAPI) -> Iterator[int]:
-    """``app`` under the services' uvicorn options, in a thread; yields its port."""
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="error", **uvicorn_options()
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 def _app() -> FastAPI:
     app = FastAPI()
 
@@ -94,23 +68,10 @@ def _app() -> FastAPI:
     return app
 
 
-def _exchange(port: int, request: bytes, answers: int = 1) -> bytes:
-    """``request`` sent, and what came back until the server closed or ``answers`` heads."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(request)
-        answer = b""
-        while answer.count(b"HTTP/1.1 ") < answers or not answer.endswith((b"\r\n\r\n", b"}")):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            answer += chunk
-    return answer
-
-
 def test_a_real_server_answers_whole_responses_and_bodiless_ones() -> None:
-    with _serving(_app()) as port:
+    with served(_app()) as port:
         both = b"GET /json HTTP/1.1\r\nHost: x\r\n\r\nGET /empty HTTP/1.1\r\nHost: x\r\n\r\n"
-        answer = _exchange(port, both, answers=2)
+        answer = exchange(port, both, answers=2)
     first, second = answer.split(b"HTTP/1.1 ")[1:]
     assert first.startswith(b"200") and first.endswith(b'{"a":1}')
     assert second.startswith(b"204")
@@ -119,10 +80,10 @@ def test_a_real_server_answers_whole_responses_and_bodiless_ones() -> None:
 def test_a_held_head_is_sent_before_the_connection_closes() -> None:
     """A bodiless answer on a closing connection (HEAD, HTTP/1.0): the head must not be lost
     to ``close``."""
-    with _serving(_app()) as port:
+    with served(_app()) as port:
         for request in (
             b"HEAD /json HTTP/1.0\r\n\r\n",
             b"HEAD /json HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         ):
-            answer = _exchange(port, request)
+            answer = exchange(port, request)
             assert answer.startswith((b"HTTP/1.1 405", b"HTTP/1.1 200")), answer
