@@ -88,6 +88,10 @@ _HEADERS: dict[int, dict[str, Any]] = {
 SERVER_STATUSES = (400, 431, 500)
 
 
+#: The detail of every 500: the failure itself is in the service's log, never in the answer.
+INTERNAL_DETAIL = "unexpected server error; it has been logged"
+
+
 def _documented(status: int) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "model": ErrorBody,
@@ -213,7 +217,7 @@ def _install_failure_handlers(app: FastAPI, log: logging.Logger) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error", extra={"route": request.url.path})
-        return error_response(500, "internal", "unexpected server error; it has been logged")
+        return error_response(500, "internal", INTERNAL_DETAIL)
 
 
 def _framework_detail(exc: StarletteHTTPException) -> str:

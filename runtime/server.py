@@ -6,7 +6,9 @@ is cut off at :data:`RAW_HEAD_LIMIT`) with ``431 head_too_large``, and a request
 refuses with ``400 malformed_http``: JSON ``{"error", "detail"}`` (:mod:`runtime.http`,
 :data:`runtime.http.SERVER_STATUSES`), connection closed. :class:`OneWriteResponse` sends a
 response's head with its first body bytes, so a killed process never leaves a bare head that a
-proxy cannot resend. Serve with ``uvicorn.run(app, **uvicorn_options())``.
+proxy cannot resend. An app may name direct routes (:class:`DirectRoutes`): their requests skip
+the ASGI cycle and are answered in one write. Serve with
+``uvicorn.run(app, **uvicorn_options())``.
 
 Why: docs/architecture.md, "Runtime: HAProxy and the server".
 """
@@ -24,7 +26,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from runtime.http import error_body
+from runtime.http import INTERNAL_DETAIL, error_body
 
 #: Largest request head (request line and headers, in bytes) a service accepts.
 HEAD_LIMIT = 32 * 1024
@@ -44,7 +46,9 @@ WRAPPERS = 4
 
 
 class DirectRoutes(Protocol):
-    """An ASGI app with routes answered without the ASGI cycle (:class:`JsonHttpToolsProtocol`)."""
+    """An ASGI app with routes answered without the ASGI cycle (:class:`JsonHttpToolsProtocol`):
+    middleware wrapped around the app, uvicorn's proxy-headers one included, is skipped for
+    them, so a direct route must not need what middleware adds (the client's address)."""
 
     def direct_route(self, method: str, path: str) -> DirectHandler | None:
         """The handler for ``method path``, or None to serve it through ASGI."""
@@ -182,26 +186,34 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         self.tasks.add(task)
 
     async def _answer_directly(self, cycle: RequestResponseCycle, handler: DirectHandler) -> None:
-        """A direct route's request, answered in one write with what uvicorn's ``send``
-        would write (status line, default headers, JSON content type and length, the
-        handler's extra headers, ``connection: close`` when the connection ends, the body),
-        then the cycle ended as ``send`` ends it: the same wire answer without the ASGI
-        scope's middleware, its two ``send`` calls and their header checks, a few µs of a
-        request that costs ~100."""
+        """A direct route's request: the handler's answer, or for anything raised out of it
+        (a bug, or the task cancelled at shutdown) the JSON 500 with the connection closed,
+        as uvicorn's ``run_asgi`` answers an app that raised."""
         try:
-            status, body, extra = await handler(
-                cast(Headers, cycle.scope["headers"]), cycle.receive
-            )
-        except Exception:  # the handler answers its failures: this is a bug in it
+            answer = await handler(cast(Headers, cycle.scope["headers"]), cycle.receive)
+        except BaseException:
             self.logger.exception("Exception in a direct route")
-            status, body, extra = 500, error_body("internal", "unexpected server error"), []
+            answer = (500, error_body("internal", INTERNAL_DETAIL), [])
             cycle.keep_alive = False
         finally:
             on_response, cycle.on_response = cycle.on_response, lambda: None
-        if cycle.disconnected:
-            return
-        if self.flow.write_paused:
+        if self.flow.write_paused and not cycle.disconnected:
             await self.flow.drain()
+        # connection_lost marks only the newest request's cycle: one pipelined behind this
+        # one leaves this cycle unmarked, and uvloop refuses a write to a closed transport.
+        if cycle.disconnected or self.transport.is_closing():
+            return
+        self._write_answer(cycle, *answer)
+        on_response()
+
+    def _write_answer(
+        self, cycle: RequestResponseCycle, status: int, body: bytes, extra: Headers
+    ) -> None:
+        """What uvicorn's ``send`` would write for a JSON answer (status line, default
+        headers, content type and length, the extra headers, ``connection: close`` when the
+        connection ends, the body), in one write, and the cycle ended as ``send`` ends it:
+        the same wire answer without the ASGI middleware and two ``send`` calls with their
+        header checks."""
         lines = [*cycle.default_headers, (b"content-type", b"application/json"), *extra]
         lines.append((b"content-length", b"%d" % len(body)))
         if not cycle.keep_alive:
@@ -212,7 +224,6 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         cycle.message_event.set()
         if not cycle.keep_alive:
             self.transport.close()
-        on_response()
 
     def _grow(self, size: int) -> None:
         self._head_bytes += size

@@ -1,8 +1,10 @@
-"""``POST /v1/contributions`` as a raw ASGI route, with group commit (PROTOCOL.md: ``202`` only
+"""``POST /v1/contributions`` outside FastAPI, with group commit (PROTOCOL.md: ``202`` only
 after the contribution's transaction committed).
 
 Profiling showed FastAPI's per-request machinery (middleware, exception wrappers, dependency
-solving) costing more than the ingest work itself, so this one route skips it. It keeps the
+solving) costing more than the ingest work itself, so this one route skips it: the services'
+HTTP server calls :class:`Ingest` directly (:meth:`IngestFastPath.direct_route`), and any
+other ASGI server reaches it through :class:`IngestFastPath` as a raw ASGI route. It keeps the
 same error contract as every other route: refusals are :class:`~shuffler.errors.ShufflerError`
 answered through :func:`runtime.http.error_body` and
 :func:`~runtime.http.status_of`.
@@ -24,7 +26,7 @@ from typing import Any
 from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 
-from runtime.http import error_body, status_of
+from runtime.http import INTERNAL_DETAIL, error_body, status_of
 from shuffler.errors import (
     BadContentTypeError,
     BadTokenError,
@@ -227,7 +229,7 @@ class Ingest:
             return refused(error)
         except Exception:  # a bug, not a refusal: logged, answered like every other 500
             log.exception("unexpected error", extra={"route": ROUTE})
-            return 500, error_body("internal", "unexpected server error; it has been logged"), []
+            return 500, error_body("internal", INTERNAL_DETAIL), []
         self.service.events.count("contributions_received")
         return 202, b'{"receipt":"%s"}' % receipt.encode(), []  # hex digits: nothing to escape
 
@@ -271,9 +273,9 @@ class IngestFastPath:
         self.app = app
 
     def direct_route(self, method: str, path: str) -> Ingest | None:
-        """:class:`Ingest` for ``POST /v1/contributions`` once the app started, for the
-        services' HTTP server to call without the ASGI cycle
-        (:class:`runtime.server.JsonHttpToolsProtocol`); None for every other request."""
+        """The app's :class:`Ingest` for ``POST /v1/contributions``, for the services' HTTP
+        server to call without the ASGI cycle (:class:`runtime.server.JsonHttpToolsProtocol`,
+        which serves nothing before the app's start); None for every other request."""
         if method != "POST" or path != ROUTE:
             return None
         return getattr(self.app.state, "ingest", None)

@@ -238,7 +238,7 @@ class ContributionStore(ABC):
         other rows unless they replay a nonce or exceed the quota; (revoked, closed, receipts
         landed, nonces already taken)."""
 
-    def close(self) -> None:  # noqa: B027 (a hook: only PostgreSQL holds a connection)
+    def close(self) -> None:  # noqa: B027 (a hook: a store may hold a connection)
         """Give back any connection the store holds (before the engine is disposed)."""
 
     def claim_file(self) -> None:  # noqa: B027 (a hook: only SQLite has a file to claim)
@@ -1148,11 +1148,12 @@ class SqliteContributionStore(ContributionStore):
     @contextlib.contextmanager
     def _writer_transaction(self) -> Iterator[Any]:
         """``BEGIN IMMEDIATE`` … ``COMMIT`` through the driver's cursor on the one connection
-        this process keeps for its group commits (used under the writing lock only). A pool
-        check-out, its reset and SQLAlchemy's execution machinery cost ~150 CPU-µs a
-        transaction, twice the transaction itself (docs/benchmarks.md, "Ingest CPU per
-        contribution"). Rolled back on any failure; a connection that cannot roll back is
+        this process keeps for its group commits (used under the writing lock only): a pool
+        check-out, its reset and SQLAlchemy's execution machinery cost ~70 CPU-µs a
+        transaction (a one-row one: 211 → 143; docs/benchmarks.md, "Group commit: CPU per
+        transaction"). Rolled back on any failure; a connection that cannot roll back is
         dropped for a new one. Driver errors come out as SQLAlchemy's, like every query's.
+        The ``COMMIT`` is the last thing that can fail: the caller holds the keys after it.
 
         Raises:
             sqlalchemy.exc.OperationalError: the transaction failed (nothing stored).
@@ -1160,18 +1161,19 @@ class SqliteContributionStore(ContributionStore):
         if self._writer_connection is None:
             self._writer_connection = self.engine.raw_connection()
         connection = self._writer_connection
-        cursor = connection.cursor()
         try:
-            cursor.execute("BEGIN IMMEDIATE")  # the write lock before the reads (begin_writing)
-            yield cursor
+            cursor = connection.cursor()
+            try:
+                cursor.execute("BEGIN IMMEDIATE")  # the write lock before the reads
+                yield cursor
+            finally:
+                cursor.close()
             connection.commit()
         except BaseException as error:
             self._roll_back(connection)
             if isinstance(error, sqlite3.Error):  # its message has no parameters in it
                 raise OperationalError("group commit", None, error) from error
             raise
-        finally:
-            cursor.close()
 
     def _roll_back(self, connection: PoolProxiedConnection) -> None:
         """End a failed transaction; if even that fails, drop the connection for a new one."""

@@ -1,4 +1,5 @@
-"""The raw ingest route: group commit, and the same error contract as every other route."""
+"""The ingest route: group commit, the same error contract as every other route, and its
+place as the server's direct route."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy.exc import OperationalError
 
 from shuffler import ingest as ingest_module
 from shuffler import service as service_module
+from shuffler.app import create_asgi
 from shuffler.errors import ClientRateLimitedError, ShufflerStorageError, TooManyFragmentsError
 from shuffler.ingest import CommitQueue, Ingest, refused
 from shuffler.records import Pending
 from shuffler.service import Stored
+from shuffler.settings import ShufflerSettings
 
-from .factory import make_service, pending, sealed
+from .factory import POLICY, make_service, pending, sealed
 
 
 def test_commit_queue_refuses_with_storage_unavailable_when_the_commit_fails(
@@ -229,3 +233,20 @@ def test_no_wait_for_requests_that_are_not_coming() -> None:
     late = _arrive_later(writer, [None])
     assert writer._take() == (["a"], True)  # stop() wakes a writer waiting to fill
     late.join()
+
+
+def test_the_direct_route_is_ingest_for_post_contributions_once_started(tmp_path: Path) -> None:
+    """The services' HTTP server asks the app for its direct routes: ``POST
+    /v1/contributions`` is the app's :class:`Ingest` (the one its FastAPI route documents and
+    serves); nothing else is direct."""
+    settings = ShufflerSettings(
+        database_url=f"sqlite:///{tmp_path / 'shuffler.db'}",
+        key_dir=tmp_path / "keys",
+        channels=[POLICY],
+    )
+    app = create_asgi(settings)
+    with TestClient(app):
+        ingest = app.direct_route("POST", "/v1/contributions")
+        assert isinstance(ingest, Ingest) and ingest is app.app.state.ingest
+        for method, path in [("GET", "/v1/contributions"), ("POST", "/v1/enroll")]:
+            assert app.direct_route(method, path) is None
