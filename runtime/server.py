@@ -131,11 +131,11 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:  # uvicorn's own handling (no upgrade is served)
-            if self._should_upgrade():
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():  # uvicorn's own handling (no upgrade is served)
                 self.handle_websocket_upgrade()
             else:
-                self._unsupported_upgrade_warning()
+                self._end_after_this_request()
             return
         except httptools.HttpParserError:
             if self._head_bytes > self.head_limit:  # raised by _grow inside a callback
@@ -148,6 +148,16 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
             self._raw_head_bytes += len(data)
             if self._raw_head_bytes > self.raw_head_limit:
                 self._refuse(431, "head_too_large", self._too_large())
+
+    def _end_after_this_request(self) -> None:
+        """An ``Upgrade`` request, which is served as an ordinary one: the parser reads
+        nothing after it, so the connection ends with its answer (``connection: close``)
+        rather than waiting on bytes it will never parse; a client sees anything it pipelined
+        behind it unanswered on a closed connection, and sends it again."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        else:
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's own 400 (kept for any path that still calls it), as JSON."""
@@ -214,6 +224,8 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         connection ends, the body), in one write, and the cycle ended as ``send`` ends it:
         the same wire answer without the ASGI middleware and two ``send`` calls with their
         header checks."""
+        if cycle.waiting_for_100_continue:  # refused before the body was asked for: the
+            cycle.keep_alive = False  # client may send it or not, so nothing after is a request
         lines = [*cycle.default_headers, (b"content-type", b"application/json"), *extra]
         lines.append((b"content-length", b"%d" % len(body)))
         if not cycle.keep_alive:

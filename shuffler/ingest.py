@@ -32,6 +32,7 @@ from shuffler.errors import (
     BadTokenError,
     BodyTooLargeError,
     KeyNotLoadedError,
+    MalformedContributionError,
     ShufflerError,
     ShufflerStorageError,
 )
@@ -181,24 +182,39 @@ def _resolve(items: list[Item], results: list[Stored]) -> None:
 
 
 async def read_body(receive: Any, limit: int) -> bytes:
-    """The request body, refused as soon as it exceeds ``limit`` bytes.
+    """The request body, refused as soon as it exceeds ``limit`` bytes or if the connection
+    closes before it ended (a body cut short is not a contribution, even when what arrived
+    happens to open).
 
     Raises:
         BodyTooLargeError: over ``limit``.
+        MalformedContributionError: the client went away mid-body.
     """
     message = await receive()
-    body: bytes = message.get("body", b"")
+    body = _chunk(message)
     if message.get("more_body", False):
         buffer = bytearray(body)
         while len(buffer) <= limit:
             message = await receive()
-            buffer += message.get("body", b"")
+            buffer += _chunk(message)
             if not message.get("more_body", False):
                 break
         body = bytes(buffer)
     if len(body) > limit:
         raise BodyTooLargeError(f"body exceeds {limit} bytes")
     return body
+
+
+def _chunk(message: dict[str, Any]) -> bytes:
+    """The body bytes of one ASGI ``receive`` message.
+
+    Raises:
+        MalformedContributionError: ``http.disconnect``: the body never ended.
+    """
+    if message["type"] != "http.request":
+        raise MalformedContributionError("the connection closed before the body ended")
+    chunk: bytes = message.get("body", b"")
+    return chunk
 
 
 def refused(error: ShufflerError) -> Answer:

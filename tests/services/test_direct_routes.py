@@ -26,7 +26,8 @@ from ..support import exchange, served
 class Echo:
     """``POST /echo`` answered directly with the body's length, ``POST /slow`` the same a
     moment later, ``POST /boom`` raises; ``POST /asgi`` answers like ``/echo`` through ASGI
-    (FastAPI), for comparison, and so does ``GET /echo``, which is not a direct route."""
+    (FastAPI), for comparison, and so does ``GET /echo``, which is not a direct route;
+    ``POST /no`` refuses without reading the body."""
 
     def __init__(self) -> None:
         self.app = FastAPI()
@@ -44,7 +45,7 @@ class Echo:
 
     def direct_route(self, method: str, path: str) -> DirectHandler | None:
         """The handler of a direct route, None for everything else (served through ASGI)."""
-        routes = {"/echo": self.echo, "/slow": self.slow, "/boom": self.boom}
+        routes = {"/echo": self.echo, "/slow": self.slow, "/boom": self.boom, "/no": self.no}
         return routes.get(path) if method == "POST" else None
 
     async def echo(self, headers: Headers, receive: Callable[[], Awaitable[Any]]) -> Answer:
@@ -57,6 +58,10 @@ class Echo:
         answer = await self.echo(headers, receive)
         await asyncio.sleep(0.3)
         return answer
+
+    async def no(self, headers: Headers, receive: Callable[[], Awaitable[Any]]) -> Answer:
+        """A refusal before the body is read."""
+        return 401, b'{"error":"bad_token","detail":"no"}', []
 
     async def boom(self, headers: Headers, receive: Callable[[], Awaitable[Any]]) -> Answer:
         """A bug."""
@@ -130,3 +135,26 @@ def test_a_client_gone_before_a_pipelined_direct_answer_leaves_no_failed_task(
         gc.collect()  # a failed task's exception is reported when the task is collected
         assert exchange(port, _post("/echo", b"abc")).endswith(b'{"length":3}')
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_refusal_before_a_100_continue_body_was_asked_for_closes_the_connection() -> None:
+    """The client was told neither to send its body nor not to: whatever it sends next may
+    be that body, so the refusal ends the connection instead of reading it as a request."""
+    with served(Echo()) as port:
+        answer = exchange(port, _post("/no", b"abcd", b"Expect: 100-continue"), answers=2)
+    assert answer.startswith(b"HTTP/1.1 401 Unauthorized\r\n")  # no 100 Continue first
+    assert b"\r\nconnection: close\r\n" in answer and answer.count(b"HTTP/1.1 ") == 1
+
+
+def test_an_upgrade_request_is_answered_and_ends_the_connection() -> None:
+    """No upgrade is served: such a request is an ordinary one, but the parser reads nothing
+    after its head, so its answer closes the connection (what was pipelined behind it is left
+    for the client to send again) instead of leaving the connection hanging."""
+    upgrade = b"Connection: Upgrade\r\nUpgrade: h2c\r\n"
+    then = b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n"
+    with served(Echo()) as port:
+        direct = exchange(port, _post("/echo", b"", upgrade.strip()) + then, answers=2)
+        asgi = exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n" + then, 2)
+    for answer, body in ((direct, b'{"length":0}'), (asgi, b'{"through":"asgi"}')):
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.count(b"HTTP/1.1 ") == 1
+        assert b"\r\nconnection: close\r\n" in answer and answer.endswith(body)

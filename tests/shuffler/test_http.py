@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -297,3 +298,27 @@ def test_the_enrolment_limit_is_per_address_behind_a_local_proxy(tmp_path: Path)
         process.stop()
     assert [a.status_code for a in first] == [200, 429]  # a burst of 6/6 = 1
     assert other.status_code == 200
+
+
+def test_a_body_cut_short_by_a_closed_connection_is_not_stored(service: ServiceProcess) -> None:
+    """A client that declares more bytes than it sends and goes away sent no contribution,
+    even when the bytes that arrived are a whole sealed one: nothing is stored, so the same
+    contribution sent properly afterwards is a first one (202), not a replay (an outside
+    attack found it stored: a disconnect read as the end of the body)."""
+    token, blob = _token(service), _blob(service)
+    head = "\r\n".join(
+        [
+            "POST /v1/contributions HTTP/1.1",
+            "Host: 127.0.0.1",
+            f"Authorization: Bearer {token}",
+            "Content-Type: application/octet-stream",
+            f"Content-Length: {len(blob) + 10}",
+        ]
+    )
+    address = service.url.removeprefix("http://").split(":")
+    with socket.create_connection((address[0], int(address[1])), timeout=5) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + blob)
+        time.sleep(0.3)  # the server holds the whole blob and waits for 10 more bytes
+    time.sleep(0.3)  # it has seen the close
+    response = _post(service, blob, token)
+    assert response.status_code == 202, response.text
