@@ -109,6 +109,7 @@ def _run_tree(tree: Path, floor: bool) -> dict[str, float]:
 
 
 def main() -> None:
+    """Measure both trees round by round (or, with ``--measure``, this process's tree once)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default=BEFORE, help=f"earlier commit (default {BEFORE})")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per tree")

@@ -150,13 +150,14 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse(431, "head_too_large", self._too_large())
 
     def _end_after_this_request(self) -> None:
-        """An ``Upgrade`` request, which is served as an ordinary one: the parser reads
-        nothing after it, so the connection ends with its answer (``connection: close``)
-        rather than waiting on bytes it will never parse; a client sees anything it pipelined
-        behind it unanswered on a closed connection, and sends it again."""
+        """An upgrade request (``Connection: upgrade`` with ``Upgrade``), served as an
+        ordinary one without its body: the parser drops the rest of the read its head came
+        in, so the connection ends with its answer (``connection: close``) rather than
+        reading what follows out of step; a client sees anything it pipelined behind it
+        unanswered on a closed connection, and sends it again."""
         if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False
-        else:
+            self.cycle.keep_alive = False  # always so: its head was parsed in this read
+        else:  # a guard: no answer is left to carry the close
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
@@ -201,7 +202,7 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         as uvicorn's ``run_asgi`` answers an app that raised."""
         try:
             answer = await handler(cast(Headers, cycle.scope["headers"]), cycle.receive)
-        except BaseException:
+        except (Exception, asyncio.CancelledError):
             self.logger.exception("Exception in a direct route")
             answer = (500, error_body("internal", INTERNAL_DETAIL), [])
             cycle.keep_alive = False

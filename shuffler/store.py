@@ -1150,7 +1150,7 @@ class SqliteContributionStore(ContributionStore):
         """``BEGIN IMMEDIATE`` … ``COMMIT`` through the driver's cursor on the one connection
         this process keeps for its group commits (used under the writing lock only): a pool
         check-out, its reset and SQLAlchemy's execution machinery cost ~70 CPU-µs a
-        transaction (a one-row one: 211 → 143; docs/benchmarks.md, "SQLite group commit: CPU
+        transaction (a one-row one: 209 → 142; docs/benchmarks.md, "SQLite group commit: CPU
         per transaction"). Rolled back on any failure; a connection that cannot roll back is
         dropped for a new one. Driver errors come out as SQLAlchemy's, like every query's.
         The ``COMMIT`` is the last thing that can fail: the caller holds the keys after it.
