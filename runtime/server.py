@@ -227,12 +227,7 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         header checks."""
         if cycle.waiting_for_100_continue:  # refused before the body was asked for: the
             cycle.keep_alive = False  # client may send it or not, so nothing after is a request
-        lines = [*cycle.default_headers, (b"content-type", b"application/json"), *extra]
-        lines.append((b"content-length", b"%d" % len(body)))
-        if not cycle.keep_alive:
-            lines.append((b"connection", b"close"))
-        head = b"".join(name + b": " + value + b"\r\n" for name, value in lines)
-        self.transport.write(b"".join([STATUS_LINE[status], head, b"\r\n", body]))
+        self.transport.write(self._json_answer(status, body, extra, close=not cycle.keep_alive))
         cycle.response_started = cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:
@@ -250,21 +245,19 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         """Answer ``status`` with the JSON error shape and close the connection."""
         if self.transport.is_closing():
             return
-        body = error_body(code, detail)
-        content = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
-            content.extend([name, b": ", value, b"\r\n"])
-        content.extend(
-            [
-                b"content-type: application/json\r\n",
-                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-                b"connection: close\r\n",
-                b"\r\n",
-                body,
-            ]
-        )
-        self.transport.write(b"".join(content))
+        self.transport.write(self._json_answer(status, error_body(code, detail), [], close=True))
         self.transport.close()
+
+    def _json_answer(self, status: int, body: bytes, extra: Headers, close: bool) -> bytes:
+        """A whole JSON answer as uvicorn's ``send`` would write it: status line, the server's
+        default headers, content type and length, ``extra``, ``connection: close`` if
+        ``close``, the body."""
+        lines = [*self.server_state.default_headers, (b"content-type", b"application/json")]
+        lines += [*extra, (b"content-length", b"%d" % len(body))]
+        if close:
+            lines.append((b"connection", b"close"))
+        head = b"".join(name + b": " + value + b"\r\n" for name, value in lines)
+        return b"".join([STATUS_LINE[status], head, b"\r\n", body])
 
 
 def uvicorn_options() -> dict[str, Any]:

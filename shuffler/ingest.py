@@ -297,10 +297,12 @@ class IngestFastPath:
         return getattr(self.app.state, "ingest", None)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] != ROUTE or scope["method"] != "POST":
+        ingest = None
+        if scope["type"] == "http":  # lifespan scopes have no method
+            ingest = self.direct_route(scope["method"], scope["path"])
+        if ingest is None:
             await self.app(scope, receive, send)
             return
-        ingest: Ingest = self.app.state.ingest
         status, data, extra = await ingest(scope["headers"], receive)
         headers = [JSON_HEADERS, (b"content-length", str(len(data)).encode()), *extra]
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -168,16 +168,14 @@ UNION ALL SELECT 'i', receipt, NULL::bigint FROM i
 
 def _insert_rows(cursor: Any, mark: str, rows: list[Row]) -> int:
     """Insert ``rows`` through a DB-API ``cursor`` (``mark``: its placeholder) in multi-row
-    statements of up to :data:`_ROWS_PER_STATEMENT`; the rows inserted, or -1 when the driver
-    cannot tell."""
+    statements of up to :data:`_ROWS_PER_STATEMENT`; the rows inserted (both drivers count an
+    ``INSERT``'s rows)."""
     inserted = 0
     for start in range(0, len(rows), _ROWS_PER_STATEMENT):
         chunk = rows[start : start + _ROWS_PER_STATEMENT]
         cursor.execute(
             _insert_sql(mark, len(chunk)), tuple(value for row in chunk for value in row)
         )
-        if cursor.rowcount is None or cursor.rowcount < 0:
-            return -1
         inserted += cursor.rowcount
     return inserted
 
