@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test check lint typecheck unit fast demo bench clean fuzz
+.PHONY: venv test check lint typecheck unit fast demo bench clean fuzz sdk-js
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,9 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy --strict common encoder_client runtime shuffler analyzer services
 
+# The slowest 40 tests are listed at the end, to keep the suite within its budget.
 unit: venv
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=40
 
 # The inner loop's tier: in-process tests only (no `system` or `slow` mark; tests/conftest.py).
 fast: venv
@@ -30,7 +31,12 @@ fast: venv
 # Lint, types and the fast tier (< 3 min on 2 cores); `make test` runs everything, as CI.
 check: lint typecheck fast
 
-test: lint typecheck unit
+# The TypeScript device SDK (sdk-js/): install from its lockfile, build, run its tests (the
+# shared wire vectors included; ~30 s). Before `unit`, whose system tests use its build.
+sdk-js:
+	cd sdk-js && npm ci --no-audit --no-fund && npm test
+
+test: lint typecheck sdk-js unit
 
 # Long schemathesis runs against both services (the suite runs 200 cases per operation).
 FUZZ_EXAMPLES ?= 5000
@@ -40,14 +46,16 @@ fuzz: venv
 demo: venv
 	$(BIN)/esa demo
 
+# The core benchmarks, printed; `make bench WRITE=--write` also records them in docs/benchmarks.md.
+WRITE ?=
 bench: venv
-	$(BIN)/python benchmarks/accounting.py
-	$(BIN)/python benchmarks/lifetime.py
-	$(BIN)/python benchmarks/mechanisms.py
-	$(BIN)/python benchmarks/shuffler.py
-	$(BIN)/python benchmarks/analyzer.py
-	$(BIN)/python benchmarks/client.py
-	$(BIN)/python benchmarks/demo.py
+	$(BIN)/python benchmarks/accounting.py $(WRITE)
+	$(BIN)/python benchmarks/lifetime.py $(WRITE)
+	$(BIN)/python benchmarks/mechanisms.py $(WRITE)
+	$(BIN)/python benchmarks/shuffler.py $(WRITE)
+	$(BIN)/python benchmarks/analyzer.py $(WRITE)
+	$(BIN)/python benchmarks/client.py $(WRITE)
+	$(BIN)/python benchmarks/demo.py $(WRITE)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache sdk-js/node_modules sdk-js/dist sdk-js/build

@@ -1,5 +1,5 @@
 """The analyzer: verify signed batches, open fragments, accumulate, release certified estimates
-(ARCHITECTURE.md).
+(docs/architecture.md).
 
 Layers, each importing only those below it: :mod:`analyzer.app` (HTTP routers) →
 :mod:`analyzer.service` (the facade) → :mod:`analyzer.intake`, :mod:`analyzer.releases`,

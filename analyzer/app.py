@@ -23,12 +23,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CollectorRegistry
+from starlette.requests import ClientDisconnect
 
 from analyzer import dashboard
 from analyzer.errors import (
     AdminTokenError,
+    BadPreauthError,
     BatchTooLargeError,
-    IntakeBusyError,
+    IncompleteBodyError,
     MalformedBatchError,
     UnknownChannelError,
     UnsupportedMediaTypeError,
@@ -37,7 +39,9 @@ from analyzer.intake import MAX_STORED_INT, SIGNATURE_BYTES, signature_bytes
 from analyzer.metrics import EventsCollector
 from analyzer.service import AnalyzerService
 from analyzer.settings import AnalyzerSettings
+from analyzer.slots import IntakeSlots
 from analyzer.training import StepResult, Trainer, TrainingBody, step_result, training_body
+from common.preauth import PREAUTH_PATTERN, PREAUTH_WINDOW_SECONDS, PreauthError
 from common.wire import (
     IDENTIFIER,
     MAX_INT,
@@ -46,6 +50,8 @@ from common.wire import (
     ChannelChange,
     ChannelConfig,
     ChannelList,
+    EpochCloseRequest,
+    EpochsClosed,
     KeyChange,
     KeyList,
     Ledger,
@@ -59,6 +65,8 @@ from common.wire import (
     SignedConfig,
 )
 from runtime import logs
+from runtime.cors import Cors, DeviceRoute, document_preflights, install_cors
+from runtime.deadlines import ReadGuard
 from runtime.http import (
     add_operational_routes,
     bearer_check,
@@ -98,6 +106,17 @@ BATCH_REQUEST: dict[str, Any] = {
             "schema": {"type": "string", "pattern": IDENTIFIER.pattern},
         },
         {
+            "name": "ESA-Preauth",
+            "in": "header",
+            "required": True,
+            "description": "the shuffler's signed head, checked before the body is read: "
+            "<timestamp>.<body length>.<body SHA-256 hex>.<base64 Ed25519 signature over "
+            "esa-preauth-v1, the shuffler id, length, digest and timestamp> (docs/protocol-notes"
+            '.md, "Batch intake: pre-authentication and deadlines"); good '
+            f"{PREAUTH_WINDOW_SECONDS} s either side of the analyzer's clock",
+            "schema": {"type": "string", "pattern": PREAUTH_PATTERN},
+        },
+        {
             "name": "ESA-Signature",
             "in": "header",
             "required": True,
@@ -112,8 +131,18 @@ BATCH_REQUEST: dict[str, Any] = {
     },
 }
 #: Answered on every path: a method it does not serve (405, with ``Allow``); the server-level
-#: 400, 431 and 500 are added by :func:`runtime.http.document_errors`.
+#: 400, 408, 431 and 500 are added by :func:`runtime.http.document_errors`.
 EVERY_ROUTE = (405,)
+#: What a device fetches here: the only route a web page of an allowed origin may call
+#: (:mod:`runtime.cors`).
+DEVICE_ROUTES = {"/v1/config": DeviceRoute(("GET",))}
+#: The OpenAPI description: what no single operation says.
+DESCRIPTION = (
+    'Every answer other than 2xx is JSON `{"error": code, "detail": sentence}`. Only '
+    "`GET /v1/config` answers a web page of an origin in `ESA_ANALYZER_CORS_ORIGINS` (none by "
+    "default): a CORS preflight (`OPTIONS` with `Access-Control-Request-Method`) to any other "
+    "path is 403 `cors_route_refused`."
+)
 
 
 def get_service(request: Request) -> AnalyzerService:
@@ -159,12 +188,16 @@ async def capped_body(request: Request, cap: int) -> bytes:
 
     Raises:
         BatchTooLargeError: the body is over ``cap`` bytes.
+        IncompleteBodyError: the connection ended before the body did.
     """
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > cap:
-            raise BatchTooLargeError(f"batch part exceeds {cap} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > cap:
+                raise BatchTooLargeError(f"batch part exceeds {cap} bytes")
+    except ClientDisconnect as gone:  # the client left, or the server's body deadline cut it
+        raise IncompleteBodyError("the connection closed before the body ended") from gone
     return bytes(body)
 
 
@@ -204,20 +237,31 @@ pages = APIRouter(tags=["dashboard"])
     openapi_extra=BATCH_REQUEST,
 )
 async def post_batch(request: Request, response: Response, service: Service) -> BatchAck:
-    """Store one signed part of a batch from a registered shuffler (opened later): the sender
-    and the signature's form are checked before the body is read, the signature before it is
-    parsed."""
+    """Store one signed part of a batch from a registered shuffler (opened later): the sender,
+    the signature's form and the shuffler's signed ``ESA-Preauth`` (:mod:`common.preauth`) are
+    checked before the body is read (in one of the sender's intake slots,
+    :class:`analyzer.slots.IntakeSlots`, so only the shuffler itself takes one), the body
+    against ``ESA-Preauth`` and then its signature before it is parsed. 401 ``bad_preauth``:
+    that header missing, malformed, more than its window from this analyzer's clock, not
+    signed by the shuffler, or naming another body.
+    422 ``future_epoch``: its epoch starts more than ``epoch_skew_seconds`` after this
+    analyzer's clock (a batch is sent once its epoch closed)."""
     sender, signature = request.headers.get("esa-shuffler"), request.headers.get("esa-signature")
     service.intake.sender(sender)
     signature_bytes(signature)
     cap = service.intake.policy.max_batch_bytes
     check_declared_length(request, cap)
     require_json(request.headers.get("content-type"))
-    slots: asyncio.Semaphore = request.app.state.intake_slots
-    if slots.locked():
-        raise IntakeBusyError("every intake slot is reading a part; retry", retry_after=1.0)
-    async with slots:
+    preauth = await asyncio.to_thread(
+        service.intake.preauthorize, str(sender), request.headers.get("esa-preauth"), cap
+    )
+    slots: IntakeSlots = request.app.state.intake_slots
+    with slots.slot(str(sender)):  # only the shuffler itself gets here
         body = await capped_body(request, cap)
+        try:
+            preauth.check_body(body)
+        except PreauthError as error:
+            raise BadPreauthError(str(error)) from error
         ack = await asyncio.to_thread(service.accept, body, signature, sender)
     if ack.duplicate:
         response.status_code = 200
@@ -248,7 +292,9 @@ async def get_estimate(
     epoch_to: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     top: Annotated[int | None, Query(ge=1, le=MAX_INT)] = None,
 ) -> ReleaseBody:
-    """A release over ``epoch`` or ``[epoch_from, epoch_to]`` (default: the last epoch)."""
+    """A release over ``epoch`` or ``[epoch_from, epoch_to]`` (default: the last settled
+    epoch), over settled epochs only: every shuffler delivered, or closed at the analyzer's
+    ``epoch_close_seconds`` after the epoch's end. 404 ``epoch_open`` while none in range is."""
     return await asyncio.to_thread(service.estimate, channel_id, epoch, epoch_from, epoch_to, top)
 
 
@@ -261,7 +307,8 @@ async def get_estimate(
 async def post_release(
     service: Service, channel_id: str, request: Annotated[ReleaseRequest | None, Body()] = None
 ) -> ReleaseBody:
-    """Publish a release over the requested epochs (default: the last) and record it."""
+    """Publish a release over the requested epochs (default: the last settled one) and record
+    it; 404 ``epoch_open`` while none in range is settled."""
     wanted = request or ReleaseRequest()
     return await asyncio.to_thread(service.publish, channel_id, wanted)
 
@@ -378,6 +425,20 @@ async def retire_channel(service: Service, channel_id: str) -> ChannelChange:
     return await asyncio.to_thread(service.retire_channel, channel_id)
 
 
+@operations.post(
+    "/channels/{channel_id}/close",
+    response_model=EpochsClosed,
+    responses=error_responses(400, 401, 404, 503),
+)
+async def close_epochs(service: Service, channel_id: str, body: EpochCloseRequest) -> EpochsClosed:
+    """Close every epoch of the channel up to ``epoch`` now, as its close timeout
+    (``epoch_close_seconds`` after its end) would: its releases rest on the batches complete
+    now, never on one completing later (a group with a part still waiting for the opener stays
+    open). For an operator whose shufflers have forwarded everything (``esa loadtest``, the
+    demo); closing again changes nothing."""
+    return await asyncio.to_thread(service.close_epochs, channel_id, body)
+
+
 @pages.get("/", response_class=HTMLResponse, responses=error_responses(503))
 async def home(service: Service) -> HTMLResponse:
     """The dashboard."""
@@ -405,14 +466,18 @@ def create_app(settings: AnalyzerSettings | None = None) -> FastAPI:
 
     app = FastAPI(
         title="ESA analyzer",
+        description=DESCRIPTION,
         lifespan=lifespan,
         responses=error_responses(*EVERY_ROUTE),
         redirect_slashes=False,
     )
     app.state.service = service
-    app.state.intake_slots = asyncio.Semaphore(settings.intake_slots)
+    app.state.intake_slots = IntakeSlots(settings.intake_slots_per_shuffler)
+    app.state.read_guard = ReadGuard(settings.read_deadlines(), service.events.count)
     install_error_handlers(app, log, service.events.count)
-    document_errors(app)
+    cors = Cors(settings.allowed_origins, DEVICE_ROUTES)
+    install_cors(app, cors, lambda _route, code: service.events.count(f"rejected_{code}"))
+    document_errors(app, add=document_preflights(cors))
     for router in (batches, channels, admin, operations, pages):
         app.include_router(router)
     metrics = CollectorRegistry(auto_describe=True)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import ChannelChangeRefusedError, InvalidChannelError, UnknownChannelError
 from analyzer.settings import largest_part_bytes
-from analyzer.store import ADD, RETIRE, AnalyzerStore, ChannelChange
+from analyzer.store import ADD, RETIRE, AnalyzerStore, ChannelLogRow
 from common.mechanisms import ldpsgd
 from common.wire import ChannelConfig
 
@@ -117,7 +117,7 @@ class ChannelCatalog:
             self._seen = (self.revision, len(changes))
         return self.revision
 
-    def _fold(self, changes: Sequence[ChannelChange]) -> dict[str, ChannelRuntime]:
+    def _fold(self, changes: Sequence[ChannelLogRow]) -> dict[str, ChannelRuntime]:
         configs = {c.id: c for c in self.configured}
         added: set[str] = set()
         for change in changes:

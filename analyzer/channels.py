@@ -73,9 +73,10 @@ class ChannelRuntime:
         The untruncated law is kept: where ``max_fragments`` cuts its tail the accepted
         contributions' mean can only be lower, so an error can only cut an honest batch's
         verified crowd, never let a claim through (and :meth:`build` refuses a
-        ``max_fragments`` that would cut more than a negligible tail)."""
+        ``max_fragments`` that would cut more than a negligible tail). Bernstein's range term
+        stays the law's (:attr:`FragmentCount.honest_maximum`)."""
         count = self.mechanism.fragment_count(self.params, self.source(shuffler_id))
-        return FragmentCount(count.minimum, self.config.max_fragments, count.mean, count.variance)
+        return count.accepting(self.config.max_fragments)
 
     def new_accumulator(self) -> Accumulator:
         """Empty sufficient statistics."""

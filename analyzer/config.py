@@ -1,4 +1,4 @@
-"""The analyzer's keys and the signed collection config devices fetch (PROTOCOL.md,
+"""The analyzer's keys and the signed collection config devices fetch (docs/protocol.md,
 "Collection config").
 
 The config names the active HPKE keys newest first (the one devices seal to, then the ones it

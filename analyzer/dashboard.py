@@ -160,7 +160,12 @@ def _section(channel: ChannelView) -> str:
     release = channel.release
     health = health_table(channel.health)
     if release is None:
-        nothing = "No batch complete yet." if channel.health else "No batch received yet."
+        nothing = (
+            "Nothing released yet: an epoch appears once every shuffler delivered its batch "
+            "or at its close timeout."
+            if channel.health
+            else "No batch received yet."
+        )
         return f"{head}<p>{nothing}</p>{health}</section>"
     cert = release.certificate
     summary = (

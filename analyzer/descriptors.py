@@ -1,7 +1,7 @@
 """The shufflers' own signed descriptors, which the collection config passes on to devices.
 
-The analyzer never states a shuffler's URL or HPKE key itself (PROTOCOL.md, "Who vouches for
-what"): it keeps each registered shuffler's ``GET /v1/descriptor`` only if it verifies with the
+The analyzer never states a shuffler's URL or HPKE key itself (docs/protocol.md, "Who vouches
+for what"): it keeps each registered shuffler's ``GET /v1/descriptor`` only if it verifies with the
 key pinned for that shuffler or one its successions lead to, keeps the newest in the database,
 and verifies that shuffler's batches with the key that signed it. Details:
 docs/architecture.md, "Shuffler descriptors".
@@ -31,8 +31,13 @@ from common.collection import (
     verify_descriptor_chain,
 )
 from common.envelope import public_bytes
+from common.fetching import (
+    FETCH_DEADLINE_SECONDS,
+    FetchTooLargeError,
+    deadline_client,
+    fetch_within,
+)
 from common.wire import ShufflerDescriptor, ShufflerEntry, SignedDescriptor
-from runtime.http import read_capped
 
 log = logging.getLogger("esa.analyzer")
 
@@ -40,8 +45,6 @@ log = logging.getLogger("esa.analyzer")
 MAX_DESCRIPTOR_BYTES = 256 * 1024
 #: Seconds between fetches while a descriptor is still missing.
 RETRY_SECONDS = 1.0
-#: Timeout of one descriptor fetch.
-FETCH_TIMEOUT_SECONDS = 5.0
 #: Least seconds between two looks for a shuffler's newer signing key after bad signatures
 #: (anyone can send a part that names a registered shuffler and fails to verify).
 RENEW_SECONDS = 1.0
@@ -56,8 +59,11 @@ class ShufflerDescriptors:
         store: AnalyzerStore,
         clock: Callable[[], float] = time.time,
         renew_seconds: float = RENEW_SECONDS,
+        deadline_seconds: float = FETCH_DEADLINE_SECONDS,
     ) -> None:
         self.entries = list(entries)
+        #: Whole-request deadline of one descriptor fetch.
+        self.deadline_seconds = deadline_seconds
         self.renew_seconds = renew_seconds
         self.store = store
         self.clock = clock
@@ -67,8 +73,10 @@ class ShufflerDescriptors:
         self.signers: dict[str, Ed25519PublicKey] = dict(self._keys)
         self._renewed: dict[str, float] = {}
         self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._wakes = {e.id: threading.Event() for e in entries}
+        self._threads: list[threading.Thread] = []
+        #: Readers and writers of :attr:`signers` (each shuffler's fetch runs in a thread).
+        self._lock = threading.RLock()
 
     def offer(self, document: SignedDescriptor) -> bool:
         """Keep ``document`` if it verifies with the pinned key of the shuffler it names and
@@ -82,20 +90,21 @@ class ShufflerDescriptors:
         if key is None:
             raise CollectionConfigError(f"descriptor of unregistered shuffler {named[:64]!r}")
         vouched = verify_descriptor_chain(document, key, self.clock())
-        kept = self.store.descriptors()
-        self._check_descends(named, vouched, kept)
-        descriptor = vouched.value
-        stale = named not in self._valid(kept)
-        if not self.store.keep_descriptor(
-            named,
-            descriptor.issued_at,
-            descriptor.expires_at,
-            document.model_dump_json(),
-            stale=stale,
-        ):
-            return False
-        self.signers[named] = vouched.signer
-        return True
+        with self._lock:
+            kept = self.store.descriptors()
+            self._check_descends(named, vouched, kept)
+            descriptor = vouched.value
+            stale = named not in self._valid(kept)
+            if not self.store.keep_descriptor(
+                named,
+                descriptor.issued_at,
+                descriptor.expires_at,
+                document.model_dump_json(),
+                stale=stale,
+            ):
+                return False
+            self.signers[named] = vouched.signer
+            return True
 
     def _check_descends(
         self,
@@ -133,15 +142,15 @@ class ShufflerDescriptors:
             return None
         self._renewed[shuffler_id] = now
         before = public_bytes(self.signers[shuffler_id])
-        self._valid(self.store.descriptors())
-        self._wake.set()
+        self._valid_now()
+        self._wakes[shuffler_id].set()
         after = self.signers[shuffler_id]
         return None if public_bytes(after) == before else after
 
     def seed(self) -> None:
         """Follow the kept descriptors' signers, then offer the descriptors the registry came
         with (e.g. files the shufflers published)."""
-        self._valid(self.store.descriptors())
+        self._valid_now()
         for entry in self.entries:
             if entry.descriptor is None:
                 continue
@@ -151,6 +160,12 @@ class ShufflerDescriptors:
                 log.warning(
                     "registry descriptor refused", extra={"shuffler": entry.id, "error": str(error)}
                 )
+
+    def _valid_now(self) -> dict[str, SignedDescriptor]:
+        """:meth:`_valid` of what the store keeps now (read and followed under the lock, so
+        a fetch thread's older read never overwrites a newer signer)."""
+        with self._lock:
+            return self._valid(self.store.descriptors())
 
     def _valid(self, kept: dict[str, tuple[int, str]]) -> dict[str, SignedDescriptor]:
         """The kept descriptors that verify now with the key pinned for their shuffler (not
@@ -175,7 +190,7 @@ class ShufflerDescriptors:
 
     def missing(self) -> list[str]:
         """Registered shufflers without a valid descriptor now (never fetched, or expired)."""
-        valid = self._valid(self.store.descriptors())
+        valid = self._valid_now()
         return [e.id for e in self.entries if e.id not in valid]
 
     def current(self) -> list[SignedDescriptor]:
@@ -185,7 +200,7 @@ class ShufflerDescriptors:
         Raises:
             ShufflersUnavailableError: naming the shufflers without a valid one.
         """
-        valid = self._valid(self.store.descriptors())
+        valid = self._valid_now()
         missing = [e.id for e in self.entries if e.id not in valid]
         if missing:
             raise ShufflersUnavailableError(
@@ -193,62 +208,72 @@ class ShufflerDescriptors:
             )
         return [valid[e.id] for e in self.entries]
 
-    def fetch(self, client: httpx.Client) -> list[str]:
-        """Fetch every registered shuffler's descriptor once; returns the ids still missing."""
-        for entry in self.entries:
-            try:
-                document = _fetched(client, entry.url.rstrip("/") + "/v1/descriptor")
-                if descriptor_id(document) != entry.id:
-                    raise CollectionConfigError(
-                        f"{entry.url} serves the descriptor of {descriptor_id(document)[:64]!r}"
-                    )
-                self.offer(document)
-            except (httpx.HTTPError, ValidationError, CollectionConfigError) as error:
-                log.warning(
-                    "shuffler descriptor not fetched",
-                    extra={"shuffler": entry.id, "error": f"{type(error).__name__}: {error}"},
+    def fetch_one(self, client: httpx.Client, entry: ShufflerEntry) -> bool:
+        """Fetch ``entry``'s descriptor once, within :attr:`deadline_seconds` for the whole
+        request; True if that shuffler has a valid descriptor now."""
+        try:
+            url = entry.url.rstrip("/") + "/v1/descriptor"
+            document = _fetched(client, url, self.deadline_seconds)
+            if descriptor_id(document) != entry.id:
+                raise CollectionConfigError(
+                    f"{entry.url} serves the descriptor of {descriptor_id(document)[:64]!r}"
                 )
-        return self.missing()
+            self.offer(document)
+        except (httpx.HTTPError, ValidationError, CollectionConfigError) as error:
+            log.warning(
+                "shuffler descriptor not fetched",
+                extra={"shuffler": entry.id, "error": f"{type(error).__name__}: {error}"[:300]},
+            )
+        return entry.id not in self.missing()
 
     def start(self, refresh_seconds: float) -> None:
-        """Fetch in a background thread: every :data:`RETRY_SECONDS` while one is missing,
-        then every ``refresh_seconds``, and at once when :meth:`renew_signer` asks."""
-        self._thread = threading.Thread(
-            target=self._run, args=(refresh_seconds,), name="esa-descriptors", daemon=True
-        )
-        self._thread.start()
+        """Fetch in one background thread per shuffler (one that answers slowly delays no
+        other's): every :data:`RETRY_SECONDS` while its descriptor is missing, then every
+        ``refresh_seconds``, and at once when :meth:`renew_signer` asks."""
+        for entry in self.entries:
+            thread = threading.Thread(
+                target=self._run,
+                args=(entry, refresh_seconds),
+                name=f"esa-descriptor-{entry.id[:32]}",
+                daemon=True,
+            )
+            self._threads.append(thread)
+            thread.start()
 
-    def _run(self, refresh_seconds: float) -> None:
-        with httpx.Client(timeout=FETCH_TIMEOUT_SECONDS) as client:
+    def _run(self, entry: ShufflerEntry, refresh_seconds: float) -> None:
+        wake = self._wakes[entry.id]
+        with deadline_client(self.deadline_seconds) as client:
             while not self._stop.is_set():
                 try:
-                    missing = self.fetch(client)
+                    found = self.fetch_one(client, entry)
                 except Exception:  # the database, mostly: the thread must survive it
-                    log.exception("fetching shuffler descriptors failed; retrying")
-                    missing = ["?"]
-                self._wake.wait(RETRY_SECONDS if missing else refresh_seconds)
-                self._wake.clear()
+                    log.exception("fetching a shuffler descriptor failed; retrying")
+                    found = False
+                wake.wait(refresh_seconds if found else RETRY_SECONDS)
+                wake.clear()
 
     def stop(self) -> None:
-        """Stop the background fetches."""
+        """Stop the background fetches (each ends within its fetch deadline)."""
         self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=FETCH_TIMEOUT_SECONDS * (len(self.entries) + 1))
+        for wake in self._wakes.values():
+            wake.set()
+        for thread in self._threads:
+            thread.join(timeout=self.deadline_seconds + 1)
 
 
-def _fetched(client: httpx.Client, url: str) -> SignedDescriptor:
+def _fetched(client: httpx.Client, url: str, seconds: float) -> SignedDescriptor:
     """A shuffler's descriptor, read up to :data:`MAX_DESCRIPTOR_BYTES` (an answer is read
-    before its signature can be checked).
+    before its signature can be checked) within ``seconds`` for the whole request.
 
     Raises:
-        httpx.HTTPError: a network failure or a non-2xx answer.
-        CollectionConfigError: a larger answer.
+        httpx.HTTPError: a network failure, the deadline passed.
+        CollectionConfigError: a non-200 or larger answer.
         ValidationError: not a signed descriptor.
     """
-    with client.stream("GET", url) as response:
-        response.raise_for_status()
-        body = read_capped(response, MAX_DESCRIPTOR_BYTES)
-    if body is None:
-        raise CollectionConfigError(f"{url} answers over {MAX_DESCRIPTOR_BYTES} bytes")
-    return SignedDescriptor.model_validate_json(body)
+    try:
+        fetched = fetch_within(client, url, MAX_DESCRIPTOR_BYTES, seconds)
+    except FetchTooLargeError as error:
+        raise CollectionConfigError(str(error)) from error
+    if fetched.status != 200:
+        raise CollectionConfigError(f"{url} answered HTTP {fetched.status}")
+    return SignedDescriptor.model_validate_json(fetched.body)

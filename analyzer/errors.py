@@ -5,7 +5,8 @@ Each class has a stable ``code`` and a :class:`~runtime.errors.Kind` that
 docs/architecture.md, "Analyzer internals"). Callers catch :class:`AnalyzerError`::
 
     AnalyzerError (a runtime.errors.DomainError)
-    ├── InvalidChannelError, MalformedBatchError, UnsupportedMediaTypeError, BatchTooLargeError
+    ├── InvalidChannelError, MalformedBatchError (── IncompleteBodyError),
+    │       UnsupportedMediaTypeError, BatchTooLargeError
     ├── UnknownShufflerError, BadSignatureError, AdminTokenError
     ├── InconsistentBatchError (422): BatchForUnknownChannelError, BelowMinCrowdError,
     │       UnknownCrowdError, InconsistentCountsError, DuplicateGroupError
@@ -30,10 +31,17 @@ class InvalidChannelError(AnalyzerError, ValueError):
 
 
 class MalformedBatchError(AnalyzerError):
-    """The body is not a batch (PROTOCOL.md, ``POST /v1/batches``)."""
+    """The body is not a batch (docs/protocol.md, "Batches and parts")."""
 
     code = "malformed"
     kind = Kind.INVALID
+
+
+class IncompleteBodyError(MalformedBatchError):
+    """The connection ended before the part's body did (the client went away, or the server's
+    body deadline cut it off): a part cut short is never verified or stored."""
+
+    code = "incomplete_body"
 
 
 class UnsupportedMediaTypeError(AnalyzerError):
@@ -63,6 +71,15 @@ class BadSignatureError(AnalyzerError):
     not verify for the shuffler."""
 
     code = "bad_signature"
+    kind = Kind.UNAUTHENTICATED
+
+
+class BadPreauthError(AnalyzerError):
+    """The ``ESA-Preauth`` header (:mod:`common.preauth`) is missing, malformed, outside its
+    window, not signed by the shuffler, or names another body: refused before an intake slot is
+    taken (or, for the body, after reading it)."""
+
+    code = "bad_preauth"
     kind = Kind.UNAUTHENTICATED
 
 
@@ -104,6 +121,15 @@ class InconsistentCountsError(InconsistentBatchError):
     code = "inconsistent_counts"
 
 
+class FutureEpochError(InconsistentBatchError):
+    """A batch for an epoch that starts later than this analyzer's clock plus
+    ``epoch_skew_seconds``: a shuffler sends a group's batch only once its epoch closed, so one
+    from the future is a shuffler's wrong clock or a forgery (it would make a release cover
+    only made-up epochs)."""
+
+    code = "future_epoch"
+
+
 class DuplicateGroupError(InconsistentBatchError):
     """A second batch for a (shuffler, channel, crowd, epoch) whose batch was already received:
     a shuffler evaluates each group once, so a second one could only count its users twice."""
@@ -140,6 +166,14 @@ class IncompleteBatchesError(NothingReceivedError):
     code = "incomplete"
 
 
+class EpochsOpenError(NothingReceivedError):
+    """No epoch of the requested range is settled yet: some shuffler serving the channel has
+    not delivered its batch and the epoch's close timeout has not passed (a release never lets
+    one shuffler's batch be read by difference)."""
+
+    code = "epoch_open"
+
+
 class ShufflersUnavailableError(AnalyzerError):
     """The collection config cannot be served yet: a registered shuffler's signed descriptor
     has not been fetched (or expired), and devices only use keys a shuffler vouched for."""
@@ -149,9 +183,10 @@ class ShufflersUnavailableError(AnalyzerError):
 
 
 class IntakeBusyError(AnalyzerError):
-    """Every slot for reading a batch part before its signature is checked is taken: each
-    such read may buffer the largest legal part, so their number bounds what unauthenticated
-    requests can make the analyzer hold (shufflers retry after ``Retry-After``)."""
+    """Every slot of the claimed sender for reading a batch part before its signature is
+    checked is taken (:class:`analyzer.slots.IntakeSlots`): each such read may buffer the
+    largest legal part, so their number bounds what unauthenticated requests can make the
+    analyzer hold (shufflers retry after ``Retry-After``)."""
 
     code = "busy"
     kind = Kind.UNAVAILABLE

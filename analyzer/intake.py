@@ -1,8 +1,11 @@
-"""Batch part intake (PROTOCOL.md, ``POST /v1/batches``): verify, check, store.
+"""Batch part intake (docs/protocol.md, "Batches and parts"): verify, check, store.
 
-The Ed25519 signature of the shuffler named in ``ESA-Shuffler`` must verify over the exact body
+The shuffler named in ``ESA-Shuffler`` must first vouch for the request in its head
+(``ESA-Preauth``, :mod:`common.preauth`: checked before an intake slot is taken, and the body
+read checked against it); its Ed25519 signature must verify over the exact body
 before any of it is parsed (at most the largest legal part is read). A verified part is refused
-when its channel cannot hold it: unknown channel or crowd, below ``min_crowd``, parts that
+when its channel cannot hold it: unknown channel or crowd, below ``min_crowd``, an epoch that
+starts beyond ``epoch_skew_seconds`` after the analyzer's clock, parts that
 disagree, a second batch for one group, or more or fewer fragments than its contributions can
 carry (``max_fragments`` and ``min_fragments`` per contribution, which every shuffler enforces).
 A known (``batch_id``, ``part``) is acknowledged again but counted once. The raw body is stored
@@ -16,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -24,20 +28,23 @@ from pydantic import ValidationError
 
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import (
+    BadPreauthError,
     BadSignatureError,
     BatchForUnknownChannelError,
     BatchTooLargeError,
     BelowMinCrowdError,
     DuplicateGroupError,
+    FutureEpochError,
     InconsistentCountsError,
     MalformedBatchError,
     UnknownCrowdError,
     UnknownShufflerError,
 )
-from analyzer.metrics import Events
+from analyzer.metrics import AnalyzerEvents
 from analyzer.store import AnalyzerStore, PartHeader, StoredBatch
-from common.collection import fingerprint
+from common.collection import MAX_CLOCK_SKEW_SECONDS, fingerprint
 from common.envelope import KeyRing, verify
+from common.preauth import Preauth, PreauthError, parse_preauth
 from common.wire import Batch
 
 log = logging.getLogger("esa.analyzer")
@@ -50,7 +57,7 @@ MAX_STORED_INT = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
-class Intake:
+class PartIntake:
     """What happened to one part: stored now, or known already (``duplicate``)."""
 
     batch_id: str
@@ -72,12 +79,15 @@ class IntakePolicy:
     #: The signing key of a shuffler read again after its signature failed (it may have
     #: rotated: :meth:`analyzer.descriptors.ShufflerDescriptors.renew_signer`); None: unchanged.
     renew_signer: Callable[[str], Ed25519PublicKey | None] = lambda _: None
+    clock: Callable[[], float] = time.time
+    #: How far after :attr:`clock` an epoch a batch names may start (the parties' clock skew).
+    epoch_skew_seconds: float = MAX_CLOCK_SKEW_SECONDS
 
 
 class BatchIntake:
     """Verifies signed parts and stores them for :class:`analyzer.opening.PartOpener`."""
 
-    def __init__(self, store: AnalyzerStore, policy: IntakePolicy, events: Events) -> None:
+    def __init__(self, store: AnalyzerStore, policy: IntakePolicy, events: AnalyzerEvents) -> None:
         self.store = store
         self.policy = policy
         self.events = events
@@ -96,7 +106,33 @@ class BatchIntake:
             raise UnknownShufflerError(f"shuffler {shuffler_id[:64]!r} is not registered")
         return key
 
-    def accept(self, body: bytes, signature: str | None, shuffler_id: str | None) -> Intake:
+    def preauthorize(self, shuffler_id: str, header: str | None, cap: int) -> Preauth:
+        """The ``ESA-Preauth`` header of a request claiming ``shuffler_id``, checked from the
+        head alone (:mod:`common.preauth`) so that only the shuffler itself takes one of its
+        intake slots: in its window, for a body no larger than ``cap``, signed by the shuffler's
+        key (read again once if it may have rotated).
+
+        Raises:
+            BadPreauthError: missing, malformed, stale or not signed by the shuffler.
+            BatchTooLargeError: it names a body over ``cap`` bytes.
+        """
+        key = self.sender(shuffler_id)
+        try:
+            preauth = parse_preauth(header)
+            if preauth.length > cap:
+                raise BatchTooLargeError(f"batch part exceeds {cap} bytes")
+            try:
+                preauth.check(shuffler_id, key, self.policy.clock())
+            except PreauthError:
+                renewed = self.policy.renew_signer(shuffler_id)
+                if renewed is None:
+                    raise
+                preauth.check(shuffler_id, renewed, self.policy.clock())
+        except PreauthError as error:
+            raise BadPreauthError(str(error)) from error
+        return preauth
+
+    def accept(self, body: bytes, signature: str | None, shuffler_id: str | None) -> PartIntake:
         """Verify one part and store it durably (idempotent by (``batch_id``, ``part``)).
 
         Raises:
@@ -125,7 +161,7 @@ class BatchIntake:
             header, body, lambda stored: _consistent(runtime, header, stored)
         ):
             self.events.count("batches_duplicate")
-            return Intake(header.batch_id, header.part, True)
+            return PartIntake(header.batch_id, header.part, True)
         self.events.count("parts_stored")
         log.info(
             "batch part stored",
@@ -140,7 +176,7 @@ class BatchIntake:
                 "signer": fingerprint(key),  # which of its keys (they rotate)
             },
         )
-        return Intake(header.batch_id, header.part, False)
+        return PartIntake(header.batch_id, header.part, False)
 
     def _runtime(self, batch: Batch) -> ChannelRuntime:
         runtime = self.policy.channels.get(batch.channel_id)
@@ -153,6 +189,13 @@ class BatchIntake:
         if batch.n_contributions < config.min_crowd:
             raise BelowMinCrowdError(
                 f"batch of {batch.n_contributions} contributions < min_crowd={config.min_crowd}"
+            )
+        start, latest = batch.epoch * config.epoch_seconds, self.policy.clock()
+        if start > latest + self.policy.epoch_skew_seconds:
+            raise FutureEpochError(
+                f"epoch {batch.epoch} of channel {config.id!r} starts at {start}, more than "
+                f"{self.policy.epoch_skew_seconds:g} s after this analyzer's clock "
+                f"({int(latest)}): a shuffler sends a batch once its epoch closed"
             )
         if batch.crowd_id not in config.crowds:
             raise UnknownCrowdError(
@@ -231,8 +274,8 @@ def _batch_fields(header: PartHeader) -> tuple[object, ...]:
 
 def _consistent(runtime: ChannelRuntime, header: PartHeader, stored: StoredBatch) -> None:
     """A part must say what its batch's stored parts say, be its group's only batch, and all
-    parts together must carry what the group's contributions can (PROTOCOL.md, ``POST
-    /v1/batches``; "Who vouches for what")."""
+    parts together must carry what the group's contributions can (docs/protocol.md, "Batches
+    and parts" and "Who vouches for what")."""
     others = stored.parts
     if others and _batch_fields(header) != _batch_fields(others[0]):
         raise InconsistentCountsError(

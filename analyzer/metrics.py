@@ -28,7 +28,10 @@ COUNTERS = {
     "batches_accepted": "batches complete (every part opened and accumulated)",
     "batches_duplicate": "batch parts seen before (counted once)",
     "fragments_opened": "fragments opened",
-    "fragments_invalid": "fragments that failed to open or parse (chaff)",
+    "fragments_invalid": "fragments that failed to open or parse (chaff), and opened ones "
+    "repeating a fragment already counted in their epoch",
+    "fragments_repeated": "opened fragments already counted in their channel's epoch (same "
+    "sealed fragment again: counted once, the first time)",
     "part_open_failures": "failed openings of stored parts (retried, then quarantined)",
     "batches_short_crowd": "complete batches whose fragments verify fewer contributions than "
     "their shuffler claimed (certified at the verified crowd)",
@@ -39,8 +42,16 @@ COUNTERS = {
     "parts_purged_incomplete": "parts of batches that never completed, deleted after "
     "incomplete_retention_seconds",
     "releases": "estimates released (ledger entries)",
+    "requests_head_timeout": "requests whose head did not arrive within head_timeout_seconds "
+    "(408 head_timeout, or a connection that sent nothing, closed)",
+    "requests_body_timeout": "requests whose body did not arrive within body_timeout_seconds "
+    "or arrived below body_min_rate_bytes (408 body_timeout, connection closed)",
+    "epochs_closed": "(channel, crowd, epoch) groups closed at their timeout "
+    "(epoch_close_seconds after the epoch's end) before every shuffler delivered",
+    "requests_write_timeout": "connections dropped because the client read none of its "
+    "answers for body_timeout_seconds",
 }
-#: Gauges read from the database at scrape time (registered with :meth:`Events.gauge`).
+#: Gauges read from the database at scrape time (registered with :meth:`AnalyzerEvents.gauge`).
 GAUGES = {
     "parts_quarantined": "batch parts set aside after repeated failed openings (kept with "
     "their error, never accumulated: their batches stay incomplete)",
@@ -80,7 +91,7 @@ CHANNEL_HELP = {
 }
 
 
-class Events:
+class AnalyzerEvents:
     """Thread-safe event counts (``rejected_<code>`` for every refusal), and the gauges read
     at scrape time."""
 
@@ -116,14 +127,14 @@ class Events:
 
 
 class EventsCollector:
-    """Prometheus collector over :class:`Events`, and the intake backlog, the fragment ledger
-    (:meth:`analyzer.store.AnalyzerStore.fragment_ledger`) and the per-channel health of the
+    """Prometheus collector over :class:`AnalyzerEvents`, and the intake backlog, the fragment
+    ledger (:meth:`analyzer.store.AnalyzerStore.fragment_ledger`) and the per-channel health of the
     :data:`CHANNEL_EPOCHS` newest epochs (``health``) read at scrape time (none of the last
     two when not given)."""
 
     def __init__(
         self,
-        events: Events,
+        events: AnalyzerEvents,
         backlog: Callable[[], int],
         ledger: FragmentLedger | None = None,
         health: Health | None = None,

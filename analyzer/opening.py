@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -33,9 +33,9 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import StorageConflictError
-from analyzer.metrics import Events
+from analyzer.metrics import AnalyzerEvents
 from analyzer.store import AnalyzerStore, Complete, Completion, Fold, Folded, Merge, PartHeader
-from common.envelope import EnvelopeError, FragmentContext, KeyRing, open_fragment
+from common.envelope import EnvelopeError, FragmentContext, KeyRing, open_fragment, seal_key
 from common.wire import Batch
 
 log = logging.getLogger("esa.analyzer")
@@ -57,14 +57,21 @@ _worker_ring: KeyRing | None = None
 _worker_keys: tuple[bytes, ...] = ()
 
 
-def open_chunk(ring: KeyRing, info: bytes, texts: Sequence[str]) -> list[bytes]:
+#: An opened fragment: its seal key (:func:`common.envelope.seal_key`, which no two honestly
+#: sealed fragments share) and its plaintext.
+Opened = tuple[bytes, bytes]
+
+
+def open_chunk(ring: KeyRing, info: bytes, texts: Sequence[str]) -> list[Opened]:
     """Open base64 sealed fragments bound to ``info`` (their batch's channel, epoch and crowd:
-    :meth:`FragmentContext.info`); the ones that fail are left out (chaff, or fragments sealed
-    for another epoch or crowd, counted by the caller as the difference)."""
+    :meth:`FragmentContext.info`), each with its seal key; the ones that fail are left out
+    (chaff, or fragments sealed for another epoch or crowd, counted by the caller as the
+    difference)."""
     opened = []
     for text in texts:
         try:
-            opened.append(open_fragment(base64.b64decode(text), info, ring))
+            blob = base64.b64decode(text)
+            opened.append((seal_key(blob), open_fragment(blob, info, ring)))
         except (EnvelopeError, binascii.Error, ValueError):
             continue
     return opened
@@ -93,7 +100,7 @@ def _worker_pid() -> int:
     return os.getpid()
 
 
-def _open_in_worker(keys: tuple[bytes, ...], info: bytes, texts: Sequence[str]) -> list[bytes]:
+def _open_in_worker(keys: tuple[bytes, ...], info: bytes, texts: Sequence[str]) -> list[Opened]:
     global _worker_ring, _worker_keys
     if _worker_ring is None or keys != _worker_keys:
         ring = KeyRing()
@@ -108,12 +115,12 @@ class OpeningTask:
     neither the sealed fragments nor the opened ones; :meth:`cancel` drops the chunks no
     worker has started (a pass that failed on the way)."""
 
-    def __init__(self, answer: Callable[[], list[bytes]], futures: list[Future[list[bytes]]]):
-        self._answer: Callable[[], list[bytes]] | None = answer
+    def __init__(self, answer: Callable[[], list[Opened]], futures: list[Future[list[Opened]]]):
+        self._answer: Callable[[], list[Opened]] | None = answer
         self._futures = futures
 
-    def result(self) -> list[bytes]:
-        """The opened fragments, in order (waits for the pool).
+    def result(self) -> list[Opened]:
+        """The opened fragments with their seal keys, in order (waits for the pool).
 
         Raises:
             RuntimeError: the result was taken already.
@@ -173,7 +180,7 @@ class FragmentOpener:
             log.warning("opening processes not all started", extra={"error": type(error).__name__})
         return len(answered)
 
-    def open(self, context: FragmentContext, texts: Sequence[str]) -> list[bytes]:
+    def open(self, context: FragmentContext, texts: Sequence[str]) -> list[Opened]:
         """The opened fragments, in order (those that do not open for ``context`` left out).
 
         Raises:
@@ -202,7 +209,7 @@ class FragmentOpener:
             self._restart(pool)
             raise
 
-        def answer() -> list[bytes]:
+        def answer() -> list[Opened]:
             try:
                 return [fragment for future in futures for fragment in future.result()]
             except BrokenProcessPool:
@@ -244,7 +251,7 @@ class PartOpener:
         store: AnalyzerStore,
         channels: Mapping[str, ChannelRuntime],
         opener: FragmentOpener,
-        events: Events,
+        events: AnalyzerEvents,
         fault_while_opening: str | None = None,
         attempts: int = OPEN_ATTEMPTS,
     ) -> None:
@@ -368,16 +375,18 @@ class PartOpener:
         undecryptable = opening.fragments - len(opened)
         if self.fault_while_opening == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        invalid: list[int] = []
-        fold = _folder(runtime, header, opened, undecryptable, invalid)
+        invalid: list[tuple[int, int]] = []
+        fold = _folder(runtime, header, [f for _, f in opened], undecryptable, invalid)
         verified: list[int] = []
         steps = (_completer(runtime, header, verified), _merger(runtime), runtime.charge)
-        folded = self.store.fold_part(header, fold, steps, n_opened=len(opened))
+        keys = [key for key, _ in opened]
+        folded = self.store.fold_part(header, fold, steps, n_opened=len(opened), seal_keys=keys)
         if folded is None:
             return False
         self.events.count("parts_opened")
         self.events.count("fragments_opened", len(opened))
-        self.events.count("fragments_invalid", invalid[-1])
+        self.events.count("fragments_invalid", invalid[-1][0])
+        self.events.count("fragments_repeated", invalid[-1][1])
         if folded is Folded.BATCH:
             self.events.count("batches_accepted")
             self._check_crowd(header, verified[-1])
@@ -385,7 +394,9 @@ class PartOpener:
 
     def _check_crowd(self, header: PartHeader, verified: int) -> None:
         """Count and log a batch whose fragments verify fewer contributions than its shuffler
-        claimed (a release certifies only the verified crowd)."""
+        claimed (a release certifies only the verified crowd). On a channel with a random
+        fragment count every batch does, by a few percent (the verified crowd is a lower
+        bound): a warning only when it is withheld."""
         short = header.n_contributions - verified
         if short <= 0:
             return
@@ -393,7 +404,8 @@ class PartOpener:
         self.events.count("batches_short_crowd")
         self.events.count("batches_withheld", int(withheld))
         self.events.count("crowd_shortfall", short)
-        log.warning(
+        log.log(
+            logging.WARNING if withheld else logging.INFO,
             "batch crowd not verified by its fragments: "
             + ("withheld (below min_crowd)" if withheld else "certified at the verified crowd"),
             extra={
@@ -458,15 +470,18 @@ def _folder(
     header: PartHeader,
     opened: Sequence[bytes],
     undecryptable: int,
-    invalid: list[int],
+    invalid: list[tuple[int, int]],
 ) -> Fold:
-    # Parts add fragments only: the crowd enters once, verified, when the batch completes;
-    # ``invalid`` receives the chaff count of the fold that commits (the last one).
-    def fold(state: bytes | None) -> tuple[bytes, int]:
+    # Parts add fragments only: the crowd enters once, verified, when the batch completes.
+    # Fragments seen before in the epoch (``repeated``, positions in ``opened``) are left out
+    # and count as invalid; ``invalid`` receives (invalid, repeated) of the fold that commits.
+    def fold(state: bytes | None, repeated: Collection[int]) -> tuple[bytes, int]:
         accumulator = runtime.new_accumulator() if state is None else runtime.load(state)
-        unparsed = runtime.add(accumulator, opened, 0, header.shuffler_id)
-        invalid.append(unparsed + undecryptable)
-        return accumulator.to_bytes(), unparsed + undecryptable
+        skip = set(repeated)
+        first = [f for i, f in enumerate(opened) if i not in skip] if skip else opened
+        unparsed = runtime.add(accumulator, first, 0, header.shuffler_id)
+        invalid.append((unparsed + undecryptable + len(skip), len(skip)))
+        return accumulator.to_bytes(), unparsed + undecryptable + len(skip)
 
     return fold
 
@@ -478,7 +493,8 @@ def _completer(runtime: ChannelRuntime, header: PartHeader, verified: list[int])
         count = runtime.fragment_count(header.shuffler_id)
         crowd = count.verified_crowd(header.n_contributions, valid, invalid)
         accumulator = runtime.load(state)
-        runtime.add(accumulator, (), crowd, header.shuffler_id)
+        estimated = count.estimated_crowd(header.n_contributions, valid, invalid)
+        runtime.add(accumulator, (), estimated, header.shuffler_id)
         verified.append(crowd)
         released = crowd >= runtime.config.min_crowd
         return Completion(accumulator.to_bytes(), crowd, released)

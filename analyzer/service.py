@@ -22,9 +22,9 @@ from analyzer.descriptors import ShufflerDescriptors
 from analyzer.errors import NothingReceivedError
 from analyzer.intake import BatchIntake, IntakePolicy
 from analyzer.ledger import LedgerService
-from analyzer.metrics import Events
+from analyzer.metrics import AnalyzerEvents
 from analyzer.opening import FragmentOpener, PartOpener
-from analyzer.releases import DEFAULT_TOP, SUMMARY_BINS, Release, ReleaseService
+from analyzer.releases import DEFAULT_TOP, SUMMARY_BINS, EpochCloser, Release, ReleaseService
 from analyzer.settings import AnalyzerSettings
 from analyzer.store import AnalyzerStore
 from analyzer.training import Trainer, published_channels
@@ -36,6 +36,9 @@ from common.wire import (
     ChannelConfig,
     ChannelList,
     ChannelSummary,
+    ClosedGroup,
+    EpochCloseRequest,
+    EpochsClosed,
     Ledger,
     PrivacyOverview,
     ReleaseBody,
@@ -62,12 +65,13 @@ class AnalyzerService:
     intake: BatchIntake
     releases: ReleaseService
     ledger: LedgerService
-    events: Events
+    events: AnalyzerEvents
     opener: PartOpener
     descriptors: ShufflerDescriptors
     catalog: ChannelCatalog
     clock: Callable[[], float] = time.time
     trainer: Trainer | None = None
+    closer: EpochCloser | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
@@ -95,7 +99,9 @@ class AnalyzerService:
         keys = AnalyzerKeys.load(
             settings, clock, lambda: catalog.table.configs(), store.oldest_unopened_at
         )
-        descriptors = ShufflerDescriptors(settings.shufflers, store, clock)
+        deadline = settings.descriptor_fetch_deadline_seconds
+        entries = settings.shufflers
+        descriptors = ShufflerDescriptors(entries, store, clock, deadline_seconds=deadline)
         policy = IntakePolicy(
             ring=keys.ring,
             channels=channels,
@@ -103,8 +109,10 @@ class AnalyzerService:
             max_batch_bytes=settings.part_cap,
             refresh_channels=catalog.refresh,
             renew_signer=descriptors.renew_signer,
+            clock=clock,
+            epoch_skew_seconds=settings.epoch_skew_seconds,
         )
-        events = Events()
+        events = AnalyzerEvents()
         return cls(
             settings,
             keys,
@@ -124,6 +132,7 @@ class AnalyzerService:
             catalog,
             clock,
             Trainer(store, channels, settings.training_dir),
+            closer=EpochCloser(store, channels, settings.epoch_close_seconds, events, clock),
         )
 
     def start(self) -> None:
@@ -143,6 +152,7 @@ class AnalyzerService:
             publish(self.settings.publish_dir, ANALYZER_KEY_FILE, key)
         threading.Thread(target=self._retain, name="esa-retention", daemon=True).start()
         threading.Thread(target=self._follow, name="esa-channels", daemon=True).start()
+        threading.Thread(target=self._close_epochs, name="esa-epoch-close", daemon=True).start()
         log.info(
             "analyzer ready",
             extra={
@@ -160,6 +170,17 @@ class AnalyzerService:
                 self.catalog.refresh()
             except Exception:  # the thread must survive a database outage
                 log.exception("reading the channel log failed; retried")
+
+    def _close_epochs(self) -> None:
+        """Close the groups whose close timeout passed (:class:`EpochCloser`)."""
+        closer = self.closer
+        if closer is None:
+            return
+        while not self.stopping.wait(self.settings.epoch_close_poll_seconds):
+            try:
+                closer.close_due()
+            except Exception:  # the database, mostly: the next round tries again
+                log.exception("closing epochs at their timeout failed; retried")
 
     def close(self) -> None:
         """Stop the opener, the descriptor fetches and retention, release the database."""
@@ -187,12 +208,14 @@ class AnalyzerService:
                 log.exception("retention of incomplete batches failed; retrying")
 
     def purge_incomplete(self) -> int:
-        """Delete what remains of batches that can no longer complete (retention)."""
+        """Delete what remains of batches that can no longer complete, and the seal keys of
+        the epochs that received nothing for as long (retention)."""
         before = self.clock() - self.settings.incomplete_retention_seconds
         purged = self.store.purge_incomplete(before)
         if purged:
             self.events.count("parts_purged_incomplete", purged)
             log.warning("retention deleted parts of batches that never completed")
+        self.store.forget_fragments(before)
         return purged
 
     def requeue(self, batch_id: str | None = None) -> int:
@@ -239,6 +262,31 @@ class AnalyzerService:
         channel, changed = self.catalog.retire(channel_id)
         return ChannelChange(channel=channel, revision=self.catalog.revision, changed=changed)
 
+    def close_epochs(self, channel_id: str, request: EpochCloseRequest) -> EpochsClosed:
+        """``POST /v1/admin/channels/{id}/close``: close the channel's open groups up to
+        ``request.epoch`` now (:meth:`EpochCloser.close_until`).
+
+        Raises:
+            UnknownChannelError: the channel is not configured.
+        """
+        self.releases.runtime(channel_id)
+        closer = self.closer or EpochCloser(
+            self.store, self.releases.channels, self.settings.epoch_close_seconds, self.events
+        )
+        closed = closer.close_until(channel_id, request.epoch)
+        if closed:
+            log.info(
+                "epochs closed by an admin", extra={"channel": channel_id, "groups": len(closed)}
+            )
+        return EpochsClosed(
+            channel_id=channel_id,
+            epoch=request.epoch,
+            closed=[
+                ClosedGroup(epoch=g.epoch, crowd_id=g.crowd_id, shufflers=sorted(s))
+                for g, s in sorted(closed.items())
+            ],
+        )
+
     def estimate(
         self,
         channel_id: str,
@@ -282,15 +330,17 @@ class AnalyzerService:
         for config in self.catalog.table.configs():
             summary = self.store.latest_summary(config.id)
             if summary is None and config.id in spans:
-                summary = self._latest(config.id, spans[config.id][1])
+                summary = self._latest(config.id)
             ledger = None if summary is None else self.ledger.ledger(config.id)
             rows = [row for row in health if row.channel_id == config.id]
             views.append(ChannelView(config, summary, ledger, rows))
         return views
 
-    def _latest(self, channel_id: str, epoch: int) -> ReleaseBody | None:
+    def _latest(self, channel_id: str) -> ReleaseBody | None:
+        """A read over the channel's last settled epoch (None: nothing releasable yet)."""
         try:
-            return self.releases.release(channel_id, epoch, epoch).to_wire(SUMMARY_BINS)
+            first, last = self.releases.epochs(channel_id)
+            return self.releases.release(channel_id, first, last).to_wire(SUMMARY_BINS)
         except NothingReceivedError:
             return None
 

@@ -30,7 +30,10 @@ from common.wire import (
     SignedDescriptor,
     b64,
 )
+from runtime.cors import CorsSettings
+from runtime.deadlines import DeadlineSettings
 from runtime.keys import Timing, key_timing, overlap_floor
+from runtime.proxies import TrustedProxySettings
 from runtime.secrets import SecretFileSettings, refuse_placeholder
 
 #: Settings that may be given as files (``ESA_ANALYZER_<NAME>_FILE``: Docker secrets).
@@ -93,8 +96,15 @@ def _listed(path: Path, key: str) -> list[Any]:
     return list(data.get(key, data) if isinstance(data, dict) else data)
 
 
-class AnalyzerSettings(SecretFileSettings):
-    """Everything the analyzer needs; validated at start."""
+#: Settings that were renamed, old name to new: refused at start, never silently ignored.
+RENAMED = {"intake_slots": "intake_slots_per_shuffler"}
+
+
+class AnalyzerSettings(SecretFileSettings, DeadlineSettings, TrustedProxySettings, CorsSettings):
+    """Everything the analyzer needs; validated at start (the request deadlines of
+    :class:`runtime.deadlines.DeadlineSettings`, the ``trusted_proxies`` of
+    :class:`runtime.proxies.TrustedProxySettings` and the ``cors_origins`` of
+    :class:`runtime.cors.CorsSettings` included)."""
 
     model_config = SettingsConfigDict(env_prefix="ESA_ANALYZER_", env_file=".env", extra="ignore")
     secret_fields: ClassVar[tuple[str, ...]] = _SECRETS
@@ -121,6 +131,12 @@ class AnalyzerSettings(SecretFileSettings):
     #: How often each shuffler's signed descriptor is fetched again (sooner while one is
     #: missing); a descriptor's own validity is the shuffler's ``descriptor_ttl_seconds``.
     descriptor_refresh_seconds: float = Field(60.0, gt=0)
+    #: Whole-request deadline of one descriptor fetch (each shuffler is fetched in a thread
+    #: of its own, so one answering slowly delays no other's).
+    descriptor_fetch_deadline_seconds: float = Field(5.0, gt=0, le=60)
+    #: How far ahead of this analyzer's clock the epoch a batch names may start (the parties'
+    #: clock skew): a batch for a later epoch is refused (422 ``future_epoch``).
+    epoch_skew_seconds: float = Field(300.0, ge=0, le=86400)
     #: How often each replica reads its key directory (``keys.json``): a rotation made at one
     #: replica reaches the others within this time.
     key_reload_seconds: float = Field(10.0, gt=0)
@@ -138,10 +154,21 @@ class AnalyzerSettings(SecretFileSettings):
     #: How long the parts of a batch that never completes are kept after its last part
     #: arrived (longer than a shuffler's retention, which purges the rest of such a batch).
     incomplete_retention_seconds: float = Field(14 * 24 * 3600.0, gt=0)
-    #: Batch parts read at once before their signature is checked (beyond: 503 ``busy``):
-    #: unauthenticated requests can make the analyzer hold at most this many largest parts.
-    #: A shuffler's forwarder sends one part at a time.
-    intake_slots: int = Field(8, ge=1)
+    #: How long after an epoch's end its (channel, crowd) groups are closed for good when not
+    #: every shuffler serving the channel delivered a batch for it (one held its group below
+    #: ``min_crowd``, had no contributions, or is down): releases then rest on the batches
+    #: complete at the close, and a batch completing later is never released. An epoch every
+    #: shuffler delivered for is released at once. Until one or the other, the epoch is left out
+    #: of every release, so no release changes by one shuffler's batch.
+    epoch_close_seconds: float = Field(3600.0, ge=0)
+    #: How often each replica looks for groups whose close timeout has passed.
+    epoch_close_poll_seconds: float = Field(5.0, gt=0)
+    #: Batch parts read at once, per registered shuffler, before their signature is checked
+    #: (beyond: 503 ``busy``; :class:`analyzer.slots.IntakeSlots`); only a request whose
+    #: ``ESA-Preauth`` head the shuffler signed takes one, and one shuffler's parts never take
+    #: another's. Reads in progress hold at most this many largest parts per registered
+    #: shuffler in each worker process. Each replica's forwarder sends one part at a time.
+    intake_slots_per_shuffler: int = Field(2, ge=1, le=64)
     admin_token: SecretStr = SecretStr("development")
     #: Bearer token for ``GET /metrics`` (none: open, as on a loopback deployment; set it
     #: where the metrics port is reachable, so one party's operator does not read another's).
@@ -165,6 +192,21 @@ class AnalyzerSettings(SecretFileSettings):
     #: after opening a stored part and before folding it in.
     fault_after_commit: Literal["exit"] | None = None
     fault_while_opening: Literal["kill"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any) -> Any:
+        """Refuse a setting that was renamed (:data:`RENAMED`) rather than ignore it: its
+        value would silently not apply (unknown settings are ignored)."""
+        given = set(data) if isinstance(data, dict) else set()
+        for old, new in RENAMED.items():
+            variable = f"ESA_ANALYZER_{old.upper()}"
+            if old in given or variable in os.environ:
+                raise ValueError(
+                    f"{variable} ({old}) was renamed: set ESA_ANALYZER_{new.upper()} ({new}) "
+                    "instead, and remove the old one"
+                )
+        return data
 
     @model_validator(mode="after")
     def _load(self) -> AnalyzerSettings:

@@ -5,8 +5,10 @@ Tables (SQLAlchemy Core; created by the alembic migrations next to this module):
 :data:`analyzer.opening.OPEN_ATTEMPTS` failed openings), ``open_batches``, ``receipts`` (claimed
 and verified crowd; ``withheld`` below ``min_crowd``), ``accumulators`` per (channel, crowd,
 epoch, shuffler), ``epoch_charges`` (the privacy ledger: one row per (channel, crowd, epoch),
-rewritten under its lock with every batch), ``shuffler_descriptors`` and ``releases``. Reads
-write nothing. Everything that depends on the database dialect stays in this module.
+rewritten under its lock with every batch), ``epoch_closures`` (groups closed at their
+timeout), ``shuffler_descriptors`` and ``releases``; ``seen_epochs`` and ``seen_parts`` (each
+sealed fragment counted once) are :mod:`analyzer.seen`'s, written in the fold's transaction.
+Reads write nothing. Everything that depends on the database dialect stays in this module.
 
 What each table holds and why: docs/architecture.md, "Analyzer internals".
 """
@@ -18,7 +20,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, NamedTuple
@@ -51,6 +53,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
+from analyzer import seen
 from analyzer.errors import StorageConflictError
 from common.wire import Bound, ReleaseBody
 from runtime import db
@@ -154,6 +157,18 @@ channel_changes = Table(
     Index("ix_channel_changes_channel", "channel_id"),
 )
 
+#: The groups closed for good at their timeout (:meth:`AnalyzerStore.close_group`): the
+#: shufflers whose batches their releases rest on, as a sorted JSON list.
+epoch_closures = Table(
+    "epoch_closures",
+    metadata,
+    Column("channel_id", String(64), primary_key=True),
+    Column("crowd_id", String(255), primary_key=True),
+    Column("epoch", BigInteger, primary_key=True),
+    Column("shufflers", Text, nullable=False),
+    Column("closed_at", Float, nullable=False),
+)
+
 #: ``channel_changes.action``.
 ADD, RETIRE = "add", "retire"
 
@@ -178,9 +193,10 @@ STORE_ATTEMPTS = 5
 #: Stored parts the opener reads per query (a page of headers, never their bodies).
 PENDING_PAGE = 100
 
-#: Folds an opened part into its batch's statistics: serialized state (None when new) →
-#: (new state, invalid fragments).
-Fold = Callable[[bytes | None], tuple[bytes, int]]
+#: Folds an opened part into its batch's statistics: (serialized state (None when new),
+#: positions of its opened fragments counted before, left out) → (new state, invalid
+#: fragments, the repeated ones included).
+Fold = Callable[[bytes | None, Collection[int]], tuple[bytes, int]]
 #: Completes a batch whose last part was folded: (state, valid fragments, invalid fragments) →
 #: its :class:`Completion`.
 Complete = Callable[[bytes, int, int], "Completion"]
@@ -189,7 +205,7 @@ Merge = Callable[[bytes | None, bytes], bytes]
 
 
 @dataclass(frozen=True, slots=True)
-class ChannelChange:
+class ChannelLogRow:
     """One row of the channel log: ``add`` (with the config as JSON) or ``retire``."""
 
     version: int
@@ -201,7 +217,7 @@ class ChannelChange:
 
 @dataclass(frozen=True, slots=True)
 class PartHeader:
-    """What a stored part says about itself (PROTOCOL.md, ``POST /v1/batches``); its
+    """What a stored part says about itself (docs/protocol.md, "Batches and parts"); its
     fragments stay in the stored body until they are opened."""
 
     batch_id: str
@@ -311,6 +327,28 @@ class ReceivedRange:
     batch_sizes: dict[tuple[int, str], tuple[int, ...]]
 
 
+class Group(NamedTuple):
+    """One (channel, crowd, epoch): what each shuffler sends at most one batch for."""
+
+    channel_id: str
+    crowd_id: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveredBatch:
+    """A complete batch as its receipt records it: its group's epoch, its shuffler, the crowd
+    it claims and the one it verifies, its fragments that failed to open or parse, and whether
+    it was withheld below ``min_crowd``."""
+
+    epoch: int
+    shuffler_id: str
+    claimed: int
+    verified: int
+    invalid: int
+    withheld: bool
+
+
 #: The charge of one epoch from everything received in it: certificates as JSON (None: nothing
 #: a certificate can rest on yet).
 Charge = Callable[[ReceivedRange], str | None]
@@ -347,6 +385,7 @@ class AnalyzerStore:
         self.engine = engine
         self.clock = clock
         self._storing = threading.Lock()
+        self.seen = seen.SeenRecord()
 
     # --- intake (store a part, open it in the background) ---------------------------------
 
@@ -366,9 +405,10 @@ class AnalyzerStore:
         with self._storing:
             try:
                 with self.engine.begin() as conn:
-                    # Analyzer workers: two parts of one batch stored at once by two processes
-                    # are checked against each other, one after the other (PostgreSQL).
-                    _lock_batch(conn, header.batch_id)
+                    # Analyzer workers: two parts of one batch, or of two batches of one group,
+                    # stored at once by two processes are checked against each other, one
+                    # after the other (PostgreSQL): a group never gets a second batch.
+                    _lock_batch(conn, header)
                     if _known(conn, header):
                         return False
                     check(StoredBatch(_stored_parts(conn, header.batch_id), _rival(conn, header)))
@@ -453,9 +493,10 @@ class AnalyzerStore:
         opened, and failed to open or parse. One statement, so one snapshot on both databases
         (a part folded meanwhile counts in both sums or in neither). It is the sum of
         ``fragments_opened`` and ``fragments_invalid`` of every process that ever opened a part
-        of the database (:class:`analyzer.metrics.Events`); a part opened before migration 0006
-        counts ``n_fragments - invalid`` as opened (its undecryptable fragments were not kept
-        apart from its unparsable ones). Parts waiting or quarantined count nowhere."""
+        of the database (:class:`analyzer.metrics.AnalyzerEvents`); a part opened before
+        migration 0006 counts ``n_fragments - invalid`` as opened (its undecryptable fragments
+        were not kept apart from its unparsable ones). Parts waiting or quarantined count
+        nowhere."""
         p = batch_parts.c
         opened = func.coalesce(p.n_opened, p.n_fragments - p.invalid)
         query = (
@@ -537,6 +578,27 @@ class AnalyzerStore:
             conn.execute(delete(open_batches).where(open_batches.c.batch_id.in_(ids)))
             return int(conn.execute(delete(batch_parts).where(p.batch_id.in_(ids))).rowcount)
 
+    def forget_fragments(self, before: float) -> int:
+        """Drop the record (:mod:`analyzer.seen`) of every (channel, epoch) that received no
+        part since ``before`` (retention: the records go with their epoch), in the database
+        and in memory; how many keys. A part of such an epoch arriving later is checked for
+        repeats against its own epoch's later parts only, which is why ``before`` is the
+        incomplete-batch horizon, past every shuffler's retention."""
+        p = batch_parts.c
+        stale = (
+            select(p.channel_id, p.epoch)
+            .group_by(p.channel_id, p.epoch)
+            .having(func.max(p.received_at) < before)
+        )
+        dropped = 0
+        with self._storing, self.engine.begin() as conn:
+            groups = [(str(c), int(e)) for c, e in conn.execute(stale).all()]
+            for group in groups:
+                dropped += seen.forget_rows(conn, group)
+        for group in groups:
+            self.seen.forget(group)
+        return dropped
+
     def requeue_quarantined(self, batch_id: str | None = None) -> int:
         """Put quarantined parts (of ``batch_id``, or all) back in the opener's queue with no
         failed attempt counted, after an operator fixed their cause; how many."""
@@ -597,7 +659,7 @@ class AnalyzerStore:
             ).one()
         return int(row[0])
 
-    def channel_changes(self, after: int = 0) -> list[ChannelChange]:
+    def channel_changes(self, after: int = 0) -> list[ChannelLogRow]:
         """The channel log after version ``after``, oldest first."""
         c = channel_changes.c
         query = select(c.version, c.channel_id, c.action, c.config, c.retired_from_epoch).where(
@@ -606,7 +668,7 @@ class AnalyzerStore:
         with self.engine.connect() as conn:
             rows = conn.execute(query.order_by(c.version)).all()
         return [
-            ChannelChange(
+            ChannelLogRow(
                 version=int(v), channel_id=str(i), action=str(a), config=f, retired_from_epoch=r
             )
             for v, i, a, f, r in rows
@@ -634,12 +696,15 @@ class AnalyzerStore:
         steps: tuple[Complete, Merge, Charge],
         *,
         n_opened: int,
+        seal_keys: Sequence[bytes] = (),
     ) -> Folded | None:
-        """Fold an opened part (``n_opened`` of its fragments decrypted) into its batch's
-        statistics and mark it opened with its fragment counts, in one transaction; when it is
-        the batch's last part, the batch gets its verified crowd (``steps``: complete), joins
-        its accumulator (merge), gets its receipt and its epoch is recharged (charge) in the
-        same transaction (so a batch counts once, whole, or not at all).
+        """Fold an opened part (``n_opened`` of its fragments decrypted, ``seal_keys`` theirs in
+        order) into its batch's statistics and mark it opened with its fragment counts, in one
+        transaction: its fragments counted before in the epoch are recorded there too, so a
+        repeat is left out exactly once whatever crashes or retries (:mod:`analyzer.seen`);
+        when it is the batch's last part, the batch gets its verified crowd (``steps``:
+        complete), joins its accumulator (merge), gets its receipt and its epoch is recharged
+        (charge) in the same transaction (so a batch counts once, whole, or not at all).
         Returns None if the part is no longer waiting (opened by another opener, or
         quarantined).
 
@@ -648,8 +713,14 @@ class AnalyzerStore:
         """
         for _ in range(STORE_ATTEMPTS):
             try:
+                staged: list[seen.Staged] = []
                 with self._storing, self.engine.begin() as conn:
-                    return _fold_part(conn, header, fold, steps, n_opened, self.clock())
+                    decrypted = (n_opened, seal_keys, self.seen, staged)
+                    folded = _fold_part(conn, header, fold, steps, decrypted, self.clock())
+                # Memory follows the record only once its rows are committed.
+                for part in staged:
+                    self.seen.commit(part)
+                return folded
             except IntegrityError:
                 continue
         raise StorageConflictError("could not fold the part; retry later")
@@ -738,26 +809,6 @@ class AnalyzerStore:
         """Accumulators and batch crowd sizes of a channel's crowd in ``[from, to]``."""
         with self.engine.connect() as conn:
             return _received(conn, channel_id, crowd_id, epoch_from, epoch_to)
-
-    def crowd_check(
-        self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
-    ) -> CrowdCheck:
-        """Claimed and verified crowds of the complete batches in range, the fragments that
-        failed to open or parse, how many batches verified fewer than they claimed and how
-        many were withheld."""
-        r = receipts.c
-        verified = func.coalesce(r.n_verified, r.n_contributions)
-        query = select(
-            func.count(),
-            func.sum(r.n_contributions),
-            func.sum(verified),
-            func.sum(r.invalid),
-            func.sum(case((verified < r.n_contributions, 1), else_=0)),
-            func.sum(case((r.withheld, 1), else_=0)),
-        ).where(*_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to))
-        with self.engine.connect() as conn:
-            row = conn.execute(query).one()
-        return CrowdCheck(*(int(value or 0) for value in row))
 
     def epoch_spans(self) -> dict[str, tuple[int, int]]:
         """``[first, last]`` epoch received per channel."""
@@ -853,6 +904,125 @@ class AnalyzerStore:
             for key in keys
         ]
 
+    # --- epoch closures (releases wait for every shuffler) --------------------------------
+
+    def delivered(
+        self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
+    ) -> list[DeliveredBatch]:
+        """The complete batches of a channel's crowd in ``[from, to]`` (one per shuffler and
+        epoch), withheld ones too: what each shuffler has delivered."""
+        r = receipts.c
+        query = select(
+            r.epoch,
+            r.shuffler_id,
+            r.n_contributions,
+            func.coalesce(r.n_verified, r.n_contributions),
+            r.invalid,
+            r.withheld,
+        ).where(*_in_range(receipts, channel_id, crowd_id, epoch_from, epoch_to))
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [
+            DeliveredBatch(
+                epoch=int(e),
+                shuffler_id=str(s),
+                claimed=int(c),
+                verified=int(v),
+                invalid=int(i),
+                withheld=bool(w),
+            )
+            for e, s, c, v, i, w in rows
+        ]
+
+    def closures(
+        self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
+    ) -> dict[int, frozenset[str]]:
+        """The epochs of a channel's crowd in ``[from, to]`` closed at their timeout: epoch →
+        the shufflers whose batches its releases rest on."""
+        c = epoch_closures.c
+        query = select(c.epoch, c.shufflers).where(
+            *_in_range(epoch_closures, channel_id, crowd_id, epoch_from, epoch_to)
+        )
+        with self.engine.connect() as conn:
+            return {int(e): frozenset(json.loads(s)) for e, s in conn.execute(query)}
+
+    def open_groups(self, arriving_after: float) -> list[Group]:
+        """Groups with a batch received (complete or not) and no closure, leaving out those
+        with a part still waiting for the opener, or an incomplete batch whose last part
+        arrived after ``arriving_after`` (both arrived in time: closing now would leave them
+        out only because delivering or opening a batch takes a while)."""
+        c, p, r = epoch_closures.c, batch_parts.c, receipts.c
+        queries = [
+            select(t.c.channel_id, t.c.crowd_id, t.c.epoch)
+            .where(
+                ~select(c.epoch)
+                .where(
+                    c.channel_id == t.c.channel_id,
+                    c.crowd_id == t.c.crowd_id,
+                    c.epoch == t.c.epoch,
+                )
+                .exists()
+            )
+            .distinct()
+            for t in (receipts, batch_parts)
+        ]
+        waiting = select(p.channel_id, p.crowd_id, p.epoch).where(p.status == STORED).distinct()
+        arriving = (
+            select(p.channel_id, p.crowd_id, p.epoch)
+            .where(~select(r.batch_id).where(r.batch_id == p.batch_id).exists())
+            .group_by(p.batch_id, p.channel_id, p.crowd_id, p.epoch)
+            .having(func.max(p.received_at) > arriving_after)
+        )
+        with self.engine.connect() as conn:
+            found = {Group(ch, cr, int(e)) for q in queries for ch, cr, e in conn.execute(q)}
+            busy = {
+                Group(ch, cr, int(e)) for q in (waiting, arriving) for ch, cr, e in conn.execute(q)
+            }
+        return sorted(found - busy)
+
+    def first_arrivals(self) -> dict[Group, float]:
+        """Each group with an incomplete batch → when the first part of its incomplete batches
+        arrived: a batch still arriving holds its group open one close timeout from there."""
+        p, r = batch_parts.c, receipts.c
+        query = (
+            select(p.channel_id, p.crowd_id, p.epoch, func.min(p.received_at))
+            .where(~select(r.batch_id).where(r.batch_id == p.batch_id).exists())
+            .group_by(p.channel_id, p.crowd_id, p.epoch)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return {Group(ch, cr, int(e)): float(first) for ch, cr, e, first in rows}
+
+    def close_group(self, group: Group) -> frozenset[str] | None:
+        """Close ``group`` for good: its releases rest on the batches complete now (their
+        shufflers are returned), never on one completing later. None if it was closed already
+        (by another analyzer process). Under the group's epoch lock, which a completing batch
+        takes to recharge its epoch: a batch counts here if its charge committed first."""
+        r, c = receipts.c, epoch_closures.c
+        key = (r.channel_id == group.channel_id, r.crowd_id == group.crowd_id)
+        try:
+            with self._storing, self.engine.begin() as conn:
+                _lock_epoch(conn, *group)
+                closed = select(c.epoch).where(
+                    c.channel_id == group.channel_id,
+                    c.crowd_id == group.crowd_id,
+                    c.epoch == group.epoch,
+                )
+                if conn.execute(closed).first() is not None:
+                    return None
+                query = select(r.shuffler_id).where(*key, r.epoch == group.epoch).distinct()
+                shufflers = frozenset(str(s) for s in conn.execute(query).scalars())
+                conn.execute(
+                    insert(epoch_closures).values(
+                        **group._asdict(),
+                        shufflers=json.dumps(sorted(shufflers)),
+                        closed_at=self.clock(),
+                    )
+                )
+        except IntegrityError:
+            return None
+        return shufflers
+
 
 def _stored_parts(conn: Connection, batch_id: str) -> list[PartHeader]:
     p = batch_parts.c
@@ -888,12 +1058,15 @@ def _known(conn: Connection, header: PartHeader) -> bool:
     return any(conn.execute(q).first() is not None for q in (part, whole))
 
 
-def _lock_batch(conn: Connection, batch_id: str) -> None:
-    """PostgreSQL: a transaction-scoped advisory lock on the batch (its first part's row does
-    not exist yet, so a row lock cannot serve); SQLite has one writer at a time anyway."""
+def _lock_batch(conn: Connection, header: PartHeader) -> None:
+    """PostgreSQL: transaction-scoped advisory locks on the part's group (shuffler, channel,
+    crowd, epoch), then on its batch (their first part's row does not exist yet, so a row lock
+    cannot serve; every caller takes them in this order); SQLite has one writer anyway."""
     if conn.dialect.name == "postgresql":
-        key = db.lock_key(["analyzer-batch", batch_id])
-        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
+        group = [header.shuffler_id, header.channel_id, header.crowd_id, header.epoch]
+        for key in (["analyzer-group", *group], ["analyzer-batch", header.batch_id]):
+            lock = db.lock_key(key)
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": lock})
 
 
 _HEADER = tuple(
@@ -917,13 +1090,19 @@ def _fold_part(
     header: PartHeader,
     fold: Fold,
     steps: tuple[Complete, Merge, Charge],
-    n_opened: int,
+    decrypted: tuple[int, Sequence[bytes], seen.SeenRecord, list[seen.Staged]],
     now: float,
 ) -> Folded | None:
+    """:meth:`AnalyzerStore.fold_part` in its transaction; ``decrypted``: the fragments
+    opened, their seal keys, the record and where to leave its staged part for after the
+    commit."""
     p, o = batch_parts.c, open_batches.c
+    n_opened, seal_keys, record, staged = decrypted
     part_key = (p.batch_id == header.batch_id, p.part == header.part, p.status == STORED)
     if conn.execute(_locked(conn, select(p.part).where(*part_key))).first() is None:
         return None
+    repeated, part = record.check(conn, (header.channel_id, header.epoch), seal_keys)
+    staged.append(part)
     row = conn.execute(
         _locked(
             conn,
@@ -932,7 +1111,7 @@ def _fold_part(
             ),
         )
     ).first()
-    state, invalid = fold(None if row is None else bytes(row.state))
+    state, invalid = fold(None if row is None else bytes(row.state), repeated)
     # Marked opened with its counts in one statement, under the row lock taken above while it
     # was still stored: the part counts once in the fragment ledger, whoever folds it.
     conn.execute(

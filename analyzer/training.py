@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import NothingReceivedError, UnknownChannelError
+from analyzer.releases import settled_received
 from analyzer.store import AnalyzerStore
 from common.mechanisms import ldpsgd
 from common.wire import MAX_INT, ChannelConfig
@@ -125,11 +126,16 @@ class Trainer:
         runtime = self._runtime(channel_id)
         params: ldpsgd.LdpSgdParams = runtime.params
         state = self.state(channel_id)
-        # Never past the last epoch received: a later epoch's reports would be skipped forever.
+        # Never past the last epoch received, nor past an epoch still waiting for a shuffler's
+        # batch (docs/protocol-notes.md, "Releases wait for every shuffler": θ is public): a
+        # later epoch's reports would be skipped forever.
         last = self.store.epoch_spans().get(channel_id, (0, -1))[1]
         if epoch_to is not None:
             last = min(last, epoch_to)
-        received = self.store.received(channel_id, "", state.next_epoch, min(last, MAX_INT))
+        span = (state.next_epoch, min(last, MAX_INT))
+        settled, _ = settled_received(self.store, runtime, "", *span)
+        last = min([span[1], *(e - 1 for e in settled.waiting)])
+        _, received = settled_received(self.store, runtime, "", state.next_epoch, last)
         crowds = runtime.crowds(received)
         merged = ldpsgd.LdpSgdAccumulator(params.dim)
         for item in crowds:
@@ -137,8 +143,13 @@ class Trainer:
         used = merged.counts.get(state.round, 0)
         if used == 0:
             raise NothingReceivedError(
-                f"{channel_id!r}: no report of round {state.round} in epochs "
+                f"{channel_id!r}: no report of round {state.round} in the settled epochs "
                 f"[{state.next_epoch}, {last}]"
+                + (
+                    f" (epochs waiting for shufflers: {sorted(settled.waiting)})"
+                    if settled.waiting
+                    else ""
+                )
             )
         gradient = ldpsgd.noisy_gradient(params, merged.sums[state.round], used)
         theta = ldpsgd.server_step(params, np.asarray(state.theta), gradient)

@@ -1,7 +1,8 @@
-"""Accounting speed: time per certified point and per plan, written to docs/benchmarks.md.
+"""Accounting speed: time per certified point and per plan (docs/benchmarks.md).
 
-Run: ``make bench`` (or ``.venv/bin/python benchmarks/accounting.py``). Pinned to one core;
-every timing starts from cold caches (the accounting functions memoise their results).
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/accounting.py [--write]``; ``--write``
+records the "Privacy accounting" section). Pinned to one core; every timing starts from cold
+caches (the accounting functions memoise their results).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import machine, pin_one_core, write_section
+from _report import command_line, machine, pin_one_core, write_section
 
 from common.accounting import BinaryRR, blanket_binary_rr, certify, hockey_stick, lower, plan_eps0
 
@@ -63,6 +64,7 @@ def _grid(label: str, action: Callable[[float, int], object]) -> tuple[list[str]
 
 
 def main() -> None:
+    args = command_line(__doc__).parse_args()
     pin_one_core()
     cert_lines, cert_small, cert_large = _grid(
         "certificate (ms)", lambda e, n: blanket_binary_rr(e, n, DELTA)
@@ -80,7 +82,8 @@ def main() -> None:
         worst_plan = max(worst_plan, seconds)
         plan_lines.append(f"| {target:g} | {delta:g} | {n:,} | {plan.eps0:.4f} | {seconds:.2f} |")
     body = [
-        "Command: `make bench` (runs `.venv/bin/python benchmarks/accounting.py`).",
+        "Command: `make bench WRITE=--write` "
+        "(runs `.venv/bin/python benchmarks/accounting.py --write`).",
         f"Machine: {machine()}.",
         f"δ = {DELTA:g}, mechanism krappor; median of {REPEATS} cold-cache runs per cell.",
         "",
@@ -103,7 +106,7 @@ def main() -> None:
         f"{full_large * 1e3:.0f} ms (n = 10^9); planner {worst_plan:.2f} s.",
         "",
     ]
-    write_section(SECTION, "\n".join(body))
+    write_section(SECTION, "\n".join(body), args.write)
     print("\n".join(body))
 
 

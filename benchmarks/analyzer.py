@@ -1,10 +1,10 @@
 """Analyzer speed: batch intake vs raw HPKE opening, and a Table I-size estimate.
 
-Run: ``make bench`` (or ``.venv/bin/python benchmarks/analyzer.py``). The analyzer runs as a
-real uvicorn process on SQLite; signed batches of sealed k-RAPPOR fragments (k = 1,778,120,
-ε = 12) are POSTed to it. In the same run, this process measures how fast it can open the same
-kind of sealed fragment with nothing else to do. Writes the "Analyzer" section of
-docs/benchmarks.md.
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/analyzer.py [--write]``). The analyzer
+runs as a real uvicorn process on SQLite; signed batches of sealed k-RAPPOR fragments
+(k = 1,778,120, ε = 12) are POSTed to it. In the same run, this process measures how fast it
+can open the same kind of sealed fragment with nothing else to do. ``--write`` records the
+"Analyzer" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import machine, write_section
+from _report import command_line, machine, write_section
 
 from common.envelope import (
     FragmentContext,
@@ -32,6 +32,7 @@ from common.envelope import (
     sign,
 )
 from common.mechanisms import krappor
+from common.preauth import PREAUTH_HEADER, preauth_header
 from common.randomness import default_source
 from common.wire import PART_FRAGMENTS, Batch, ChannelConfig, b64
 from tests.support import analyzer_process, registry_entry
@@ -51,6 +52,7 @@ BATCHES, PER_BATCH = 4, 5_000
 
 
 def main() -> None:
+    args = command_line(__doc__).parse_args()
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
         signer = load_or_create_ed25519(tmp / "s1" / "signing.pem")
@@ -103,7 +105,11 @@ def main() -> None:
                     response = client.post(
                         service.url + "/v1/batches",
                         content=body,
-                        headers={"ESA-Signature": signature, "ESA-Shuffler": "shuffler-1"},
+                        headers={
+                            "ESA-Signature": signature,
+                            "ESA-Shuffler": "shuffler-1",
+                            PREAUTH_HEADER: preauth_header("shuffler-1", body, signer, time.time()),
+                        },
                     )
                     assert response.status_code == 201, response.text
                 span = f"epoch_from=1&epoch_to={BATCHES}"
@@ -124,7 +130,8 @@ def main() -> None:
             service.stop()
     intake_rate = fragments / intake_seconds
     lines = [
-        "Command: `make bench` (runs `.venv/bin/python benchmarks/analyzer.py`).",
+        "Command: `make bench WRITE=--write` "
+        "(runs `.venv/bin/python benchmarks/analyzer.py --write`).",
         f"Machine: {machine(pinned=False)}.",
         "",
         f"{BATCHES} batches (one per epoch), {fragments:,} sealed k-RAPPOR fragments in all",
@@ -144,7 +151,7 @@ def main() -> None:
         f"Certificate of that release: ε = {certificate['eps']:.4g}, δ = {certificate['delta']:.3g}"
         f" ({certificate['method']}).",
     ]
-    write_section(SECTION, "\n".join(lines))
+    write_section(SECTION, "\n".join(lines), args.write)
     print("\n".join(lines))
 
 

@@ -40,7 +40,7 @@ from common.accounting.lower import lower_2rr
 from services.tools.audit.game import Trial, privacy_game, rr_one_probability
 from services.tools.audit.mechgame import MechanismGame, mechanism_game, simulate, statistic_eps
 from services.tools.audit.runner import AuditConfig, AuditResult, run_audit
-from tests.support import free_port, shuffler_process, wait_until
+from tests.support import UNFOLLOWED, free_port, shuffler_process, wait_until
 
 TOKEN = "benchmark-sink-token-0123"
 PRODUCTION_INTERVALS = {
@@ -80,6 +80,7 @@ def audit_once(
     channel = _channel(crowds, epoch_seconds, 255 if game_channel else 4)
     shuffler = shuffler_process(
         tmp, "shuffler-1", [channel], analyzer_url=sink_url, **PRODUCTION_INTERVALS,
+        **UNFOLLOWED,  # the sink has no analyzer behind it: no signed config to follow
     )  # fmt: skip
     try:
         wait_until(lambda: _ready(sink_url), timeout=30)

@@ -1,10 +1,10 @@
 """How fast ``esa --help`` and ``esa --version`` answer, and how much memory they take.
 
-Run: ``.venv/bin/python benchmarks/cli_startup.py``. Each command runs 7 times as a fresh
+Run: ``.venv/bin/python benchmarks/cli_startup.py [--write]``. Each command runs 7 times as a fresh
 process (``python -m services.cli``, what the ``esa`` script runs); the table gives the median
 wall time and the median peak RSS of the child. ``esa account --help`` is shown beside them: it
-loads its command's stack (dp_accounting, scipy), which the others must not. Writes the
-"CLI start-up" section of docs/benchmarks.md.
+loads its command's stack (dp_accounting, scipy), which the others must not. ``--write``
+records the "CLI start-up" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import ROOT, machine, write_section
+from _report import ROOT, command_line, machine, write_section
 
 SECTION = "## CLI start-up"
 RUNS = 7
@@ -42,6 +42,7 @@ def _one(arguments: list[str]) -> tuple[float, float]:
 
 
 def main() -> None:
+    args = command_line(__doc__).parse_args()
     rows = []
     for arguments in COMMANDS:
         runs = [_one(arguments) for _ in range(RUNS)]
@@ -63,7 +64,7 @@ def main() -> None:
             *rows,
         ]
     )
-    write_section(SECTION, body)
+    write_section(SECTION, body, args.write)
 
 
 if __name__ == "__main__":

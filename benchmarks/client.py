@@ -1,8 +1,8 @@
 """SDK cost: encode + seal + queue per report, and memory with a 10,000-contribution outbox.
 
-Run: ``make bench`` (or ``.venv/bin/python benchmarks/client.py``). No servers: the client
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/client.py [--write]``). No servers: the client
 loads a locally signed collection config (the same document an analyzer serves) and nothing is
-delivered. Writes the "Client SDK" section of docs/benchmarks.md.
+delivered. ``--write`` records the "Client SDK" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import machine, pin_one_core, write_section
+from _report import command_line, machine, pin_one_core, write_section
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
@@ -90,6 +90,7 @@ def _config(tmp: Path) -> tuple[Path, Path]:
 
 
 def main() -> None:
+    args = command_line(__doc__).parse_args()
     pin_one_core()
     rows = []
     with tempfile.TemporaryDirectory() as directory:
@@ -138,7 +139,8 @@ def main() -> None:
         state_bytes = sum(p.stat().st_size for p in tmp.glob("outbox.db*"))
         client.close()
     lines = [
-        "Command: `make bench` (runs `.venv/bin/python benchmarks/client.py`).",
+        "Command: `make bench WRITE=--write` "
+        "(runs `.venv/bin/python benchmarks/client.py --write`).",
         f"Machine: {machine()}.",
         "",
         "Per report: validate, encode (OS CSPRNG), pad and HPKE-seal every fragment for the",
@@ -153,7 +155,7 @@ def main() -> None:
         f"{after / 1024:.0f} MiB ({(after - before) / 1024:+.0f} MiB while filling it); the",
         f"outbox lives on disk ({state_bytes / 2**20:.1f} MiB state file), not in memory.",
     ]
-    write_section(SECTION, "\n".join(lines))
+    write_section(SECTION, "\n".join(lines), args.write)
     print("\n".join(lines))
 
 

@@ -1,10 +1,10 @@
 """`esa demo` at its default size, timed end to end (issue: default finishes < 3 min on 2 cores).
 
 Runs the command as a user would (it starts its own deployment: analyzer + 3 shufflers on
-SQLite), three times, and records the wall time of each run and the per-channel results of the
-median run in docs/benchmarks.md. ``--hogs N`` runs N busy loops (``sh -c 'while :; do :;
-done'``) beside every run, as a busy machine: the demo must then be slower, never wrong
-(section "Demo beside CPU hogs").
+SQLite), three times, and prints the wall time of each run and the per-channel results of the
+median run (``--write`` records them in docs/benchmarks.md). ``--hogs N`` runs N busy loops
+(``sh -c 'while :; do :; done'``) beside every run, as a busy machine: the demo must then be
+slower, never wrong (section "Demo beside CPU hogs").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import machine, write_section
+from _report import add_write, machine, write_section
 
 from services.cli.launcher import port_free
 from tests.support import free_port
@@ -93,6 +93,7 @@ def hogs(count: int) -> Iterator[None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    add_write(parser)
     parser.add_argument("--hogs", type=int, default=0, help="busy loops beside each run")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="runs of esa demo")
     args = parser.parse_args()
@@ -130,7 +131,8 @@ Median run, per channel ({inside} of {checked} checked estimates inside their 95
 {HEADER}
 {rows}
 """
-    write_section("## Demo beside CPU hogs" if args.hogs else "## Demo", body)
+    print(body)
+    write_section("## Demo beside CPU hogs" if args.hogs else "## Demo", body, args.write)
     print(f"median {median_time:.1f} s, mean {statistics.mean(r[0] for r in runs):.1f} s")
 
 

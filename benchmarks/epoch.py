@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 from _profile import Profile, top_frames
-from _report import machine, write_section
+from _report import add_write, machine, run_main, write_section
 from sqlalchemy import exists, func, insert, select
 
 from common.wire import PART_FRAGMENTS, ChannelPolicy
@@ -220,7 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contributions", type=int, default=1_000_000)
     parser.add_argument("--part-fragments", type=int, default=PART_FRAGMENTS)
-    parser.add_argument("--write", action="store_true", help="record it in docs/benchmarks.md")
+    add_write(parser)
     parser.add_argument(
         "--profile", type=Path, default=None, help="py-spy the close: writes PATH.svg and PATH.txt"
     )
@@ -232,12 +232,12 @@ def main() -> None:
         for ours in ((), ("shuffler/", "common/")):
             for frame, inside, alone in top_frames(raw, "ContributionStore.evaluate_group", ours):
                 print(f"{inside:6.1%} inside {alone:6.1%} alone  {frame}")
-    if args.write:
-        command = "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch.py " + " ".join(
-            sys.argv[1:]
-        )
-        write_section("## Epoch of 10^6 contributions (shuffler)", _section(result, command))
+    command = "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch.py " + " ".join(
+        sys.argv[1:]
+    )
+    section = _section(result, command)
+    write_section("## Epoch of 10^6 contributions (shuffler)", section, args.write)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,9 +1,9 @@
 """The analyzer half of issue 11's epoch of 10^6, and the part opening throughput.
 
-``.venv/bin/python benchmarks/epoch_analyzer.py [fragments]``: single-process HPKE opening vs
-the analyzer's process pool (:class:`analyzer.opening.FragmentOpener`), measured in the same run
-(target: pool rate >= 0.8 x single-process rate x processes used); writes the "Part intake and
-opening throughput" section of docs/benchmarks.md.
+``.venv/bin/python benchmarks/epoch_analyzer.py [fragments] [--write]``: single-process HPKE
+opening vs the analyzer's process pool (:class:`analyzer.opening.FragmentOpener`), measured in
+the same run (target: pool rate >= 0.8 x single-process rate x processes used); ``--write``
+records the "Part intake and opening throughput" section of docs/benchmarks.md.
 
 ``.venv/bin/python benchmarks/epoch_analyzer.py --epoch --contributions 1000000 [--write]``: one
 epoch of N k-RAPPOR homepage-like contributions (k = 256, ε = 2; 31.3 sealed fragments each on
@@ -15,9 +15,9 @@ opening process per core) the way a shuffler sends it: one batch in signed parts
 part is acknowledged, the time until the batch is fully accumulated (every part opened and
 folded in, the receipt written: ``esa_analyzer_batches_accepted_total`` = 1), fragments/s, and
 the peak resident set (``VmHWM`` from ``/proc``) of the analyzer process and of each opening
-worker. Sealing 3·10^7 fragments would take this machine longer than opening them, so the parts
-are cut (rotating windows) from a pool of distinct sealed fragments; the analyzer's work per
-fragment is unchanged: it has no cache and opens every fragment of every part. ``--write``
+worker. Every fragment is sealed afresh, on one process per core before the clock starts (the
+analyzer counts a repeated sealed fragment once: a benchmark that reused sealed fragments would
+measure repeats). ``--write``
 records the "An epoch of 10^6 at the analyzer" section.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import re
 import secrets
@@ -43,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import machine, write_section
+from _report import add_write, machine, quiet_worker, run_main, write_section
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
@@ -53,10 +54,12 @@ from common.envelope import (
     KeyRing,
     load_or_create_ed25519,
     load_or_create_x25519,
+    load_x25519_public,
     seal_fragment,
     sign,
 )
 from common.mechanisms import krappor
+from common.preauth import PREAUTH_HEADER, preauth_header
 from common.randomness import SeededSource
 from common.wire import PART_FRAGMENTS, Batch, ChannelConfig, b64
 from services.cli import launcher
@@ -82,8 +85,8 @@ CONTEXT = FragmentContext(CHANNEL_ID, EPOCH, "")
 FRAGMENTS = krappor.KRapporParams(k=256, eps=2.0).expected_fragments()
 
 
-def throughput(count: int) -> None:
-    """Single-process opening vs the pool; writes :data:`SECTION`."""
+def throughput(count: int, write: bool) -> None:
+    """Single-process opening vs the pool, printed; with ``write`` also :data:`SECTION`."""
     key = X25519PrivateKey.generate()
     ring = KeyRing.of(key)
     texts = [
@@ -116,7 +119,7 @@ def throughput(count: int) -> None:
         f"| {pooled:,.0f} fragments/s |",
         f"| pool / (single x {processes}) | **{ratio:.2f}** (target >= 0.8) |",
     ]
-    write_section(SECTION, "\n".join(lines))
+    write_section(SECTION, "\n".join(lines), write)
     print("\n".join(lines))
 
 
@@ -193,45 +196,63 @@ class Memory:
         }
 
 
-def _sealed_pool(public_key: Any, size: int) -> list[str]:
-    """``size`` distinct sealed fragments: k-RAPPOR reports of a Zipf-like page distribution."""
-    params = krappor.KRapporParams(k=256, eps=2.0)
-    rng, values = SeededSource(11), np.random.default_rng(11).zipf(1.3, size) % 256
-    pool: list[str] = []
+def _sealed(public_raw: bytes, size: int, seed: int) -> list[str]:
+    """``size`` sealed fragments, each sealed afresh (the analyzer counts a repeated sealed
+    fragment once): k-RAPPOR reports of a Zipf-like page distribution."""
+    params, public = krappor.KRapporParams(k=256, eps=2.0), load_x25519_public(public_raw)
+    rng, values = SeededSource(seed), np.random.default_rng(seed).zipf(1.3, size) % 256
+    sealed: list[str] = []
     for value in values:
-        pool += [
-            b64(seal_fragment(f, CONTEXT, HOMEPAGE.payload_size, public_key))
+        sealed += [
+            b64(seal_fragment(f, CONTEXT, HOMEPAGE.payload_size, public))
             for f in krappor.KRappor().encode_value(params, int(value), rng)
         ]
-        if len(pool) >= size:
+        if len(sealed) >= size:
             break
-    return pool[:size]
+    return sealed[:size]
 
 
-def _parts(pool: list[str], contributions: int, signer: Ed25519PrivateKey) -> Any:
-    """The epoch's one batch as signed part bodies, built one at a time (a shuffler keeps one
-    body in memory while it sends it)."""
+def _seal_part(job: tuple[Path, bytes, bytes, str, int, int, int]) -> int:
+    """Write part ``i`` of the epoch's batch (its body, then its signature) to ``path``."""
+    path, public_raw, signer_raw, batch_id, i, parts, contributions = job
     total = round(contributions * FRAGMENTS)
-    parts = -(-total // PART_FRAGMENTS)
-    batch_id, doubled = secrets.token_hex(16), pool + pool
-    for i in range(parts):
-        size = min(PART_FRAGMENTS, total - i * PART_FRAGMENTS)
-        start = (i * 7919) % len(pool)
-        fragments = doubled[start : start + size]
-        while len(fragments) < size:  # a pool smaller than a part
-            fragments += pool[: size - len(fragments)]
-        body = Batch(
-            batch_id=batch_id,
-            part=i,
-            parts=parts,
-            shuffler_id="shuffler-1",
-            channel_id=CHANNEL_ID,
-            crowd_id="",
-            epoch=EPOCH,
-            n_contributions=contributions,
-            fragments=fragments,
-        ).body()
-        yield body, b64(sign(body, signer))
+    size = min(PART_FRAGMENTS, total - i * PART_FRAGMENTS)
+    body = Batch(
+        batch_id=batch_id,
+        part=i,
+        parts=parts,
+        shuffler_id="shuffler-1",
+        channel_id=CHANNEL_ID,
+        crowd_id="",
+        epoch=EPOCH,
+        n_contributions=contributions,
+        fragments=_sealed(public_raw, size, seed=1000 + i),
+    ).body()
+    signature = b64(sign(body, Ed25519PrivateKey.from_private_bytes(signer_raw)))
+    path.write_bytes(signature.encode() + b"\n" + body)
+    return size
+
+
+def _seal_parts(
+    tmp: Path, public: Any, signer: Ed25519PrivateKey, contributions: int
+) -> list[Path]:
+    """The epoch's one batch as signed part files, every fragment sealed afresh, on one
+    process per core before the clock starts (sealing is not what is measured)."""
+    parts = -(-round(contributions * FRAGMENTS) // PART_FRAGMENTS)
+    batch_id, paths = secrets.token_hex(16), [tmp / f"part-{i}.bin" for i in range(parts)]
+    keys = (public.public_bytes_raw(), signer.private_bytes_raw())
+    jobs = [(paths[i], *keys, batch_id, i, parts, contributions) for i in range(parts)]
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1, quiet_worker) as pool:
+        pool.map(_seal_part, jobs)
+    return paths
+
+
+def _parts(paths: list[Path], signer: Ed25519PrivateKey) -> Any:
+    """The part bodies, signatures and ``ESA-Preauth`` heads, read one at a time (a shuffler
+    keeps one body in memory while it sends it)."""
+    for path in paths:
+        signature, _, body = path.read_bytes().partition(b"\n")
+        yield body, signature.decode(), preauth_header("shuffler-1", body, signer, time.time())
 
 
 def _metric(url: str, name: str) -> float:
@@ -245,8 +266,9 @@ def _deliver(url: str, parts: Any) -> tuple[int, int]:
     number of parts and the largest body."""
     count, largest = 0, 0
     with httpx.Client(timeout=600) as client:
-        for body, signature in parts:
+        for body, signature, preauth in parts:
             headers = {
+                PREAUTH_HEADER: preauth,
                 "ESA-Signature": signature,
                 "ESA-Shuffler": "shuffler-1",
                 "Content-Type": "application/json",
@@ -273,7 +295,7 @@ def _start_analyzer(var: Path) -> tuple[launcher.Service, Ed25519PrivateKey, Any
     return service, signer, public
 
 
-def epoch(contributions: int, pool_size: int) -> dict[str, Any]:
+def epoch(contributions: int) -> dict[str, Any]:
     """Deliver and accumulate one epoch at a real analyzer; the numbers."""
     with tempfile.TemporaryDirectory(prefix="esa-epoch-analyzer-") as tmp:
         var = Path(tmp)
@@ -281,18 +303,19 @@ def epoch(contributions: int, pool_size: int) -> dict[str, Any]:
         memory = Memory(pid=service.process.pid)
         try:
             start = time.perf_counter()
-            pool = _sealed_pool(public, pool_size)
+            paths = _seal_parts(var, public, signer, contributions)
             sealing = time.perf_counter() - start
-            raw = _raw_rate(var, pool)
+            raw = _raw_rate(var, _sealed(public.public_bytes_raw(), 20_000, seed=1))
             threading.Thread(target=memory.run, daemon=True).start()
             start = time.perf_counter()
-            parts, largest = _deliver(service.url, _parts(pool, contributions, signer))
+            parts, largest = _deliver(service.url, _parts(paths, signer))
             acknowledged = time.perf_counter() - start
             while _metric(service.url, "batches_accepted_total") < 1:
                 time.sleep(0.5)
             accumulated = time.perf_counter() - start
             memory.sample()
             opened = _metric(service.url, "fragments_opened_total")
+            repeated = _metric(service.url, "fragments_repeated_total")
             estimate = httpx.get(
                 f"{service.url}/v1/channels/{CHANNEL_ID}/estimate?epoch={EPOCH}", timeout=60
             ).json()
@@ -307,7 +330,7 @@ def epoch(contributions: int, pool_size: int) -> dict[str, Any]:
         "fragments_opened": int(opened),
         "parts": parts,
         "largest_part_bytes": largest,
-        "distinct_sealed_fragments": len(pool),
+        "fragments_repeated": int(repeated),
         "sealing_seconds (not counted)": round(sealing, 1),
         "all_parts_acknowledged_seconds": round(acknowledged, 1),
         "fully_accumulated_seconds": round(accumulated, 1),
@@ -331,10 +354,10 @@ def _epoch_section(result: dict[str, Any], command: str) -> str:
         f"{PART_FRAGMENTS:,} POSTed one after another over HTTP to `esa analyzer serve` "
         "(SQLite, default settings: a pool of one opening process per core, chunks of 2,000). "
         "Times run from the first POST; `fully_accumulated_seconds` ends when the batch's last "
-        "part is opened and folded in and its receipt written. Parts are cut from a pool of "
-        "distinct sealed fragments (sealing 3·10^7 would take longer than opening them); the "
-        "analyzer has no cache and opens every fragment of every part, so its work per "
-        "fragment is that of distinct fragments. Peak RSS is each process's `VmHWM` read from "
+        "part is opened and folded in and its receipt written. Every fragment is sealed "
+        "afresh before the clock starts (the analyzer counts a repeated sealed fragment once, "
+        "recording each one's seal key in the fold's transaction). Peak RSS is each "
+        "process's `VmHWM` read from "
         "`/proc`; `analyzer_and_workers_max_summed_rss_mb` the largest sum of their `VmRSS` "
         "sampled every 0.5 s; CPU seconds are `utime + stime` from `/proc/<pid>/stat`. "
         "`raw_single_process_open_rate` is the benchmark process opening 20,000 of the same "
@@ -349,21 +372,19 @@ def main() -> None:
     parser.add_argument("fragments", nargs="?", type=int, default=40_000)
     parser.add_argument("--epoch", action="store_true", help="the epoch benchmark")
     parser.add_argument("--contributions", type=int, default=1_000_000)
-    parser.add_argument("--pool", type=int, default=200_000, help="distinct sealed fragments")
-    parser.add_argument("--write", action="store_true", help="record it in docs/benchmarks.md")
+    add_write(parser)
     args = parser.parse_args()
     if not args.epoch:
-        throughput(args.fragments)
+        throughput(args.fragments, args.write)
         return
-    result = epoch(args.contributions, args.pool)
+    result = epoch(args.contributions)
     print(json.dumps(result, indent=2))
-    if args.write:
-        command = (
-            "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch_analyzer.py --epoch "
-            f"--contributions {args.contributions} --pool {args.pool} --write"
-        )
-        write_section(EPOCH_SECTION, _epoch_section(result, command))
+    command = (
+        "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch_analyzer.py --epoch "
+        f"--contributions {args.contributions} --write"
+    )
+    write_section(EPOCH_SECTION, _epoch_section(result, command), args.write)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -6,17 +6,18 @@ Run: ``flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch_e2e.py --devi
 [--profile DIR] [--write]``. A real ``esa up`` deployment (launcher: 1 analyzer + 3
 shufflers, SQLite, default settings; a one-day epoch closed over ``POST /v1/admin/close``).
 Devices: a pool of ``--pool`` real reports (Zipf page values encoded by the k-RAPPOR
-mechanism, every fragment sealed to the analyzer for this epoch); device i sends report
-i mod pool in its own contribution (new nonce, its own client token, sealed to a shuffler
-picked uniformly), all sealed before the clock starts and replayed over keep-alive
-connections as fast as the shufflers answer. Tokens are issued with each shuffler's own
-token secret (enrolling 10^6 devices over HTTP would measure enrolment). Printed: each
-phase's wall time and every service's CPU in it, every process's peak RSS (``VmHWM``),
-fragments/s per stage, conservation, the estimate against the truth, and the analyzer's
-opening-pool rate measured in the same run on the same machine, before ingest and after the
-release (the median of five timings each; the close → release target is 1.25 × fragments ÷
-the faster of the two). With ``--profile`` py-spy records shuffler-1 during ingest and
-during its close (flame graphs and the hottest functions).
+mechanism); device i sends report i mod pool, every fragment sealed afresh to the analyzer for
+this epoch (the analyzer counts a repeated sealed fragment once), in its own contribution (new
+nonce, its own client token, sealed to a shuffler picked uniformly), all sealed before the
+clock starts and replayed over keep-alive connections as fast as the shufflers answer. Tokens
+are issued with each shuffler's own token secret (enrolling 10^6 devices over HTTP would
+measure enrolment). Printed: each phase's wall time and every service's CPU in it, every
+process's peak RSS (``VmHWM``), fragments/s per stage, conservation, the estimate against the
+truth, and the analyzer's opening-pool rate measured in the same run on the same machine,
+before ingest and after the release (the median of five timings each; the close → release
+target is 1.25 × fragments ÷ the faster of the two). With ``--profile`` py-spy records
+shuffler-1 during ingest and during its close, and the analyzer with its opening workers from the
+close to the release (flame graphs and the hottest functions).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _profile import Profile, top_frames
-from _report import machine, write_section
+from _report import add_write, machine, quiet_worker, run_main, write_section
 
 from analyzer.opening import FragmentOpener
 from common.envelope import (
@@ -153,20 +154,19 @@ def _deployment(var: Path, template: str | None) -> list[launcher.Service]:
     return services
 
 
-def _report_pool(var: Path, epoch: int, size: int) -> tuple[list[tuple[bytes, ...]], list[int]]:
-    """``size`` real reports, each fragment sealed to the analyzer for this epoch; their values."""
-    analyzer = load_or_create_x25519(var / "keys" / "analyzer" / "hpke.pem").public_key()
-    context = FragmentContext(CHANNEL.id, epoch, "")
+def _report_pool(size: int) -> tuple[list[tuple[bytes, ...]], list[int]]:
+    """``size`` real reports (their fragments, not sealed: each device seals its own, the
+    analyzer counting a repeated sealed fragment once); their values."""
     values = (np.random.default_rng(7).zipf(1.3, size) - 1) % PARAMS.k
     rng, mechanism = SeededSource(7), krappor.KRappor()
-    reports = [
-        tuple(
-            seal_fragment(f, context, CHANNEL.payload_size, analyzer)
-            for f in mechanism.encode_value(PARAMS, int(v), rng)
-        )
-        for v in values
-    ]
+    reports = [tuple(mechanism.encode_value(PARAMS, int(v), rng)) for v in values]
     return reports, [int(v) for v in values]
+
+
+def _analyzer_key(var: Path) -> bytes:
+    """The analyzer's raw HPKE public key (raw bytes: it goes to the sealing processes)."""
+    key = load_or_create_x25519(var / "keys" / "analyzer" / "hpke.pem").public_key()
+    return key.public_bytes_raw()
 
 
 def _shufflers(var: Path, services: list[launcher.Service]) -> list[tuple[str, Any, str]]:
@@ -181,11 +181,15 @@ def _shufflers(var: Path, services: list[launcher.Service]) -> list[tuple[str, A
     return found
 
 
-def _seal_share(job: tuple[Path, int, int, int, list[tuple[bytes, ...]], list[Any]]) -> int:
-    """Write devices ``[start, stop)`` as ready requests (loadgen's record format)."""
-    path, start, stop, epoch, reports, shufflers = job
+def _seal_share(
+    job: tuple[Path, int, int, int, list[tuple[bytes, ...]], list[Any], bytes],
+) -> int:
+    """Write devices ``[start, stop)`` as ready requests (loadgen's record format), every
+    fragment sealed afresh to the analyzer as a device seals it."""
+    path, start, stop, epoch, reports, shufflers, analyzer_raw = job
     authorities = [TokenAuthority(secret.encode()) for _, _, secret in shufflers]
     keys = [load_x25519_public(raw) for _, raw, _ in shufflers]
+    analyzer, context = load_x25519_public(analyzer_raw), FragmentContext(CHANNEL.id, epoch, "")
     with path.open("wb", buffering=1 << 20) as out:
         for device in range(start, stop):
             target = shuffler_slot(None, len(shufflers))
@@ -195,7 +199,10 @@ def _seal_share(job: tuple[Path, int, int, int, list[tuple[bytes, ...]], list[An
                 crowd_id="",
                 epoch=epoch,
                 nonce=new_nonce(),
-                fragments=reports[device % len(reports)],
+                fragments=tuple(
+                    seal_fragment(f, context, CHANNEL.payload_size, analyzer)
+                    for f in reports[device % len(reports)]
+                ),
             )
             body = seal_contribution(contribution, sid, key)
             token = authorities[target].issue().encode()
@@ -204,11 +211,14 @@ def _seal_share(job: tuple[Path, int, int, int, list[tuple[bytes, ...]], list[An
 
 
 def _seal_devices(tmp: Path, devices: int, epoch: int, reports: Any, shufflers: Any) -> list[Path]:
-    workers = os.cpu_count() or 1
+    workers, analyzer = os.cpu_count() or 1, _analyzer_key(tmp)
     bounds = [devices * w // workers for w in range(workers + 1)]
     paths = [tmp / f"requests-{w}.bin" for w in range(workers)]
-    jobs = [(paths[w], bounds[w], bounds[w + 1], epoch, reports, shufflers) for w in range(workers)]
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    jobs = [
+        (paths[w], bounds[w], bounds[w + 1], epoch, reports, shufflers, analyzer)
+        for w in range(workers)
+    ]
+    with multiprocessing.get_context("fork").Pool(workers, quiet_worker) as pool:
         assert sum(pool.map(_seal_share, jobs)) == devices
     return paths
 
@@ -218,8 +228,9 @@ def _opening_rate(var: Path, reports: list[tuple[bytes, ...]], epoch: int) -> fl
     the median of :data:`RATE_REPEATS` timings of :data:`RATE_SAMPLE` fragments each (one
     timing is a second or so, which a passing disturbance would move)."""
     ring = KeyRing.of(load_or_create_x25519(var / "keys" / "analyzer" / "hpke.pem"))
-    texts = [b64(f) for report in reports for f in report][:RATE_SAMPLE]
-    context = FragmentContext(CHANNEL.id, epoch, "")
+    context, analyzer = FragmentContext(CHANNEL.id, epoch, ""), ring.public()
+    plain = [f for report in reports for f in report][:RATE_SAMPLE]
+    texts = [b64(seal_fragment(f, context, CHANNEL.payload_size, analyzer)) for f in plain]
     opener = FragmentOpener(ring, os.cpu_count() or 1, 2000)
     try:
         opener.open(context, texts[:4000])  # start the workers before timing
@@ -356,7 +367,7 @@ def _measure(
     analyzer, shufflers = services[0], services[1:]
     epoch = int(time.time() // CHANNEL.epoch_seconds)
     start = time.perf_counter()
-    reports, values = _report_pool(var, epoch, pool)
+    reports, values = _report_pool(pool)
     paths = _seal_devices(var, devices, epoch, reports, _shufflers(var, services))
     prepare_seconds = time.perf_counter() - start
     rate_before = _opening_rate(var, reports, epoch)
@@ -372,6 +383,7 @@ def _measure(
         recorder.stop()
     processes.mark("ingest")
     recorder = None if profile is None else Profile(shufflers[0].process.pid, profile / "close")
+    opening = None if profile is None else Profile(analyzer.process.pid, profile / "release")
     start = time.perf_counter()
     closes = _close_all(shufflers, epoch)
     if recorder is not None:
@@ -379,6 +391,8 @@ def _measure(
     processes.mark("close")
     estimate = _wait_release(analyzer, _released(shufflers), epoch)
     release = time.perf_counter() - start
+    if opening is not None:
+        opening.stop()
     processes.mark("deliver, open, accumulate, release")
     processes.done.set()
     rate_after = _opening_rate(var, reports, epoch)
@@ -427,11 +441,15 @@ def _measure(
 def _profiles(profile: Path) -> str:
     """The hottest functions of each recording, as Markdown lines."""
     lines = []
-    for phase, within in (("ingest", ""), ("close", "ContributionStore.evaluate_group")):
+    for party, phase, within in (
+        ("shuffler-1", "ingest", ""),
+        ("shuffler-1", "close", "ContributionStore.evaluate_group"),
+        ("the analyzer and its opening workers", "release", ""),
+    ):
         raw = (profile / phase).with_suffix(".txt")
         if not raw.exists():
             continue
-        lines.append(f"\n\nshuffler-1, {phase} (py-spy, share of busy samples):\n")
+        lines.append(f"\n\n{party}, {phase} (py-spy, share of busy samples):\n")
         for frame, inside, alone in top_frames(raw, within):
             lines.append(f"- {alone:.1%} alone, {inside:.1%} inside: `{frame}`")
     return "\n".join(lines)
@@ -463,7 +481,7 @@ def main() -> None:
     parser.add_argument(
         "--postgres", default=None, help="user@host:port: every service on fresh PostgreSQL"
     )
-    parser.add_argument("--write", action="store_true", help="record it in docs/benchmarks.md")
+    add_write(parser)
     args = parser.parse_args()
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
@@ -471,13 +489,12 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.profile is not None:
         print(_profiles(args.profile))
-    if args.write:
-        command = "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch_e2e.py " + " ".join(
-            sys.argv[1:]
-        )
-        title = SECTION + (" (PostgreSQL)" if args.postgres else " (SQLite)")
-        write_section(title, _section(result, command, args.profile))
+    command = "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch_e2e.py " + " ".join(
+        sys.argv[1:]
+    )
+    title = SECTION + (" (PostgreSQL)" if args.postgres else " (SQLite)")
+    write_section(title, _section(result, command, args.profile), args.write)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

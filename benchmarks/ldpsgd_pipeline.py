@@ -56,7 +56,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ldpsgd as simulator
-from _report import machine
+from _report import machine, run_main
 
 from common.collection import TrustAnchors
 from common.mechanisms import ldpsgd
@@ -478,4 +478,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,4 +1,4 @@
-"""Lifetime accounting (issue 13 targets), written to docs/benchmarks.md.
+"""Lifetime accounting (issue 13 targets), for docs/benchmarks.md.
 
 * The issue's example — k-RAPPOR/binary RR at ε0 = 2, n = 5,000 per epoch, 365 epochs,
   δ = 1e-5 — by :func:`common.accounting.lifetime_for_mechanism` (PLD, basic, advanced) and by
@@ -6,7 +6,7 @@
   (``tests/accounting/direct_pld.py``). Targets: PLD ≤ basic / 10, within 10% of direct.
 * Time to compose 365 epochs at n = 10^6 (one core, cold caches). Target: < 5 s.
 
-Run: ``.venv/bin/python benchmarks/lifetime.py``.
+Run: ``.venv/bin/python benchmarks/lifetime.py [--write]`` (``--write`` records the section).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from _report import machine, pin_one_core, write_section  # noqa: E402
+from _report import command_line, machine, pin_one_core, write_section  # noqa: E402
 
 from common.accounting import BinaryRR, lifetime_for_mechanism  # noqa: E402
 from tests.accounting.direct_pld import direct_blanket_lifetime  # noqa: E402
@@ -30,6 +30,7 @@ SECTION = "## Lifetime accounting"
 
 
 def main() -> None:
+    args = command_line(__doc__).parse_args()
     pin_one_core()
     e = EXAMPLE
     result = lifetime_for_mechanism(BinaryRR(), e["eps0"], [e["n"]] * e["epochs"], e["delta"])
@@ -66,7 +67,7 @@ def main() -> None:
         f"Command: `.venv/bin/python benchmarks/lifetime.py` ({machine()}).\n\n"
         f"| what | value | target |\n|---|---|---|\n{table}\n"
     )
-    write_section(SECTION, body)
+    write_section(SECTION, body, args.write)
     print(body)
 
 

@@ -53,14 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trivial_app
-from _report import machine
+from _report import machine, run_main
 
 from common.collection import TrustAnchors
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
 from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS, DELETION
-from services.tools.loadtest.prepare import Plan, prepare
+from services.tools.loadtest.prepare import LoadPlan, prepare
 from shuffler.intake import TokenAuthority
 
 HERE = Path(__file__).resolve().parent
@@ -123,7 +123,7 @@ def generation(var: Path, url: str, trust: TrustAnchors, devices: int) -> dict[s
     """Prepare phase with one worker: reports and contributions sealed per second."""
     found = {}
     for channel in ("homepage", "pages"):
-        plan = Plan(
+        plan = LoadPlan(
             analyzer_url=url,
             trust=trust,
             devices=devices,
@@ -165,7 +165,7 @@ def bodies(
             sid,
             public,
         )
-        out.append(loadgen.Request(index, authorities[index].issue(), body))
+        out.append(loadgen.Request(shuffler=index, token=authorities[index].issue(), body=body))
     return out
 
 
@@ -249,7 +249,7 @@ def ceiling(
     port = launcher.free_base_port(1)
     url = f"http://127.0.0.1:{port}"
     with trivial_app.running(port):
-        same = [loadgen.Request(0, r.token, r.body) for r in requests]
+        same = [loadgen.Request(shuffler=0, token=r.token, body=r.body) for r in requests]
         ours = driver_run([url], Cycle(same), seconds, connections)
         theirs = locust_run(tmp, [url], same, seconds, connections, cycle=True)
     return {"driver": ours, "locust": theirs}
@@ -460,4 +460,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

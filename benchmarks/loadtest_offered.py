@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trivial_app
-from _report import machine
+from _report import machine, run_main
 from loadtest import Cycle, bodies, driver_run, run_phase
 
 from services.cli import launcher
@@ -225,7 +225,9 @@ def control(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
         pin([os.getpid()], DRIVER_CORE)
         pin(tree(app.pid), DEPLOYMENT_CORE)
         url = f"http://127.0.0.1:{port}"
-        fake = [loadgen.Request(0, "x" * 43, os.urandom(2390)) for _ in range(200)]
+        fake = [
+            loadgen.Request(shuffler=0, token="x" * 43, body=os.urandom(2390)) for _ in range(200)
+        ]
         with Meter({"trivial_app": tree(app.pid)}) as meter:
             found = driver_run([url], Cycle(fake), args.seconds, args.connections)
     return {**found, "cpu": meter.summary()}
@@ -303,4 +305,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,7 +1,7 @@
 """Mechanism speed: k-RAPPOR encoding at Table I scale and the Table I-scale simulation.
 
-Run: ``make bench`` (or ``.venv/bin/python benchmarks/mechanisms.py``). Pinned to one core.
-Writes the "Mechanisms and simulation" section of docs/benchmarks.md.
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/mechanisms.py [--write]``). Pinned to one
+core. ``--write`` records the "Mechanisms and simulation" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import machine, pin_one_core, write_section
+from _report import command_line, machine, pin_one_core, write_section
 
 from common.mechanisms import krappor, krr, longitudinal, rfrag, zsum
 from common.randomness import SystemSource
@@ -41,6 +41,7 @@ def _rate(label: str, encode: object, reports: int) -> tuple[str, float]:
 
 
 def main() -> None:
+    args = command_line(__doc__).parse_args()
     pin_one_core()
     source = SystemSource()
     big = krappor.KRapporParams(k=1_778_120, eps=12.0)
@@ -81,7 +82,8 @@ def main() -> None:
         )
         table_i = time.perf_counter() - start
     lines = [
-        "Command: `make bench` (runs `.venv/bin/python benchmarks/mechanisms.py`).",
+        "Command: `make bench WRITE=--write` "
+        "(runs `.venv/bin/python benchmarks/mechanisms.py --write`).",
         f"Machine: {machine()}.",
         "",
         "Encoding with the OS CSPRNG (`secrets.SystemRandom`), one core, no sealing:",
@@ -97,7 +99,7 @@ def main() -> None:
         f"Targets: Table I-scale run < 60 s (measured {table_i:.1f} s); k-RAPPOR encode >= 20,000",
         f"reports/s at k = 1,778,120, ε = 12 (measured {rates[0][1]:,.0f}).",
     ]
-    write_section(SECTION, "\n".join(lines))
+    write_section(SECTION, "\n".join(lines), args.write)
     print("\n".join(lines))
 
 

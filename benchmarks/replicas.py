@@ -65,7 +65,7 @@ from sqlalchemy import func, select, text
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import machine
+from _report import machine, run_main
 from rich.console import Console
 
 from analyzer import store as analyzer_tables
@@ -678,4 +678,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

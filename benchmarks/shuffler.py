@@ -1,9 +1,10 @@
 """Shuffler speed: ingest throughput/latency vs a trivial endpoint, and building a 1M batch.
 
-Run: ``make bench`` (or ``.venv/bin/python benchmarks/shuffler.py``). The shuffler runs as a
-real uvicorn process on SQLite (WAL, synchronous=FULL); 64 concurrent HTTP/1.1 clients from
-this process post pre-sealed contributions. In the same run the same clients hit the same
-server's trivial ``GET /healthz``. Writes the "Shuffler" section of docs/benchmarks.md.
+Run: ``make bench`` (or ``.venv/bin/python benchmarks/shuffler.py [--write]``). The shuffler
+runs as a real uvicorn process on SQLite (WAL, synchronous=FULL); 64 concurrent HTTP/1.1
+clients from this process post pre-sealed contributions. In the same run the same clients hit
+the same server's trivial ``GET /healthz``. ``--write`` records the "Shuffler" section of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trivial_app
-from _report import machine, write_section
+from _report import add_write, machine, write_section
 
 from common.envelope import Contribution, load_x25519_public, new_nonce, seal_contribution
 from services.tools import loadgen
@@ -255,8 +256,9 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="ingest rounds only: skip the 1M-fragment batch and do not write docs/benchmarks.md",
+        help="ingest rounds only: skip the 1M-fragment batch (writes nothing, even with --write)",
     )
+    add_write(parser)
     args = parser.parse_args()
     REQUESTS, ROUNDS = args.requests, args.rounds
     with tempfile.TemporaryDirectory() as directory:
@@ -272,7 +274,8 @@ def main() -> None:
     verdict = "met" if ratio >= 0.5 else "**not met**"
     row = "| {} | {:,.0f} | {:.1f} | {} |"
     lines = [
-        "Command: `make bench` (runs `.venv/bin/python benchmarks/shuffler.py`).",
+        "Command: `make bench WRITE=--write` "
+        "(runs `.venv/bin/python benchmarks/shuffler.py --write`).",
         f"Machine: {machine(pinned=False)} (server and load generator share the 2 cores).",
         "",
         f"{ROUNDS} alternating rounds of {REQUESTS:,} requests each (medians below) over "
@@ -329,7 +332,7 @@ def main() -> None:
         "fragments: Algorithm 3, CSPRNG shuffle, JSON body, Ed25519 signature, stored in the",
         f"transaction that deletes the contributions): **{big_seconds:.1f} s** (target < 10 s).",
     ]
-    write_section(SECTION, "\n".join(lines))
+    write_section(SECTION, "\n".join(lines), args.write)
     print("\n".join(lines))
 
 

@@ -45,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _report import ROOT, machine, write_section
+from _report import ROOT, add_write, machine, run_main, write_section
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -744,11 +744,7 @@ def main() -> None:
         default=3600,
         help="most seconds to wait for delivery and opening after the soak",
     )
-    parser.add_argument(
-        "--write",
-        action="store_true",
-        help="also write docs/figures/soak.png and the docs/benchmarks.md section",
-    )
+    add_write(parser, also="; it also copies soak.png to docs/figures/soak.png")
     args = parser.parse_args()
     summary = asyncio.run(run(args))
     out = Path(args.out)
@@ -756,11 +752,10 @@ def main() -> None:
     plot_soak = out / "soak.png"
     plot(summary["samples"], summary["phases"], plot_soak)
     if args.write:
-        figure = ROOT / "docs" / "figures" / "soak.png"
-        shutil.copyfile(plot_soak, figure)
-        write_section(SECTION, section(summary))
+        shutil.copyfile(plot_soak, ROOT / "docs" / "figures" / "soak.png")
+    write_section(SECTION, section(summary), args.write)
     console.print_json(json.dumps({k: v for k, v in summary.items() if k != "samples"}))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

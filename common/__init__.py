@@ -1,5 +1,5 @@
 """Dependency-light code shared by the device SDK and the servers.
 
 Nothing in ``common`` imports from ``encoder_client``, ``shuffler``, ``analyzer`` or
-``services`` (see ``ARCHITECTURE.md``, dependency rules).
+``services`` (see docs/architecture.md, dependency rules).
 """

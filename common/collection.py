@@ -1,4 +1,4 @@
-"""Who vouches for what a device uses (PROTOCOL.md, "Who vouches for what").
+"""Who vouches for what a device uses (docs/protocol.md, "Who vouches for what").
 
 The analyzer signs the collection config; each shuffler signs its own descriptor
 (:class:`common.wire.ShufflerDescriptor`, over :data:`DESCRIPTOR_CONTEXT`), which the config

@@ -1,6 +1,7 @@
 """Sealed envelopes: HPKE (RFC 9180) through ``cryptography``, fixed-size padding, key files.
 
-One-shot HPKE in PROTOCOL.md's suite (DHKEM(X25519), HKDF-SHA256, AES-128-GCM, base mode);
+One-shot HPKE in our suite (docs/protocol-notes.md, "Sealed envelopes": DHKEM(X25519),
+HKDF-SHA256, AES-128-GCM, base mode);
 we never compose KEM/KDF/AEAD ourselves. HPKE ``info`` binds a fragment to its channel, epoch
 and crowd (:class:`FragmentContext`), so one re-sent in another epoch's or crowd's batch opens
 for nobody, and a contribution to its shuffler. Blobs start with an 8-byte key id naming one of
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from cryptography.exceptions import InvalidSignature, InvalidTag
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
@@ -66,18 +66,17 @@ class UnknownKeyError(EnvelopeError):
 
 def key_id(public_key: X25519PublicKey) -> bytes:
     """First 8 bytes of SHA-256 of the raw public key."""
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).digest()[:KEY_ID_SIZE]
+    return hashlib.sha256(public_key.public_bytes_raw()).digest()[:KEY_ID_SIZE]
 
 
 def public_bytes(key: X25519PublicKey | Ed25519PublicKey) -> bytes:
     """Raw 32-byte public key (published, base64, in the collection config)."""
-    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return key.public_bytes_raw()
 
 
 def public_identity(hpke: X25519PublicKey, signing: Ed25519PublicKey) -> dict[str, str]:
     """A shuffler's public keys as its registry entry and ``GET /v1/config`` carry them
-    (PROTOCOL.md): base64 raw X25519 key, its key id in hex, base64 raw Ed25519 key."""
+    (docs/protocol-notes.md): base64 raw X25519 key, its key id in hex, base64 raw Ed25519 key."""
     return {
         "public_key": base64.b64encode(public_bytes(hpke)).decode(),
         "key_id": key_id(hpke).hex(),
@@ -217,6 +216,19 @@ def inner_size(payload_size: int) -> int:
     return KEY_ID_SIZE + ENC_SIZE + payload_size + TAG_SIZE
 
 
+#: Bytes of a sealed fragment's HPKE ``enc`` (its sender's ephemeral X25519 public key) that
+#: name it: 128 bits that no one can make another fragment's collide with, and that every
+#: copy of the fragment repeats (:func:`seal_key`).
+SEAL_KEY_SIZE = 16
+
+
+def seal_key(blob: bytes) -> bytes:
+    """What names a sealed fragment for counting it once: the first :data:`SEAL_KEY_SIZE`
+    bytes of its ``enc``. Only a fragment that opens may be counted by it (the sealer alone
+    can make a ciphertext that opens under its ``enc``)."""
+    return blob[KEY_ID_SIZE : KEY_ID_SIZE + SEAL_KEY_SIZE]
+
+
 def seal_fragment(
     fragment: bytes, context: FragmentContext, payload_size: int, analyzer: X25519PublicKey
 ) -> bytes:
@@ -340,6 +352,10 @@ def write_private_key(path: Path, key: X25519PrivateKey | Ed25519PrivateKey) -> 
     Raises:
         FileExistsError: if ``path`` exists (keys are never overwritten silently).
     """
+    # Key files are the services' (a device keeps none): cryptography's serialization
+    # package loads here, not with the module.
+    from cryptography.hazmat.primitives import serialization
+
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
@@ -353,6 +369,8 @@ def _load_or_create(path: Path, generate: Callable[[], PrivateKey], kind: str) -
     if not path.exists():
         with contextlib.suppress(FileExistsError):
             write_private_key(path, generate())
+    from cryptography.hazmat.primitives import serialization
+
     key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     if not isinstance(key, X25519PrivateKey | Ed25519PrivateKey):
         raise ValueError(f"{path} does not hold a {kind} key")

@@ -5,7 +5,8 @@ that protects users always comes from ``os.urandom`` (via :mod:`secrets`) unless
 a :class:`SeededSource` explicitly. Simulations of whole populations (``simulate_aggregate``)
 use numpy generators instead: they protect nobody. Bulk draws (:func:`bounded_integers`, the
 shuffle) take their bits from the source in one call and vectorise the arithmetic with numpy,
-never numpy's generators.
+never numpy's generators; they import numpy when first called, so a device, which draws only
+scalars, never loads it (docs/sdk.md, "What importing costs").
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import os
 import random
 import secrets
 from collections.abc import MutableSequence
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-import numpy as np
-import numpy.typing as npt
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 T = TypeVar("T")
 
@@ -107,6 +109,8 @@ def bounded_integers(rng: RandomSource, bounds: npt.NDArray[np.uint64]) -> npt.N
     Raises:
         ValueError: if a bound is 0.
     """
+    import numpy as np
+
     bounds = np.asarray(bounds, dtype=np.uint64)
     if bounds.size and int(bounds.min()) < 1:
         raise ValueError(f"bounds must be >= 1, got min(bounds)={int(bounds.min())}")
@@ -128,6 +132,8 @@ def uniform_integers(rng: RandomSource, upper: int, count: int) -> npt.NDArray[n
     Raises:
         ValueError: if ``upper`` is not in [1, 2**63] or ``count`` < 0.
     """
+    import numpy as np
+
     if not 1 <= upper <= 1 << 63 or count < 0:
         raise ValueError(f"need 1 <= upper <= 2**63 and count >= 0, got {upper=}, {count=}")
     return bounded_integers(rng, np.full(count, upper, dtype=np.uint64)).astype(np.int64)
@@ -137,6 +143,8 @@ def shuffle(rng: RandomSource, items: MutableSequence[T]) -> None:
     """In-place Fisher–Yates (Knuth's Algorithm P): position ``i`` swaps with a uniform
     ``j <= i``, every ``j`` drawn from ``rng`` in one batch (never numpy's or ``random``'s
     generators), so all ``len(items)!`` orders are equally likely."""
+    import numpy as np
+
     size = len(items)
     if size < 2:
         return

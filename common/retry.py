@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 from time import time
 
 from common.randomness import RandomSource
@@ -73,6 +72,8 @@ def retry_after_seconds(
     value = value.strip()
     if value.isdigit():
         return float(value)
+    from email.utils import parsedate_to_datetime  # the email package, for dates alone
+
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):

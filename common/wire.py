@@ -1,4 +1,4 @@
-"""Pydantic models of everything that crosses HTTP (PROTOCOL.md, "HTTP endpoints").
+"""Pydantic models of everything that crosses HTTP (docs/protocol.md, "Routes").
 
 Bytes travel as standard base64 strings inside JSON. Batches are signed over their exact body
 bytes, so :meth:`Batch.body` is the one serialization both sides use.
@@ -18,8 +18,8 @@ IDENTIFIER = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 #: and it fits a signed 64-bit column on every database; a larger number is a 400, never a
 #: storage error.
 MAX_INT = 2**53 - 1
-#: A crowd id (PROTOCOL.md, "Crowds"): empty (the channel's one natural crowd) or a lower-case
-#: identifier; a channel declares at most :data:`MAX_CROWDS` of them.
+#: A crowd id (docs/protocol.md, "Channels, epochs and crowds"): empty (the channel's one
+#: natural crowd) or a lower-case identifier; a channel declares at most :data:`MAX_CROWDS`.
 CROWD = re.compile(r"^(?:[a-z0-9][a-z0-9_.-]{0,63})?$")
 MAX_CROWDS = 64
 #: Longest epoch a channel may have (366 days): a replaced HPKE key keeps opening for the
@@ -41,32 +41,40 @@ def unb64(text: str) -> bytes:
     return base64.b64decode(text, validate=True)
 
 
+class WireModel(BaseModel):
+    """Base of every model here: its validator is built when it first validates, not when
+    this module loads (pydantic's ``defer_build``), so a process pays only for the models it
+    uses: a device validates a config, never a ledger (docs/sdk.md, "What importing costs")."""
+
+    model_config = ConfigDict(defer_build=True)
+
+
 def _identifier(value: str, what: str) -> str:
     if not IDENTIFIER.fullmatch(value):
         raise ValueError(f"{what} must match {IDENTIFIER.pattern}, got {value!r}")
     return value
 
 
-class ErrorBody(BaseModel):
+class ErrorBody(WireModel):
     """Every error response: a machine-readable code and a human-readable detail."""
 
     error: str
     detail: str
 
 
-class Receipt(BaseModel):
+class Receipt(WireModel):
     """202 body: an opaque receipt for the stored contribution."""
 
     receipt: str
 
 
-class EnrollResponse(BaseModel):
+class EnrollResponse(WireModel):
     """A bearer client token: ``client id . HMAC`` (verifiable without a lookup)."""
 
     client_token: str
 
 
-class ChannelPolicy(BaseModel):
+class ChannelPolicy(WireModel):
     """What a shuffler needs to know about a channel (ESA-revisited §V, Algorithm 3).
 
     Epoch length, the release threshold ``min_crowd``, randomized deletion's ``eps_cr`` and
@@ -122,6 +130,11 @@ class ChannelPolicy(BaseModel):
             raise ValueError(f"crowd ids must be distinct, got {list(value)}")
         return value
 
+    def policy(self) -> ChannelPolicy:
+        """The part shufflers enforce (of a subclass that states more, such as a channel's
+        config or its privacy terms)."""
+        return ChannelPolicy(**{k: getattr(self, k) for k in ChannelPolicy.model_fields})
+
     def takes(self, epoch: int) -> bool:
         """Whether the channel takes contributions for ``epoch`` (not retired by then)."""
         return self.retired_from_epoch is None or epoch < self.retired_from_epoch
@@ -137,7 +150,7 @@ class ChannelPolicy(BaseModel):
         )
 
 
-class DeviceBudget(BaseModel):
+class DeviceBudget(WireModel):
     """A device's local-ε budget, enforced by the SDK itself (ESA-revisited §II: the guarantee
     that holds even when a shuffler colludes with the analyzer is the local one).
 
@@ -183,12 +196,8 @@ class ChannelConfig(ChannelPolicy):
     image_shape: tuple[int, int] | None = None
     title: str = Field("", max_length=200)
 
-    def policy(self) -> ChannelPolicy:
-        """The part shufflers enforce."""
-        return ChannelPolicy(**{k: getattr(self, k) for k in ChannelPolicy.model_fields})
 
-
-class ShufflerInfo(BaseModel):
+class ShufflerInfo(WireModel):
     """A shuffler as a device uses it, read from the shuffler's own signed descriptor (never
     from the analyzer's word): its URL, current HPKE key and key id, Ed25519 signing key."""
 
@@ -206,7 +215,7 @@ class ShufflerInfo(BaseModel):
         return _identifier(value, "shuffler id")
 
 
-class HpkeKey(BaseModel):
+class HpkeKey(WireModel):
     """One live HPKE key: base64 raw X25519 public key and its key id in hex."""
 
     model_config = ConfigDict(frozen=True)
@@ -215,9 +224,9 @@ class HpkeKey(BaseModel):
     public_key: str
 
 
-class ShufflerDescriptor(BaseModel):
-    """What a shuffler vouches for about itself, signed with its own Ed25519 key (PROTOCOL.md,
-    "Who vouches for what"; DAP's aggregators serve their own HPKE configs the same way): its
+class ShufflerDescriptor(WireModel):
+    """What a shuffler vouches for about itself, signed with its own Ed25519 key (docs/protocol.md,
+    "Shuffler descriptor"; DAP's aggregators serve their own HPKE configs the same way): its
     id, the URL devices send to, its live HPKE keys (the current one first) and its signing
     key, valid from ``issued_at`` until ``expires_at`` (unix seconds)."""
 
@@ -254,7 +263,7 @@ PARTY = r"^(?:analyzer|shuffler/[a-z0-9][a-z0-9_.-]{0,63})$"
 MAX_SUCCESSIONS = 32
 
 
-class Succession(BaseModel):
+class Succession(WireModel):
     """A signing key handing over to the next one (rotation without re-pinning): ``party``'s
     key ``from_key`` names ``to_key`` (both base64 raw Ed25519) as its successor at
     ``issued_at``, signed by ``from_key`` over :data:`common.collection.SUCCESSION_CONTEXT`
@@ -273,7 +282,7 @@ class Succession(BaseModel):
         return self.model_dump(exclude={"signature"})
 
 
-class SignedDescriptor(BaseModel):
+class SignedDescriptor(WireModel):
     """A shuffler's ``GET /v1/descriptor``: the descriptor as JSON and the shuffler's Ed25519
     signature over its canonical bytes (:func:`common.collection.sign_descriptor`), by the
     key its ``successions`` lead to from the one a verifier pins (none: the pinned key)."""
@@ -285,7 +294,7 @@ class SignedDescriptor(BaseModel):
     successions: tuple[Succession, ...] = Field((), max_length=MAX_SUCCESSIONS)
 
 
-class ShufflerEntry(BaseModel):
+class ShufflerEntry(WireModel):
     """One shuffler in the analyzer's registry: where its descriptor is served and the Ed25519
     key the analyzer pins for it (batches and descriptors must verify with it). ``descriptor``
     optionally seeds the signed descriptor; the analyzer refreshes it from ``url``.
@@ -313,7 +322,7 @@ class ShufflerEntry(BaseModel):
 PART_FRAGMENTS = 50_000
 
 
-class Batch(BaseModel):
+class Batch(WireModel):
     """One signed part of a shuffled batch: nothing but counts and sealed fragments.
 
     A group is evaluated and shuffled whole (ESA-revisited Algorithm 3), then its shuffled
@@ -349,7 +358,7 @@ class Batch(BaseModel):
 # --- the signed collection config (analyzer ``GET /v1/config``) ----------------------------
 
 
-class AnalyzerInfo(BaseModel):
+class AnalyzerInfo(WireModel):
     """Where the analyzer is and the keys fragments are sealed to (newest first)."""
 
     model_config = ConfigDict(frozen=True)
@@ -359,8 +368,8 @@ class AnalyzerInfo(BaseModel):
     signing_key: str
 
 
-class CollectionConfig(BaseModel):
-    """What a device needs to report (PROTOCOL.md, "Collection config"): signed by the analyzer
+class CollectionConfig(WireModel):
+    """What a device needs to report (docs/protocol.md, "Collection config"): signed by the analyzer
     and valid until ``expires_at`` (unix seconds). Shufflers appear only as their own signed
     descriptors, which the analyzer passes on and cannot alter (a device verifies each with the
     key it pins for that shuffler). ``device_budget`` caps a device's local ε over all channels
@@ -384,7 +393,7 @@ class CollectionConfig(BaseModel):
         return next((c for c in self.channels if c.id == channel_id), None)
 
 
-class SignedConfig(BaseModel):
+class SignedConfig(WireModel):
     """``GET /v1/config`` of the analyzer: the config as JSON and an Ed25519 signature over its
     canonical bytes (:func:`common.collection.canonical`), by the key its ``successions`` lead
     to from the one a device pins (none: the pinned key)."""
@@ -397,7 +406,7 @@ class SignedConfig(BaseModel):
 # --- shuffler answers -------------------------------------------------------------------------
 
 
-class ShufflerConfig(BaseModel):
+class ShufflerConfig(WireModel):
     """A shuffler's ``GET /v1/config``: its public identity and the channel policies it
     enforces."""
 
@@ -408,7 +417,7 @@ class ShufflerConfig(BaseModel):
     channels: list[ChannelPolicy]
 
 
-class CloseRequest(BaseModel):
+class CloseRequest(WireModel):
     """``POST /v1/admin/close``: evaluate this channel's groups of ``epoch`` now."""
 
     model_config = ConfigDict(extra="forbid")
@@ -425,7 +434,7 @@ class CloseRequest(BaseModel):
         return value
 
 
-class CloseResult(BaseModel):
+class CloseResult(WireModel):
     """What closing an epoch did: groups evaluated, and batches forwarded, left for a retry, or
     refused for good by the analyzer."""
 
@@ -435,7 +444,7 @@ class CloseResult(BaseModel):
     failed: int
 
 
-class RevokeRequest(BaseModel):
+class RevokeRequest(WireModel):
     """``POST /v1/admin/revoke``: refuse this client's token from now on."""
 
     model_config = ConfigDict(extra="forbid")
@@ -445,13 +454,13 @@ class RevokeRequest(BaseModel):
     client_id: str = Field(min_length=1, max_length=128, pattern=r"^[!-~]+$")
 
 
-class RevokeResult(BaseModel):
+class RevokeResult(WireModel):
     """The client id that is now revoked."""
 
     revoked: str
 
 
-class RequeueRequest(BaseModel):
+class RequeueRequest(WireModel):
     """``POST /v1/admin/requeue``: take up again the batch parts set aside (a shuffler: parts
     the analyzer refused; the analyzer: parts quarantined after failed openings), of one batch
     or (``batch_id`` null) of all, once their cause is fixed."""
@@ -461,7 +470,7 @@ class RequeueRequest(BaseModel):
     batch_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
 
 
-class RequeueResult(BaseModel):
+class RequeueResult(WireModel):
     """How many parts were taken up again."""
 
     requeued: int
@@ -473,7 +482,7 @@ class RequeueResult(BaseModel):
 KeyKind = Literal["hpke", "signing"]
 
 
-class KeyInfo(BaseModel):
+class KeyInfo(WireModel):
     """One of a party's keys: its kind, id (an HPKE key id, or a signing key's fingerprint:
     8 bytes of SHA-256, hex), public key (base64), state and times (unix seconds). ``pending``:
     loaded by every replica, not yet published; ``active``: in use (``published``: the one
@@ -489,7 +498,7 @@ class KeyInfo(BaseModel):
     retires_at: float | None
 
 
-class KeyList(BaseModel):
+class KeyList(WireModel):
     """``GET /v1/admin/keys``: every key of the party, oldest first, and the successions its
     signing keys made (what its signed documents carry)."""
 
@@ -498,7 +507,7 @@ class KeyList(BaseModel):
     successions: list[Succession]
 
 
-class RotateKeyRequest(BaseModel):
+class RotateKeyRequest(WireModel):
     """``POST /v1/admin/keys/rotate``: make a new key of this kind; it is published once every
     replica has loaded it, and the key it replaces keeps working through its overlap."""
 
@@ -507,7 +516,7 @@ class RotateKeyRequest(BaseModel):
     key: KeyKind
 
 
-class RetireKeyRequest(BaseModel):
+class RetireKeyRequest(WireModel):
     """``POST /v1/admin/keys/retire``: retire an HPKE key now, before its overlap ends (a key
     thought compromised): what is sealed to it is refused or fails to open from then on."""
 
@@ -517,7 +526,7 @@ class RetireKeyRequest(BaseModel):
     key_id: str = Field(pattern=r"^[0-9a-f]{16}$")
 
 
-class KeyChange(BaseModel):
+class KeyChange(WireModel):
     """What a rotation or retirement did: the key made (or retired) and every key after it."""
 
     key: KeyInfo
@@ -527,7 +536,7 @@ class KeyChange(BaseModel):
 # --- analyzer answers -------------------------------------------------------------------------
 
 
-class BatchAck(BaseModel):
+class BatchAck(WireModel):
     """The analyzer's answer to ``POST /v1/batches``: the part is durably stored (201 the first
     time, 200 for a known (``batch_id``, ``part``), counted once); it is opened and accumulated
     in the background, so fragment counts are not known yet when it is acknowledged."""
@@ -539,7 +548,7 @@ class BatchAck(BaseModel):
     invalid: int | None = None
 
 
-class Bound(BaseModel):
+class Bound(WireModel):
     """A certified (ε, δ) or a lower bound, as :meth:`common.accounting.BoundResult.as_dict`
     writes it."""
 
@@ -553,8 +562,8 @@ class Bound(BaseModel):
     inputs: dict[str, Any]
 
 
-class LocalBound(BaseModel):
-    """Local ε of one report (MECHANISMS.md) under each notion."""
+class LocalBound(WireModel):
+    """Local ε of one report under each notion (docs/accounting.md, "Neighbouring notions")."""
 
     removal: float
     replacement: float
@@ -563,7 +572,7 @@ class LocalBound(BaseModel):
     note: str = ""
 
 
-class CrowdCheckBody(BaseModel):
+class CrowdCheckBody(WireModel):
     """What the analyzer verified of the crowds its shufflers claimed, over a release's
     complete batches: the claimed and the verified contributions (what the certificate and the
     estimate rest on), the fragments that failed to open or parse, the batches whose
@@ -578,7 +587,7 @@ class CrowdCheckBody(BaseModel):
     withheld_batches: int = 0
 
 
-class ReleaseBody(BaseModel):
+class ReleaseBody(WireModel):
     """``GET /v1/channels/{id}/estimate``: estimates over ``epochs`` (inclusive) with standard
     errors, 95% intervals and the certified central (ε, δ) of the crowds received."""
 
@@ -602,7 +611,7 @@ class ReleaseBody(BaseModel):
     truncated_values: list[float] | None = None
 
 
-class ReleaseRequest(BaseModel):
+class ReleaseRequest(WireModel):
     """``POST /v1/channels/{id}/releases``: the epochs to publish (``epoch`` alone, or
     ``[epoch_from, epoch_to]``; a missing end is the last epoch received)."""
 
@@ -614,7 +623,7 @@ class ReleaseRequest(BaseModel):
     top: int | None = Field(None, ge=1, le=MAX_INT)
 
 
-class LedgerRow(BaseModel):
+class LedgerRow(WireModel):
     """One epoch of a channel in the privacy ledger: charged once, at the crowds received
     (the worst crowd of the epoch when devices were split into several)."""
 
@@ -631,7 +640,7 @@ class LedgerRow(BaseModel):
     composed_as: Literal["pair", "certificate"] = "certificate"
 
 
-class PublishedRelease(BaseModel):
+class PublishedRelease(WireModel):
     """A release published with ``POST /v1/channels/{id}/releases`` (costs no privacy: it is
     post-processing of the epochs already charged)."""
 
@@ -642,7 +651,7 @@ class PublishedRelease(BaseModel):
     released_at: float
 
 
-class DeltaSplitBody(BaseModel):
+class DeltaSplitBody(WireModel):
     """How the lifetime δ is divided (:class:`common.accounting.lifetime.DeltaSplit`)."""
 
     certificates: float
@@ -653,7 +662,7 @@ class DeltaSplitBody(BaseModel):
     advanced_slack: float
 
 
-class Lifetime(BaseModel):
+class Lifetime(WireModel):
     """The lifetime (ε, δ) of one device that took part in every epoch composed
     (:class:`common.accounting.lifetime.LifetimeResult`; ε null when nothing is certified)."""
 
@@ -673,7 +682,7 @@ class Lifetime(BaseModel):
     note: str
 
 
-class BudgetLimit(BaseModel):
+class BudgetLimit(WireModel):
     """One local-ε cap of the signed config (:class:`DeviceBudget`) against what one device
     that reported in every epoch so far has charged to it (the SDK's rule; null: unbounded)."""
 
@@ -686,7 +695,7 @@ class BudgetLimit(BaseModel):
     exhausted: bool
 
 
-class BudgetInUse(BaseModel):
+class BudgetInUse(WireModel):
     """The device-side budget in use: local ε per report (replacement notion; across channels
     the largest), reports of a device in every epoch so far, their total (basic composition, as
     the SDK charges) and the caps they count against (a window cap: the most spent in any one
@@ -699,7 +708,7 @@ class BudgetInUse(BaseModel):
     note: str
 
 
-class Ledger(BaseModel):
+class Ledger(WireModel):
     """``GET /v1/channels/{id}/privacy``: each epoch's certificate, the lifetime of a device in
     every epoch so far (null before any epoch is charged), the same as an add/remove statement
     with randomized deletion, the device-side budget in use and the releases published."""
@@ -713,7 +722,7 @@ class Ledger(BaseModel):
     device_budget: BudgetInUse | None = None
 
 
-class PrivacyOverview(BaseModel):
+class PrivacyOverview(WireModel):
     """``GET /v1/privacy``: the lifetime of a device that took part in every epoch of every
     channel (null before any epoch is charged)."""
 
@@ -731,14 +740,14 @@ class ChannelSummary(ChannelConfig):
     epochs: tuple[int, int] | None
 
 
-class ChannelList(BaseModel):
+class ChannelList(WireModel):
     """``GET /v1/channels``: the channels (retired ones too) and the config revision."""
 
     channels: list[ChannelSummary]
     revision: int = 0
 
 
-class ChannelChange(BaseModel):
+class ChannelChange(WireModel):
     """An admin's change to the channel list: the channel as now published, the config
     revision that carries it, and whether anything changed (adding the same channel again,
     or retiring a retired one, changes nothing)."""
@@ -746,3 +755,31 @@ class ChannelChange(BaseModel):
     channel: ChannelConfig
     revision: int
     changed: bool
+
+
+class EpochCloseRequest(WireModel):
+    """``POST /v1/admin/channels/{id}/close``: close every epoch of the channel up to
+    ``epoch`` at the analyzer now, as its close timeout would (an operator's call, once every
+    shuffler has forwarded what it will)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epoch: int = Field(ge=0, le=MAX_INT)
+
+
+class ClosedGroup(WireModel):
+    """One (crowd, epoch) group closed for good, with the shufflers whose complete batches its
+    releases rest on."""
+
+    epoch: int
+    crowd_id: str
+    shufflers: list[str]
+
+
+class EpochsClosed(WireModel):
+    """What a close did: the groups it closed (none: every group up to ``epoch`` was settled
+    already, or still has a part waiting for the opener)."""
+
+    channel_id: str
+    epoch: int
+    closed: list[ClosedGroup]

@@ -7,7 +7,9 @@
 ``TRUST`` pins one key per party (the analyzer's and every shuffler's signing key); a device
 reports in its channel's first declared crowd unless it names another. Values are encoded with
 the channel's LDP mechanism, sealed, queued in a persistent outbox and delivered in the
-background. Catch :class:`EsaError` for every SDK error. Guide: docs/sdk.md.
+background. A channel's privacy terms are pinned at the first config naming it and never
+relaxed by a later one; :class:`PrivacyCaps` are the app's own limits. Catch :class:`EsaError`
+for every SDK error. Guide: docs/sdk.md.
 """
 
 from encoder_client._client import Client, HistogramReporter, LongitudinalReporter
@@ -19,12 +21,15 @@ from encoder_client._errors import (
     ConfigError,
     EsaError,
     InvalidArgumentError,
+    PrivacyCapError,
+    PrivacyRelaxedError,
     StateError,
     StateFileError,
     TrustedKeyError,
     UnknownCrowdError,
     ValueOutOfDomainError,
 )
+from encoder_client._terms import PrivacyCaps
 
 __all__ = [
     "AlreadyReportedError",
@@ -37,6 +42,9 @@ __all__ = [
     "HistogramReporter",
     "InvalidArgumentError",
     "LongitudinalReporter",
+    "PrivacyCapError",
+    "PrivacyCaps",
+    "PrivacyRelaxedError",
     "StateError",
     "StateFileError",
     "TrustedKeyError",

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import json
 import logging
 import sqlite3
-import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
@@ -30,15 +28,15 @@ from common.collection import (
 )
 from common.envelope import load_ed25519_public, load_x25519_public
 from common.mechanisms import (
-    Mechanism,
+    DeviceMechanism,
     MechanismError,
     StaleUpdateError,
     StateConflictError,
     StateUpdate,
     UnknownMechanismError,
     ValueKind,
+    get_device,
 )
-from common.mechanisms import get as get_mechanism
 from common.randomness import SystemSource
 from common.retry import Backoff, retry_after_seconds
 from common.wire import ChannelConfig, DeviceBudget, EnrollResponse, ShufflerInfo
@@ -55,7 +53,12 @@ from encoder_client._errors import (
     ValueOutOfDomainError,
 )
 from encoder_client._state import Charge, DeviceState, Limit, OutboxItem
+from encoder_client._terms import PrivacyCaps, review
 from encoder_client.sealing import seal_report, shuffler_slot
+
+if TYPE_CHECKING:
+    from common.fetching import Fetched
+    from encoder_client._transport import Transport
 
 log = logging.getLogger("esa.client")
 #: Every report's privacy noise: the OS CSPRNG.
@@ -63,20 +66,23 @@ _RNG = SystemSource()
 #: Outbox retries: 0.5 s doubling to 5 min, jittered so devices that failed together spread out.
 OUTBOX_BACKOFF = Backoff(base=0.5, cap=300.0)
 #: A shuffler's error codes saying this device's config is behind (a channel retired, a key
-#: no longer held): the contribution is dropped and the config fetched again.
-OUTDATED = frozenset({"channel_retired", "config_outdated"})
+#: no longer held) or that the shuffler suspended the channel (its config relaxed the terms
+#: the shuffler pinned): the contribution is dropped, never counted as stored, and the config
+#: fetched again.
+OUTDATED = frozenset({"channel_retired", "config_outdated", "channel_terms_changed"})
 #: Least seconds between two config fetches for channels the config does not name.
 UNKNOWN_CHANNEL_REFRESH_SECONDS = 10.0
+#: Largest answer read from a shuffler to a contribution or an enrolment (a 202, a JSON
+#: error or a token: well under a kilobyte).
+MAX_ANSWER_BYTES = 64 * 1024
 
 
-@functools.lru_cache(maxsize=1)
-def _tls_context() -> ssl.SSLContext:
-    """One verifying TLS context (httpx's trust store, certifi) shared by every Client:
-    building one reads the whole CA bundle, about 35 ms, which apps that open a Client per
-    report (and ``esa demo``'s thousands of devices) should not pay each time."""
-    import certifi
+def _transport(timeout: float) -> Transport:
+    """The client's HTTP, loaded with the first Client: httpx is not imported by ``import
+    encoder_client`` (docs/sdk.md, "What importing costs")."""
+    from encoder_client._transport import Transport
 
-    return ssl.create_default_context(cafile=certifi.where())
+    return Transport(timeout)
 
 
 def _trusted_key(key: object, name: str = "trusted_key") -> Ed25519PublicKey:
@@ -204,13 +210,15 @@ class Client:
     The config is accepted only when the analyzer signed it with the pinned key and every shuffler
     it lists is vouched for by its own descriptor, signed with the key pinned for that shuffler;
     never when it expired or is older than one this device accepted before. Keys are pinned by
-    ``trusted_key`` + ``shuffler_keys`` or a ``trust_file``. Arguments and usage: docs/sdk.md.
+    ``trusted_key`` + ``shuffler_keys`` or a ``trust_file``. A channel's privacy terms are
+    pinned in the state file at the first config naming it and never relaxed by a later one;
+    ``caps`` are the app's own limits (:class:`PrivacyCaps`). Arguments and usage: docs/sdk.md.
 
     Raises:
         ConfigError: the config cannot be fetched, read or verified (the message names the source).
         TrustedKeyError: a pinned key missing, or not 32 bytes or their base64.
         StateFileError: ``state_path`` cannot be opened, created or written.
-        InvalidArgumentError: a non-positive timeout or interval, unusable weights.
+        InvalidArgumentError: a non-positive timeout or interval, unusable weights or caps.
     """
 
     def __init__(
@@ -229,14 +237,22 @@ class Client:
         crowd: str | None = None,
         timeout: float = 10.0,
         clock: Callable[[], float] = time.time,
+        caps: PrivacyCaps | None = None,
     ) -> None:
         _check_arguments(timeout, flush_interval, weights, crowd)
+        if caps is not None and not isinstance(caps, PrivacyCaps):
+            raise InvalidArgumentError(f"caps must be a PrivacyCaps, not {caps!r}")
+        self._caps = caps or PrivacyCaps()
         self._clock = clock
         self._trust = _trust_anchors(trusted_key, shuffler_keys, trust_file)
         self._source = (config_url, config_file)
         self._every_shuffler = every_shuffler
-        self._http = httpx.Client(timeout=timeout, verify=_tls_context())
+        #: The config fetch, contributions and enrolments: each within ``timeout`` whole.
+        self._http = _transport(timeout)
         self._config_lock = threading.Lock()
+        #: Serializes :meth:`_accept` (the app's thread and the background flush may both
+        #: fetch): each config is checked against the pins the one before it left.
+        self._accept_lock = threading.Lock()
         #: A shuffler answered that this device's config is behind (a retired channel or
         #: key): the next report fetches it again first.
         self._stale = False
@@ -289,27 +305,39 @@ class Client:
     def _accept(self, config: VerifiedConfig) -> None:
         """Use ``config`` from now on, unless it is older than one this device accepted or
         signed by a key that does not descend from one it moved its pin to; the pins move to
-        its signers (a party's next key, named by the one pinned: a rotation).
+        its signers (a party's next key, named by the one pinned: a rotation). A channel whose
+        terms it relaxes, or that is over the app's caps, takes no report under it
+        (:func:`encoder_client._terms.review`); the others' terms are pinned.
 
         Raises:
             ConfigError: a replayed older config or descriptor, a fork from an older key, or
                 an unusable key.
         """
+        with self._accept_lock:  # rollback check, review, pin and install as one step
+            self._install(config)
+
+    def _install(self, config: VerifiedConfig) -> None:
+        """:meth:`_accept`, its lock held."""
         roots = self._trust.roots()
         try:
             check_rollback(config.versions, self.state.seen())
             check_moved(config, self.state.pins(roots))
             analyzer, shufflers = _recipient_keys(config)
+            pin, refused = review(config, self.state.pinned_terms(), self._caps)
             self.state.see(believed(config.versions, self._clock()))
             self.state.move_pins(roots, config.pins)
+            self.state.pin_terms(pin)
         except CollectionConfigError as error:
             raise ConfigError(f"collection config refused: {error}") from error
         except sqlite3.Error as error:
             raise StateFileError(f"device state file {self.state.path}: {error}") from error
+        for why in refused.values():
+            log.warning("channel refused: %s", why)
         with self._config_lock:
             self._config = config
             self._analyzer_key, self._shuffler_keys = analyzer, shufflers
             self._channels = {c.id: c for c in config.channels}
+            self._refused = refused
             self._shufflers = list(config.shufflers)
 
     def refresh_config(self) -> None:
@@ -348,29 +376,7 @@ class Client:
         Raises:
             ConfigError: a malformed URL, a network error, a non-200 or non-JSON answer.
         """
-        if not isinstance(url, str):
-            raise ConfigError(f"config_url must be a string URL, not {url!r}")
-        try:
-            parsed = httpx.URL(url)
-        except (httpx.InvalidURL, TypeError, ValueError) as error:
-            raise ConfigError(f"config_url {url!r} is not a URL: {error}") from error
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ConfigError(f"config_url {url!r} is not an http:// or https:// URL")
-        try:
-            response = self._http.get(url)
-        except httpx.HTTPError as error:
-            kind = type(error).__name__
-            raise ConfigError(f"cannot fetch config_url {url!r}: {kind}: {error}") from error
-        if response.status_code != 200:
-            raise ConfigError(
-                f"config_url {url!r} answered HTTP {response.status_code}: {response.text[:200]!r}"
-            )
-        try:
-            return response.json()
-        except ValueError as error:
-            raise ConfigError(
-                f"config_url {url!r} did not answer JSON: {response.text[:80]!r}"
-            ) from error
+        return self._http.fetch_config(url)
 
     @property
     def device_id(self) -> str:
@@ -383,6 +389,8 @@ class Client:
 
         Raises:
             ChannelError: unknown channel.
+            PrivacyRelaxedError: the config in force relaxes the terms pinned for it.
+            PrivacyCapError: its local ε is above the app's cap.
         """
         config = self._channels.get(channel_id)
         due = self._clock() - self._unknown_refreshed >= UNKNOWN_CHANNEL_REFRESH_SECONDS
@@ -395,11 +403,14 @@ class Client:
             config = self._channels.get(channel_id)
         if config is None:
             raise ChannelError(f"channel {channel_id!r} is not in the collection config")
+        refused = self._refused.get(channel_id)
+        if refused is not None:
+            raise refused.with_traceback(None)  # one error per channel, a fresh trace
         return config
 
     def crowd(self, channel_id: str, crowd: str | None = None) -> str:
         """The crowd this device reports in on ``channel_id``: ``crowd``, else the client's,
-        else the channel's first declared crowd (PROTOCOL.md, "Crowds").
+        else the channel's first declared crowd (docs/protocol.md, "Channels, epochs and crowds").
 
         Raises:
             ChannelError: unknown channel.
@@ -433,10 +444,10 @@ class Client:
         config, mechanism = self._kind(channel_id, ValueKind.STATE)
         return LongitudinalReporter(self, config, mechanism, self.crowd(channel_id, crowd))
 
-    def _kind(self, channel_id: str, kind: ValueKind) -> tuple[ChannelConfig, Mechanism[Any, Any]]:
+    def _kind(self, channel_id: str, kind: ValueKind) -> tuple[ChannelConfig, DeviceMechanism[Any]]:
         config = self.channel(channel_id)
         try:
-            mechanism = get_mechanism(config.mechanism)
+            mechanism = get_device(config.mechanism)
         except UnknownMechanismError as error:
             raise ChannelError(f"channel {channel_id!r}: {error}") from error
         if mechanism.value_kind is not kind:
@@ -497,6 +508,8 @@ class Client:
         limits = [
             limit for scope, b in budgets if b is not None for limit in _limits(scope, b, start)
         ]
+        if self._caps.lifetime_eps is not None:
+            limits.append(Limit(self._caps.lifetime_eps, None, None, by_app=True))
         return Charge(eps, start, tuple(limits))
 
     def budget_spent(self, channel_id: str | None = None) -> float:
@@ -508,7 +521,9 @@ class Client:
 
     def flush(self) -> int:
         """Try to deliver every due contribution now; returns how many were delivered
-        (network errors and refusals are retried later, never raised).
+        (network errors and refusals are retried later, never raised). Each shuffler is sent
+        to in a thread of its own and each POST has a whole-request deadline (``timeout``), so
+        a shuffler that answers slowly delays no other's deliveries.
 
         Raises:
             StateFileError: the state file can no longer be read or written.
@@ -518,15 +533,31 @@ class Client:
         except ConfigError as error:  # nothing is sent with keys nobody vouches for any more
             log.warning("delivery postponed: %s", error)
             return 0
-        delivered = 0
         try:
+            queues: dict[str, list[OutboxItem]] = {}
             for item in self.state.due(self._clock()):
-                delivered += self._deliver(item)
+                queues.setdefault(item.shuffler_id, []).append(item)
+            if not queues:
+                return 0
+            with ThreadPoolExecutor(len(queues), thread_name_prefix="esa-deliver") as pool:
+                return sum(pool.map(self._deliver_queue, queues.values()))
         except sqlite3.Error as error:
             raise StateFileError(f"device state file {self.state.path}: {error}") from error
+
+    def _deliver_queue(self, items: list[OutboxItem]) -> int:
+        """Deliver one shuffler's due items in order; after one that could not reach it
+        (network error, deadline) the rest wait for the next round."""
+        delivered = 0
+        for item in items:
+            outcome = self._deliver(item)
+            if outcome is None:
+                break
+            delivered += outcome
         return delivered
 
-    def _deliver(self, item: OutboxItem) -> int:
+    def _deliver(self, item: OutboxItem) -> int | None:
+        """Send one item: 1 delivered, 0 not (kept or dropped by its answer), None when its
+        shuffler could not be reached within the deadline (the item backs off)."""
         shuffler = next((s for s in self._shufflers if s.id == item.shuffler_id), None)
         if shuffler is None:
             log.warning("outbox entry for a shuffler no longer configured; kept")
@@ -541,36 +572,37 @@ class Client:
                     "Authorization": f"Bearer {token}",
                     "Content-Type": "application/octet-stream",
                 },
+                limit=MAX_ANSWER_BYTES,
             )
-        except (httpx.HTTPError, ValueError):  # network, or an enrolment answer we cannot use
+        except (ConnectionError, ValueError):  # network, deadline, or an answer we cannot use
             self._backoff(item)
-            return 0
-        code = _error_code(response) if response.status_code >= 400 else None
+            return None
+        return self._answered(shuffler, item, response)
+
+    def _answered(self, shuffler: ShufflerInfo, item: OutboxItem, response: Fetched) -> int:
+        """Act on a shuffler's answer to one item; 1 when it is delivered."""
+        code = _error_code(response.body) if response.status >= 400 else None
         if code in OUTDATED:  # the config is behind: refreshed before the next report
             log.warning("contribution refused: config outdated; dropped", extra={"error": code})
             self._stale = True
             self.state.delivered(item.id)
             return 0
-        if response.status_code in (202, 409):  # 409: already stored (a lost 202) — done
+        if response.status in (202, 409):  # 409: already stored (a lost 202) — done
             self.state.delivered(item.id)
             return 1
         if code == "unknown_channel":  # a channel added moments ago: the shuffler adopts it
             self._backoff(item)  # within seconds; once its epoch closes: epoch_not_open
             return 0
-        if response.status_code == 401:
+        if response.status == 401:
             self.state.set_token(shuffler.id, "")
             self._backoff(item)
-        elif response.status_code == 429:
+        elif response.status == 429:
             wait = retry_after_seconds(response.headers)
             self.state.retry_later(item.id, self._clock() + max(1.0, wait or 1.0))
-        elif response.status_code in (400, 413):
+        elif response.status in (400, 413):
             log.error(
                 "contribution refused for good; dropped",
-                extra={
-                    "shuffler": shuffler.id,
-                    "status": response.status_code,
-                    "error": _error_code(response),
-                },
+                extra={"shuffler": shuffler.id, "status": response.status, "error": code},
             )
             self.state.delivered(item.id)
         else:
@@ -578,8 +610,16 @@ class Client:
         return 0
 
     def _enroll(self, shuffler: ShufflerInfo) -> str:
-        response = self._http.post(shuffler.url + "/v1/enroll").raise_for_status()
-        token = EnrollResponse.model_validate(response.json()).client_token
+        """A client token from ``shuffler`` (within the whole-request deadline).
+
+        Raises:
+            ConnectionError: network failure or deadline; ValueError: a refusal or an answer
+            that is not an enrolment.
+        """
+        response = self._http.post(shuffler.url + "/v1/enroll", limit=MAX_ANSWER_BYTES)
+        if response.status != 200:
+            raise ValueError(f"enrolment at {shuffler.id} answered HTTP {response.status}")
+        token = EnrollResponse.model_validate_json(response.body).client_token
         self.state.set_token(shuffler.id, token)
         return token
 
@@ -614,10 +654,10 @@ class Client:
         self.close()
 
 
-def _error_code(response: httpx.Response) -> str | None:
+def _error_code(answer: bytes) -> str | None:
     """The ``error`` of a JSON error body, None for any other body."""
     try:
-        body = response.json()
+        body = json.loads(answer)
     except ValueError:
         return None
     return str(body.get("error")) if isinstance(body, dict) else None
@@ -636,14 +676,14 @@ def _limits(scope: str | None, budget: DeviceBudget, epoch_start: float) -> list
 
 class Reporter:
     """Reports on one channel, in one of its declared crowds, through its mechanism (one
-    contribution per epoch, whatever the crowd: PROTOCOL.md's quota), with the channel as the
+    contribution per epoch, whatever the crowd: docs/protocol.md's quota), with the channel as the
     client's current config states it at each report."""
 
     def __init__(
         self,
         client: Client,
         config: ChannelConfig,
-        mechanism: Mechanism[Any, Any],
+        mechanism: DeviceMechanism[Any],
         crowd: str = "",
     ) -> None:
         self._client = client

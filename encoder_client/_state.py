@@ -3,8 +3,9 @@
 Holds the enrolment tokens, the issue time of the newest collection config and shuffler
 descriptors accepted (an older one is a replay, refused), the key each party's pin moved to
 through its successions (a fork from an older key is refused), report-fragment backstops,
-longitudinal tree states, which (channel, epoch) pairs were already reported with the local ε
-each report spent (the device budget, never reset while the file lives), and the outbox of
+longitudinal tree states, each channel's pinned privacy terms (never relaxed while the file
+lives: :mod:`common.terms`), which (channel, epoch) pairs were already reported with the local
+ε each report spent (the device budget, never reset while the file lives), and the outbox of
 sealed, unsent contributions.
 A state file that fails SQLite's integrity check, or holds channel state without an identity,
 is moved aside and replaced by a fresh one: the device becomes a new device (new id, new
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.terms import ChannelTerms
 from encoder_client._errors import BudgetExceededError, StateError, StateFileError
 
 log = logging.getLogger("esa.client")
@@ -38,6 +40,7 @@ CREATE TABLE IF NOT EXISTS identity (device_id TEXT PRIMARY KEY, created_at REAL
 CREATE TABLE IF NOT EXISTS tokens (shuffler_id TEXT PRIMARY KEY, token TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS seen (name TEXT PRIMARY KEY, issued_at INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS pins (party TEXT PRIMARY KEY, root TEXT NOT NULL, key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS terms (channel_id TEXT PRIMARY KEY, terms TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS channel_state (channel_id TEXT PRIMARY KEY, kind TEXT NOT NULL,
                                           data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reported (channel_id TEXT NOT NULL, epoch INTEGER NOT NULL,
@@ -55,17 +58,20 @@ CREATE TABLE IF NOT EXISTS outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, shuffle
 @dataclass(frozen=True)
 class Limit:
     """One cap on local-ε spend: over ``channel_id`` (None: every channel) and over reports
-    whose epoch started at or after ``since`` (None: the device's lifetime)."""
+    whose epoch started at or after ``since`` (None: the device's lifetime); ``by_app``: the
+    app's own cap rather than the signed config's."""
 
     eps: float
     channel_id: str | None = None
     since: float | None = None
+    by_app: bool = False
 
     def describe(self) -> str:
         """Which budget this is, in words."""
         scope = "all channels" if self.channel_id is None else f"channel {self.channel_id!r}"
         span = "lifetime" if self.since is None else "rolling window"
-        return f"the {span} budget ε={self.eps:g} of {scope}"
+        whose = "the app's" if self.by_app else "the"
+        return f"{whose} {span} budget ε={self.eps:g} of {scope}"
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,27 @@ class DeviceState:
             self._db.executemany(
                 "INSERT OR REPLACE INTO pins VALUES (?, ?, ?)",
                 [(party, roots[party], key) for party, key in pins.items() if party in roots],
+            )
+
+    def pinned_terms(self) -> dict[str, ChannelTerms]:
+        """The privacy terms pinned for each channel this device accepted.
+
+        Raises:
+            StateError: a pinned entry does not parse (the file was edited or damaged).
+        """
+        with self._lock:
+            rows = self._db.execute("SELECT channel_id, terms FROM terms").fetchall()
+        try:
+            return {str(c): ChannelTerms.model_validate_json(t) for c, t in rows}
+        except ValueError as error:
+            raise StateError(f"device state file {self.path}: unusable pinned terms") from error
+
+    def pin_terms(self, terms: Mapping[str, ChannelTerms]) -> None:
+        """Pin ``terms`` by channel (first accepted, or strictly stronger than the pinned)."""
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO terms VALUES (?, ?)",
+                [(channel, t.model_dump_json()) for channel, t in terms.items()],
             )
 
     def channel_state(self, channel_id: str, kind: str) -> dict[str, Any] | None:

@@ -6,7 +6,9 @@ the SDK's reporters: the most frequent attribute value (``category``), the media
 bucket (``buckets``), or whether the majority state changed (``state``). The value is reported
 at the first export at or after ``report_at`` of the epoch and at shutdown; an epoch slept
 through is discarded. Unmapped instruments and attributes, values outside a channel's domain
-and anything past the device budget never leave the device, and never raise in the app.
+anything past the device budget, and reports on a channel whose signed config relaxes the
+privacy terms the device pinned or exceeds the app's caps never leave the device, and never
+raise in the app.
 
 Usage, mapping and what is sent: docs/otel.md.
 """
@@ -42,6 +44,8 @@ from encoder_client._errors import (
     AlreadyReportedError,
     BudgetExceededError,
     EsaError,
+    PrivacyCapError,
+    PrivacyRelaxedError,
     ValueOutOfDomainError,
 )
 from encoder_client.otel_mapping import (
@@ -82,7 +86,10 @@ class ChannelStats:
         reported: Reports submitted to the SDK (one per epoch at most).
         dropped: Data points (or histogram buckets) outside the channel's domain or vocabulary,
             or without the rule's attribute: never sent.
-        budget_refused: Reports the device budget refused.
+        budget_refused: Reports the device budget (or the app's lifetime cap) refused.
+        privacy_refused: Reports refused because the config in force relaxes the channel's
+            pinned privacy terms or exceeds the app's caps (:class:`encoder_client.PrivacyCaps`,
+            set on the :class:`Client` given to the exporter).
         already_reported: Epochs the channel already had a report in (e.g. before a restart).
         expired: Epoch tallies whose epoch ended before their report point.
         outside_periods: Epochs before period 1 or after the last period of a state rule.
@@ -92,6 +99,7 @@ class ChannelStats:
     reported: int = 0
     dropped: int = 0
     budget_refused: int = 0
+    privacy_refused: int = 0
     already_reported: int = 0
     expired: int = 0
     outside_periods: int = 0
@@ -339,8 +347,12 @@ class EsaMetricExporter(MetricExporter):
             elif tally.counts:
                 tally.done = True
                 value = _choose(rule.rule, tally.counts)
-                reporter = self._client.histogram(rule.channel, rule.crowd)
-                self._submit(rule, functools.partial(reporter.report, value))
+                self._submit(rule, functools.partial(self._report_value, rule, value))
+
+    def _report_value(self, rule: BoundRule, value: int) -> None:
+        """Report ``value`` on a category or bucket rule's channel (the reporter is made here,
+        inside :meth:`_submit`: a channel refused since binding is counted, never raised)."""
+        self._client.histogram(rule.channel, rule.crowd).report(value)
 
     def _report_state(self, rule: BoundRule, tally: _Epoch) -> bool:
         """One period of a longitudinal channel; False when there is nothing to report."""
@@ -369,6 +381,9 @@ class EsaMetricExporter(MetricExporter):
         except BudgetExceededError as error:
             stats.budget_refused += 1
             self._warn_once(f"budget:{rule.channel}", "ESA report not sent: %s", error)
+        except (PrivacyRelaxedError, PrivacyCapError) as error:
+            stats.privacy_refused += 1
+            self._warn_once(f"privacy:{rule.channel}", "ESA report not sent: %s", error)
         except AlreadyReportedError:
             stats.already_reported += 1
         except ValueOutOfDomainError:

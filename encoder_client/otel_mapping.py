@@ -23,8 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from common.mechanisms import UnknownMechanismError, ValueKind
-from common.mechanisms import get as get_mechanism
+from common.mechanisms import UnknownMechanismError, ValueKind, get_device
 from encoder_client._client import Client
 from encoder_client._errors import ChannelError, EsaError
 
@@ -225,7 +224,7 @@ def _bind(i: int, rule: CategoryRule | BucketRule | StateRule, client: Client) -
     try:
         config = client.channel(rule.channel)
         crowd = client.crowd(rule.channel, rule.crowd)
-        mechanism = get_mechanism(config.mechanism)
+        mechanism = get_device(config.mechanism)
         domain = mechanism.domain_size(mechanism.parse_params(config.params))
     except (ChannelError, UnknownMechanismError, TypeError, ValueError) as error:
         raise MappingError(f"{where}: {error}") from error

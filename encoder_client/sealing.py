@@ -2,7 +2,7 @@
 devices take, so a simulated device sends exactly what a real one does (benchmarks that
 replay pools of pre-sealed fragments say so).
 
-PROTOCOL.md, "Envelopes": each fragment is sealed to the analyzer's HPKE key with the
+docs/protocol.md, "Sealing": each fragment is sealed to the analyzer's HPKE key with the
 (channel, epoch, crowd) context bound into ``info``; the fragments, the crowd and a fresh
 nonce form one contribution, sealed to the chosen shuffler's key.
 """

@@ -21,6 +21,9 @@ from pathlib import Path
 
 from runtime.http import error_body
 
+#: The address HAProxy binds its frontends to and reaches the processes from: the one the
+#: processes behind it trust for ``X-Forwarded-For`` (``trusted_proxies``).
+ADDRESS = "127.0.0.1"
 #: Where Debian's package puts the binary (``/usr/sbin`` is not on every user's PATH).
 DEBIAN_BINARY = Path("/usr/sbin/haproxy")
 #: Seconds between health checks of one backend process.
@@ -124,7 +127,7 @@ def _backend(name: str, balance: str, ports: Sequence[int], track: str | None = 
     ]
     for port in ports:
         how = "check" if track is None else f"track {track}/p{port}"
-        lines.append(f"    server p{port} 127.0.0.1:{port} {how}")
+        lines.append(f"    server p{port} {ADDRESS}:{port} {how}")
     return lines
 
 
@@ -146,7 +149,7 @@ def render(frontends: Sequence[Frontend]) -> str:
         "    timeout http-request 30s",
     ]
     for f in frontends:
-        lines += ["", f"frontend {f.name}", f"    bind 127.0.0.1:{f.port}"]
+        lines += ["", f"frontend {f.name}", f"    bind {ADDRESS}:{f.port}"]
         if f.shuffler:
             lines += [
                 f"    use_backend {f.name}-enroll if {{ path /v1/enroll }}",

@@ -8,8 +8,9 @@ Every non-2xx answer of every route is JSON ``{"error": code, "detail": sentence
 with ``Allow``), invalid bodies or parameters (400, the first problems in plain words, never a
 Python repr; a body that is not UTF-8 JSON too), database failures (503) and unexpected
 exceptions (500, logged with a traceback, answered with a fixed sentence so nothing internal
-leaks). Answers given before any route is chosen — malformed HTTP framing (400) and an
-oversized request head (431) — come from :mod:`runtime.server` in the same shape.
+leaks). Answers the server gives itself — malformed HTTP framing (400), a request head or body
+not arrived within its deadline (408) and an oversized request head (431) — come from
+:mod:`runtime.server` in the same shape.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import logging
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -65,6 +65,9 @@ _DESCRIPTIONS = {
     403: "Authenticated but not allowed",
     404: "Unknown route or resource",
     405: "Method not allowed on this route (Allow lists the methods)",
+    408: "The request head or body did not arrive within the server's deadline, or the body "
+    "arrived below its minimum rate (head_timeout, body_timeout; answered by the server, "
+    "connection closed)",
     409: "Conflicts with what is already stored",
     413: "Body over the size limit",
     415: "Unsupported Content-Type",
@@ -82,14 +85,26 @@ _HEADERS: dict[int, dict[str, Any]] = {
             "schema": {"type": "integer", "minimum": 1},
         }
     },
+    503: {
+        "Retry-After": {
+            "description": "Whole seconds to wait before retrying (storage_unavailable, "
+            "key_not_loaded)",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    },
 }
-#: Statuses every operation may answer whatever its route: the server's own refusals before
-#: routing (malformed framing, an oversized head) and an unexpected error.
-SERVER_STATUSES = (400, 431, 500)
+#: Statuses every operation may answer whatever its route: the server's own refusals
+#: (malformed framing, a head or body not arrived in time, an oversized head) and an
+#: unexpected error.
+SERVER_STATUSES = (400, 408, 431, 500)
 
 
 #: The detail of every 500: the failure itself is in the service's log, never in the answer.
 INTERNAL_DETAIL = "unexpected server error; it has been logged"
+#: ``Retry-After`` (seconds) of a ``503 storage_unavailable``: the database did not answer or
+#: commit (restarting, unreachable, full), so the client asks again shortly.
+STORAGE_RETRY_SECONDS = 1.0
 
 
 def _documented(status: int) -> dict[str, Any]:
@@ -211,7 +226,10 @@ def _install_failure_handlers(app: FastAPI, log: logging.Logger) -> None:
     async def _storage(_: Request, exc: SQLAlchemyError) -> JSONResponse:
         log.error("storage unavailable", extra={"error": type(exc).__name__})
         return error_response(
-            503, "storage_unavailable", "the database is unavailable; nothing was stored"
+            503,
+            "storage_unavailable",
+            "the database is unavailable; nothing was stored",
+            retry_after=STORAGE_RETRY_SECONDS,
         )
 
     @app.exception_handler(Exception)
@@ -292,18 +310,26 @@ def bearer_scheme(name: str, description: str) -> Any:
 # --- OpenAPI ----------------------------------------------------------------------------------
 
 
-def document_errors(app: FastAPI, refine: Callable[[dict[str, Any]], None] | None = None) -> None:
+def document_errors(
+    app: FastAPI,
+    refine: Callable[[dict[str, Any]], None] | None = None,
+    add: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
     """Make ``app``'s OpenAPI the truth about errors: drop FastAPI's automatic 422 (invalid
     input is answered 400 here, and documented so), give every operation the
     :data:`SERVER_STATUSES` any request can get, and every error status the JSON
     ``{"error", "detail"}`` schema (FastAPI would label a text route's errors with its own
-    media type). ``refine`` may then state what only the running instance knows (its
-    configured channels, say)."""
+    media type). ``add`` first adds operations no route declares (answered before routing:
+    the CORS preflights of :func:`runtime.cors.document_preflights`); ``refine`` then states
+    what only the running instance knows (its configured channels, say)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = _truthful(build())
+            built = build()
+            if add is not None:
+                add(built)
+            schema = _truthful(built)
             if refine is not None:
                 refine(schema)
             app.openapi_schema = schema
@@ -339,7 +365,8 @@ def add_operational_routes(
 ) -> None:
     """``/healthz`` (process up), ``/readyz`` (database answers), ``/metrics`` (Prometheus;
     with ``metrics_token``, only for ``Authorization: Bearer <metrics_token>``: a shuffler's
-    exact pending, held and deleted counts would undo randomized deletion — PROTOCOL.md)."""
+    exact pending, held and deleted counts would undo randomized deletion: docs/protocol.md,
+    "What never leaves a party")."""
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> dict[str, str]:
@@ -364,7 +391,7 @@ def _add_metrics_route(
     app: FastAPI, registry: CollectorRegistry, metrics_token: str | None
 ) -> None:
     guarded = metrics_token is not None
-    described = "the metrics bearer token (secret counts: PROTOCOL.md)"
+    described = "the metrics bearer token (secret counts: docs/protocol.md)"
     text_plain = {"text/plain": {"schema": {"type": "string"}}}
 
     @app.get(
@@ -385,15 +412,3 @@ def _add_metrics_route(
         # In a thread: collectors read the database, which must not stall the event loop.
         body = await asyncio.to_thread(generate_latest, registry)
         return PlainTextResponse(body.decode(), media_type="text/plain; version=0.0.4")
-
-
-def read_capped(response: httpx.Response, limit: int) -> bytes | None:
-    """The body of a streamed ``response``, or None as soon as it exceeds ``limit`` bytes: a
-    signed document is read whole before its signature can be checked, so its size is what
-    bounds the memory a party that answers can make another spend."""
-    body = bytearray()
-    for chunk in response.iter_bytes():
-        body += chunk
-        if len(body) > limit:
-            return None
-    return bytes(body)

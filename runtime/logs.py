@@ -1,7 +1,7 @@
 """Structured (JSON lines) logging for the services.
 
 Rule: log events with channel, epoch, batch id and counts — never tokens, client ids, nonces
-or payload bytes (ARCHITECTURE.md; tests grep the logs for them).
+or payload bytes (docs/protocol.md, "What never leaves a party"; tests grep the logs for them).
 """
 
 from __future__ import annotations

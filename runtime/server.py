@@ -8,7 +8,19 @@ refuses with ``400 malformed_http``: JSON ``{"error", "detail"}`` (:mod:`runtime
 response's head with its first body bytes, so a killed process never leaves a bare head that a
 proxy cannot resend. An app may name direct routes (:class:`DirectRoutes`): their requests skip
 the ASGI cycle and are answered in one write. Serve with
-``uvicorn.run(app, **uvicorn_options())``.
+``uvicorn.run(app, **uvicorn_options())``. The protocol subclasses uvicorn's private httptools
+one, so uvicorn is pinned to the tested releases, :data:`runtime.uvicorn_api.SUPPORTED`.
+
+Every request is held to the application's :class:`runtime.deadlines.ReadDeadlines` (given as
+``app.state.read_guard``, :class:`runtime.deadlines.ReadGuard`; defaults otherwise): a head
+not whole within its deadline is answered ``408 head_timeout``, a body not whole within its
+deadline or arriving below the minimum rate ``408 body_timeout``, the connection closed and
+the application's reads of it ended (a handler waiting for the body sees the client gone). A
+client that stops reading its answers (writes paused: the transport's buffer is full) for the
+body deadline is dropped (``requests_write_timeout``), so a slow reader with requests pipelined
+behind cannot hold a connection either. So no client holds a connection, or what the
+application reserved for its request, for longer. A connection idle after an answer is closed
+after :data:`KEEP_ALIVE_SECONDS`.
 
 Why: docs/architecture.md, "Runtime: HAProxy and the server".
 """
@@ -20,13 +32,19 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Protocol, cast
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
 
+from runtime import uvicorn_api
+from runtime.deadlines import ReadGuard
 from runtime.http import INTERNAL_DETAIL, error_body
+
+try:  # uvicorn's private API (runtime.uvicorn_api): on an untested release, say what is missing
+    from uvicorn.protocols.http.httptools_impl import (
+        STATUS_LINE,
+        HttpToolsProtocol,
+        RequestResponseCycle,
+    )
+except ImportError as error:
+    raise ImportError(uvicorn_api.explain(uvicorn_api.missing())) from error
 
 #: Largest request head (request line and headers, in bytes) a service accepts.
 HEAD_LIMIT = 32 * 1024
@@ -41,6 +59,12 @@ Answer = tuple[int, bytes, Headers]
 #: A direct route: the request's headers (lower-case names) and uvicorn's ``receive``, to its
 #: answer. It answers every failure itself (a refusal, or a 500 for a bug).
 DirectHandler = Callable[[Headers, Callable[[], Awaitable[Any]]], Awaitable[Answer]]
+#: Seconds an idle connection is kept open after an answer (uvicorn's ``timeout_keep_alive``;
+#: bytes that start no request, such as bare CRLFs, do not keep it open: they are a head).
+KEEP_ALIVE_SECONDS = 5
+#: Longest wait between two looks at a request that is still arriving (shorter for short
+#: deadlines: a quarter of the deadline).
+WATCH_SECONDS = 1.0
 #: How far :func:`direct_routes` looks through middleware (``.app``) for an app's routes.
 WRAPPERS = 4
 
@@ -62,6 +86,17 @@ def direct_routes(app: Any) -> DirectRoutes | None:
             return cast(DirectRoutes, app)
         app = getattr(app, "app", None)
     return None
+
+
+def read_guard(app: Any) -> ReadGuard:
+    """The deadlines and counter the application gives (``app.state.read_guard``) among
+    ``app`` and what it wraps, or the defaults."""
+    for _ in range(WRAPPERS):
+        guard = getattr(getattr(app, "state", None), "read_guard", None)
+        if isinstance(guard, ReadGuard):
+            return guard
+        app = getattr(app, "app", None)
+    return ReadGuard()
 
 
 class HeadTooLargeError(Exception):
@@ -126,8 +161,61 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # parsed request line and headers of the current request
         self._raw_head_bytes = 0  # bytes received while the current head is incomplete
         self._direct = direct_routes(self.app)
+        guard = read_guard(self.app)
+        self._deadlines, self._count_cut = guard.deadlines, guard.count
+        self._phase: str | None = None  # "head" or "body" while a request is arriving
+        self._phase_used = 0.0  # seconds of the phase counted against its deadline
+        self._phase_mark = 0.0  # when _phase_used was last brought up to date (loop time)
+        self._body_bytes = 0  # body bytes of the current request so far
+        self._watch: asyncio.TimerHandle | None = None
+        self._write_watch: asyncio.TimerHandle | None = None  # set while writes are paused
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._begin("head")  # a connection that never sends a head is closed too
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for watch in (self._watch, self._write_watch):
+            if watch is not None:
+                watch.cancel()
+        self._watch = self._write_watch = None
+        self._phase = None
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The client stopped reading what is written to it (the transport's buffer is over
+        its high-water mark): it has ``body_seconds`` to read again before the connection is
+        dropped (:meth:`_write_late`)."""
+        super().pause_writing()
+        if self._write_watch is None:
+            limit = self._deadlines.body_seconds
+            self._write_watch = self.loop.call_later(limit, self._write_late)
+
+    def resume_writing(self) -> None:
+        """The client read enough again: the write deadline starts over at the next pause."""
+        super().resume_writing()
+        if self._write_watch is not None:
+            self._write_watch.cancel()
+            self._write_watch = None
+
+    def _write_late(self) -> None:
+        """A client that read nothing for ``body_seconds`` while answers waited for it (a slow
+        reader, perhaps with requests pipelined behind): counted as ``requests_write_timeout``
+        and the connection dropped at once (a close would wait for the unread bytes forever),
+        which ends every answer's wait on it."""
+        self._write_watch = None
+        self._count_cut("requests_write_timeout")
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._phase is None:  # bytes after an answer: the next head's clock starts
+            self._begin("head")
+        self._feed(data)
+        if self._phase is not None and self._watch is None and not self.transport.is_closing():
+            self._arm()  # only a request still arriving after this read is watched
+
+    def _feed(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
@@ -167,6 +255,8 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes = True, 0
+        if self._phase != "head":  # bytes before it (bare CRLFs) already count
+            self._begin("head")
 
     def on_url(self, url: bytes) -> None:
         self._grow(len(url))
@@ -182,6 +272,85 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not None:
             writes = OneWriteResponse(self.transport, self.loop)
             self.cycle.transport = cast(asyncio.Transport, writes)
+        self._begin("body")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._phase = None
+        super().on_message_complete()
+
+    def _begin(self, phase: str) -> None:
+        """Start the clock of a request's head or body."""
+        self._phase, self._phase_used, self._body_bytes = phase, 0.0, 0
+        self._phase_mark = self.loop.time()
+
+    def _arm(self) -> None:
+        """Look at the arriving request again in a while (a quarter of its deadline, at most
+        :data:`WATCH_SECONDS`, so a deadline is overrun by at most that)."""
+        deadlines = self._deadlines
+        limit = deadlines.head_seconds if self._phase == "head" else deadlines.body_seconds
+        self._watch = self.loop.call_later(min(WATCH_SECONDS, limit / 4), self._look)
+
+    def _look(self) -> None:
+        """Count the time since the last look against the arriving request's deadline (unless
+        the server held it back meanwhile) and cut the request off if it is late."""
+        self._watch = None
+        if self._phase is None or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if not self._held_back():
+            self._phase_used += now - self._phase_mark
+        self._phase_mark = now
+        late = self._late()
+        if late is None:
+            self._arm()
+        else:
+            self._cut(*late)
+
+    def _held_back(self) -> bool:
+        """Whether the server, not the sender, is why the request is not arriving: an earlier
+        request on the connection is still being answered (for a head), or (for a body) the
+        server paused reading until the application asks for more, or has not answered an
+        ``Expect: 100-continue`` yet."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return False
+        if self._phase == "head":
+            return True
+        return cycle.waiting_for_100_continue or self.flow.read_paused
+
+    def _late(self) -> tuple[str, str] | None:
+        """(code, detail) if the arriving request is over its deadline, else None."""
+        if self._phase == "head":
+            limit = self._deadlines.head_seconds
+            if self._phase_used < limit:
+                return None
+            return "head_timeout", f"the request head did not arrive within {limit:g} s"
+        why = self._deadlines.body_late(self._phase_used, self._body_bytes)
+        return None if why is None else ("body_timeout", why)
+
+    def _cut(self, code: str, detail: str) -> None:
+        """End a late request: ``408 code`` if it can still be answered (a head that began,
+        a body whose application has not answered yet), the application's reads of it ended
+        (it sees the client gone, so whatever it holds for the request is let go), the
+        connection closed."""
+        self._count_cut(f"requests_{code}")
+        self._phase = None
+        cycle = self.cycle
+        if code == "head_timeout":
+            answer = self._in_head and self._raw_head_bytes > 0
+        else:
+            answer = cycle is not None and not cycle.response_started
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # receive() answers http.disconnect, send() nothing
+                cycle.message_event.set()
+        if answer:
+            self._refuse(408, code, detail)
+        else:
+            self.transport.close()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         """Start a request (now, or once the pipelined ones before it are answered): through
@@ -263,10 +432,14 @@ class JsonHttpToolsProtocol(HttpToolsProtocol):
 def uvicorn_options() -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` that every service uses: the protocol above, no
     WebSocket support (nothing is served over it, and uvicorn would refuse an upgrade with a
-    bodiless 403: without it an upgrade request is an ordinary request, answered in JSON), and
-    the same head limit for h11 should anyone select it instead."""
+    bodiless 403: without it an upgrade request is an ordinary request, answered in JSON), the
+    same head limit for h11 should anyone select it instead, and the idle keep-alive
+    :data:`KEEP_ALIVE_SECONDS`. Raises RuntimeError naming what is missing if the installed
+    uvicorn lacks the private API the protocol builds on (:func:`runtime.uvicorn_api.require`)."""
+    uvicorn_api.require()
     return {
         "http": JsonHttpToolsProtocol,
         "ws": "none",
         "h11_max_incomplete_event_size": HEAD_LIMIT,
+        "timeout_keep_alive": KEEP_ALIVE_SECONDS,
     }

@@ -1,4 +1,4 @@
-"""What sits above the two services, by role (ARCHITECTURE.md, "Layout"):
+"""What sits above the two services, by role (docs/architecture.md, "Packages"):
 
 * :mod:`services.cli` — the ``esa`` commands and the launcher (the top of the import graph);
 * :mod:`services.tools` — populations, simulation, demo, channel catalogue, load test, audit.

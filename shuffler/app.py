@@ -21,7 +21,10 @@ import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from common.fetching import deadline_client
 from runtime import db, logs
+from runtime.cors import Cors, document_preflights, install_cors
+from runtime.deadlines import ReadGuard
 from runtime.http import (
     add_operational_routes,
     document_errors,
@@ -29,7 +32,7 @@ from runtime.http import (
 )
 from runtime.server import HEAD_LIMIT
 from shuffler import routes
-from shuffler.ingest import CommitQueue, Ingest, IngestFastPath
+from shuffler.ingest import ROUTE, CommitQueue, Ingest, IngestFastPath
 from shuffler.metrics import ShufflerCollector
 from shuffler.service import ShufflerService, build_service
 from shuffler.settings import ShufflerSettings
@@ -41,8 +44,13 @@ DESCRIPTION = (
     "statuses each operation lists, the server itself answers before routing: 400 "
     "`malformed_http` to a request that is not valid HTTP/1.1 (framing such as "
     f"`Content-Length: -1`), 431 `head_too_large` to a request line and headers over {HEAD_LIMIT} "
-    "bytes (both close the connection), 404 `not_found` to an unknown path and 405 "
-    "`method_not_allowed` (with `Allow`) to a method a path does not serve."
+    "bytes, 408 `head_timeout` or `body_timeout` to a request whose head or body did not arrive "
+    "within the configured deadline or arrived below the minimum rate (all close the "
+    "connection), 404 `not_found` to an unknown path and 405 "
+    "`method_not_allowed` (with `Allow`) to a method a path does not serve. Only the device "
+    "routes (contributions, enroll, descriptor) answer a web page of an origin in "
+    "`ESA_SHUFFLER_CORS_ORIGINS` (none by default): a CORS preflight (`OPTIONS` with "
+    "`Access-Control-Request-Method`) to any other path is 403 `cors_route_refused`."
 )
 MIGRATIONS = Path(__file__).parent / "migrations"
 #: Seconds between retention purges (retention itself is days; a minute bounds the overshoot).
@@ -111,9 +119,11 @@ def _lifespan(
         writer.start()
         tasks = _background(service, http)
         channels = [c.id for c in service.policies.all()]
+        # Its own client, no connection kept alive: each fetch's deadline watches its socket.
+        fetching = deadline_client(service.settings.config_fetch_deadline_seconds)
         if service.follower is not None:
             follower = threading.Thread(
-                target=service.follower.run, args=(http,), name="esa-config", daemon=True
+                target=service.follower.run, args=(fetching,), name="esa-config", daemon=True
             )
             follower.start()
         log.info(
@@ -133,6 +143,7 @@ def _lifespan(
                 task.cancel()
             await asyncio.to_thread(writer.stop)
             http.close()
+            fetching.close()
             service.store.close()
             engine.dispose()
 
@@ -156,8 +167,14 @@ def create_app(settings: ShufflerSettings | None = None) -> FastAPI:
     )
     app.state.service, app.state.http = service, http
     app.state.ingest = Ingest(service, writer)
+    app.state.read_guard = ReadGuard(settings.read_deadlines(), service.events.count)
     install_error_handlers(app, log, service.events.count, service.events.refuse)
-    document_errors(app, functools.partial(_document_channels, settings))
+    cors = Cors(settings.allowed_origins, routes.DEVICE_ROUTES)
+    install_cors(app, cors, service.events.refuse)
+    # The ingest as the fast path serves it, outside the middleware: with the grant added.
+    app.state.direct_ingest = cors.direct(ROUTE, app.state.ingest)
+    refine = functools.partial(_document_channels, settings)
+    document_errors(app, refine, add=document_preflights(cors))
     app.include_router(routes.public)
     app.include_router(routes.admin)
     registry = CollectorRegistry(auto_describe=True)

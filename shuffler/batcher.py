@@ -78,7 +78,7 @@ class Evaluation:
 
 
 @dataclass(frozen=True, slots=True)
-class Release:
+class DealtBatch:
     """A batch being stored: what it is, and its signed parts, yielded once, one at a time."""
 
     batch: ReleasedBatch
@@ -149,19 +149,19 @@ class Batcher:
         fragments: int,
         chunks: Iterable[Sequence[bytes]],
         directory: Path | None = None,
-    ) -> Iterator[Release]:
+    ) -> Iterator[DealtBatch]:
         """Deal the survivors' packed fragments (``chunks``, ``fragments`` of them as stored)
         into one uniformly random permutation (:func:`shuffler.dealing.deal`) and sign it as
         parts; the temporary file lives as long as the ``with`` block."""
         batch_id = secrets.token_hex(16)
         with deal(chunks, fragments, self.part_fragments, self.rng, directory) as dealt:
             batch = ReleasedBatch(batch_id, n_contributions, dealt.fragments, dealt.parts)
-            yield Release(batch, self._sealed(key, batch, dealt))
+            yield DealtBatch(batch, self._sealed(key, batch, dealt))
 
     def _sealed(self, key: GroupKey, batch: ReleasedBatch, dealt: Deal) -> Iterator[SealedPart]:
         """The signed parts, one at a time, each body built and signed from its own fragments
         (no whole-batch body ever exists). Every part carries the whole group's
-        ``n_contributions`` (PROTOCOL.md, ``POST /v1/batches``)."""
+        ``n_contributions`` (docs/protocol.md, "Batches and parts")."""
         for part, fragments in enumerate(dealt):
             body = Batch(
                 batch_id=batch.batch_id,

@@ -74,9 +74,20 @@ class ChannelRetiredError(ShufflerError):
     kind = Kind.CONFLICT
 
 
+class ChannelTermsChangedError(ShufflerError):
+    """The channel is suspended: the analyzer's config changed its privacy terms in a way that
+    relaxes the ones this shuffler pinned, or put them over its ceilings; it takes no more
+    contributions (what it took before is still batched), and a channel whose privacy changes
+    needs a new channel id."""
+
+    code = "channel_terms_changed"
+    kind = Kind.CONFLICT
+
+
 class ConfigOutdatedError(ShufflerError):
-    """The contribution is sealed to an HPKE key this shuffler has retired (the device's config
-    is stale: it refreshes its config on this answer)."""
+    """The contribution is sealed to an HPKE key this shuffler has retired, or its fragments to
+    an analyzer HPKE key the analyzer's config no longer lists (the device's config is stale:
+    it refreshes its config on this answer)."""
 
     code = "config_outdated"
     kind = Kind.CONFLICT

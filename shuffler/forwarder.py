@@ -1,13 +1,16 @@
-"""Forwarding (PROTOCOL.md, "Delivery guarantees"): POST every due batch part to the analyzer,
+"""Forwarding (docs/protocol.md, "Delivery guarantees"): POST every due batch part to the analyzer,
 at least once, by exactly one forwarder at a time, with the shared backoff policy
 (:mod:`common.retry`), resumed after restarts.
 
 A part leaves as the exact bytes it was signed over (``ESA-Signature``, made again with the
 shuffler's current signing key when it has one: a part staged before a key rotation is sent
-signed by the key the analyzer now follows) and the analyzer counts a (``batch_id``, ``part``)
+signed by the key the analyzer now follows), with an ``ESA-Preauth`` head signed for this send
+(:mod:`common.preauth`: the analyzer gives a read slot only to a head the shuffler signed),
+and the analyzer counts a (``batch_id``, ``part``)
 once, so re-sending is safe. After a refusal of the part's content
 (:data:`PERMANENT_REFUSALS`) the part is kept unsent until an admin requeues it; everything else
-is retried with backoff. Leases and which refusals are permanent: docs/shuffler.md, "Forwarding".
+is retried with backoff (a ``future_epoch`` refusal too: it heals once the analyzer's clock
+reaches the epoch). Leases and which refusals are permanent: docs/shuffler.md, "Forwarding".
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from common.envelope import sign
+from common.preauth import PREAUTH_HEADER, preauth_header
 from common.randomness import RandomSource
 from common.retry import Backoff, retry_after_seconds
 from common.wire import BatchAck, b64
@@ -31,10 +35,15 @@ from shuffler.store import ContributionStore
 log = logging.getLogger("esa.shuffler")
 #: Characters of an analyzer's refusal kept as the part's ``last_error``.
 ERROR_EXCERPT = 200
-#: Answers that refuse the signed bytes themselves (PROTOCOL.md, ``POST /v1/batches``: 400
+#: Answers that refuse the signed bytes themselves (docs/protocol.md, "Batches and parts": 400
 #: malformed, 422 below the minimum crowd or inconsistent counts); re-sending the same bytes
 #: cannot heal them.
 PERMANENT_REFUSALS = frozenset({400, 422})
+#: Error codes of a :data:`PERMANENT_REFUSALS` status that time heals, retried with backoff:
+#: ``future_epoch``, the part's epoch starts later than the analyzer's clock plus its skew (this
+#: shuffler's clock ahead, or an admin close of the next epoch); it is taken once the
+#: analyzer's clock reaches the epoch.
+RETRIED_REFUSALS = frozenset({"future_epoch"})
 TOO_LARGE = 413
 
 
@@ -56,14 +65,19 @@ class Attempt:
     status: int | None = None
 
 
-def post_part(client: httpx.Client, url: str, part: DuePart, shuffler_id: str) -> Attempt:
-    """POST one batch part signed by ``shuffler_id``; only :data:`PERMANENT_REFUSALS` fail it,
-    anything else retries."""
+def post_part(
+    client: httpx.Client, url: str, part: DuePart, shuffler_id: str, preauth: str | None = None
+) -> Attempt:
+    """POST one batch part signed by ``shuffler_id`` (with ``preauth`` as its ``ESA-Preauth``
+    head, :mod:`common.preauth`); only :data:`PERMANENT_REFUSALS` fail it (but for
+    :data:`RETRIED_REFUSALS`), anything else retries."""
     headers = {
         "ESA-Shuffler": shuffler_id,
         "ESA-Signature": part.signature,
         "Content-Type": "application/json",
     }
+    if preauth is not None:
+        headers[PREAUTH_HEADER] = preauth
     try:
         response = client.post(url, content=part.body, headers=headers)
     except httpx.HTTPError as error:
@@ -73,9 +87,18 @@ def post_part(client: httpx.Client, url: str, part: DuePart, shuffler_id: str) -
         return Attempt(Outcome.FORWARDED)
     status = response.status_code
     reason = f"HTTP {status}: {response.text[:ERROR_EXCERPT]}"
-    if status in PERMANENT_REFUSALS:
+    if status in PERMANENT_REFUSALS and _error_code(response) not in RETRIED_REFUSALS:
         return Attempt(Outcome.FAILED, reason, status=status)
     return Attempt(Outcome.RETRIED, reason, retry_after_seconds(response.headers), status)
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The ``error`` of the analyzer's JSON error body, None for any other body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return str(body.get("error")) if isinstance(body, dict) else None
 
 
 def _check_ack(response: httpx.Response, part: DuePart) -> None:
@@ -125,9 +148,12 @@ class Forwarder:
             part = self.store.claim(key, self.clock(), self.lease_seconds)
             if part is None:
                 continue
+            preauth = None
             if self.signer is not None:
-                part = replace(part, signature=b64(sign(part.body, self.signer())))
-            attempt = post_part(client, self.url, part, self.shuffler_id)
+                signing = self.signer()
+                part = replace(part, signature=b64(sign(part.body, signing)))
+                preauth = preauth_header(self.shuffler_id, part.body, signing, self.clock())
+            attempt = post_part(client, self.url, part, self.shuffler_id, preauth)
             self._record(part, attempt)
             tally[attempt.outcome] += 1
         return tally

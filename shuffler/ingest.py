@@ -1,4 +1,4 @@
-"""``POST /v1/contributions`` outside FastAPI, with group commit (PROTOCOL.md: ``202`` only
+"""``POST /v1/contributions`` outside FastAPI, with group commit (docs/protocol.md: ``202`` only
 after the contribution's transaction committed).
 
 Profiling showed FastAPI's per-request machinery (middleware, exception wrappers, dependency
@@ -26,7 +26,8 @@ from typing import Any
 from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 
-from runtime.http import INTERNAL_DETAIL, error_body, status_of
+from runtime.cors import Handler
+from runtime.http import INTERNAL_DETAIL, STORAGE_RETRY_SECONDS, error_body, status_of
 from shuffler.errors import (
     BadContentTypeError,
     BadTokenError,
@@ -171,7 +172,10 @@ class CommitQueue:
                 "storage unavailable" if isinstance(failure, SQLAlchemyError) else "commit failed"
             )
             log.error(message, extra={"error": type(failure).__name__})
-            refused = ShufflerStorageError("the database did not commit; nothing was stored")
+            refused = ShufflerStorageError(
+                "the database did not commit; nothing was stored",
+                retry_after=STORAGE_RETRY_SECONDS,
+            )
             return [Stored(None, refused)] * len(pending)
 
 
@@ -253,7 +257,7 @@ class Ingest:
         """Authenticate, rate-limit, read, validate and commit; the receipt.
 
         Raises:
-            ShufflerError: every refusal of PROTOCOL.md's ``POST /v1/contributions``.
+            ShufflerError: every refusal of docs/protocol.md, "Contributions".
         """
         authorization = headers.get(b"authorization", b"")
         if not authorization.startswith(b"Bearer "):
@@ -280,21 +284,23 @@ class Ingest:
 
 
 class IngestFastPath:
-    """ASGI front door: ``POST /v1/contributions`` to :class:`Ingest`, everything else
-    (including lifespan, and other methods on that path: FastAPI's 405 with ``Allow``) to
-    FastAPI, whose ``POST /v1/contributions`` route (:mod:`shuffler.routes`) is the same
-    :class:`Ingest` and documents it."""
+    """ASGI front door: ``POST /v1/contributions`` to :class:`Ingest` (its CORS grant
+    included), everything else (including lifespan, preflights, and other methods on that
+    path: FastAPI's 405 with ``Allow``) to FastAPI, whose ``POST /v1/contributions`` route
+    (:mod:`shuffler.routes`) is the same :class:`Ingest` and documents it."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
 
-    def direct_route(self, method: str, path: str) -> Ingest | None:
-        """The app's :class:`Ingest` for ``POST /v1/contributions``, for the services' HTTP
-        server to call without the ASGI cycle (:class:`runtime.server.JsonHttpToolsProtocol`,
-        which serves nothing before the app's start); None for every other request."""
+    def direct_route(self, method: str, path: str) -> Handler | None:
+        """The app's :class:`Ingest` for ``POST /v1/contributions`` (with the CORS grant of
+        :meth:`runtime.cors.Cors.direct` when a page origin is allowed: no middleware runs
+        here), for the services' HTTP server to call without the ASGI cycle
+        (:class:`runtime.server.JsonHttpToolsProtocol`, which serves nothing before the app's
+        start); None for every other request."""
         if method != "POST" or path != ROUTE:
             return None
-        return getattr(self.app.state, "ingest", None)
+        return getattr(self.app.state, "direct_ingest", None)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         ingest = None

@@ -1,4 +1,4 @@
-"""Intake (PROTOCOL.md, ``POST /v1/contributions`` and ``/v1/enroll``): who may send, how often,
+"""Intake (docs/protocol.md, "Contributions" and "Client tokens"): who may send, how often,
 and whether a sealed contribution is acceptable — before anything is stored.
 
 * :class:`TokenAuthority`: bearer tokens ``client_id.HMAC`` verified without a per-token lookup,
@@ -8,7 +8,7 @@ and whether a sealed contribution is acceptable — before anything is stored.
 * :class:`Intake`: opens a contribution with the shuffler's HPKE key and checks it against the
   channel's policy (its declared crowds, fragment limit) and the open epochs → a
   :class:`~shuffler.records.Pending` record. The quota (one contribution per client, channel and
-  epoch, whatever crowd it names: PROTOCOL.md) and the nonce replay check are the store's:
+  epoch, whatever crowd it names: docs/protocol.md) and the nonce replay check are the store's:
   unique constraints on PostgreSQL, :mod:`shuffler.uniqueness` on SQLite; :func:`refusal`
   names what a conflict means.
 """
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.envelope import (
+    KEY_ID_SIZE,
     Contribution,
     EnvelopeError,
     KeyRing,
@@ -39,6 +40,7 @@ from runtime.keys import CATCH_UP_SECONDS
 from shuffler.errors import (
     BadTokenError,
     ChannelRetiredError,
+    ChannelTermsChangedError,
     ClientRateLimitedError,
     ConfigOutdatedError,
     EpochNotOpenError,
@@ -147,13 +149,18 @@ class RateLimiter:
             del self._buckets[oldest]
 
 
-def open_epochs(policy: ChannelPolicy, now: float, grace: float) -> set[int]:
-    """The epochs a contribution may name now: the current one, and the previous one during
-    the first ``grace`` seconds of the current (clock skew, requests in flight)."""
-    current = int(now // policy.epoch_seconds)
-    if now - current * policy.epoch_seconds < grace:
-        return {current, current - 1}
-    return {current}
+def open_epochs(policy: ChannelPolicy, now: float, grace: float, skew: float = 0.0) -> set[int]:
+    """The epochs a contribution may name now: the current one, the previous one during the
+    first ``grace`` seconds of the current (requests in flight), and the next one during the
+    last ``skew`` seconds of the current (a device whose clock is ahead by up to ``skew``)."""
+    period = policy.epoch_seconds
+    current = int(now // period)
+    epochs = {current}
+    if now - current * period < grace:
+        epochs.add(current - 1)
+    if (current + 1) * period - now <= skew:
+        epochs.add(current + 1)
+    return epochs
 
 
 def refusal(conflict: Conflict) -> ShufflerError:
@@ -189,6 +196,9 @@ class Intake:
         #: :meth:`validate` is asked again with ``looked``). None: a fixed ring.
         self.keys_stale: Callable[[], bool] = lambda: False
         self.on_unknown_key: Callable[[], bool] | None = None
+        #: Whether an analyzer HPKE key id was retired (as the followed config says; a
+        #: shuffler that does not follow the analyzer cannot tell).
+        self.analyzer_key_retired: Callable[[bytes], bool] = lambda _: False
         self.clock = clock
         self.tokens = TokenAuthority(settings.token_secret.get_secret_value().encode())
         self.contributions = RateLimiter(settings.rate_per_second, settings.rate_burst)
@@ -202,7 +212,8 @@ class Intake:
 
         Raises:
             MalformedContributionError (UnsupportedVersionError: an old wire version; a key
-            still unknown once ``looked``), UnknownChannelError, ChannelRetiredError,
+            still unknown once ``looked``), UnknownChannelError, ChannelTermsChangedError (a
+            suspended channel), ChannelRetiredError,
             TooFewFragmentsError, FragmentSizeError, UnknownCrowdError, TooManyFragmentsError,
             EpochNotOpenError, ConfigOutdatedError (sealed to a key this shuffler retired),
             KeyNotLoadedError (a key it lacks: :attr:`on_unknown_key`, then again).
@@ -219,6 +230,11 @@ class Intake:
         if policy is None:
             self.on_unknown_channel()
             raise UnknownChannelError(f"channel {contribution.channel_id!r} is not served here")
+        if self.policies.suspension(policy.id) is not None:
+            raise ChannelTermsChangedError(
+                f"channel {policy.id!r} is suspended: the analyzer's config changed its privacy "
+                "terms (a channel whose privacy changes needs a new channel id)"
+            )
         if not policy.takes(contribution.epoch):
             raise ChannelRetiredError(
                 f"channel {policy.id!r} is retired from epoch {policy.retired_from_epoch} on"
@@ -235,21 +251,40 @@ class Intake:
             raise TooFewFragmentsError(
                 f"{len(contribution.fragments)} fragments < min_fragments={policy.min_fragments}"
             )
-        size = inner_size(policy.payload_size)
-        if any(len(fragment) != size for fragment in contribution.fragments):
-            raise FragmentSizeError(
-                f"every fragment of channel {policy.id!r} is {size} bytes sealed "
-                f"(payload_size={policy.payload_size})"
-            )
+        self._check_fragments(policy, contribution.fragments)
         now = self.clock()
-        epochs = open_epochs(policy, now, self.settings.epoch_grace_seconds)
+        settings = self.settings
+        epochs = open_epochs(policy, now, settings.epoch_grace_seconds, settings.epoch_skew_seconds)
         if contribution.epoch not in epochs:
             raise EpochNotOpenError(
-                f"epoch {contribution.epoch} is not open (current {max(epochs)})"
+                f"epoch {contribution.epoch} is not open (open: {sorted(epochs)}; a later one "
+                f"once it starts within {settings.epoch_skew_seconds:g} s of this shuffler's clock)"
             )
         if contribution.epoch <= self.closed_upto.get(policy.id, -1):  # said only of open ones
             raise EpochNotOpenError(f"epoch {contribution.epoch} is closed (by an admin)")
         return Pending(client_id, contribution, now)
+
+    def _check_fragments(self, policy: ChannelPolicy, fragments: tuple[bytes, ...]) -> None:
+        """Each fragment is the channel's sealed size and sealed to an analyzer key the
+        analyzer still lists (a fragment's first bytes name the key it is sealed to).
+
+        Raises:
+            FragmentSizeError: a fragment of another size.
+            ConfigOutdatedError: one sealed to an analyzer key retired since (the device
+                fetches the config again and seals its next report to a current key).
+        """
+        size = inner_size(policy.payload_size)
+        if any(len(fragment) != size for fragment in fragments):
+            raise FragmentSizeError(
+                f"every fragment of channel {policy.id!r} is {size} bytes sealed "
+                f"(payload_size={policy.payload_size})"
+            )
+        retired = {f[:KEY_ID_SIZE] for f in fragments if self.analyzer_key_retired(f[:KEY_ID_SIZE])}
+        if retired:
+            raise ConfigOutdatedError(
+                f"fragments sealed to the analyzer's key {min(retired).hex()}, now retired: "
+                "fetch the config again"
+            )
 
     def _open(self, blob: bytes, looked: bool) -> Contribution:
         """The contribution sealed in ``blob``.

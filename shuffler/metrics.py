@@ -1,6 +1,6 @@
 """The shuffler's counters and its Prometheus collector (``GET /metrics``, behind a credential:
-PROTOCOL.md — exact group sizes, pending counts and deletions are secrets until a batch is
-released, since publishing them would void randomized deletion).
+exact group sizes, pending counts and deletions are secrets until a batch is released, since
+publishing them would void randomized deletion: docs/protocol.md, "What never leaves a party").
 
 The counters (``esa_shuffler_*_total``) are this process's events since it started; the gauges
 are read from the database at scrape time, so they are the whole trust domain's. Only aggregate
@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
 from runtime.conservation import DELETION_CAUSES, LEDGER_CONTRIBUTIONS, LEDGER_DELETED
-from shuffler.records import EpochHealth
+from shuffler.records import EpochGroups
 
 COUNTERS = {
     "contributions_received": "contributions acknowledged (202)",
@@ -27,6 +27,12 @@ COUNTERS = {
     "batches_retried": "forwarding attempts of a part that will be retried",
     "batches_failed": "batch parts whose content the analyzer refused (kept until requeued "
     "by an admin or purged by retention)",
+    "requests_head_timeout": "requests whose head did not arrive within head_timeout_seconds "
+    "(408 head_timeout, or a connection that sent nothing, closed)",
+    "requests_body_timeout": "requests whose body did not arrive within body_timeout_seconds "
+    "or arrived below body_min_rate_bytes (408 body_timeout, connection closed)",
+    "requests_write_timeout": "connections dropped because the client read none of its "
+    "answers for body_timeout_seconds",
 }
 QUEUE_STATES = ("pending", "held", "in_batches_unforwarded", "in_batches_refused")
 REJECTED = "rejected_"
@@ -37,7 +43,7 @@ Ledger = tuple[dict[str, int], dict[str, int]]
 CHANNEL_EPOCHS = 8
 #: Per-channel health of each channel's newest epochs, given how many
 #: (:meth:`shuffler.store.ContributionStore.channel_health`).
-Health = Callable[[int], Sequence[EpochHealth]]
+Health = Callable[[int], Sequence[EpochGroups]]
 OUTCOMES = ("released", "held", "aborted")
 STAGES = ("received", "deleted", "batched", "forwarded")
 CHANNEL_GROUPS = "esa_shuffler_channel_groups"
@@ -53,7 +59,7 @@ CONTRIBUTIONS_HELP = (
 )
 
 
-class Events:
+class ShufflerEvents:
     """Process-wide event counters (``rejected_<code>`` for refused contributions,
     ``group_<status>``, …) and refusals by the other routes, per (route, code)."""
 
@@ -82,7 +88,7 @@ class ShufflerCollector:
     ``health`` the per-channel health of the :data:`CHANNEL_EPOCHS` newest epochs."""
 
     def __init__(
-        self, events: Events, ledger: Callable[[], Ledger], health: Health | None = None
+        self, events: ShufflerEvents, ledger: Callable[[], Ledger], health: Health | None = None
     ) -> None:
         self.events = events
         self.ledger = ledger
@@ -166,7 +172,7 @@ class ShufflerCollector:
         yield deleted
 
 
-def channel_families(health: Sequence[EpochHealth]) -> tuple[GaugeMetricFamily, ...]:
+def channel_families(health: Sequence[EpochGroups]) -> tuple[GaugeMetricFamily, ...]:
     """:data:`CHANNEL_GROUPS` and :data:`CHANNEL_CONTRIBUTIONS` for ``health`` (empty: the
     families alone). Labelled by channel and epoch; the sizes are the released groups' only."""
     groups = GaugeMetricFamily(CHANNEL_GROUPS, GROUPS_HELP, labels=["channel", "epoch", "outcome"])

@@ -73,10 +73,11 @@ def pack_fragments(fragments: Sequence[bytes]) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class EpochHealth:
+class EpochGroups:
     """What a channel's owner may see of one (channel, epoch) at a shuffler: how many groups
     Algorithm 3 released, held and aborted, and the sizes of the released ones alone
-    (PROTOCOL.md: a group's size and deletions are secret until its batch is released).
+    (a group's size and deletions are secret until its batch is released: docs/protocol.md,
+    "What never leaves a party").
     ``received`` = ``deleted`` + ``batched``; ``forwarded`` of the batched contributions are in
     batches every part of which the analyzer acknowledged."""
 

@@ -1,4 +1,4 @@
-"""Retention (PROTOCOL.md, "Delivery guarantees"): contributions still waiting, groups held
+"""Retention (docs/protocol.md, "Delivery guarantees"): contributions still waiting, groups held
 below the minimum crowd (Algorithm 3 never releases them) and undelivered batches older than
 ``retention_seconds`` are deleted, and the deletion is recorded so that every acknowledged
 contribution stays accounted for (forwarded, deleted by Algorithm 3, or purged)."""

@@ -1,4 +1,4 @@
-"""The shuffler's FastAPI routes (PROTOCOL.md, "HTTP endpoints"), thin over
+"""The shuffler's FastAPI routes (docs/protocol.md, "Routes"), thin over
 :class:`~shuffler.service.ShufflerService` with typed dependencies; each documents every status
 it answers (the server-level 400/431/500 are added by
 :func:`runtime.http.document_errors`).
@@ -34,10 +34,11 @@ from common.wire import (
     ShufflerConfig,
     SignedDescriptor,
 )
+from runtime.cors import DeviceRoute
 from runtime.http import bearer_check, bearer_scheme, checked_route, error_responses
 from runtime.keys import LiveKeys, NoSuchKeyError
 from shuffler.errors import AdminTokenError
-from shuffler.ingest import CONTENT_TYPE, Ingest
+from shuffler.ingest import CONTENT_TYPE, ROUTE, Ingest
 from shuffler.service import ShufflerService
 
 
@@ -70,11 +71,18 @@ admin = APIRouter(
     dependencies=[bearer_scheme("AdminToken", "the shuffler's admin token")],
 )
 
+#: What a device calls, with the request headers it sends beyond the CORS-safelisted ones: the
+#: only routes a web page of an allowed origin may call (:mod:`runtime.cors`).
+DEVICE_ROUTES = {
+    ROUTE: DeviceRoute(("POST",), ("Authorization", "Content-Type")),
+    "/v1/enroll": DeviceRoute(("POST",)),
+    "/v1/descriptor": DeviceRoute(("GET",)),
+}
 #: ``POST /v1/contributions``: the sealed contribution as raw bytes.
 CONTRIBUTION_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
-        "description": "One contribution sealed to this shuffler (HPKE, PROTOCOL.md); at most "
+        "description": "One contribution sealed to this shuffler (HPKE, docs/protocol.md); at most "
         "``ESA_SHUFFLER_MAX_BODY_BYTES`` bytes",
         "content": {CONTENT_TYPE.decode(): {"schema": {"type": "string", "format": "binary"}}},
     }
@@ -94,12 +102,15 @@ CONTRIBUTION_BODY: dict[str, Any] = {
 )
 async def contribute(request: Request) -> Response:
     """Store one sealed contribution: 202 with a receipt only after it is committed; 400
-    malformed, wrong content type, unknown channel or crowd, epoch not open; 401 bad or revoked
-    token; 409 replayed nonce or quota used, or ``config_outdated`` (sealed to a retired key:
-    fetch the config again); 413 too large or too many fragments; 429 slow down
-    (``Retry-After``); 503 not stored: the database, or ``key_not_loaded`` (sealed to a key
-    another replica has just made, which this one could not read yet: retry after
-    ``Retry-After``)."""
+    malformed, wrong content type, unknown channel or crowd, epoch not open (one that starts
+    more than ``epoch_skew_seconds`` ahead included); 401 bad or revoked token; 409 replayed
+    nonce or quota used, or ``config_outdated`` (sealed to a retired key of this shuffler, or
+    fragments sealed to an analyzer key its config no longer lists: fetch the config again),
+    or ``channel_terms_changed`` (the channel is suspended: the analyzer's config relaxed its
+    privacy terms or put them over this shuffler's ceilings; nothing more is taken on it);
+    413 too large or too many fragments; 429 slow down (``Retry-After``); 503 not stored: the
+    database, or ``key_not_loaded`` (sealed to a key another replica has just made, which
+    this one could not read yet: retry after ``Retry-After``)."""
     ingest: Ingest = request.app.state.ingest
     status, data, extra = await ingest(request.scope["headers"], request.receive)
     headers = {name.decode(): value.decode() for name, value in extra}

@@ -23,6 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from common import randomness
 from common.collection import DESCRIPTOR_SUFFIX, shuffler_party, sign_descriptor
 from common.envelope import KeyRing, key_id, public_bytes, public_identity
+from common.mechanisms import BatchContext
 from common.randomness import RandomSource
 from common.retry import Backoff
 from common.wire import (
@@ -45,12 +46,12 @@ from shuffler.errors import (
 )
 from shuffler.forwarder import Forwarder
 from shuffler.intake import Intake, TokenAuthority, refusal
-from shuffler.metrics import Events
+from shuffler.metrics import ShufflerEvents
 from shuffler.policies import ChannelPolicies, ConfigFollower, PolicyFloor
 from shuffler.records import Conflict, GroupKey, Pending
 from shuffler.retention import Retention
 from shuffler.settings import ShufflerSettings
-from shuffler.store import ContributionStore, make_store
+from shuffler.store import ContributionStore, CrowdCheck, make_store
 
 log = logging.getLogger("esa.shuffler")
 #: Most HPKE keys a descriptor lists (:class:`common.wire.ShufflerDescriptor`).
@@ -83,9 +84,14 @@ class ShufflerService:
         self._signing_key = signing_key
         self.clock = clock
         self.rng = rng or randomness.default_source()
-        self.events = Events()
+        self.events = ShufflerEvents()
         floor = PolicyFloor(
-            settings.adopt_min_crowd, settings.adopt_max_eps_cr, settings.adopt_max_delta_cr
+            min_crowd=settings.adopt_min_crowd,
+            max_eps_cr=settings.adopt_max_eps_cr,
+            max_delta_cr=settings.adopt_max_delta_cr,
+            max_local_eps=settings.adopt_max_local_eps,
+            max_delta=settings.adopt_max_delta,
+            without_local_privacy=settings.adopt_without_local_privacy,
         )
         self.policies = ChannelPolicies(settings.channels, floor)
         self.follower = (
@@ -94,8 +100,10 @@ class ShufflerService:
             else None
         )
         self.intake = Intake(settings, ring, clock, self.policies)
+        self._deferring = False
         if self.follower is not None:
             self.intake.on_unknown_channel = self.follower.wake
+            self.intake.analyzer_key_retired = self.follower.analyzer_keys.retired
         self.batcher = Batcher(settings.shuffler_id, signing_key, self.rng, settings.part_fragments)
         backoff = Backoff(settings.backoff_base_seconds, settings.backoff_cap_seconds)
         self.forwarder = Forwarder(
@@ -266,13 +274,53 @@ class ShufflerService:
         closed = self.intake.closed_upto.get(key.channel_id, -1)
         if now >= closes_at(policy, key.epoch, grace) or key.epoch <= closed:
             self.store.close_epoch(key.channel_id, key.epoch, now)
+        placed, position = self._placement()
+        if not placed:
+            return None
         self.batcher.signing_key = self.signing_key
-        outcome = self.store.evaluate_group(key, self.batcher, policy, now)
+        crowd = self._crowd(key, position)
+        outcome = self.store.evaluate_group(key, self.batcher, policy, now, crowd)
         if outcome is None:
             return None
         self._evaluations += 1
         self._count_evaluation(key, outcome.deletion, released=outcome.batch is not None)
         return outcome.deletion
+
+    def _placement(self) -> tuple[bool, BatchContext | None]:
+        """Whether this shuffler may evaluate a group now, and where the analyzer's config
+        places it (read once, so a group's crowd check and the decision agree).
+
+        A shuffler that follows an analyzer whose config it has not adopted (just started, the
+        analyzer unreachable) cannot tell the crowd the analyzer will verify, so it evaluates no
+        group until it can (a batch sent meanwhile could be withheld as below ``min_crowd``: its
+        contributions lost instead of held). The group stays pending, unless one fetch made now
+        places this shuffler. One with no analyzer to follow checks no crowd.
+        """
+        if self.follower is None:
+            return True, None
+        position = self.follower.position
+        if position is None and self.follower.fetch_now():
+            position = self.follower.position
+        if (position is None) != self._deferring:
+            self._deferring = position is None
+            if self._deferring:
+                log.warning("groups wait until the analyzer's config lists this shuffler")
+            else:
+                log.info("groups evaluated again: the analyzer's config lists this shuffler")
+        return position is not None, position
+
+    def _crowd(self, key: GroupKey, position: BatchContext | None) -> CrowdCheck | None:
+        """The crowd the analyzer will verify for a batch of the group at ``position`` (None:
+        no check: no analyzer followed, or a bare policy without the mechanism)."""
+        terms = self.policies.terms(key.channel_id)
+        if terms is None or position is None:
+            return None
+
+        def verified(kept: int, fragments: int) -> int:
+            crowd = terms.verified_crowd(kept, fragments, position)
+            return kept if crowd is None else crowd
+
+        return verified
 
     def _count_evaluation(self, key: GroupKey, deletion: Deletion, released: bool) -> None:
         self.events.count(f"group_{deletion.status}")

@@ -16,7 +16,10 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from common.wire import PART_FRAGMENTS, ChannelPolicy
+from runtime.cors import CorsSettings
+from runtime.deadlines import DeadlineSettings
 from runtime.keys import Timing, key_timing, overlap_floor
+from runtime.proxies import TrustedProxySettings
 from runtime.secrets import SecretFileSettings, refuse_placeholder
 
 #: Bind addresses that name no reachable host (a descriptor cannot vouch for them).
@@ -27,8 +30,11 @@ OVERLAP_MARGIN = 3600.0
 _SECRETS = ("token_secret", "admin_token", "metrics_token", "database_url")
 
 
-class ShufflerSettings(SecretFileSettings):
-    """Everything a shuffler instance needs; validated at start."""
+class ShufflerSettings(SecretFileSettings, DeadlineSettings, TrustedProxySettings, CorsSettings):
+    """Everything a shuffler instance needs; validated at start (the request deadlines of
+    :class:`runtime.deadlines.DeadlineSettings`, the ``trusted_proxies`` of
+    :class:`runtime.proxies.TrustedProxySettings` and the ``cors_origins`` of
+    :class:`runtime.cors.CorsSettings` included)."""
 
     model_config = SettingsConfigDict(env_prefix="ESA_SHUFFLER_", env_file=".env", extra="ignore")
     secret_fields: ClassVar[tuple[str, ...]] = _SECRETS
@@ -70,16 +76,26 @@ class ShufflerSettings(SecretFileSettings):
     #: How often the analyzer's signed config is fetched for channel changes (sooner when a
     #: contribution names a channel not served yet).
     config_refresh_seconds: float = Field(10.0, gt=0)
+    #: Whole-request deadline of one fetch of the analyzer's config (however slowly it
+    #: answers, the follower tries again at its next refresh).
+    config_fetch_deadline_seconds: float = Field(5.0, gt=0, le=60)
     #: The weakest randomized deletion this shuffler applies to a channel it adopts from the
     #: analyzer's config (the channels of its own settings are the operator's choice): a new
     #: channel below it is refused, so an analyzer cannot switch deletion off.
     adopt_min_crowd: int = Field(10, ge=1)
     adopt_max_eps_cr: float = Field(2.0, gt=0)
     adopt_max_delta_cr: float = Field(1e-5, gt=0, lt=1)
+    #: The largest local ε (replacement notion: ESA-revisited's ε0, what amplification by
+    #: shuffling starts from) and certificate δ of a channel this shuffler adopts; a channel
+    #: whose mechanism claims no local privacy at all (all of its privacy from the shuffle,
+    #: e.g. Balcer–Cheu's zero-sum histogram) is adopted only with ``adopt_without_local_privacy``.
+    adopt_max_local_eps: float = Field(12.0, gt=0)
+    adopt_max_delta: float = Field(1e-5, gt=0, lt=1)
+    adopt_without_local_privacy: bool = True
     token_secret: SecretStr = SecretStr("development")
     admin_token: SecretStr = SecretStr("development")
     #: Bearer token for ``GET /metrics`` (exact pending/held/deleted counts are secret until
-    #: released: PROTOCOL.md); the admin token when not set.
+    #: released: docs/protocol.md); the admin token when not set.
     metrics_token: SecretStr | None = None
     channels: list[ChannelPolicy] = Field(default_factory=list)
     channels_file: Path | None = None
@@ -92,6 +108,9 @@ class ShufflerSettings(SecretFileSettings):
     rate_burst: int = Field(20, ge=1)
     enroll_per_minute: float = Field(600.0, gt=0)
     epoch_grace_seconds: float = Field(2.0, ge=0)
+    #: How long before the next epoch starts a contribution for it is taken (a device whose
+    #: clock is ahead by up to this); one for a later epoch is refused (400 ``epoch_not_open``).
+    epoch_skew_seconds: float = Field(300.0, ge=0, le=3600)
     batch_interval_seconds: float = Field(1.0, gt=0)
     forward_interval_seconds: float = Field(0.5, gt=0)
     #: Fragments per signed batch part: bounds every POST to the analyzer (at most the

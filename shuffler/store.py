@@ -5,7 +5,7 @@
 supply what differs (the insert-ignore construct, the driver's placeholder, connection tuning).
 :func:`make_store` picks one for an engine; nothing else in the shuffler looks at the dialect.
 
-What it guarantees (PROTOCOL.md, "Delivery guarantees"): a receipt only after its commit; a
+What it guarantees (docs/protocol.md, "Delivery guarantees"): a receipt only after its commit; a
 group evaluated once, whole, with the write lock held only for a short final step; a part sent
 by one forwarder at a time (a lease). The protocol and why it holds: docs/shuffler.md,
 "Storage, locking and durability".
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import secrets
@@ -22,7 +23,7 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -49,15 +50,16 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql.dml import Insert
 
+from common.terms import ChannelTerms
 from common.wire import ChannelPolicy
 from runtime import db
 from runtime.conservation import LEDGER_CAUSES
 from shuffler import tables
-from shuffler.batcher import Batcher, Deletion, Evaluation, GroupStatus, Release, ReleasedBatch
+from shuffler.batcher import Batcher, DealtBatch, Deletion, Evaluation, GroupStatus, ReleasedBatch
 from shuffler.records import (
     Conflict,
     DuePart,
-    EpochHealth,
+    EpochGroups,
     GroupKey,
     PartKey,
     Pending,
@@ -82,6 +84,9 @@ _CLIENT = _COLUMNS.index("client_id")
 _CHANNEL, _EPOCH = _COLUMNS.index("channel_id"), _COLUMNS.index("epoch")
 _ROWS_PER_STATEMENT = 100  # 900 parameters: under SQLite's historical limit of 999
 _PARAMETERS_PER_CHECK = 900  # a check statement's clients and channels together (same limit)
+#: The key of a followed channel's stored row that says why it is suspended
+#: (:class:`shuffler.policies.ChannelPolicies`: it takes no more contributions).
+SUSPENDED_KEY = "suspended"
 #: How long a close or revocation waits for the running inserts before it gives up (ingest
 #: queues behind it meanwhile): :meth:`PostgresContributionStore._barrier`.
 BARRIER_TIMEOUT_MS = 2_000
@@ -195,6 +200,10 @@ def _group_filter(key: GroupKey, table: Table) -> list[Any]:
     ]
 
 
+#: (kept contributions, their fragments) → the crowd the analyzer verifies for such a batch.
+CrowdCheck = Callable[[int, int], int]
+
+
 class ContributionStore(ABC):
     """Contributions, groups, batches, purges, revocations and closed epochs of one shuffler."""
 
@@ -269,14 +278,24 @@ class ContributionStore(ABC):
         with self.engine.connect() as conn:
             return _closed_among(conn)
 
-    def follow(self, policies: Sequence[ChannelPolicy], revision: int) -> None:
-        """Persist the channel policies adopted at config ``revision`` (one row per channel,
-        replaced: a retirement rewrites the channel's row)."""
+    def follow(
+        self,
+        policies: Sequence[ChannelPolicy],
+        revision: int,
+        suspended: Mapping[str, str] | None = None,
+    ) -> None:
+        """Persist the channel policies (or whole privacy terms) adopted at config ``revision``
+        (one row per channel, replaced: a retirement rewrites the channel's row), with why a
+        channel in ``suspended`` takes no more contributions."""
         f = tables.followed_channels
+        suspended = suspended or {}
         with self.engine.begin() as conn:
             for policy in policies:
                 conn.execute(delete(f).where(f.c.channel_id == policy.id))
-                values = {"policy": policy.model_dump_json(), "version": revision}
+                row = policy.model_dump(mode="json")
+                if policy.id in suspended:
+                    row[SUSPENDED_KEY] = suspended[policy.id]
+                values = {"policy": json.dumps(row), "version": revision}
                 conn.execute(insert(f).values(channel_id=policy.id, **values))
 
     def follow_key(self, party: str, signing_key: str) -> None:
@@ -293,13 +312,21 @@ class ContributionStore(ABC):
             found = conn.execute(select(k.signing_key).where(k.party == party)).scalar()
         return None if found is None else str(found)
 
-    def followed(self) -> tuple[list[ChannelPolicy], int]:
-        """The adopted channel policies and the newest revision they were adopted at."""
+    def followed(self) -> tuple[list[ChannelPolicy], int, dict[str, str]]:
+        """The adopted channel policies (:class:`ChannelTerms` where a config stated the
+        channel's privacy terms), the newest revision they were adopted at, and the suspended
+        channels with why."""
         f = tables.followed_channels.c
         with self.engine.connect() as conn:
             rows = conn.execute(select(f.policy, f.version)).all()
-        policies = [ChannelPolicy.model_validate_json(text) for text, _ in rows]
-        return policies, max((int(version) for _, version in rows), default=0)
+        policies, suspended = [], {}
+        for text, _ in rows:
+            stored = json.loads(text)
+            why = stored.pop(SUSPENDED_KEY, None)
+            policies.append(_followed_policy(stored))
+            if why is not None:
+                suspended[policies[-1].id] = str(why)
+        return policies, max((int(version) for _, version in rows), default=0), suspended
 
     # --- batching -------------------------------------------------------------------------
 
@@ -310,7 +337,12 @@ class ContributionStore(ABC):
             return _group_keys(conn, evaluated=False)
 
     def evaluate_group(
-        self, key: GroupKey, batcher: Batcher, policy: ChannelPolicy, now: float
+        self,
+        key: GroupKey,
+        batcher: Batcher,
+        policy: ChannelPolicy,
+        now: float,
+        crowd: CrowdCheck | None = None,
     ) -> Evaluation | None:
         """Apply ESA-revisited Algorithm 3 to the group, whole, and store its outcome; the write
         lock is held only for the short final step, so ingest goes on while a big group is dealt.
@@ -319,13 +351,16 @@ class ContributionStore(ABC):
         meanwhile (evaluated again in a later round). The three steps and why they are safe:
         docs/shuffler.md, "Evaluating a group".
 
+        ``crowd``: the crowd the analyzer will verify for (kept, fragments); a batch it would
+        withhold below ``min_crowd`` is held here instead, as Algorithm 3 holds a small group.
+
         Raises:
             sqlalchemy.exc.IntegrityError: another worker recorded this group first.
         """
         with self.exclusive(key) as mine:
             if not mine:  # another replica is evaluating the group right now
                 return None
-            return self._evaluate(key, batcher, policy, now)
+            return self._evaluate(key, batcher, policy, now, crowd)
 
     @contextlib.contextmanager
     def exclusive(self, key: GroupKey) -> Iterator[bool]:
@@ -335,7 +370,12 @@ class ContributionStore(ABC):
         yield True
 
     def _evaluate(
-        self, key: GroupKey, batcher: Batcher, policy: ChannelPolicy, now: float
+        self,
+        key: GroupKey,
+        batcher: Batcher,
+        policy: ChannelPolicy,
+        now: float,
+        crowd: CrowdCheck | None,
     ) -> Evaluation | None:
         """:meth:`evaluate_group`'s three steps (the caller holds :meth:`exclusive`)."""
         with self.engine.connect() as conn:
@@ -347,9 +387,13 @@ class ContributionStore(ABC):
         batch = None
         if deletion.status is GroupStatus.RELEASED:
             picked = batcher.survivors(int(ids.size), deletion.kept)
-            batch = self._stage(key, batcher, ids[picked], int(sizes[picked].sum()), now)
-            if batch is None:
-                return None
+            fragments = int(sizes[picked].sum())
+            if crowd is not None and crowd(deletion.kept, fragments) < policy.min_crowd:
+                deletion = Deletion(GroupStatus.HELD, deletion.n, 0)
+            else:
+                batch = self._stage(key, batcher, ids[picked], fragments, now)
+                if batch is None:
+                    return None
         try:
             outcome = self._finish(key, ids, deletion, batch, now)
         except BaseException:
@@ -405,7 +449,7 @@ class ContributionStore(ABC):
             return None
         return release.batch
 
-    def _store_staged(self, release: Release, now: float) -> None:
+    def _store_staged(self, release: DealtBatch, now: float) -> None:
         """Insert each signed part ``staged`` as it is yielded (one part's body in memory, one
         short transaction each); on any failure delete what was staged.
 
@@ -486,7 +530,7 @@ class ContributionStore(ABC):
 
         One conditional ``UPDATE`` decides: PostgreSQL re-checks its ``WHERE`` on the row it
         locked and SQLite serializes writers, so of two racing forwarders exactly one sees a
-        row updated (PROTOCOL.md: exactly one forwarder at a time).
+        row updated (docs/protocol.md: exactly one forwarder at a time).
         """
         p = tables.batch_parts.c
         with self.engine.begin() as conn:
@@ -682,11 +726,11 @@ class ContributionStore(ABC):
             conn.exec_driver_sql(self.snapshot_sql)
             yield conn
 
-    def channel_health(self, epochs: int) -> list[EpochHealth]:
+    def channel_health(self, epochs: int) -> list[EpochGroups]:
         """Per channel, its ``epochs`` newest epochs with an evaluated group, newest first:
         the groups released, held and aborted, and the contributions of the released groups
         alone; nothing of a group still waiting, nor the size of a held or aborted one
-        (PROTOCOL.md). Channels are whatever the ``groups`` rows name. Reads the ``groups``
+        (docs/protocol.md). Channels are whatever the ``groups`` rows name. Reads the ``groups``
         and ``batches`` rows (one per group), never a contribution's, in one snapshot, so a
         group and its batch are seen together.
 
@@ -699,7 +743,7 @@ class ContributionStore(ABC):
             rows = conn.execute(_newest_epochs(epochs)).all()
             forwarded = _forwarded(conn, [(row.channel_id, int(row.epoch)) for row in rows])
         return [
-            EpochHealth(
+            EpochGroups(
                 channel_id=row.channel_id,
                 epoch=int(row.epoch),
                 released=int(row.released),
@@ -1482,3 +1526,9 @@ def _forwarded(conn: Connection, keys: Sequence[tuple[str, int]]) -> dict[tuple[
         )
         found |= {(channel, int(epoch)): int(n) for channel, epoch, n in conn.execute(query)}
     return found
+
+
+def _followed_policy(stored: dict[str, Any]) -> ChannelPolicy:
+    """A followed channel's row: whole privacy terms when it names a mechanism."""
+    kind = ChannelTerms if "mechanism" in stored else ChannelPolicy
+    return kind.model_validate(stored)

@@ -1,6 +1,6 @@
 """The replay and quota checks of a SQLite shuffler, held in memory by its one writing process.
 
-PROTOCOL.md, ``POST /v1/contributions``: a contribution whose nonce the shuffler holds already
+docs/protocol.md, "Contributions": a contribution whose nonce the shuffler holds already
 is a replay, a second one of a (client, channel, epoch) is over the quota; both are 409s. On
 PostgreSQL unique indexes enforce both (the replicas of a trust domain share the database). On
 SQLite exactly one process writes (the launcher refuses replicas there, and :func:`writer_lock`

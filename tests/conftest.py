@@ -1,14 +1,14 @@
 """Shared fixtures (database URLs for SQLite and PostgreSQL) and the two test tiers.
 
 Tiers: a test that starts a process, a container or a browser is marked ``system`` (every
-test under ``tests/e2e``, ``tests/deploy`` and ``tests/adversary`` is, by its folder); an
-in-process test that takes more than ~2 s is marked ``slow``. ``make check`` runs the rest;
-``make test`` runs everything. A test that starts a process without the ``system`` mark
-fails (:func:`_tier_guard`), so the fast tier stays in-process.
+test under ``tests/e2e``, ``tests/deploy``, ``tests/adversary`` and ``tests/faults`` is, by
+its folder); an in-process test that takes more than ~2 s is marked ``slow``. ``make check``
+runs the rest; ``make test`` runs everything. A test that starts a process without the
+``system`` mark fails (:func:`_tier_guard`), so the fast tier stays in-process.
 
 PostgreSQL is reached at ``ESA_TEST_POSTGRES`` (default ``127.0.0.1:5432``, user postgres,
 trust auth). Each test gets a fresh database that is dropped afterwards. Under ``CI=true`` a
-missing PostgreSQL is a failure, not a skip (ARCHITECTURE.md).
+missing PostgreSQL is a failure, not a skip (docs/architecture.md, "Conventions the tests check").
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def postgres_template() -> Iterator[str]:
 
 
 #: Folders whose every test runs real processes or containers.
-SYSTEM_FOLDERS = ("e2e", "deploy", "adversary")
+SYSTEM_FOLDERS = ("e2e", "deploy", "adversary", "faults")
 #: Processes started while each test ran (its setup included), by node id.
 _STARTED: dict[str, list[str]] = {}
 _current: list[str] = []

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +108,14 @@ def given_headers(spec: launcher.ServiceSpec, setting: str = "ADMIN_TOKEN") -> d
     return {"Authorization": f"Bearer {token}"}
 
 
+#: Analyzer settings of test deployments: an epoch not every shuffler delivered for closes 10 s
+#: after its end (past a shuffler's 2 s grace and its forwarding; tests post to epochs long
+#: over, or close current ones at the shufflers), looked for every fraction of a second.
+TEST_ANALYZER_SETTINGS = {
+    "ESA_ANALYZER_EPOCH_CLOSE_SECONDS": "10",
+    "ESA_ANALYZER_EPOCH_CLOSE_POLL_SECONDS": "0.2",
+}
+
 #: Shuffler settings of test deployments: batch and forward within a fraction of a second.
 TEST_SHUFFLER_SETTINGS = {
     "ESA_SHUFFLER_BATCH_INTERVAL_SECONDS": "0.2",
@@ -122,6 +134,37 @@ SMALL_CHANNEL = {
     "delta_cr": 1e-7,
     "max_fragments": 4,
 }
+
+
+#: The TypeScript device SDK: its sources, lockfile, node_modules and build (dist/).
+SDK_JS = Path(__file__).resolve().parents[1] / "sdk-js"
+
+
+def _older_than(built: Path, sources: list[Path]) -> bool:
+    """Whether ``built`` is missing or older than one of ``sources``."""
+    if not built.exists():
+        return True
+    return built.stat().st_mtime < max(p.stat().st_mtime for p in sources)
+
+
+def built_sdk_js() -> str:
+    """Node, with sdk-js/ as ``make sdk-js`` leaves it: its lockfile installed (``npm ci``
+    when node_modules is missing or older than package-lock.json) and built (``npm run build``
+    when dist/ is older than a source). Skips without node and npm, fails under CI=true."""
+    import pytest
+
+    found = shutil.which("node")
+    if found is None or shutil.which("npm") is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("node and npm are needed for the TypeScript SDK's tests")
+        pytest.skip("node and npm are not installed")
+    lock = SDK_JS / "package-lock.json"
+    if _older_than(SDK_JS / "node_modules" / ".package-lock.json", [lock]):
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=SDK_JS, check=True)
+    sources = [*(SDK_JS / "src").rglob("*.ts"), SDK_JS / "scripts" / "bundle.mjs"]
+    if _older_than(SDK_JS / "dist" / "esa-device-sdk.browser.js", sources):
+        subprocess.run(["npm", "run", "build"], cwd=SDK_JS, check=True)
+    return found
 
 
 def free_port() -> int:
@@ -165,12 +208,37 @@ class ServiceProcess:
         if self.service is not None:
             launcher.stop([self.service])
 
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stopped however the test ends (a failed assertion leaves no process behind)."""
+        self.stop()
+
 
 def _spec(spec: launcher.ServiceSpec, env: dict[str, str]) -> launcher.ServiceSpec:
     """``spec`` with ``env`` applied; an empty value removes the variable (lists given inline
     replace the launcher's channel and registry files)."""
     merged = launcher.with_overrides(spec, env)
     return replace(merged, env={k: v for k, v in merged.env.items() if v != ""})
+
+
+def end_process(process: subprocess.Popen[Any], grace: float = 30.0) -> None:
+    """SIGTERM ``process`` if it still runs (our commands then stop what they started), and
+    SIGKILL it after ``grace`` seconds."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+#: Settings of a shuffler that forwards to a bare :func:`receiver` (which serves no signed
+#: config to follow): it batches under the channels it was given, as one with no analyzer key.
+UNFOLLOWED = {"analyzer_key_file": ""}
 
 
 def shuffler_process(
@@ -211,6 +279,7 @@ def analyzer_process(
         "ESA_ANALYZER_SHUFFLERS": json.dumps(shufflers),
         "ESA_ANALYZER_CHANNELS_FILE": "",
         "ESA_ANALYZER_SHUFFLERS_FILE": "",
+        **TEST_ANALYZER_SETTINGS,
         **{f"ESA_ANALYZER_{k.upper()}": v for k, v in env.items()},
     }
     return ServiceProcess(_spec(spec, overrides), tmp / "analyzer.log")
@@ -253,12 +322,48 @@ class Deployment:
             process.stop()
 
 
+#: Keys reloaded every half second and published two seconds after a rotation.
+KEY_SETTINGS = {
+    f"ESA_{role}_{name}": value
+    for role in ("ANALYZER", "SHUFFLER")
+    for name, value in (("KEY_RELOAD_SECONDS", "0.5"), ("KEY_ACTIVATION_SECONDS", "2"))
+}
+
+
+@contextmanager
+def key_deployment(var: Path, channels: list[Any]) -> Iterator[Deployment]:
+    """``esa up`` with two shufflers following the analyzer's config and reloading keys every
+    half second (:data:`KEY_SETTINGS`), each party with its own tokens under ``var/keys``."""
+    overrides = {**TEST_SHUFFLER_SETTINGS, **KEY_SETTINGS}
+    base = launcher.free_base_port(3)
+    specs = launcher.prepare(var, 2, base, channels=channels, overrides=overrides)
+    processes = [ServiceProcess(spec, var / "logs" / f"{spec.name}.log") for spec in specs]
+    running = Deployment(var, processes[0], processes[1:])
+    try:
+        for process in processes:
+            process.start()
+        assert processes[0].service is not None
+        launcher.wait_config(processes[0].service, 60)
+        yield running
+    finally:
+        running.stop()
+
+
 def start_deployment(
-    tmp: Path, channels: list[Any], analyzer_db: str | None = None, count: int = 3
+    tmp: Path,
+    channels: list[Any],
+    analyzer_db: str | None = None,
+    count: int = 3,
+    env: dict[str, str] | None = None,
+    own_tokens: bool = False,
 ) -> Deployment:
     """``esa up`` for tests: :func:`launcher.prepare` with these channels on free ports, each
-    shuffler batching and forwarding fast; ``analyzer_db`` replaces the analyzer's SQLite."""
-    overrides = {**TEST_SHUFFLER_SETTINGS, **TEST_TOKENS}
+    shuffler batching and forwarding fast; ``analyzer_db`` replaces the analyzer's SQLite;
+    ``env``: more settings (whole variable names, ``ESA_ANALYZER_...``). Every party's admin
+    and metrics token is :data:`TEST_TOKENS`, or with ``own_tokens`` its own, as ``esa up``
+    keeps it in ``tmp/keys/<party>/`` (:class:`services.tools.credentials.Credentials`)."""
+    tokens = {} if own_tokens else TEST_TOKENS
+    overrides = {**TEST_SHUFFLER_SETTINGS, **TEST_ANALYZER_SETTINGS, **tokens, **(env or {})}
     if analyzer_db is not None:
         overrides["ESA_ANALYZER_DATABASE_URL"] = analyzer_db
     base = launcher.free_base_port(count + 1)
@@ -350,6 +455,29 @@ class QuietHandler(BaseHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
 
+    def dribble(self, status: int, body: bytes, gap: float) -> float:
+        """Answer ``status`` with ``body`` one byte every ``gap`` seconds (a slow peer; at once
+        if ``gap`` is 0), until the whole body is out or the client hangs up; returns how long
+        the answer was held."""
+        start = time.monotonic()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if gap <= 0:
+            self.wfile.write(body)
+            return 0.0
+        try:
+            for byte in body:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                readable, _, _ = select.select([self.connection], [], [], gap)
+                if readable and not self.connection.recv(1):  # the client hung up
+                    break
+        except OSError:
+            pass
+        return time.monotonic() - start
+
 
 @contextmanager
 def handler_served(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Iterator[str]:
@@ -362,6 +490,33 @@ def handler_served(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Iter
     finally:
         server.shutdown()
         server.server_close()
+
+
+#: The example page (docs/sdk-js.md, "The example page").
+EXAMPLE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "web"
+
+
+@contextmanager
+def example_page(site: Path, trust_file: Path, port: int = 0) -> Iterator[str]:
+    """The example page served from ``site`` on 127.0.0.1 (``port``, or a free one) as
+    docs/sdk-js.md says to serve it: its files, the browser bundle (:func:`built_sdk_js`
+    builds it) and the deployment's trust file in one folder; files added to ``site`` later
+    are served too. Yields the page's URL."""
+    site.mkdir(parents=True, exist_ok=True)
+    for name in ("index.html", "app.js"):
+        shutil.copy(EXAMPLE_PAGE / name, site / name)
+    shutil.copy(SDK_JS / "dist" / "esa-device-sdk.browser.js", site)
+    shutil.copy(trust_file, site / "trust.json")
+
+    class Site(SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(site), **kwargs)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with handler_served(Site, port) as url:
+        yield url + "/index.html"
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Privacy accounting for the ESA pipeline (``ACCOUNTING.md``).
+"""Privacy accounting for the ESA pipeline (docs/accounting.md).
 
 Every bound returns an immutable :class:`BoundResult`; :func:`certify` gathers the bounds
 that apply to a mechanism's :class:`LocalRandomizer` description and picks the certificate;

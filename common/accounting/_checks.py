@@ -1,7 +1,7 @@
 """Argument validation shared by every public accounting function.
 
 Each check raises ``ValueError`` naming the offending argument and its value, in the style
-of ``dp_accounting`` (``STYLE.md``).
+of ``dp_accounting``.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def plan_eps0(
     randomizer: LocalRandomizer | None = None,
     bound: Method | str | None = None,
 ) -> Plan:
-    """Largest ε0 whose certified central ε is <= ``target_eps`` (ACCOUNTING.md, Planner).
+    """Largest ε0 whose certified central ε is <= ``target_eps`` (docs/accounting.md).
 
     Args:
         target_eps: Target central ε (> 0).

@@ -1,4 +1,4 @@
-"""Immutable result objects and the method identifiers of ``ACCOUNTING.md``.
+"""Immutable result objects and the method ids (docs/accounting.md, "Method ids").
 
 A bound is a value, not a float: every function in :mod:`common.accounting` returns a
 :class:`BoundResult` that carries the ε, the δ it holds for, which theorem produced it, the

@@ -1,4 +1,4 @@
-"""Inner-plaintext framing shared by every mechanism (PROTOCOL.md, "Inner plaintext").
+"""Inner-plaintext framing shared by every mechanism (docs/protocol.md, "Inner plaintext").
 
 ``version (1 byte) | mechanism code (1 byte) | mechanism payload (fixed length per mechanism)``.
 Nothing else: no client id, timestamp or counter. Integers are big-endian.

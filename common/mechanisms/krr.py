@@ -1,8 +1,9 @@
-"""k-ary randomized response — Hiding Among the Clones §4.1 (MECHANISMS.md §5).
+"""k-ary randomized response — Hiding Among the Clones §4.1 (docs/mechanisms.md).
 
 With probability ``(e^ε - 1)/(e^ε + k - 1)`` the true value is sent, otherwise a uniform value
 in [0, k): the true value is reported w.p. ``a = e^ε/(e^ε + k - 1)``, each other value w.p.
-``b = 1/(e^ε + k - 1)`` (replacement ε-LDP). One message per report.
+``b = 1/(e^ε + k - 1)`` (replacement ε-LDP). One message per report. The device facet
+(parameters, encoding, local privacy) is :mod:`common.mechanisms.device.krr`.
 
 Wire payload: ``uint32 value`` (mechanism code 5).
 
@@ -15,9 +16,6 @@ Central privacy (replacement): FMT21 Corollary 4.2 and its numerical counterpart
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -29,41 +27,20 @@ from common.mechanisms._estimates import (
     IntArray,
     clip_estimate,
 )
-from common.mechanisms._histogram import (
-    IndexHistogram,
-    check_bins,
-    check_eps,
-    check_value,
-    index_fragment,
-)
-from common.mechanisms.base import BatchContext, FragmentCount, LocalPrivacy, PrivacyDescription
-from common.randomness import RandomSource, bernoulli
+from common.mechanisms._histogram import IndexHistogram
+from common.mechanisms.base import PrivacyDescription
+from common.mechanisms.device.krr import MECHANISM_CODE, NAME, PAYLOAD_SIZE, KRRDevice, KRRParams
 
-NAME = "krr"
-MECHANISM_CODE = 5
-PAYLOAD_SIZE = 4
-
-
-@dataclass(frozen=True, slots=True)
-class KRRParams:
-    """Attributes: ``k`` domain size, ``eps`` replacement ε."""
-
-    k: int
-    eps: float
-
-    def __post_init__(self) -> None:
-        check_bins("k", self.k)
-        check_eps("eps", self.eps)
-
-    @property
-    def truth_prob(self) -> float:
-        """``a = e^ε/(e^ε + k - 1)``."""
-        return 1.0 / (1.0 + (self.k - 1) * math.exp(-self.eps))
-
-    @property
-    def other_prob(self) -> float:
-        """``b = 1/(e^ε + k - 1)``."""
-        return 1.0 / (math.exp(self.eps) + self.k - 1)
+__all__ = [
+    "KRR",
+    "MECHANISM_CODE",
+    "NAME",
+    "PAYLOAD_SIZE",
+    "KRRDevice",
+    "KRRParams",
+    "simulate_aggregate",
+    "variance",
+]
 
 
 def variance(true_counts: FloatArray | IntArray, n: int, params: KRRParams) -> FloatArray:
@@ -85,30 +62,10 @@ def simulate_aggregate(
     return CountAccumulator((truthful + uniform).astype(np.int64), int(counts.sum()))
 
 
-class KRR(IndexHistogram[KRRParams]):
+class KRR(KRRDevice, IndexHistogram[KRRParams]):
     """k-ary randomized response through the mechanism interface."""
 
-    name = NAME
-    code = MECHANISM_CODE
-    payload_size = PAYLOAD_SIZE
     randomizer_type = KaryRR
-
-    def parse_params(self, raw: Mapping[str, Any]) -> KRRParams:
-        return KRRParams(**raw)
-
-    def fragment_count(self, params: KRRParams, batch: BatchContext) -> FragmentCount:
-        """Every report is one message (§4.1)."""
-        return FragmentCount.exactly(1)
-
-    def domain_size(self, params: KRRParams) -> int:
-        return params.k
-
-    def encode_value(self, params: KRRParams, value: int, rng: RandomSource) -> list[bytes]:
-        """One fragment: the value or, with probability k/(e^ε + k - 1), a uniform value."""
-        value = check_value(value, params.k)
-        keep = math.expm1(params.eps) * params.other_prob
-        reported = value if bernoulli(rng, keep) else rng.randbelow(params.k)
-        return [index_fragment(MECHANISM_CODE, reported)]
 
     def estimate(
         self, params: KRRParams, accumulator: CountAccumulator, clip: bool = False
@@ -120,17 +77,6 @@ class KRR(IndexHistogram[KRRParams]):
         note = "k-RR debiasing" + ("; negatives clipped to 0" if clip else "")
         return Estimate(
             values=clip_estimate(values, clip), std_errors=std, n=n, clipped=clip, note=note
-        )
-
-    def local_privacy(self, params: KRRParams) -> LocalPrivacy:
-        """Replacement ε; removal against the uniform reference ``ln(k e^ε/(e^ε + k - 1))``."""
-        removal = math.log(params.k * params.truth_prob)
-        return LocalPrivacy(
-            removal=removal,
-            replacement=params.eps,
-            eps_l_inf=removal,
-            eps_l1=removal,
-            note="single message",
         )
 
     def bin_count_law(self, params: KRRParams, value: int, bins: tuple[int, int]) -> FloatArray:

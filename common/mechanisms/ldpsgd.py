@@ -8,165 +8,89 @@ the paper omits (:func:`paper_scale` is the printed one), then projects onto the
 Each report is binary RR of its sign given a uniform seed: certified as k-RR at k = 2 (FMT21
 Cor. 4.2), ``tau`` reports composed per round.
 
+The device facet (parameters, the encoder) is :mod:`common.mechanisms.device.ldpsgd` and
+:mod:`common.mechanisms.device._ldpsgd`.
+
 Sampler, constant and privacy argument: docs/mechanisms.md, "LDP-SGD"; docs/ldp-sgd.md.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
 
 import numpy as np
 
 from common.accounting import BoundResult, Epoch, KaryRR
 from common.accounting.lifetime import compose_epochs as compose_lifetime
 from common.mechanisms._estimates import Estimate, FloatArray
-from common.mechanisms._histogram import check_eps
-from common.mechanisms._wire import FragmentError, frame, unframe
+from common.mechanisms._wire import FragmentError, unframe
 from common.mechanisms.base import (
-    BatchContext,
-    DeviceState,
-    Encoded,
-    FragmentCount,
-    LocalPrivacy,
     Mechanism,
-    MechanismError,
     NoDataError,
     PrivacyDescription,
     Received,
     ReleaseCertificate,
-    ValueKind,
     compose_epochs,
     epoch_batches,
 )
-from common.randomness import RandomSource, bernoulli, default_source, random_bytes
+from common.mechanisms.device import BatchContext
+from common.mechanisms.device._ldpsgd import (
+    check_gradient,
+    clip_gradient,
+    encode,
+    model_from_params,
+    model_params,
+    sphere,
+)
+from common.mechanisms.device.ldpsgd import (
+    MECHANISM_CODE,
+    MODEL_KEYS,
+    NAME,
+    PAYLOAD_SIZE,
+    SEED_BYTES,
+    SPHERE_DOMAIN,
+    GradientReport,
+    LdpSgdDevice,
+    LdpSgdParams,
+    paper_scale,
+)
 
-NAME = "ldp-sgd"
-MECHANISM_CODE = 6
-SEED_BYTES = 16
-PAYLOAD_SIZE = 4 + 1 + SEED_BYTES
-SPHERE_DOMAIN = b"esa/ldp-sgd/sphere/v1"
+__all__ = [
+    "CHUNK",
+    "MAX_ROUNDS",
+    "MECHANISM_CODE",
+    "MODEL_KEYS",
+    "NAME",
+    "PAYLOAD_SIZE",
+    "SEED_BYTES",
+    "SPHERE_DOMAIN",
+    "GradientReport",
+    "LdpSgd",
+    "LdpSgdAccumulator",
+    "LdpSgdDevice",
+    "LdpSgdParams",
+    "check_gradient",
+    "clip_gradient",
+    "encode",
+    "model_from_params",
+    "model_params",
+    "noisy_gradient",
+    "paper_scale",
+    "parse_fragment",
+    "project",
+    "server_step",
+    "simulate_reports",
+    "sphere",
+    "theorem_vi1",
+]
+
 #: Distinct rounds one accumulator keeps; fragments naming further rounds are chaff.
 MAX_ROUNDS = 64
 #: Reports whose sphere vectors are generated and summed at once (bounds memory: chunk × d).
 CHUNK = 4096
-#: Keys of a channel's ``params`` that carry the published model, not parameters.
-MODEL_KEYS = ("round", "theta")
-
-
-@dataclass(frozen=True, slots=True)
-class LdpSgdParams:
-    """Attributes: ``dim`` model dimension d, ``eps`` per-report ε (replacement), ``clip`` the
-    L2 clipping norm L, ``radius`` of the parameter ball C, ``learning_rate`` η, ``tau``
-    reports per device per round, ``rounds`` T."""
-
-    dim: int
-    eps: float
-    clip: float = 1.0
-    radius: float = 100.0
-    learning_rate: float = 1.0
-    tau: int = 1
-    rounds: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("dim", "tau", "rounds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
-        if self.dim < 2:
-            raise ValueError(f"dim must be >= 2, got dim={self.dim}")
-        check_eps("eps", self.eps)
-        for name in ("clip", "radius", "learning_rate"):
-            check_eps(name, getattr(self, name))
-
-    @property
-    def flip_prob(self) -> float:
-        """``1/(1 + e^ε)``."""
-        return 1.0 / (1.0 + math.exp(self.eps))
-
-    @property
-    def scale(self) -> float:
-        """Algorithm 5 line 5's constant with the factor d (docs/mechanisms.md, "LDP-SGD")."""
-        return self.dim * paper_scale(self.dim, self.clip, self.eps)
-
-
-def paper_scale(dim: int, clip: float, eps: float) -> float:
-    """The constant as printed in Algorithm 5 line 5:
-    ``L √π/2 · Γ((d-1)/2 + 1)/Γ(d/2 + 1) · (e^ε + 1)/(e^ε - 1)``."""
-    gamma_ratio = math.exp(math.lgamma((dim - 1) / 2 + 1) - math.lgamma(dim / 2 + 1))
-    return clip * math.sqrt(math.pi) / 2 * gamma_ratio / math.tanh(eps / 2)
-
-
-@dataclass(frozen=True, slots=True)
-class GradientReport:
-    """What a device hands the SDK: the round of the model it used and its gradient there."""
-
-    round: int
-    gradient: FloatArray
-
-
-def sphere(seeds: Sequence[bytes], dim: int) -> FloatArray:
-    """The fixed seed-to-sphere sampler: one unit vector per seed (docs/mechanisms.md, LDP-SGD)."""
-    pairs = (dim + 1) // 2
-    raw = b"".join(hashlib.shake_256(SPHERE_DOMAIN + s).digest(16 * pairs) for s in seeds)
-    words = np.frombuffer(raw, dtype="<u8").reshape(len(seeds), pairs, 2)
-    u = ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
-    radius = np.sqrt(-2.0 * np.log(u[:, :, 0]))
-    angle = 2.0 * math.pi * u[:, :, 1]
-    normals = np.stack([radius * np.cos(angle), radius * np.sin(angle)], axis=2)
-    normals = normals.reshape(len(seeds), 2 * pairs)[:, :dim]
-    result: FloatArray = normals / np.linalg.norm(normals, axis=1, keepdims=True)
-    return result
-
-
-def clip_gradient(gradient: FloatArray, clip: float) -> FloatArray:
-    """Algorithm 4 line 1: ``x · min(1, L/‖x‖)``."""
-    norm = float(np.linalg.norm(gradient))
-    result: FloatArray = gradient * min(1.0, clip / norm) if norm > 0 else gradient
-    return result
-
-
-def check_gradient(value: Any, params: LdpSgdParams) -> GradientReport:
-    """Validate a device's value (a :class:`GradientReport` of the channel's dimension)."""
-    if not isinstance(value, GradientReport):
-        raise MechanismError(f"value must be a GradientReport, got value={type(value).__name__}")
-    if isinstance(value.round, bool) or not isinstance(value.round, int):
-        raise MechanismError(f"round must be an integer, got round={value.round!r}")
-    if not 0 <= value.round < 1 << 32:
-        raise MechanismError(f"round must be in [0, 2**32), got round={value.round}")
-    gradient = np.asarray(value.gradient, dtype=np.float64)
-    if gradient.shape != (params.dim,) or not np.all(np.isfinite(gradient)):
-        raise MechanismError(
-            f"gradient must be {params.dim} finite numbers, got shape {gradient.shape}"
-        )
-    return GradientReport(value.round, gradient)
-
-
-def encode(
-    value: GradientReport, params: LdpSgdParams, rng: RandomSource | None = None
-) -> list[bytes]:
-    """Algorithm 4 with the PRG reduction: ``tau`` fragments ``(round, sign, seed)``."""
-    report = check_gradient(value, params)
-    rng = rng or default_source()
-    x = clip_gradient(report.gradient, params.clip)
-    norm = float(np.linalg.norm(x))
-    fragments = []
-    for _ in range(params.tau):
-        # z = ±L x/‖x‖ (a uniform direction when x = 0: E[z] = x = 0 either way).
-        direction = x / norm if norm > 0 else sphere([random_bytes(rng, SEED_BYTES)], params.dim)[0]
-        z_sign = 1.0 if bernoulli(rng, 0.5 + norm / (2.0 * params.clip)) else -1.0
-        seed = random_bytes(rng, SEED_BYTES)
-        bit = z_sign * float(direction @ sphere([seed], params.dim)[0]) >= 0.0
-        if bernoulli(rng, params.flip_prob):
-            bit = not bit
-        payload = report.round.to_bytes(4, "big") + bytes((int(bit),)) + seed
-        fragments.append(frame(MECHANISM_CODE, payload))
-    return fragments
 
 
 def parse_fragment(fragment: bytes) -> tuple[int, float, bytes]:
@@ -282,37 +206,9 @@ def theorem_vi1(params: LdpSgdParams, n: int, delta: float) -> float:
     return math.expm1(params.eps) / math.sqrt(n) * math.sqrt(t * math.log(t / delta) ** 2)
 
 
-class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
+class LdpSgd(LdpSgdDevice, Mechanism[LdpSgdParams, LdpSgdAccumulator]):
     """LDP-SGD through the mechanism interface (the estimate is the noisy gradient of the round
     with the most reports)."""
-
-    name = NAME
-    code = MECHANISM_CODE
-    payload_size = PAYLOAD_SIZE
-    value_kind: ClassVar[ValueKind] = ValueKind.CATEGORY
-
-    def parse_params(self, raw: Mapping[str, Any]) -> LdpSgdParams:
-        return LdpSgdParams(**{k: v for k, v in raw.items() if k not in MODEL_KEYS})
-
-    def domain_size(self, params: LdpSgdParams) -> int:
-        return params.dim
-
-    def fragment_limit(self, params: LdpSgdParams) -> int:
-        return params.tau
-
-    def fragment_count(self, params: LdpSgdParams, batch: BatchContext) -> FragmentCount:
-        """Every report is ``tau`` fragments (Algorithm 4)."""
-        return FragmentCount.exactly(params.tau)
-
-    def encode(
-        self,
-        params: LdpSgdParams,
-        value: Any,
-        state: DeviceState | None,
-        rng: RandomSource,
-        shufflers: int,
-    ) -> Encoded:
-        return Encoded(((None, tuple(encode(value, params, rng))),))
 
     def new_accumulator(self, params: LdpSgdParams) -> LdpSgdAccumulator:
         return LdpSgdAccumulator(params.dim)
@@ -367,18 +263,6 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
         std = np.full(params.dim, params.scale / math.sqrt(params.dim * count))
         note = f"LDP-SGD noisy gradient of round {round_} ({count} reports), Algorithm 5 line 5"
         return Estimate(values=values, std_errors=std, n=accumulator.n, clipped=False, note=note)
-
-    def local_privacy(self, params: LdpSgdParams) -> LocalPrivacy:
-        """Per round: ``tau`` reports of ε each (replacement, basic composition — exact for pure
-        ε); removal against a uniform sign: ``ln(2e^ε/(e^ε + 1))`` per report."""
-        removal = math.log(2.0 / (1.0 + math.exp(-params.eps)))
-        return LocalPrivacy(
-            removal=params.tau * removal,
-            replacement=params.tau * params.eps,
-            eps_l_inf=params.tau * removal,
-            eps_l1=removal,
-            note=f"{params.tau} binary-RR report(s) per device per round",
-        )
 
     def privacy(self, params: LdpSgdParams) -> PrivacyDescription:
         """One report: binary RR of a sign at ε, i.e. k-RR at k = 2 (replacement)."""
@@ -441,28 +325,3 @@ class LdpSgd(Mechanism[LdpSgdParams, LdpSgdAccumulator]):
         if result.eps is None:
             raise ValueError(f"nothing certified at n={n}, delta={delta}")
         return float(result.eps)
-
-
-def model_params(round_: int, theta: FloatArray) -> dict[str, Any]:
-    """The published model as ``params`` keys of the signed channel config: ``round`` and
-    ``theta`` (standard base64 of big-endian float64)."""
-    data = np.asarray(theta, dtype=">f8").tobytes()
-    return {"round": int(round_), "theta": base64.b64encode(data).decode()}
-
-
-def model_from_params(params: Mapping[str, Any], dim: int) -> tuple[int, FloatArray]:
-    """``(round, θ)`` from a signed channel config's ``params`` (what a device trains at).
-
-    Raises:
-        MechanismError: the config publishes no model, or one of another dimension.
-    """
-    round_, text = params.get("round"), params.get("theta")
-    if isinstance(round_, bool) or not isinstance(round_, int) or not isinstance(text, str):
-        raise MechanismError("channel params publish no model (round and theta)")
-    try:
-        theta = np.frombuffer(base64.b64decode(text, validate=True), dtype=">f8")
-    except ValueError as error:
-        raise MechanismError(f"theta is not base64 float64: {error}") from error
-    if theta.shape != (dim,):
-        raise MechanismError(f"theta must have {dim} values, got {theta.size}")
-    return round_, theta.astype(np.float64)

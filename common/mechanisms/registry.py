@@ -5,6 +5,12 @@ Built-in mechanisms are registered by :mod:`common.mechanisms`; others by callin
 in a service process — named in ``ESA_MECHANISM_MODULES`` (comma-separated module paths) or
 published under the ``esa.mechanisms`` entry-point group of an installed package. Wire codes
 (byte 2 of every inner plaintext) are unique across the registry.
+
+A device looks a mechanism up with :func:`get_device` (its device facet:
+:class:`common.mechanisms.device.DeviceMechanism`); the analyzer and the tools with :func:`get`
+(the whole :class:`common.mechanisms.base.Mechanism`). A built-in mechanism is registered by
+its device facet and a loader: its analyzer and privacy facets, with numpy and
+:mod:`common.accounting`, load on the first :func:`get` of it, never on a device.
 """
 
 from __future__ import annotations
@@ -12,16 +18,24 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from importlib.metadata import entry_points
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from common.mechanisms.base import Mechanism
+from common.mechanisms.device import DeviceMechanism
+
+if TYPE_CHECKING:
+    from common.mechanisms.base import Mechanism
 
 #: Environment variable listing extra modules that register mechanisms when imported.
 PLUGIN_ENV = "ESA_MECHANISM_MODULES"
 ENTRY_POINT_GROUP = "esa.mechanisms"
 
-_registry: dict[str, Mechanism[Any, Any]] = {}
+#: Every registered mechanism's device facet (a whole mechanism is one too), by name.
+_devices: dict[str, DeviceMechanism[Any]] = {}
+#: Whole mechanisms registered or loaded so far, by name.
+_mechanisms: dict[str, Mechanism[Any, Any]] = {}
+#: What registers the whole mechanism of a device facet registered alone, by name.
+_loaders: dict[str, Callable[[], object]] = {}
 _lock = threading.Lock()
 _plugins_loaded = False
 
@@ -31,42 +45,97 @@ class UnknownMechanismError(ValueError):
 
 
 def register(mechanism: Mechanism[Any, Any]) -> Mechanism[Any, Any]:
-    """Add ``mechanism`` (idempotent for the same class); returns it.
+    """Add ``mechanism`` (idempotent for the same class; the whole mechanism of a device facet
+    registered by :func:`register_device` completes it); returns the registered one.
 
     Raises:
         ValueError: another mechanism already uses its name or wire code.
     """
     with _lock:
-        current = _registry.get(mechanism.name)
+        current = _devices.get(mechanism.name)
         if current is not None:
-            if _same(current, mechanism):
-                return current
+            whole = _mechanisms.get(mechanism.name)
+            if whole is not None and _same(whole, mechanism):
+                return whole
+            if whole is None and isinstance(mechanism, type(current)):
+                _mechanisms[mechanism.name] = mechanism
+                return mechanism
             raise ValueError(f"mechanism name {mechanism.name!r} is already registered")
-        clash = next((m for m in _registry.values() if m.code == mechanism.code), None)
-        if clash is not None:
-            raise ValueError(
-                f"wire code {mechanism.code} of {mechanism.name!r} is already used by "
-                f"{clash.name!r}"
-            )
-        _registry[mechanism.name] = mechanism
+        _add(mechanism)
+        _mechanisms[mechanism.name] = mechanism
         return mechanism
 
 
-def _same(a: Mechanism[Any, Any], b: Mechanism[Any, Any]) -> bool:
+def register_device(device: DeviceMechanism[Any], load: Callable[[], object]) -> None:
+    """Add a mechanism by its device facet; ``load`` registers its whole mechanism (a subclass
+    of the facet's class, by :func:`register`) when :func:`get` first asks for it.
+
+    Raises:
+        ValueError: another mechanism already uses its name or wire code.
+    """
+    with _lock:
+        current = _devices.get(device.name)
+        if current is not None:
+            if _same(current, device) or isinstance(current, type(device)):
+                return
+            raise ValueError(f"mechanism name {device.name!r} is already registered")
+        _add(device)
+        _loaders[device.name] = load
+
+
+def _add(device: DeviceMechanism[Any]) -> None:
+    """Record a new name, its wire code unique (the lock held)."""
+    clash = next((m for m in _devices.values() if m.code == device.code), None)
+    if clash is not None:
+        raise ValueError(
+            f"wire code {device.code} of {device.name!r} is already used by {clash.name!r}"
+        )
+    _devices[device.name] = device
+
+
+def _same(a: DeviceMechanism[Any], b: DeviceMechanism[Any]) -> bool:
     kind_a, kind_b = type(a), type(b)
     return (kind_a.__module__, kind_a.__qualname__) == (kind_b.__module__, kind_b.__qualname__)
 
 
 def get(name: str) -> Mechanism[Any, Any]:
-    """The mechanism registered as ``name`` (plugins are loaded on the first miss).
+    """The whole mechanism registered as ``name``, its analyzer and privacy facets loaded on
+    first use (plugins are loaded on the first miss).
 
     Raises:
         UnknownMechanismError: naming the known mechanisms.
     """
-    found = _registry.get(name)
+    found = _mechanisms.get(name)
+    if found is None:
+        _load(name)
+        found = _mechanisms.get(name)
+    if found is None:
+        raise UnknownMechanismError(f"unknown mechanism {name!r}; registered: {', '.join(names())}")
+    return found
+
+
+def _load(name: str) -> None:
+    """Run what registers ``name``'s whole mechanism: its loader, else the plugins (which may
+    register it, or its device facet with a loader). Loading twice registers nothing twice."""
+    load = _loaders.get(name)
+    if load is None:
+        load_plugins()
+        load = _loaders.get(name)
+    if load is not None:
+        load()
+
+
+def get_device(name: str) -> DeviceMechanism[Any]:
+    """The device facet of the mechanism registered as ``name``: what the SDK encodes with and
+    what pinned terms are ordered by (plugins are loaded on the first miss).
+
+    Raises:
+        UnknownMechanismError: naming the known mechanisms.
+    """
+    found = _devices.get(name)
     if found is None:
         load_plugins()
-        found = _registry.get(name)
+        found = _devices.get(name)
     if found is None:
         raise UnknownMechanismError(f"unknown mechanism {name!r}; registered: {', '.join(names())}")
     return found
@@ -74,7 +143,7 @@ def get(name: str) -> Mechanism[Any, Any]:
 
 def names() -> list[str]:
     """Registered mechanism names, sorted."""
-    return sorted(_registry)
+    return sorted(_devices)
 
 
 def load_plugins() -> None:
@@ -84,6 +153,8 @@ def load_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True
+    from importlib.metadata import entry_points  # a few MB of modules, for this alone
+
     for module in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
         importlib.import_module(module)
     for entry in entry_points(group=ENTRY_POINT_GROUP):

@@ -78,7 +78,7 @@ Start here:
 
 
 def version_text() -> str:
-    """``esa --version``: the package version and the wire formats it speaks (PROTOCOL.md)."""
+    """``esa --version``: the package version and the wire formats it speaks (docs/protocol.md)."""
     try:
         installed = package_version("esa-pipeline")
     except PackageNotFoundError:

@@ -1,4 +1,4 @@
-"""``esa account``: certify central (ε, δ), compose lifetime ε, plan ε0 (ACCOUNTING.md, CLI)."""
+"""``esa account``: certify central (ε, δ), compose lifetime ε, plan ε0 (docs/accounting.md)."""
 
 from __future__ import annotations
 

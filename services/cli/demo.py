@@ -18,11 +18,13 @@ import click
 from rich.console import Console
 
 from services.cli import launcher
+from services.tools import stopping
 from services.tools.credentials import Credentials
 
 if TYPE_CHECKING:
     from common.wire import ChannelConfig
-    from services.tools.demo import ChannelResult, DemoDeployment, DemoRun
+    from services.tools.demo import DemoDeployment, DemoRun
+    from services.tools.demo_results import ChannelResult
 
 
 @click.command("demo")
@@ -157,14 +159,21 @@ def demo(**kw: Any) -> None:
     A deployment the demo started stays up with its dashboard until Ctrl-C in a terminal, and
     stops at the end under CI or a pipe (--keep-running / --exit choose).
     """
+    with stopping.stops_cleanly("esa demo"):
+        _demo(kw)
+
+
+def _demo(kw: dict[str, Any]) -> None:
+    """``esa demo`` with its options by name: deployment, run, report; whatever happens, the
+    processes it started are stopped and its folder removed."""
     import httpx
 
     from encoder_client import EsaError
     from services.tools.demo import DemoError
 
     options, var = _options(kw), kw["var"]
-    services: list[launcher.Service] = []
-    workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
+    with stopping.held():  # a stop arriving meanwhile waits until the folder is recorded
+        workdir = Path(tempfile.mkdtemp(prefix="esa-demo-"))
     try:
         template = kw["database_url_template"]
         services, options.trust = _deployment(options, var, workdir, template)
@@ -178,8 +187,7 @@ def demo(**kw: Any) -> None:
     except EsaError as error:  # a device's SDK refused (config, state)
         raise click.ClickException(f"a simulated device failed: {error}") from error
     finally:
-        if services:
-            launcher.stop(services)
+        launcher.stop_started()  # the deployment it started, if it did (all of it)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -217,16 +225,17 @@ def keep_up(own: bool, keep_running: bool | None, is_interactive: bool) -> bool:
 
 
 def finish(services: list[launcher.Service], dashboard: str, keep: bool) -> None:
-    """Print the dashboard line; with ``keep``, serve until Ctrl-C or SIGTERM and then stop
-    every service the demo started (:func:`launcher.serve_forever`).
+    """Print the dashboard line; with ``keep``, serve until Ctrl-C or SIGTERM, which stop
+    every service the demo started (:func:`launcher.serve_forever`) and end the demo as
+    :func:`stopping.stops_cleanly` says.
 
     Raises:
         launcher.LaunchError: a service died while being kept up.
+        stopping.Stopped: Ctrl-C or SIGTERM, once every service is stopped.
     """
     _stdout().print(dashboard_line(dashboard, bool(services), keep), soft_wrap=True)
     if keep:
         launcher.serve_forever(services)
-        _console().print("deployment stopped")
 
 
 def dashboard_line(url: str, own: bool, keep: bool) -> str:
@@ -437,7 +446,7 @@ def _print_privacy(out: Console, found: list[ChannelResult]) -> None:
     split, the same with randomized deletion, and the device budget in use."""
     from rich.table import Table
 
-    from services.tools.demo import budget_text, lifetime_text
+    from services.tools.demo_results import budget_text, lifetime_text
 
     for r in found:
         table = Table(title=f"{r.channel_id}: privacy over time (per-epoch certificates)")

@@ -12,6 +12,7 @@ HAProxy that dies (:func:`serve_forever`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,9 +27,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import click
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -38,6 +38,7 @@ from common.files import create_once
 from common.wire import ChannelConfig, b64, unb64
 from runtime import haproxy
 from runtime.keys import SIGNING, STATE_FILE, KeyDirectory
+from services.tools import stopping
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 ANALYZER_PORT = 8100
@@ -53,11 +54,20 @@ SHARED_SETTINGS = {
     "ESA_SHUFFLER_BATCH_INTERVAL_SECONDS": "1.0",
     "ESA_SHUFFLER_FORWARD_INTERVAL_SECONDS": "0.5",
 }
+#: Origins of a web page served on this machine's port 8000 (``python -m http.server``'s
+#: default; the example page's, docs/operations.md, "Browsers (CORS)"): in the local profile,
+#: devices on it may call every party's device routes.
+EXAMPLE_PAGE_ORIGINS = "http://127.0.0.1:8000,http://localhost:8000"
 #: Settings of the local profile only (``esa up``, ``esa demo``, the tests): every simulated
-#: device enrols from 127.0.0.1, so the per-address enrolment limit is raised. The production
-#: profile (``docker-compose.yml``) keeps the shuffler's default (enrolment is open: the limit
-#: is what slows a flood of fake devices, README "Honest crowds").
-LOCAL_SETTINGS = {"ESA_SHUFFLER_ENROLL_PER_MINUTE": "120000"}
+#: device enrols from 127.0.0.1, so the per-address enrolment limit is raised, and devices on
+#: a page of :data:`EXAMPLE_PAGE_ORIGINS` may call the device routes. The production profile
+#: (``docker-compose.yml``) keeps the shuffler's default limit (enrolment is open: the limit
+#: is what slows a flood of fake devices, README "Honest crowds") and allows no page.
+LOCAL_SETTINGS = {
+    "ESA_SHUFFLER_ENROLL_PER_MINUTE": "120000",
+    "ESA_SHUFFLER_CORS_ORIGINS": EXAMPLE_PAGE_ORIGINS,
+    "ESA_ANALYZER_CORS_ORIGINS": EXAMPLE_PAGE_ORIGINS,
+}
 #: ``local``: :data:`LOCAL_SETTINGS` on top of :data:`SHARED_SETTINGS`; ``production``: only
 #: the shared ones.
 Profile = Literal["local", "production"]
@@ -160,8 +170,17 @@ def database_url(template: str | None, var: Path, service: str) -> str:
     return template.replace("{service}", service)
 
 
-def analyzer_spec(var: Path, port: int, database: str) -> ServiceSpec:
-    """The analyzer on ``port``, reading the channel file and shuffler registry under ``var``."""
+def local_settings(prefix: str, profile: Profile) -> dict[str, str]:
+    """The :data:`LOCAL_SETTINGS` of one kind of party (``ESA_ANALYZER_`` or
+    ``ESA_SHUFFLER_``) in the local profile; none in production."""
+    if profile != "local":
+        return {}
+    return {k: v for k, v in LOCAL_SETTINGS.items() if k.startswith(prefix)}
+
+
+def analyzer_spec(var: Path, port: int, database: str, profile: Profile = "local") -> ServiceSpec:
+    """The analyzer on ``port``, reading the channel file and shuffler registry under ``var``,
+    with the settings of ``profile``."""
     env = {
         "ESA_ANALYZER_PORT": str(port),
         "ESA_ANALYZER_DATABASE_URL": database,
@@ -169,6 +188,7 @@ def analyzer_spec(var: Path, port: int, database: str) -> ServiceSpec:
         "ESA_ANALYZER_TRAINING_DIR": str(var / "training"),
         "ESA_ANALYZER_CHANNELS_FILE": str(var / "channels.json"),
         "ESA_ANALYZER_SHUFFLERS_FILE": str(var / "shufflers.json"),
+        **local_settings("ESA_ANALYZER_", profile),
     }
     return ServiceSpec("analyzer", ("analyzer", "serve"), env, port)
 
@@ -197,7 +217,7 @@ def shuffler_spec(
         # the analyzer's published config-signing key: channel changes in its signed config
         **({"ESA_SHUFFLER_ANALYZER_KEY_FILE": str(var / "analyzer.pub")} if analyzer_url else {}),
         **SHARED_SETTINGS,
-        **(LOCAL_SETTINGS if profile == "local" else {}),
+        **local_settings("ESA_SHUFFLER_", profile),
     }
     return ServiceSpec(sid, ("shuffler", "serve"), env, port)
 
@@ -224,7 +244,8 @@ def service_specs(
     """The analyzer and shufflers 1..K: command, environment and port of each (no side effects,
     no secrets; ``docker-compose.yml`` is checked against the ``production`` profile)."""
     analyzer_url = analyzer_url or f"http://127.0.0.1:{base_port}"
-    specs = [analyzer_spec(var, base_port, database_url(database_template, var, "analyzer"))]
+    database = database_url(database_template, var, "analyzer")
+    specs = [analyzer_spec(var, base_port, database, profile)]
     for i in range(1, shufflers + 1):
         database = database_url(database_template, var, f"shuffler_{i}")
         specs.append(
@@ -350,7 +371,19 @@ def start(spec: ServiceSpec, log: Path) -> Service:
             stderr=handle,
             start_new_session=True,
         )
+    _started(process)
     return Service(name=spec.name, url=spec.url, process=process, log=log, spec=spec)
+
+
+#: Every process this process started (:func:`start`, HAProxy) and has not stopped yet, for
+#: :func:`stop_started`.
+_STARTED: set[subprocess.Popen[bytes]] = set()
+_STARTED_LOCK = threading.Lock()
+
+
+def _started(process: subprocess.Popen[bytes]) -> None:
+    with _STARTED_LOCK:
+        _STARTED.add(process)
 
 
 def start_all(specs: Sequence[ServiceSpec], logs: Path, timeout: float = 60.0) -> list[Service]:
@@ -359,8 +392,11 @@ def start_all(specs: Sequence[ServiceSpec], logs: Path, timeout: float = 60.0) -
     Raises:
         LaunchError: a service exited or did not become ready (nothing is left running).
     """
-    services = [start(spec, logs / f"{spec.name}.log") for spec in specs]
+    services: list[Service] = []
     try:
+        for spec in specs:
+            with stopping.held():  # a stop arriving meanwhile waits until it is recorded
+                services.append(start(spec, logs / f"{spec.name}.log"))
         wait_ready(services, timeout)
     except BaseException:  # LaunchError, and Ctrl-C while waiting: leave nothing running
         stop(services)
@@ -450,18 +486,44 @@ def wait_ready(services: list[Service], timeout: float) -> None:
             time.sleep(0.1)
 
 
-def stop(services: list[Service]) -> None:
-    """SIGTERM every service, then SIGKILL whatever is left after 10 s."""
-    for service in services:
-        if service.process.poll() is None:
-            service.process.terminate()
-    deadline = time.monotonic() + 10
-    for service in services:
+#: Seconds a service has after SIGTERM to finish its requests and stop before it is killed.
+STOP_GRACE_SECONDS = 10.0
+
+
+def stop(services: Sequence[Service], grace: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM every service, SIGKILL whatever is left after ``grace`` seconds, then SIGKILL
+    every process still in a service's process group: each starts in a session of its own
+    (:func:`start`), so its own workers (the analyzer's opening processes) are there, and
+    none outlives a service that was killed or died."""
+    _stop_processes([service.process for service in services], grace)
+
+
+def stop_started(grace: float = STOP_GRACE_SECONDS) -> None:
+    """:func:`stop` every process this process started and has not stopped: what a command
+    calls on its way out, so that none is left behind whichever step was interrupted (even
+    one whose services were started but not yet handed back)."""
+    with _STARTED_LOCK:
+        processes = list(_STARTED)
+    _stop_processes(processes, grace)
+
+
+def _stop_processes(processes: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """:func:`stop` for processes (HAProxy serves several frontends from one)."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
         try:
-            service.process.wait(max(0.1, deadline - time.monotonic()))
+            process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            service.process.kill()
-            service.process.wait()
+            process.kill()
+            process.wait()
+    for group in {process.pid for process in processes}:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # an empty group
+            os.killpg(group, signal.SIGKILL)
+    with _STARTED_LOCK:
+        _STARTED.difference_update(processes)
 
 
 def check_scale(database_template: str | None, replicas: int, workers: int) -> None:
@@ -494,11 +556,13 @@ def scale(
     for spec in specs:
         shuffler = spec.command[0] == "shuffler"
         copies, suffix = (replicas, "r") if shuffler else (workers, "w")
-        variable = "ESA_SHUFFLER_PORT" if shuffler else "ESA_ANALYZER_PORT"
+        party = "ESA_SHUFFLER" if shuffler else "ESA_ANALYZER"
         ports = tuple(range(port, port + copies))
         port += copies
+        # HAProxy connects from 127.0.0.1: only there is X-Forwarded-For the device's address.
+        proxies = {f"{party}_TRUSTED_PROXIES": haproxy.ADDRESS}
         for n, p in enumerate(ports, start=1):
-            env = {**spec.env, variable: str(p)}
+            env = {**proxies, **spec.env, f"{party}_PORT": str(p)}
             processes.append(replace(spec, name=f"{spec.name}.{suffix}{n}", env=env, port=p))
         frontends.append(haproxy.Frontend(spec.name, spec.port, ports, shuffler))
     return processes, frontends
@@ -608,16 +672,18 @@ def start_scaled(
         config = haproxy.write_config(var / "haproxy.cfg", frontends)
         migrate(specs)
         started += start_all(processes, logs, timeout)
-        proxy = haproxy.start(config, logs / "haproxy.log")
-        started += [
-            Service(
-                name=f"haproxy:{f.name}",
-                url=f"http://127.0.0.1:{f.port}",
-                process=proxy,
-                log=logs / "haproxy.log",
-            )
-            for f in frontends
-        ]
+        with stopping.held():  # a stop arriving meanwhile waits until HAProxy is recorded
+            proxy = haproxy.start(config, logs / "haproxy.log")
+            _started(proxy)
+            started += [
+                Service(
+                    name=f"haproxy:{f.name}",
+                    url=f"http://127.0.0.1:{f.port}",
+                    process=proxy,
+                    log=logs / "haproxy.log",
+                )
+                for f in frontends
+            ]
         wait_ready(started, timeout)
     except haproxy.HaproxyError as error:
         stop(started)
@@ -641,7 +707,7 @@ _SCALED_NAME = re.compile(r"^(?P<service>analyzer|shuffler-\d+)\.[rw]\d+$")
 
 def print_status(message: str) -> None:
     """One line of supervision news on stderr, with the time of day (``esa up``'s console)."""
-    click.echo(f"{time.strftime('%H:%M:%S')} {message}", err=True)
+    stopping.say(message)
 
 
 def siblings(service: Service, services: Sequence[Service]) -> list[Service]:
@@ -743,7 +809,9 @@ class Supervisor:
 
 
 def serve_forever(services: list[Service], report: Callable[[str], None] = print_status) -> None:
-    """Block until Ctrl-C / SIGTERM or a death a restart cannot help, then stop everything.
+    """Block until a death a restart cannot help, or until Ctrl-C / SIGTERM / SIGHUP
+    (:class:`services.tools.stopping.Stopped`, raised through once everything is stopped: the
+    command ends as :func:`services.tools.stopping.stops_cleanly` says); stop everything first.
 
     A process with siblings behind HAProxy (a shuffler replica ``shuffler-<i>.r<n>``, an
     analyzer worker ``analyzer.w<n>``) that dies is restarted on its port (HAProxy sends its
@@ -754,19 +822,14 @@ def serve_forever(services: list[Service], report: Callable[[str], None] = print
 
     Raises:
         LaunchError: what died and why restarting it did not help.
+        stopping.Stopped: a stopping signal arrived.
     """
-    stopping = {"flag": False}
-
-    def _handler(signum: int, _: Any) -> None:
-        stopping["flag"] = True
-
-    signal.signal(signal.SIGTERM, _handler)
-    signal.signal(signal.SIGINT, _handler)
     supervisor = Supervisor(services=services, report=report)
     try:
-        while not stopping["flag"]:
-            supervisor.check()
-            time.sleep(0.2)
+        with stopping.raising():
+            while True:
+                supervisor.check()
+                time.sleep(0.2)
     finally:
         stop(services)
         supervisor.join()  # a restart may have started its process after that stop

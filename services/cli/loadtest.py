@@ -211,7 +211,10 @@ def loadtest(
     verified run closed the epoch (wait for the next epoch, or use --up).
     Writes <out>/loadtest.json and <out>/loadtest.html. Details: docs/loadtest.md.
     """
-    _main(dict(locals()))
+    from services.tools.stopping import stops_cleanly
+
+    with stops_cleanly("esa loadtest"):
+        _main(dict(locals()))
 
 
 def _main(kw: dict[str, Any]) -> None:
@@ -219,11 +222,12 @@ def _main(kw: dict[str, Any]) -> None:
     import httpx
 
     from services.cli import launcher
+    from services.tools import stopping
     from services.tools.credentials import Credentials
     from services.tools.loadgen import LoadError
     from services.tools.loadtest import verify
     from services.tools.loadtest.population import PopulationError
-    from services.tools.loadtest.prepare import Plan
+    from services.tools.loadtest.prepare import LoadPlan
     from services.tools.loadtest.run import Options, execute
 
     console = Console(stderr=True)
@@ -234,11 +238,12 @@ def _main(kw: dict[str, Any]) -> None:
     tokens = _credentials(kw["admin_token"], kw["keys"])
     try:
         if kw["start_local"]:
-            services, trust_file = _start_local(console)
-            own = trust_file.parent
+            with stopping.held():  # a stop arriving meanwhile waits until it is recorded
+                own = Path(tempfile.mkdtemp(prefix="esa-loadtest-"))
+            services, trust_file = _start_local(console, own)
             tokens = Credentials(folder=own / "keys")
             analyzer_url = services[0].url
-        plan = Plan(
+        plan = LoadPlan(
             analyzer_url=analyzer_url.rstrip("/"),
             trust=_pinned(trust_file or kw["var"] / launcher.TRUST_FILE),
             devices=kw["devices"],
@@ -249,7 +254,6 @@ def _main(kw: dict[str, Any]) -> None:
             workers=kw["workers"],
             seed=kw["seed"],
         )
-        local = {s.name: s.process.pid for s in services}
         options = Options(
             plan=plan,
             rate=pace,
@@ -258,7 +262,7 @@ def _main(kw: dict[str, Any]) -> None:
             out=kw["out"],
             drain_timeout=kw["drain_timeout"],
             live=not kw["no_live"],
-            local=local,
+            local={s.name: s.process.pid for s in services},
         )
         summary = execute(options, console)
     except (LoadError, PopulationError, verify.VerifyError, launcher.LaunchError) as error:
@@ -266,8 +270,7 @@ def _main(kw: dict[str, Any]) -> None:
     except httpx.HTTPError as error:  # a service went away where no step said what it was doing
         raise click.ClickException(f"lost the deployment: {error}") from error
     finally:
-        if services:
-            launcher.stop(services)
+        launcher.stop_started()  # the deployment of --up, if it started (all of it)
         if own is not None:  # its keys, tokens and databases served this run only
             shutil.rmtree(own, ignore_errors=True)
     _print(summary, console)
@@ -276,11 +279,11 @@ def _main(kw: dict[str, Any]) -> None:
         raise click.ClickException("verification failed: " + "; ".join(problems))
 
 
-def _start_local(console: Console) -> tuple[list[Any], Path]:
-    """A fresh ``esa up`` deployment on free ports; its services and trust file."""
+def _start_local(console: Console, where: Path) -> tuple[list[Any], Path]:
+    """A fresh ``esa up`` deployment on free ports in ``where``; its services and trust
+    file."""
     from services.cli import launcher
 
-    where = Path(tempfile.mkdtemp(prefix="esa-loadtest-"))
     console.log(f"starting a fresh deployment under {where} …")
     services = launcher.up(where, base_port=launcher.free_base_port(4))
     return services, where / launcher.TRUST_FILE
@@ -316,6 +319,8 @@ def _pinned(path: Path) -> TrustAnchors:
 
 def _print(summary: dict[str, Any], console: Console) -> None:
     """The run's figures, and the verification per channel."""
+    from services.tools.loadtest import report
+
     runs = [("", summary["run"])] if not summary["series"] else []
     if summary["series"] and summary["run"] is not next(iter(summary["series"].values())):
         runs.append(("", summary["run"]))
@@ -327,6 +332,7 @@ def _print(summary: dict[str, Any], console: Console) -> None:
             f"{run['accepted']:,} ({run['accepted_per_s']:,}/s) in {run['seconds']} s; p50 "
             f"{run['p50_ms']} ms, p95 {run['p95_ms']} ms, p99 {run['p99_ms']} ms; errors: {errors}"
         )
+        click.echo(f"{what}delivery: {report.delivery(run)}")
     found = summary.get("verification")
     if found is None:
         click.echo("not verified (no --admin-token)")

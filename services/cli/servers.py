@@ -3,9 +3,14 @@ files (``esa keys`` itself: :mod:`services.cli.keys`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from services.cli.launcher import ServiceSpec
 
 
 @click.group()
@@ -23,6 +28,7 @@ def shuffler_serve(host: str | None, port: int | None) -> None:
     import uvicorn
     from pydantic import ValidationError
 
+    from runtime.proxies import proxy_options
     from runtime.secrets import settings_problems
     from runtime.server import uvicorn_options
     from shuffler.app import create_asgi
@@ -40,6 +46,7 @@ def shuffler_serve(host: str | None, port: int | None) -> None:
         port=settings.port,
         log_config=None,
         access_log=False,
+        **proxy_options(settings.trusted_proxies),
         **uvicorn_options(),
     )
 
@@ -62,6 +69,7 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
     from analyzer.app import create_app
     from analyzer.errors import InvalidChannelError
     from analyzer.settings import AnalyzerSettings
+    from runtime.proxies import proxy_options
     from runtime.secrets import settings_problems
     from runtime.server import uvicorn_options
 
@@ -78,6 +86,7 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
         port=overrides.get("port", settings.port),  # type: ignore[arg-type]
         log_config=None,
         access_log=False,
+        **proxy_options(settings.trusted_proxies),
         **uvicorn_options(),
     )
 
@@ -136,6 +145,14 @@ def analyzer_serve(host: str | None, port: int | None) -> None:
     help="With --prepare-only: the URL each shuffler's descriptor gives devices and the "
     "analyzer fetches it from ({i}, {port}).",
 )
+@click.option(
+    "--cors-origins",
+    default=None,
+    metavar="ORIGINS",
+    help="Origins of the web pages whose devices may call every party's device routes "
+    "(comma-separated; '' for none). Default: http://127.0.0.1:8000 and "
+    "http://localhost:8000, the example page's (docs/operations.md).",
+)
 def up_command(
     var: Path,
     shufflers: int,
@@ -145,56 +162,94 @@ def up_command(
     analyzer_workers: int,
     prepare_only: bool,
     shuffler_url_template: str,
+    cors_origins: str | None,
 ) -> None:
     """Start the analyzer and K shufflers on 127.0.0.1 and keep them running.
 
     Creates keys, each shuffler's own client-token secret and the default channel set (every
     mechanism) on first run, waits until all services are ready, prints their URLs, and stops
-    them all on Ctrl-C or SIGTERM (the local profile: a raised per-address enrolment limit).
+    them all on Ctrl-C or SIGTERM (the local profile: a raised per-address enrolment limit;
+    devices on a page from --cors-origins may call the device routes).
     With --replicas R or --analyzer-workers W above 1 (PostgreSQL only), R processes per
     shuffler and W analyzer processes run behind HAProxy, which takes the usual ports; one of
     them that dies is restarted on its port (HAProxy sends its requests to the others
     meanwhile). HAProxy dying, a process with no sibling dying, or one dying more than 5 times
     in 60 s stops everything.
     """
-    from services.cli.launcher import LaunchError, new_secrets, prepare, serve_forever, up
+    from services.cli.launcher import LaunchError, new_secrets, prepare
+    from services.tools.stopping import stops_cleanly
 
     parties = ["analyzer", *(f"shuffler-{i}" for i in range(1, shufflers + 1))]
+    overrides = _cors_overrides(cors_origins)
     try:
         created = new_secrets(var, parties)
         if prepare_only:
-            for spec in prepare(
+            specs = prepare(
                 var,
                 shufflers,
                 base_port,
                 database_template=database_url_template,
                 shuffler_url=shuffler_url_template,
-            ):
-                click.echo(f"{spec.name:<12} esa {' '.join(spec.command)} (port {spec.port})")
-            click.echo(
-                f"prepared {var}: keys/, channels.json, shufflers.json, trust.json (the keys "
-                "an app pins), analyzer.pub"
+                overrides=overrides,
             )
+            _show_prepared(var, specs)
             return
+        with stops_cleanly("esa up"):
+            _serve(var, shufflers, base_port, database_url_template, replicas, analyzer_workers,
+                   created, overrides)  # fmt: skip
+    except LaunchError as error:
+        raise click.ClickException(str(error)) from error
+
+
+def _serve(
+    var: Path, shufflers: int, base_port: int, database_template: str | None, replicas: int,
+    workers: int, created: dict[str, dict[str, str]], overrides: dict[str, str],
+) -> None:  # fmt: skip
+    """Start the deployment, print its URLs (and the tokens ``created`` this run), supervise it
+    until a stopping signal or a death a restart cannot help."""
+    from services.cli.launcher import serve_forever, stop_started, up
+
+    try:
         services = up(
             var,
             shufflers,
             base_port,
-            database_template=database_url_template,
+            database_template=database_template,
             replicas=replicas,
-            workers=analyzer_workers,
+            workers=workers,
+            overrides=overrides,
         )
-    except LaunchError as error:
-        raise click.ClickException(str(error)) from error
-    for service in services:
-        click.echo(f"{service.name:<12} {service.url}")
-    click.echo(f"trust        {var / 'trust.json'}   (the keys an app pins, one per party)")
-    click.echo(f"dashboard    http://127.0.0.1:{base_port}/   (Ctrl-C stops everything)")
-    _show_once(created, var)
-    try:
+        for service in services:
+            click.echo(f"{service.name:<12} {service.url}")
+        click.echo(f"trust        {var / 'trust.json'}   (the keys an app pins, one per party)")
+        click.echo(f"dashboard    http://127.0.0.1:{base_port}/   (Ctrl-C stops everything)")
+        _show_once(created, var)
         serve_forever(services)
-    except LaunchError as error:
-        raise click.ClickException(str(error)) from error
+    finally:
+        stop_started()  # serve_forever stopped them, unless a stop came before it ran
+
+
+def _show_prepared(var: Path, specs: Sequence[ServiceSpec]) -> None:
+    """What ``esa up --prepare-only`` wrote, and how each service runs."""
+    for spec in specs:
+        click.echo(f"{spec.name:<12} esa {' '.join(spec.command)} (port {spec.port})")
+    click.echo(
+        f"prepared {var}: keys/, channels.json, shufflers.json, trust.json (the keys an app "
+        "pins), analyzer.pub"
+    )
+
+
+def _cors_overrides(origins: str | None) -> dict[str, str]:
+    """``esa up --cors-origins`` as settings of every party (none: the local profile's)."""
+    from runtime.cors import parse_cors_origins
+
+    if origins is None:
+        return {}
+    try:
+        allowed = parse_cors_origins(origins)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--cors-origins") from error
+    return {"ESA_ANALYZER_CORS_ORIGINS": allowed, "ESA_SHUFFLER_CORS_ORIGINS": allowed}
 
 
 @click.command("generate")

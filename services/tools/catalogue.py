@@ -1,6 +1,6 @@
 """The default channel catalogue: one channel per mechanism, sized for ``esa demo``.
 
-``esa up`` writes it to ``<var>/channels.json`` (ARCHITECTURE.md, "Running it"); a deployment
+``esa up`` writes it to ``<var>/channels.json`` (README.md, "Deployment"); a deployment
 of one's own lists its channels there instead.
 """
 
@@ -11,7 +11,7 @@ from common.wire import ChannelConfig
 #: Randomized deletion (ESA-revisited Algorithm 3) of every default channel.
 DELETION = {"eps_cr": 1.0, "delta_cr": 1e-6}
 
-#: The default channel set shows every mechanism (ARCHITECTURE.md, "Running it"). Local ε are
+#: The default channel set shows every mechanism (README.md, "Deployment"). Local ε are
 #: chosen so that a demo-sized crowd (~500 per shuffler) already shows amplification, and
 #: ``max_fragments`` sits at least 8 standard deviations above each encoder's fragment count
 #: (tests/services/test_launcher.py samples the encoders to keep it so), and ``min_fragments`` is

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.tools.demo import Z95, ChannelResult, budget_text, lifetime_text
+from services.tools.demo_results import Z95, ChannelResult, budget_text, lifetime_text
 
 #: Bins a histogram plot shows (the largest true values).
 PLOTTED = 20

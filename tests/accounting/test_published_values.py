@@ -1,4 +1,4 @@
-"""Reference values from the papers (ACCOUNTING.md, "Planner" and "Other published values")."""
+"""Reference values from the papers (docs/accounting.md, "Published values")."""
 
 from __future__ import annotations
 

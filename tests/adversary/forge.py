@@ -30,6 +30,7 @@ from common.envelope import (
     sign,
 )
 from common.mechanisms import SeededSource, get
+from common.preauth import PREAUTH_HEADER, preauth_header
 from common.wire import Batch, ChannelConfig, b64
 
 from ..support import Deployment, unopened_parts, wait_until
@@ -114,16 +115,25 @@ class MaliciousShuffler:
         headers = {
             "ESA-Shuffler": self.shuffler_id,
             "ESA-Signature": b64(sign(body, self.signer)),
+            PREAUTH_HEADER: preauth_header(self.shuffler_id, body, self.signer, time.time()),
             "Content-Type": "application/json",
         }
         return httpx.post(self.url + "/v1/batches", content=body, headers=headers, timeout=60)
 
-    def release(self, channel_id: str, epoch: int) -> httpx.Response:
-        """The analyzer's release of ``epoch``, once every stored part is opened."""
+    def release(self, channel_id: str, epoch: int, settle: bool = True) -> httpx.Response:
+        """The analyzer's release of ``epoch``, once every stored part is opened and (with
+        ``settle``) the epoch is no longer waiting for shufflers that sent nothing (the test
+        deployment closes an epoch long over at once)."""
         wait_until(lambda: unopened_parts(self.url) == 0, timeout=60)
-        return httpx.get(
-            f"{self.url}/v1/channels/{channel_id}/estimate", params={"epoch": epoch}, timeout=30
-        )
+        url = f"{self.url}/v1/channels/{channel_id}/estimate"
+        if settle:
+            wait_until(lambda: not _open(httpx.get(url, params={"epoch": epoch}, timeout=30)))
+        return httpx.get(url, params={"epoch": epoch}, timeout=30)
+
+
+def _open(response: httpx.Response) -> bool:
+    """The answer says the epoch still waits for some shuffler's batch."""
+    return response.status_code == 404 and response.json().get("error") == "epoch_open"
 
 
 def certified(release: dict[str, Any]) -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import base64
 import re
 import secrets
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -23,16 +24,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from analyzer.channels import ChannelRuntime
-from analyzer.intake import BatchIntake, Intake, IntakePolicy
+from analyzer.intake import BatchIntake, IntakePolicy, PartIntake
 from analyzer.ledger import LedgerService
-from analyzer.metrics import Events
+from analyzer.metrics import AnalyzerEvents
 from analyzer.opening import FragmentOpener, PartOpener
-from analyzer.releases import ReleaseService
+from analyzer.releases import EpochCloser, ReleaseService
 from analyzer.service import MIGRATIONS
 from analyzer.settings import AnalyzerSettings
 from analyzer.store import AnalyzerStore
 from common.envelope import FragmentContext, KeyRing, seal_fragment, sign
 from common.mechanisms import krappor
+from common.preauth import PREAUTH_HEADER, preauth_header
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelConfig, ShufflerEntry, b64
 from runtime import db
@@ -62,23 +64,40 @@ class Layers:
     intake: BatchIntake
     releases: ReleaseService
     ledger: LedgerService
-    events: Events
+    events: AnalyzerEvents
     opener: PartOpener
+    closer: EpochCloser
 
-    def deliver(self, body: bytes, signature: str, shuffler: str = "shuffler-1") -> Intake:
-        """Store a part sent by ``shuffler`` and open everything stored (what the background
-        opener does)."""
+    def deliver(self, body: bytes, signature: str, shuffler: str = "shuffler-1") -> PartIntake:
+        """Store a part sent by ``shuffler``, open everything stored (what the background
+        opener does) and close the groups whose close timeout passed (the background closer:
+        with the real clock, every epoch of these tests is long over)."""
         intake = self.intake.accept(body, signature, shuffler)
         self.opener.open_pending()
+        self.closer.close_due()
         return intake
 
+    def deliver_all(self, *parts: Signed) -> None:
+        """Store several parts, then open everything and close what is due: batches that all
+        arrived before their epoch closed."""
+        for part in parts:
+            self.intake.accept(*part)
+        self.opener.open_pending()
+        self.closer.close_due()
 
-def build(url: str, channels: Iterable[ChannelConfig] = (CHANNEL,)) -> Layers:
-    """The layers over ``url`` (migrated), trusting :data:`SHUFFLERS` and :data:`ANALYZER_KEY`."""
+
+def build(
+    url: str,
+    channels: Iterable[ChannelConfig] = (CHANNEL,),
+    clock: Callable[[], float] = time.time,
+    close_seconds: float = 0.0,
+) -> Layers:
+    """The layers over ``url`` (migrated), trusting :data:`SHUFFLERS` and :data:`ANALYZER_KEY`;
+    epochs close ``close_seconds`` after their end by ``clock``."""
     engine = db.make_engine(url)
     db.upgrade(engine, MIGRATIONS)
     runtimes = {c.id: ChannelRuntime.build(c, sorted(SHUFFLERS)) for c in channels}
-    store, events = AnalyzerStore(engine), Events()
+    store, events = AnalyzerStore(engine, clock), AnalyzerEvents()
     policy = IntakePolicy(
         ring=KeyRing.of(ANALYZER_KEY),
         channels=runtimes,
@@ -92,7 +111,18 @@ def build(url: str, channels: Iterable[ChannelConfig] = (CHANNEL,)) -> Layers:
         ledger=LedgerService(store, runtimes),
         events=events,
         opener=PartOpener(store, runtimes, FragmentOpener(policy.ring, 1, 500), events),
+        closer=EpochCloser(store, runtimes, close_seconds, events, clock),
     )
+
+
+class Clock:
+    """A clock a test sets (``clock.now``)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class Signed(NamedTuple):
@@ -106,7 +136,13 @@ class Signed(NamedTuple):
     @property
     def headers(self) -> dict[str, str]:
         """The HTTP headers it is posted with."""
-        return {"ESA-Signature": self.signature, "ESA-Shuffler": self.shuffler}
+        key = SHUFFLERS.get(self.shuffler, SHUFFLERS["shuffler-1"])
+        preauth = preauth_header(self.shuffler, self.body, key, time.time())
+        return {
+            "ESA-Signature": self.signature,
+            "ESA-Shuffler": self.shuffler,
+            PREAUTH_HEADER: preauth,
+        }
 
 
 def signed(batch: Batch, shuffler: str | None = None) -> Signed:
@@ -223,5 +259,42 @@ def app_settings(tmp_path: Path) -> AnalyzerSettings:
         shufflers_file=None,
         max_batch_bytes=CAP,
         opening_processes=1,
+        epoch_close_seconds=0.0,
+        epoch_close_poll_seconds=0.05,
     )
     return settings
+
+
+def crowd(
+    values: npt.NDArray[np.int64],
+    seed: int = 0,
+    *,
+    claimed: int | None = None,
+    invalid: int = 0,
+    kept: int | None = None,
+) -> int:
+    """The crowd the analyzer verifies for ``make_batch(values, seed=seed)`` (its first
+    ``kept`` fragments only, if given): the lower confidence bound its fragments prove
+    (:meth:`FragmentCount.verified_crowd`), a few percent below the honest crowd, never above
+    the claim."""
+    law = ChannelRuntime.build(CHANNEL, sorted(SHUFFLERS)).fragment_count("shuffler-1")
+    n = len(values) if claimed is None else claimed
+    valid = len(reports(values, seed))
+    return law.verified_crowd(n, valid if kept is None else min(kept, valid), invalid)
+
+
+def estimated(
+    values: npt.NDArray[np.int64],
+    seed: int = 0,
+    *,
+    claimed: int | None = None,
+    invalid: int = 0,
+    kept: int | None = None,
+) -> int:
+    """The crowd the analyzer's estimate of ``make_batch(values, seed=seed)`` rests on (its
+    first ``kept`` fragments only, if given): the claim held within what its fragments allow
+    (:meth:`FragmentCount.estimated_crowd`), the honest crowd itself for an honest batch."""
+    law = ChannelRuntime.build(CHANNEL, sorted(SHUFFLERS)).fragment_count("shuffler-1")
+    n = len(values) if claimed is None else claimed
+    valid = len(reports(values, seed))
+    return law.estimated_crowd(n, valid if kept is None else min(kept, valid), invalid)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from httpx import Response
 
 from common.collection import TrustAnchors, verify_collection
 from common.envelope import load_ed25519_public, public_bytes, sign
+from common.preauth import PREAUTH_HEADER, Preauth, preauth_header
 from common.wire import (
     Batch,
     Ledger,
@@ -25,7 +27,18 @@ from common.wire import (
     unb64,
 )
 
-from .helpers import CAP, CHANNEL, DESCRIPTORS, SHUFFLERS, VALUES, Signed, make_batch, signed
+from .helpers import (
+    CAP,
+    CHANNEL,
+    DESCRIPTORS,
+    SHUFFLERS,
+    VALUES,
+    Signed,
+    crowd,
+    estimated,
+    make_batch,
+    signed,
+)
 
 ADMIN = {"Authorization": "Bearer development"}
 #: A well-formed ``ESA-Signature`` that verifies for nothing.
@@ -49,6 +62,8 @@ def _post(
     headers = {} if signature is None else {"ESA-Signature": signature}
     if shuffler is not None:
         headers["ESA-Shuffler"] = shuffler
+    if shuffler in SHUFFLERS:  # the shuffler's own head: the body is what the test is about
+        headers[PREAUTH_HEADER] = preauth_header(shuffler, body, SHUFFLERS[shuffler], time.time())
     response: Response = client.post("/v1/batches", content=body, headers=headers)
     return response
 
@@ -59,9 +74,11 @@ def _signed_body(body: bytes, shuffler: str = "shuffler-1") -> Signed:
 
 
 def _opened(client: TestClient) -> None:
-    """Open every stored part now (the background opener may get there first: folding is
-    idempotent)."""
-    client.app.state.service.opener.open_pending()  # type: ignore[attr-defined]
+    """Open every stored part now and close the epochs whose close timeout passed (the
+    background opener and closer may get there first: both are idempotent)."""
+    service = client.app.state.service  # type: ignore[attr-defined]
+    service.opener.open_pending()
+    service.closer.close_due()
 
 
 def test_unknown_route_wrong_method_and_bad_parameter_answer_the_error_shape(
@@ -126,13 +143,13 @@ def test_batches_releases_ledger_and_config_keep_their_wire_shapes(client: TestC
     assert listed == [{**CHANNEL.model_dump(mode="json"), "epochs": [7, 7]}]
     release = client.get("/v1/channels/homepage/estimate").json()
     assert set(release) == set(ReleaseBody.model_fields)
-    assert release["epochs"] == [7, 7] and release["n"] == VALUES.size
+    assert release["epochs"] == [7, 7] and release["n"] == estimated(VALUES)
     assert release["crowd_check"] == {
         "batches": 1,
         "claimed": VALUES.size,
-        "verified": VALUES.size,
+        "verified": crowd(VALUES),  # the lower bound its fragments prove
         "invalid_fragments": 0,
-        "short_batches": 0,
+        "short_batches": 1,
         "withheld_batches": 0,
     }
     assert len(release["ci95"][0]) == 2 and release["certificate"]["eps"] > 0
@@ -206,7 +223,7 @@ def test_publishing_needs_the_admin_token_and_is_recorded(client: TestClient) ->
     published = client.post(url, headers=ADMIN)
     assert published.status_code == 201 and published.json()["epochs"] == [7, 7]
     recorded = client.get("/v1/channels/homepage/privacy").json()["releases"]
-    assert len(recorded) == 1 and recorded[0]["n"] == VALUES.size
+    assert len(recorded) == 1 and recorded[0]["n"] == estimated(VALUES)
     assert recorded[0]["certificate"] == published.json()["certificate"]
 
 
@@ -268,13 +285,31 @@ def _endless(chunk: int = 64 * 1024) -> Iterator[bytes]:
         yield b" " * chunk
 
 
+def _head(
+    length: int, shuffler: str = "shuffler-1", signer: str = "shuffler-1", at: float = 0
+) -> str:
+    """An ``ESA-Preauth`` value for a body of ``length`` bytes (of any digest) claiming
+    ``shuffler``, signed by ``signer``'s key, ``at`` seconds from now."""
+    unsigned = Preauth(int(time.time() + at), length, "0" * 64, b"")
+    signature = b64(sign(unsigned.message(shuffler), SHUFFLERS[signer]))
+    return f"{unsigned.timestamp}.{length}.{unsigned.digest}.{signature}"
+
+
 def test_a_batch_is_refused_before_its_body_is_read(client: TestClient) -> None:
     """Issue 12: an unsigned 100 MB body used to be read whole before any check. A declared
     length over the cap, a non-JSON type, a missing or ill-formed signature are refused before
     a byte of the body is read; a streamed body is cut off right after the cap."""
     sender = {"ESA-Shuffler": "shuffler-1"}
-    well_formed = {**sender, "ESA-Signature": ANY_SIGNATURE}
+    well_formed = {**sender, "ESA-Signature": ANY_SIGNATURE, PREAUTH_HEADER: _head(CAP)}
+    unheaded = {**sender, "ESA-Signature": ANY_SIGNATURE}
     refusals = [
+        (unheaded, 401, "bad_preauth"),
+        ({**unheaded, PREAUTH_HEADER: "1.2.3"}, 401, "bad_preauth"),
+        ({**unheaded, PREAUTH_HEADER: _head(CAP, signer="shuffler-2")}, 401, "bad_preauth"),
+        ({**unheaded, PREAUTH_HEADER: _head(CAP, "shuffler-2")}, 401, "bad_preauth"),
+        ({**unheaded, PREAUTH_HEADER: _head(CAP, at=-3600)}, 401, "bad_preauth"),
+        ({**unheaded, PREAUTH_HEADER: _head(CAP, at=3600)}, 401, "bad_preauth"),
+        ({**unheaded, PREAUTH_HEADER: _head(CAP + 1)}, 413, "too_large"),
         ({**well_formed, "Content-Length": str(100 * 1024 * 1024)}, 413, "too_large"),
         ({**sender, "Content-Length": str(CAP + 1)}, 401, "bad_signature"),
         ({**well_formed, "Content-Type": "text/plain"}, 415, "unsupported_media_type"),
@@ -298,8 +333,16 @@ def test_a_batch_is_refused_before_its_body_is_read(client: TestClient) -> None:
     streamed = _drive(client, well_formed, _endless())
     assert streamed.status == 413 and streamed.chunks_read == CAP // (64 * 1024) + 1
     assert b'"too_large"' in streamed.messages[1]["body"]
-    small = _drive(client, {**well_formed, "Content-Type": "application/json"}, iter([b"{}"]))
+    small_head = {
+        PREAUTH_HEADER: preauth_header("shuffler-1", b"{}", SHUFFLERS["shuffler-1"], time.time())
+    }
+    small = _drive(
+        client, {**well_formed, **small_head, "Content-Type": "application/json"}, iter([b"{}"])
+    )
     assert small.status == 401 and small.chunks_read == 1  # read, then its signature fails
+    assert b'"bad_signature"' in small.messages[1]["body"]
+    other = _drive(client, {**well_formed, "Content-Type": "application/json"}, iter([b"{}"]))
+    assert other.status == 401 and b'"bad_preauth"' in other.messages[1]["body"]  # not its body
 
 
 def test_publishing_checks_the_token_before_the_body(client: TestClient) -> None:
@@ -333,7 +376,8 @@ def test_a_wrong_method_is_a_405_naming_the_allowed_ones(client: TestClient) -> 
     assert len(paths) >= 11
     for template, operations in paths.items():
         path = template.replace("{channel_id}", "homepage")
-        served = {method.upper() for method in operations}
+        # a CORS preflight (OPTIONS) is answered before routing, not advertised in Allow
+        served = {method.upper() for method in operations} - {"OPTIONS"}
         for method in {"GET", "POST", "PUT", "DELETE", "PATCH"} - served:
             response = client.request(method, path)
             _refusal(response, 405, "method_not_allowed")

@@ -35,6 +35,7 @@ from .helpers import (
     Layers,
     Signed,
     build,
+    crowd,
     make_batch,
     reports,
     seal,
@@ -99,8 +100,8 @@ def _short_batch(epoch: int) -> Signed:
 def _store_everything(layers: Layers, waiting: bool = True) -> Truth:
     """Deliver the batches (opened, or quarantined, and with ``waiting`` one left stored) and
     publish two releases; what each (channel, epoch) must then show. The verified crowds follow
-    the documented rule: the claim less one contribution per ``max_fragments`` invalid
-    fragments (rounded up)."""
+    the documented rule: what the valid fragments prove, never more than the claim less one
+    contribution per ``max_fragments`` invalid fragments (rounded up)."""
     layers.deliver(*make_batch(VALUES[:300], epoch=7, chaff=CHAFF))
     layers.deliver(*make_batch(VALUES[300:500], epoch=7, shuffler="shuffler-2"))
     layers.deliver(*make_batch(VALUES[500:600], epoch=8))
@@ -119,19 +120,21 @@ def _store_everything(layers: Layers, waiting: bool = True) -> Truth:
     (quarantine,) = [h for h in layers.store.pending_parts() if h.shuffler_id == "shuffler-3"]
     for _ in range(OPEN_ATTEMPTS):
         layers.store.record_failure(quarantine, "cannot open", OPEN_ATTEMPTS)
-    per_chaff = -(-CHAFF // CHANNEL.max_fragments)
+    late_crowd = crowd(VALUES[600:660])  # below min_crowd: withheld once opened
+    assert late_crowd < CHANNEL.min_crowd
     truth = {
         (CHANNEL.id, 7): _row(
             received=500,
-            verified=500 - per_chaff,
+            verified=crowd(VALUES[:300], invalid=CHAFF) + crowd(VALUES[300:500]),
             batches_complete=2,
             fragments_invalid=CHAFF,
             releases=2,
         ),
         (CHANNEL.id, 8): _row(
             received=100 + 60 + 70,
-            verified=100 if waiting else 160,
+            verified=crowd(VALUES[500:600]),
             batches_complete=1 if waiting else 2,
+            batches_withheld=0 if waiting else 1,
             batches_incomplete=2 if waiting else 1,
             parts_quarantined=1,
             releases=1,
@@ -144,7 +147,14 @@ def _store_everything(layers: Layers, waiting: bool = True) -> Truth:
         ),
     }
     for epoch in SPREAD:
-        truth[OTHER.id, epoch] = _row(received=SMALL, verified=SMALL, batches_complete=1)
+        small = crowd(VALUES[:SMALL], epoch)
+        kept = small >= OTHER.min_crowd
+        truth[OTHER.id, epoch] = _row(
+            received=SMALL,
+            verified=small if kept else 0,
+            batches_complete=1,
+            batches_withheld=int(not kept),
+        )
     return truth
 
 

@@ -7,6 +7,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ from common.envelope import (
     sign,
 )
 from common.mechanisms import SeededSource, krappor, longitudinal
+from common.preauth import PREAUTH_HEADER, preauth_header
 from common.wire import Batch, ChannelConfig, DeviceBudget, b64
 
 from ..support import analyzer_process, wait_until
-from .helpers import Signed, build, counter, post, seal, seeded_entry, signed
+from .helpers import Signed, build, counter, seal, seeded_entry, signed
 
 CHANNELS = [
     ChannelConfig(
@@ -162,7 +164,9 @@ def _post(
         fragments=[b64(f) for f in fragments],
     )
     body = batch.body()
-    response = post(url, Signed(body, b64(sign(body, key)), "shuffler-1"))
+    part = Signed(body, b64(sign(body, key)), "shuffler-1")
+    headers = {**part.headers, PREAUTH_HEADER: preauth_header("shuffler-1", body, key, time.time())}
+    response = httpx.post(url + "/v1/batches", content=body, headers=headers, timeout=30)
     assert response.status_code == 201, response.text
 
 

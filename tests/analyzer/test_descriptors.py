@@ -1,5 +1,5 @@
 """The analyzer passes on each shuffler's own signed descriptor and never states a shuffler key
-itself (analyzer/descriptors.py; PROTOCOL.md, "Who vouches for what")."""
+itself (analyzer/descriptors.py; docs/protocol.md, "Who vouches for what")."""
 
 from __future__ import annotations
 

@@ -8,22 +8,26 @@ from analyzer import errors
 from runtime.errors import DomainError, TooLargeError
 from runtime.http import status_of
 
-#: Every refusal a client can see: (code, status), as PROTOCOL.md documents them.
+#: Every refusal a client can see: (code, status), as docs/architecture.md, "Errors", lists them.
 EXPECTED = {
     errors.MalformedBatchError: ("malformed", 400),
+    errors.IncompleteBodyError: ("incomplete_body", 400),
     errors.UnsupportedMediaTypeError: ("unsupported_media_type", 415),
     errors.BatchTooLargeError: ("too_large", 413),
     errors.UnknownShufflerError: ("unknown_shuffler", 401),
     errors.BadSignatureError: ("bad_signature", 401),
+    errors.BadPreauthError: ("bad_preauth", 401),
     errors.AdminTokenError: ("bad_admin_token", 401),
     errors.BatchForUnknownChannelError: ("unknown_channel", 422),
     errors.BelowMinCrowdError: ("below_min_crowd", 422),
     errors.UnknownCrowdError: ("unknown_crowd", 422),
     errors.InconsistentCountsError: ("inconsistent_counts", 422),
     errors.DuplicateGroupError: ("duplicate_group", 422),
+    errors.FutureEpochError: ("future_epoch", 422),
     errors.UnknownChannelError: ("unknown_channel", 404),
     errors.NothingReceivedError: ("no_data", 404),
     errors.IncompleteBatchesError: ("incomplete", 404),
+    errors.EpochsOpenError: ("epoch_open", 404),
     errors.StorageConflictError: ("storage_conflict", 503),
     errors.ShufflersUnavailableError: ("shufflers_unavailable", 503),
     errors.IntakeBusyError: ("busy", 503),

@@ -51,8 +51,10 @@ from analyzer.app import create_app
 from analyzer.settings import AnalyzerSettings
 from common.envelope import FragmentContext, seal_fragment, sign, write_private_key
 from common.mechanisms import get
+from common.preauth import preauth_header
 from common.randomness import SeededSource
 from common.wire import MAX_INT, ChannelConfig, b64
+from services.cli.launcher import LOCAL_SETTINGS
 
 from ..support import analyzer_process, wait_until
 from .helpers import seeded_entry
@@ -109,6 +111,8 @@ def _document() -> dict[str, Any]:
             database_url=f"sqlite:///{folder}/openapi.db",
             key_dir=Path(folder),
             opening_processes=1,
+            # as the process runs it (the launcher's local profile): a page origin allowed
+            cors_origins=LOCAL_SETTINGS["ESA_ANALYZER_CORS_ORIGINS"],
         )
         document: dict[str, Any] = create_app(settings).openapi()
     return document
@@ -187,6 +191,12 @@ def _signature(body: dict[str, Any]) -> str:
     return b64(sign(json.dumps(body, allow_nan=False).encode(), SIGNER))
 
 
+def _preauth(body: dict[str, Any]) -> str:
+    """The registered shuffler's ``ESA-Preauth`` for the bytes ``requests`` sends for
+    ``body``, signed now."""
+    return preauth_header(SHUFFLER, json.dumps(body, allow_nan=False).encode(), SIGNER, time.time())
+
+
 def _domain(channel: ChannelConfig) -> int:
     mechanism = get(channel.mechanism)
     return mechanism.domain_size(mechanism.parse_params(channel.params))
@@ -211,6 +221,7 @@ def _receive_first_epochs(client: httpx.Client, epochs: int = 3) -> None:
         headers = {
             "ESA-Signature": _signature(body),
             "ESA-Shuffler": SHUFFLER,
+            "ESA-Preauth": _preauth(body),
             "Content-Type": "application/json",
         }
         content = json.dumps(body, allow_nan=False).encode()
@@ -257,6 +268,7 @@ def _signed(case: Case[Any], part: tuple[dict[str, Any], str]) -> Case[Any]:
     case.body, signature = part
     case.headers["ESA-Signature"] = signature
     case.headers["ESA-Shuffler"] = SHUFFLER
+    case.headers["ESA-Preauth"] = _preauth(case.body)
     SIGNED.add(signature)
     return case
 

@@ -16,14 +16,14 @@ from sqlalchemy import delete
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import UnknownChannelError
 from analyzer.ledger import DELTA_HEADROOM, lifetime
-from analyzer.metrics import Events
+from analyzer.metrics import AnalyzerEvents
 from analyzer.opening import FragmentOpener, PartOpener
 from analyzer.store import ReceivedRange, epoch_charges
 from common.mechanisms import krappor
 from common.randomness import SeededSource
 from common.wire import Batch, Bound, ChannelConfig
 
-from .helpers import CHANNEL, SHUFFLERS, VALUES, Signed, build, make_batch, seal, signed
+from .helpers import CHANNEL, SHUFFLERS, VALUES, Signed, build, crowd, make_batch, seal, signed
 
 OTHER = CHANNEL.model_copy(update={"id": "settings-page"})
 
@@ -62,9 +62,10 @@ def _batch(channel: ChannelConfig, epoch: int, size: int) -> Signed:
 
 def test_each_epoch_is_charged_once_whatever_the_queries(database_url: str) -> None:
     layers = build(database_url)
-    for epoch in (1, 2, 3):
-        layers.deliver(*make_batch(VALUES, epoch=epoch, seed=epoch))
-    layers.deliver(*make_batch(VALUES[:300], epoch=2, shuffler="shuffler-2", seed=9))
+    layers.deliver_all(
+        *(make_batch(VALUES, epoch=epoch, seed=epoch) for epoch in (1, 2, 3)),
+        make_batch(VALUES[:300], epoch=2, shuffler="shuffler-2", seed=9),
+    )
     for _ in range(20):
         layers.releases.release("homepage", 1, 3)
         layers.releases.release("homepage", 2, 2)
@@ -73,7 +74,11 @@ def test_each_epoch_is_charged_once_whatever_the_queries(database_url: str) -> N
     rows = layers.ledger.rows("homepage")
     assert [row.epoch for row in rows] == [1, 2, 3]
     assert [row.batches for row in rows] == [1, 2, 1]
-    assert [row.n for row in rows] == [VALUES.size, 300, VALUES.size]
+    assert [row.n for row in rows] == [
+        crowd(VALUES, 1),
+        crowd(VALUES[:300], 9),  # the epoch's smaller batch
+        crowd(VALUES, 3),
+    ]
     assert rows[1].certificate.eps > rows[0].certificate.eps  # the smaller crowd of epoch 2
     assert len(layers.store.charges()) == 3 and layers.events.get("releases") == 2
     single = layers.releases.release("homepage", 2, 2).certificate
@@ -156,7 +161,7 @@ def test_two_analyzer_processes_charging_one_epoch_at_once_miss_no_batch(
             layers.store,
             {CHANNEL.id: runtime},
             FragmentOpener(layers.opener.opener.ring, 1, 500),
-            Events(),
+            AnalyzerEvents(),
         )
         for layers in (first, second)
     ]
@@ -173,7 +178,7 @@ def test_two_analyzer_processes_charging_one_epoch_at_once_miss_no_batch(
     (charge,) = first.store.charges(CHANNEL.id)
     assert charge.batches == 3
     rows = second.ledger.rows(CHANNEL.id)
-    assert [row.n for row in rows] == [500]  # the smallest crowd received (shuffler-3's)
+    assert [row.n for row in rows] == [crowd(VALUES[:500], 3)]  # the smallest (shuffler-3)
     expected = runtime.charge(first.store.received(CHANNEL.id, "", 7, 7))
     assert charge.certificate == expected
 

@@ -22,7 +22,7 @@ from encoder_client._client import _limits as sdk_limits
 from encoder_client._state import Charge, DeviceState
 from services.cli.account import account
 
-from .helpers import CHANNEL, VALUES, build, make_batch
+from .helpers import CHANNEL, VALUES, build, crowd, make_batch
 
 KRAPPOR = ChannelConfig(
     id="pages",
@@ -166,9 +166,10 @@ def test_a_mechanism_without_a_pair_enters_as_its_certificate() -> None:
 
 def test_the_ledger_composes_received_epochs_as_pairs(database_url: str) -> None:
     layers = build(database_url)
-    sizes = (1000, 400, 700)
-    for epoch, size in enumerate(sizes, start=1):
+    claimed = (1000, 400, 700)
+    for epoch, size in enumerate(claimed, start=1):
         layers.deliver(*make_batch(VALUES[:size], epoch=epoch, seed=epoch))
+    sizes = [crowd(VALUES[:size], epoch) for epoch, size in enumerate(claimed, start=1)]
     ledger = layers.ledger.ledger(CHANNEL.id)
     assert [row.composed_as for row in ledger.epochs] == ["pair"] * 3
     assert ledger.lifetime is not None and ledger.with_randomized_deletion is not None

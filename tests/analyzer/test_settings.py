@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import SecretStr, ValidationError
 
@@ -39,3 +41,25 @@ def test_production_refuses_the_fault_hooks() -> None:
         with pytest.raises(ValidationError, match="fault hooks"):
             _settings(environment="production", admin_token=real, **hook)
         assert _settings(**hook).environment == "development"
+
+
+def test_the_renamed_intake_slots_setting_is_refused_not_ignored(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``ESA_ANALYZER_INTAKE_SLOTS`` became ``ESA_ANALYZER_INTAKE_SLOTS_PER_SHUFFLER``: an
+    operator still setting the old one (environment, ``.env`` file, keyword) is told so at
+    start rather than silently getting the default."""
+    named = "ESA_ANALYZER_INTAKE_SLOTS_PER_SHUFFLER"
+    monkeypatch.setenv("ESA_ANALYZER_INTAKE_SLOTS", "8")
+    with pytest.raises(ValidationError, match=named):
+        AnalyzerSettings()
+    monkeypatch.delenv("ESA_ANALYZER_INTAKE_SLOTS")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("ESA_ANALYZER_INTAKE_SLOTS=8\n")
+    with pytest.raises(ValidationError, match=named):
+        AnalyzerSettings()
+    (tmp_path / ".env").unlink()
+    with pytest.raises(ValidationError, match=named):
+        AnalyzerSettings(intake_slots=8)  # type: ignore[call-arg]
+    monkeypatch.setenv(named, "8")
+    assert AnalyzerSettings().intake_slots_per_shuffler == 8

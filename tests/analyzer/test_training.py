@@ -25,7 +25,7 @@ from analyzer.training import (
 from common.collection import sign_config, verify_config
 from common.mechanisms import SeededSource, get, ldpsgd
 from common.wire import AnalyzerInfo, Batch, ChannelConfig, CollectionConfig, HpkeKey
-from tests.analyzer.helpers import CHANNEL, Layers, build, seal, signed
+from tests.analyzer.helpers import CHANNEL, Clock, Layers, build, seal, signed
 
 TRAIN = ChannelConfig(
     id="train",
@@ -39,8 +39,11 @@ TRAIN = ChannelConfig(
 PARAMS: ldpsgd.LdpSgdParams = get("ldp-sgd").parse_params(TRAIN.params)
 
 
-def batch(layers: Layers, rounds: list[int], epoch: int, seed: int) -> list[bytes]:
-    """Deliver one signed batch of LDP-SGD reports naming ``rounds``; returns the plaintexts."""
+def batch(
+    layers: Layers, rounds: list[int], epoch: int, seed: int, shuffler: str = "shuffler-1"
+) -> list[bytes]:
+    """Deliver one signed batch of LDP-SGD reports naming ``rounds`` from ``shuffler``;
+    returns the plaintexts."""
     rng = SeededSource(seed)
     plain = [
         ldpsgd.encode(ldpsgd.GradientReport(r, np.array([0.3, -0.2, 0.1, 0.0])), PARAMS, rng)[0]
@@ -48,7 +51,7 @@ def batch(layers: Layers, rounds: list[int], epoch: int, seed: int) -> list[byte
     ]
     body = Batch(
         batch_id=secrets.token_hex(16),
-        shuffler_id="shuffler-1",
+        shuffler_id=shuffler,
         channel_id=TRAIN.id,
         crowd_id="",
         epoch=epoch,
@@ -91,6 +94,25 @@ def test_rounds_step_refuse_other_rounds_and_persist(tmp_path: Path) -> None:
     assert np.asarray(state.theta) == pytest.approx(expected_theta(theta1, plain, 1), abs=1e-12)
     with pytest.raises(UnknownChannelError, match="homepage"):
         trainer.step(CHANNEL.id)
+
+
+def test_a_step_waits_for_every_shuffler_of_its_epochs(tmp_path: Path) -> None:
+    """θ is public: a round trained on one shuffler's batch would publish it alone. Epoch 7's
+    reports wait until all three shufflers delivered (epoch 6, settled, steps meanwhile)."""
+    clock = Clock(7 * 3600 + 10)
+    layers = build(f"sqlite:///{tmp_path / 'a.db'}", [CHANNEL, TRAIN], clock, 3600)
+    trainer = Trainer(layers.store, layers.releases.channels, tmp_path / "training")
+    for shuffler in ("shuffler-1", "shuffler-2", "shuffler-3"):
+        batch(layers, [0] * 20, epoch=6, seed=len(shuffler), shuffler=shuffler)
+    batch(layers, [1] * 20, epoch=7, seed=7)
+    first = trainer.step("train")
+    assert (first.round, first.reports, first.epochs) == (0, 60, (0, 6))
+    with pytest.raises(NothingReceivedError, match=r"waiting for shufflers: \[7\]"):
+        trainer.step("train")
+    batch(layers, [1] * 20, epoch=7, seed=8, shuffler="shuffler-2")
+    batch(layers, [1] * 20, epoch=7, seed=9, shuffler="shuffler-3")
+    second = trainer.step("train")
+    assert (second.round, second.reports, second.epochs) == (1, 60, (7, 7))
 
 
 def test_signed_config_publishes_the_model() -> None:

@@ -3,8 +3,8 @@
 * ``common`` imports nothing of ours; ``encoder_client`` only ``common``; ``shuffler`` and
   ``analyzer`` only ``common`` and ``runtime`` and never each other; ``runtime``
   and ``services.tools`` never import a service (only ``services.cli`` starts them).
-* No production function is longer than :data:`MAX_LINES` lines (STYLE.md: short enough to read
-  at once).
+* No production function is longer than :data:`MAX_LINES` lines (docs/architecture.md,
+  "Conventions the tests check": short enough to read at once).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Value objects with more than four fields are built by keyword (STYLE.md), in every package,
-test and benchmark: a positional call to a wide dataclass or NamedTuple silently swaps two
-fields of the same type when the class changes.
+"""Value objects with more than four fields are built by keyword (docs/architecture.md), in every
+package, test and benchmark: a positional call to a wide dataclass or NamedTuple silently swaps
+two fields of the same type when the class changes.
 
 A call that only unpacks a sequence (``PartHeader(*row)``, a database row in its selected
 columns' order) is allowed. The check resolves each call's class through the file's own

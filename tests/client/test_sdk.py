@@ -120,10 +120,11 @@ def test_reports_reach_the_analyzer_estimates(deployment: Deployment, tmp_path: 
     # Every shuffler got contributions (P(one got none) = 3 (2/3)^200), so wait for its batch.
     wait_until(lambda: crowds() == len(deployment.shufflers))
     release = httpx.get(url).json()
-    # honest shufflers: the fragments back every contribution each one claimed
+    # honest shufflers: the certificate rests on the crowds their fragments prove (a lower bound
+    # a few percent under each claim), the estimate on the claims the fragments allow
     check = release["crowd_check"]
-    assert check["batches"] == len(deployment.shufflers) and check["short_batches"] == 0
-    assert check["claimed"] == check["verified"] == release["n"] == sum(release["crowds"].values())
+    assert check["batches"] == len(deployment.shufflers)
+    assert check["verified"] == sum(release["crowds"].values()) <= release["n"] == check["claimed"]
     assert check["invalid_fragments"] == 0
     kept = release["n"] / values.size
     bins = np.array(release["bins"])

@@ -158,7 +158,7 @@ def test_a_key_that_is_not_32_bytes_of_base64_is_a_trusted_key_error(tmp_path: P
 
 def test_the_analyzer_key_alone_is_not_enough(tmp_path: Path) -> None:
     """A device that pinned only the analyzer's key would take the shufflers' keys on the
-    analyzer's word (PROTOCOL.md, "Who vouches for what"): refused, whatever the config."""
+    analyzer's word (docs/protocol.md, "Who vouches for what"): refused, whatever the config."""
     config, pinned = _signed_config(tmp_path, "http://127.0.0.1:9")
     nothing: dict[str, str] = {}
     for shufflers in (None, nothing):

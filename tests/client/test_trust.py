@@ -1,4 +1,4 @@
-"""Who vouches for what a device uses (PROTOCOL.md, "Who vouches for what"): the analyzer's
+"""Who vouches for what a device uses (docs/protocol.md, "Who vouches for what"): the analyzer's
 signed config carries each shuffler's own signed descriptor, and a device pins one key per
 trust domain (:class:`TrustAnchors`).
 

@@ -7,7 +7,9 @@ sent with the ``ESA-Shuffler`` header that names it."""
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -15,8 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from common.envelope import FragmentContext, load_x25519_public, seal_fragment, sign
 from common.mechanisms import krappor
-from common.randomness import RandomSource
-from common.wire import b64
+from common.preauth import PREAUTH_HEADER, preauth_header
+from common.randomness import RandomSource, default_source
+from common.wire import ChannelConfig, b64
 
 
 def analyzer_key(analyzer_url: str) -> X25519PublicKey:
@@ -46,6 +49,37 @@ def krappor_reports(
     ]
 
 
+@dataclass(frozen=True)
+class FreshReports:
+    """k-RAPPOR reports whose fragments are sealed afresh each time one is taken (the
+    analyzer counts a repeated sealed fragment once: a pool of sealed reports reused across
+    contributions would be counted as repeats)."""
+
+    reports: list[tuple[bytes, ...]]
+    context: FragmentContext
+    payload_size: int
+    key: X25519PublicKey
+
+    @classmethod
+    def of(
+        cls, analyzer_url: str, channel: ChannelConfig, epoch: int, values: Iterable[int]
+    ) -> FreshReports:
+        """Reports of ``values`` (k = 20, ε = 4) for ``channel`` at ``epoch``, default crowd."""
+        params = krappor.KRapporParams(k=20, eps=4.0)
+        rng, mechanism = default_source(), krappor.KRappor()
+        encoded = [tuple(mechanism.encode_value(params, int(v), rng)) for v in values]
+        context = FragmentContext(channel.id, epoch, "")
+        return cls(encoded, context, channel.payload_size, analyzer_key(analyzer_url))
+
+    def __len__(self) -> int:
+        return len(self.reports)
+
+    def __getitem__(self, index: int) -> tuple[bytes, ...]:
+        return tuple(
+            seal_fragment(f, self.context, self.payload_size, self.key) for f in self.reports[index]
+        )
+
+
 def fragments(reports: Iterable[tuple[bytes, ...]]) -> list[str]:
     """The reports' fragments, base64, as a batch lists them."""
     return [b64(f) for report in reports for f in report]
@@ -65,6 +99,7 @@ def post_part(
         headers={
             "ESA-Signature": b64(sign(body, signer)),
             "ESA-Shuffler": shuffler_id,
+            PREAUTH_HEADER: preauth_header(shuffler_id, body, signer, time.time()),
             "Content-Type": "application/json",
         },
         timeout=timeout,

@@ -99,7 +99,7 @@ def test_a_channel_added_at_runtime_takes_reports_to_a_release(
     wait_until(lambda: httpx.get(estimate).status_code == 200, timeout=30)
     release = httpx.get(estimate).json()
     check = release["crowd_check"]
-    assert check["claimed"] == check["verified"] == release["n"]
+    assert check["verified"] <= release["n"] <= check["claimed"]  # fragments prove, claims held
     assert 0 < release["n"] <= values.size and release["certificate"]["eps"] < 10
     assert _pids(deployment) == before  # nothing restarted
 

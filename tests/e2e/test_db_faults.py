@@ -6,7 +6,7 @@ connection, every other backend of both databases is terminated again and again
 (``pg_terminate_backend``): while contributions are ingested, while the epoch is closed, and
 while its parts are delivered, stored and opened. Every answer must be a success or a 503
 (nothing acknowledged); the services must recover on their own (``pool_pre_ping``, the
-forwarder's and the opener's retries); and at the end conservation holds (PROTOCOL.md,
+forwarder's and the opener's retries); and at the end conservation holds (docs/protocol.md,
 "Delivery guarantees"): acknowledged = received by the analyzer + removed by randomized
 deletion + held, nothing lost; each part opened once, each fragment accumulated once.
 """
@@ -32,14 +32,10 @@ from analyzer import store as analyzer_tables
 from analyzer.channels import ChannelRuntime
 from common.envelope import (
     Contribution,
-    FragmentContext,
     load_x25519_public,
     new_nonce,
     seal_contribution,
-    seal_fragment,
 )
-from common.mechanisms import krappor
-from common.randomness import default_source
 from runtime import db
 from services.cli import launcher
 from shuffler import tables
@@ -51,6 +47,7 @@ from ..support import (
     own_headers,
     wait_until,
 )
+from .forge import FreshReports
 
 CHANNEL = LONG_EPOCH_CHANNEL  # the test never straddles an epoch boundary
 #: Small parts, so the batch is delivered and opened as many parts under the faults.
@@ -142,24 +139,15 @@ def deployment(tmp_path: Path, postgres_template: str) -> Iterator[list[ServiceP
         process.stop()
 
 
-def _sealed_pool(analyzer_url: str, size: int) -> list[tuple[bytes, ...]]:
-    """``size`` k-RAPPOR reports sealed for the analyzer (reused across contributions: the
-    analyzer opens every copy)."""
-    config = httpx.get(analyzer_url + "/v1/config", timeout=30).json()["config"]
-    key = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
-    params = krappor.KRapporParams(k=20, eps=4.0)
+def _sealed_pool(analyzer_url: str, size: int) -> FreshReports:
+    """``size`` k-RAPPOR reports for the analyzer, sealed afresh for each contribution that
+    takes one (the analyzer counts a repeated sealed fragment once)."""
     # Bound to the one epoch the test reports in (10^8-second epochs) and the default crowd.
-    context = FragmentContext(CHANNEL.id, int(time.time() // CHANNEL.epoch_seconds), "")
-    return [
-        tuple(
-            seal_fragment(f, context, CHANNEL.payload_size, key)
-            for f in krappor.KRappor().encode_value(params, i % 20, default_source())
-        )
-        for i in range(size)
-    ]
+    epoch = int(time.time() // CHANNEL.epoch_seconds)
+    return FreshReports.of(analyzer_url, CHANNEL, epoch, [i % 20 for i in range(size)])
 
 
-def _send(url: str, pool: list[tuple[bytes, ...]], stop: threading.Event, seen: Answers) -> None:
+def _send(url: str, pool: FreshReports, stop: threading.Event, seen: Answers) -> None:
     """Fresh clients contribute until ``stop``; every answer is recorded."""
     public = load_x25519_public(
         base64.b64decode(httpx.get(url + "/v1/config", timeout=30).json()["public_key"])
@@ -176,7 +164,7 @@ def _send(url: str, pool: list[tuple[bytes, ...]], stop: threading.Event, seen: 
 
 def _contribute(
     client: httpx.Client,
-    pool: list[tuple[bytes, ...]],
+    pool: FreshReports,
     epoch: int,
     public: X25519PublicKey,
     seen: Answers,

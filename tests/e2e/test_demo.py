@@ -34,7 +34,7 @@ from services.cli.launcher import port_free
 from services.tools.catalogue import DEFAULT_CHANNELS
 
 from ..services.test_launcher import _base_port
-from ..support import wait_until
+from ..support import end_process, wait_until
 
 
 def _demo(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -254,12 +254,14 @@ import sys
 from pathlib import Path
 from services.cli import launcher
 from services.cli.demo import finish, interactive, keep_up
+from services.tools.stopping import stops_cleanly
 base = int(sys.argv[2])
-services = launcher.up(Path(sys.argv[1]), base_port=base)
-try:
-    finish(services, f"http://127.0.0.1:{base}/", keep_up(True, None, interactive()))
-finally:  # as the demo does: whatever happens, stop what was started
-    launcher.stop(services)
+with stops_cleanly("esa demo"):
+    services = launcher.up(Path(sys.argv[1]), base_port=base)
+    try:
+        finish(services, f"http://127.0.0.1:{base}/", keep_up(True, None, interactive()))
+    finally:  # as the demo does: whatever happens, stop what was started
+        launcher.stop_started()
 """
 
 
@@ -337,18 +339,13 @@ def test_in_a_terminal_the_deployment_stays_up_until_ctrl_c(tmp_path: Path) -> N
         assert child.poll() is None  # still waiting, with the dashboard up
         assert httpx.get(url, timeout=10).status_code == 200
         os.write(master, b"\x03")  # Ctrl-C, through the terminal's line discipline
-        _read_until(master, "deployment stopped", seen, 30, child)
-        assert child.wait(30) == 0, seen.decode()
+        _read_until(master, "esa demo stopped by Ctrl-C (SIGINT)", seen, 30, child)
+        assert child.wait(30) == 130, seen.decode()  # 128 + SIGINT, as a shell reports it
+        assert "Traceback" not in seen.decode(errors="replace"), seen.decode()
         wait_until(lambda: not any(map(_running, started)), timeout=10)  # every one of them
         assert all(port_free(base + i) for i in range(4))
     finally:
-        if child.poll() is None:  # SIGTERM: it still stops the deployment it started
-            child.terminate()
-            try:
-                child.wait(30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        end_process(child)  # SIGTERM: it still stops the deployment it started
         os.close(master)
 
 

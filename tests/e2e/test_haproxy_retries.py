@@ -41,19 +41,16 @@ from sqlalchemy import func, select
 
 from common.envelope import (
     Contribution,
-    FragmentContext,
     load_x25519_public,
     new_nonce,
     seal_contribution,
-    seal_fragment,
 )
-from common.mechanisms import krappor
-from common.randomness import default_source
 from runtime import db, haproxy
 from services.cli import launcher
 from shuffler import tables
 
 from ..support import LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS
+from .forge import FreshReports
 
 ROOT = Path(__file__).resolve().parents[2]
 CHANNEL = LONG_EPOCH_CHANNEL
@@ -123,19 +120,11 @@ def domain(tmp_path: Path, postgres_template: str) -> Iterator[dict[str, launche
         launcher.stop(services)
 
 
-def _sealed_fragments(analyzer_url: str) -> list[tuple[bytes, ...]]:
-    config = httpx.get(analyzer_url + "/v1/config", timeout=30).json()["config"]
-    key = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
-    params = krappor.KRapporParams(k=20, eps=4.0)
+def _sealed_fragments(analyzer_url: str) -> FreshReports:
+    """20 k-RAPPOR reports, sealed afresh for each contribution that takes one."""
     # Bound to the one epoch the test reports in (10^8-second epochs) and the default crowd.
-    context = FragmentContext(CHANNEL.id, int(time.time() // CHANNEL.epoch_seconds), "")
-    return [
-        tuple(
-            seal_fragment(f, context, CHANNEL.payload_size, key)
-            for f in krappor.KRappor().encode_value(params, i, default_source())
-        )
-        for i in range(20)
-    ]
+    epoch = int(time.time() // CHANNEL.epoch_seconds)
+    return FreshReports.of(analyzer_url, CHANNEL, epoch, range(20))
 
 
 def _send(
@@ -158,7 +147,7 @@ def _send(
 def _client_loop(
     url: str,
     key: X25519PublicKey,
-    pool: list[tuple[bytes, ...]],
+    pool: FreshReports,
     stop: threading.Event,
     requests: Requests,
 ) -> None:

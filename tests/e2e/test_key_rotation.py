@@ -30,36 +30,18 @@ from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
 
 from ..support import LOADTEST_PAGES as PAGES
-from ..support import TEST_SHUFFLER_SETTINGS, Deployment, ServiceProcess, wait_until
+from ..support import Deployment, key_deployment, wait_until
 
 #: A channel only the stale device reports on (epochs of a year: no boundary is crossed).
 SEARCH = PAGES.model_copy(update={"id": "search", "epoch_seconds": MAX_EPOCH_SECONDS})
-#: Keys reloaded every half second and published two seconds after a rotation.
-KEY_SETTINGS = {
-    f"ESA_{role}_{name}": value
-    for role in ("ANALYZER", "SHUFFLER")
-    for name, value in (("KEY_RELOAD_SECONDS", "0.5"), ("KEY_ACTIVATION_SECONDS", "2"))
-}
 DEVICES = 900
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """``esa up`` with two shufflers, each party with its own tokens under ``var/keys``."""
-    var = tmp_path_factory.mktemp("rotation")
-    overrides = {**TEST_SHUFFLER_SETTINGS, **KEY_SETTINGS}
-    base = launcher.free_base_port(3)
-    specs = launcher.prepare(var, 2, base, channels=[PAGES, SEARCH], overrides=overrides)
-    processes = [ServiceProcess(spec, var / "logs" / f"{spec.name}.log") for spec in specs]
-    running = Deployment(var, processes[0], processes[1:])
-    try:
-        for process in processes:
-            process.start()
-        assert processes[0].service is not None
-        launcher.wait_config(processes[0].service, 60)
+    with key_deployment(tmp_path_factory.mktemp("rotation"), [PAGES, SEARCH]) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def _esa(*args: str) -> str:

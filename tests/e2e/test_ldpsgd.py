@@ -98,6 +98,9 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
     overrides = {
         **TEST_SHUFFLER_SETTINGS,
         "ESA_SHUFFLER_EPOCH_GRACE_SECONDS": str(EPOCH_SECONDS),
+        # the channel's reports are 16-locally-private (replacement): above the shufflers'
+        # default ceiling of 12, which would suspend it (docs/operations.md)
+        "ESA_SHUFFLER_ADOPT_MAX_LOCAL_EPS": "16",
         "ESA_ANALYZER_TRAINING_DIR": str(tmp_path / "analyzer" / "training"),
     }
     base = launcher.free_base_port(3)

@@ -34,14 +34,11 @@ from analyzer import store as analyzer_tables
 from analyzer.channels import ChannelRuntime
 from common.envelope import (
     Contribution,
-    FragmentContext,
     load_x25519_public,
     new_nonce,
     seal_contribution,
-    seal_fragment,
 )
-from common.mechanisms import krappor
-from common.randomness import SeededSource, default_source
+from common.randomness import SeededSource
 from runtime import db
 from runtime import db as runtime_db
 from services.cli import launcher
@@ -52,6 +49,7 @@ from shuffler.store import group_lock_identity, make_store
 
 from ..shuffler.factory import fill, make_service
 from ..support import LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS, own_headers, wait_until
+from .forge import FreshReports
 
 SHUFFLERS = 3
 REPLICAS = 2
@@ -154,19 +152,11 @@ def deployment(tmp_path: Path, postgres_template: str) -> Iterator[dict[str, lau
         launcher.stop(services)
 
 
-def _sealed_pool(analyzer_url: str, size: int) -> list[tuple[bytes, ...]]:
-    config = httpx.get(analyzer_url + "/v1/config", timeout=30).json()["config"]
-    key = load_x25519_public(base64.b64decode(config["analyzer"]["keys"][0]["public_key"]))
-    params = krappor.KRapporParams(k=20, eps=4.0)
+def _sealed_pool(analyzer_url: str, size: int) -> FreshReports:
+    """``size`` k-RAPPOR reports, sealed afresh for each contribution that takes one."""
     # Bound to the one epoch the test reports in (10^8-second epochs) and the default crowd.
-    context = FragmentContext(CHANNEL.id, int(time.time() // CHANNEL.epoch_seconds), "")
-    return [
-        tuple(
-            seal_fragment(f, context, CHANNEL.payload_size, key)
-            for f in krappor.KRappor().encode_value(params, i % 20, default_source())
-        )
-        for i in range(size)
-    ]
+    epoch = int(time.time() // CHANNEL.epoch_seconds)
+    return FreshReports.of(analyzer_url, CHANNEL, epoch, [i % 20 for i in range(size)])
 
 
 def _public_key(url: str) -> X25519PublicKey:
@@ -191,7 +181,7 @@ def _post(client: httpx.Client, path: str, **kwargs: object) -> httpx.Response |
 def _contribute(
     client: httpx.Client,
     sid: str,
-    pool: list[tuple[bytes, ...]],
+    pool: FreshReports,
     key: X25519PublicKey,
     tally: Tally,
 ) -> None:
@@ -222,9 +212,7 @@ def _contribute(
         tally.unexpected.append(f"{sid} contribute {answer and answer.text}")
 
 
-def _send(
-    url: str, sid: str, pool: list[tuple[bytes, ...]], stop: threading.Event, tally: Tally
-) -> None:
+def _send(url: str, sid: str, pool: FreshReports, stop: threading.Event, tally: Tally) -> None:
     key = _public_key(url)
     with httpx.Client(base_url=url, timeout=30) as client:
         while not stop.is_set():
@@ -354,7 +342,7 @@ def test_replicas_and_workers_behind_haproxy_lose_nothing_and_count_nothing_twic
             engine.dispose()
 
 
-def _refuses(url: str, sid: str, epoch: int, pool: list[tuple[bytes, ...]]) -> bool:
+def _refuses(url: str, sid: str, epoch: int, pool: FreshReports) -> bool:
     """The replica at ``url`` refuses a fresh client's contribution to ``epoch``."""
     with httpx.Client(base_url=url, timeout=30) as client:
         token = client.post("/v1/enroll").json()["client_token"]

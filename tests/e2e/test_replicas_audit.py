@@ -3,11 +3,13 @@ shuffler trust domain.
 
 One trust domain, ``shuffler-1``, as ``esa up --replicas 2 --database-url-template`` starts it
 (:func:`services.cli.launcher.up`): two replica processes on one PostgreSQL database behind
-HAProxy, forwarding to the ``esa audit sink`` of :mod:`tests.tools.test_audit` instead of the
-analyzer. The audit (:func:`services.tools.audit.runner.run_audit`) runs against the HAProxy
-URL: HAProxy hashes each canary's token, so the canaries land on both replicas; the admin close
-reaches one replica and the other learns it from the database; the groups are dealt by
-whichever replica takes their advisory lock first, and either may forward their parts.
+HAProxy, forwarding to an ``esa audit sink`` instead of the analyzer (the sink keeps the audit
+channel's parts and relays the rest, and the analyzer's signed config, to the analyzer, as
+docs/audit.md stages an audit). The audit (:func:`services.tools.audit.runner.run_audit`)
+runs against the HAProxy URL: HAProxy hashes each canary's token, so the canaries land on both
+replicas; the admin close reaches one replica and the other learns it from the database; the
+groups are dealt by whichever replica takes their advisory lock first, and either may forward
+their parts.
 
 Every order and metadata finding must pass: positions independent of send order across both
 replicas' intake (3 statistical checks at p < 1e-7 each), and every part with the documented
@@ -32,6 +34,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -42,9 +45,7 @@ from runtime import haproxy
 from services.cli import launcher
 from services.tools.audit.runner import AuditConfig, run_audit
 from tests.support import TEST_SHUFFLER_SETTINGS, own_headers, own_token
-from tests.tools.test_audit import CHANNEL, FAST, GROUP_SIZE, TOKEN, sink
-
-__all__ = ["sink"]  # the module-scoped ``esa audit sink`` fixture, shared with test_audit
+from tests.tools.test_audit import CHANNEL, FAST, GROUP_SIZE, TOKEN, audit_sink
 
 REPLICAS = 2
 #: The audit channel of test_audit (7 declared crowds, min_crowd 5), as ``esa up`` writes it,
@@ -57,50 +58,63 @@ AUDIT_CHANNEL = ChannelConfig(
 ASSERTED = ("order", "metadata", "surface", "crowd", "intake", "deletion")
 
 
+@dataclass
+class Audited:
+    """The replicated deployment by service name, and the sink its shuffler-1 forwards to."""
+
+    services: dict[str, launcher.Service]
+    sink: str
+
+
 @pytest.fixture
-def replicated(
-    tmp_path: Path, postgres_template: str, sink: str
-) -> Iterator[dict[str, launcher.Service]]:
-    """``shuffler-1`` as 2 replicas on one PostgreSQL behind HAProxy, forwarding to the sink,
-    by name (an analyzer process runs too: ``esa up`` starts one, the audit ignores it)."""
+def replicated(tmp_path: Path, postgres_template: str) -> Iterator[Audited]:
+    """``shuffler-1`` as 2 replicas on one PostgreSQL behind HAProxy, forwarding to an audit
+    sink that relays to the deployment's analyzer every channel but the audit channel, and the
+    analyzer's signed config (as docs/audit.md stages an audit: the replicas keep following
+    their analyzer)."""
     try:
         haproxy.binary()
     except haproxy.HaproxyError as error:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(str(error))
         pytest.skip(str(error))
-    overrides = {
-        **TEST_SHUFFLER_SETTINGS,
-        **{f"ESA_SHUFFLER_{k.upper()}": v for k, v in FAST.items()},
-        "ESA_SHUFFLER_ANALYZER_URL": sink,
-    }
-    services = launcher.up(
-        tmp_path,
-        1,
-        launcher.free_base_port(launcher.scaled_ports(1, REPLICAS, 1)),
-        timeout=90,
-        database_template=postgres_template,
-        replicas=REPLICAS,
-        channels=[AUDIT_CHANNEL],
-        overrides=overrides,
-    )
-    try:
-        by_name = {service.name: service for service in services}
-        assert {f"shuffler-1.r{i}" for i in range(1, REPLICAS + 1)} <= set(by_name)
-        yield by_name
-    finally:
-        launcher.stop(services)
+    base = launcher.free_base_port(launcher.scaled_ports(1, REPLICAS, 1))
+    relay = ("--relay", f"http://127.0.0.1:{base}", "--keep-channel", AUDIT_CHANNEL.id)
+    (tmp_path / "sink").mkdir()
+    with audit_sink(tmp_path / "sink", *relay) as sink:
+        overrides = {
+            **TEST_SHUFFLER_SETTINGS,
+            **{f"ESA_SHUFFLER_{k.upper()}": v for k, v in FAST.items()},
+            "ESA_SHUFFLER_ANALYZER_URL": sink,
+        }
+        services = launcher.up(
+            tmp_path / "var",
+            1,
+            base,
+            timeout=90,
+            database_template=postgres_template,
+            replicas=REPLICAS,
+            channels=[AUDIT_CHANNEL],
+            overrides=overrides,
+        )
+        try:
+            by_name = {service.name: service for service in services}
+            assert {f"shuffler-1.r{i}" for i in range(1, REPLICAS + 1)} <= set(by_name)
+            yield Audited(by_name, sink)
+        finally:
+            launcher.stop(services)
 
 
 def test_order_and_metadata_checks_pass_against_two_replicas_behind_haproxy(
-    replicated: dict[str, launcher.Service], sink: str, tmp_path: Path
+    replicated: Audited, tmp_path: Path
 ) -> None:
+    var = tmp_path / "var"
     config = AuditConfig(
-        shuffler_url=replicated["haproxy:shuffler-1"].url,
-        sink_url=sink,
+        shuffler_url=replicated.services["haproxy:shuffler-1"].url,
+        sink_url=replicated.sink,
         sink_token=TOKEN,
         channel_id=AUDIT_CHANNEL.id,
-        admin_token=own_token(tmp_path, "shuffler-1"),  # the trust domain's own
+        admin_token=own_token(var, "shuffler-1"),  # the trust domain's own
         skew_seconds=0.2,  # sink and auditor share this machine's clock
         group_size=GROUP_SIZE,  # every full group released but with probability ~2e-9
     )
@@ -120,7 +134,7 @@ def test_order_and_metadata_checks_pass_against_two_replicas_behind_haproxy(
     assert result.summary["batches"] == len(AUDIT_CHANNEL.crowds) - 1
     # HAProxy spread the canaries over both replicas (each token hashed on its own).
     for replica in range(1, REPLICAS + 1):
-        assert _received(replicated[f"shuffler-1.r{replica}"].url, tmp_path) > 0, replica
+        assert _received(replicated.services[f"shuffler-1.r{replica}"].url, var) > 0, replica
 
 
 def _received(url: str, var: Path) -> float:

@@ -1,6 +1,6 @@
 """Unbiasedness, variance and per-report vs aggregate agreement for every mechanism.
 
-MECHANISMS.md, "Accuracy we hold ourselves to": on seeded populations, the mean estimate over
+docs/mechanisms.md, "Accuracy the tests hold": on seeded populations, the mean estimate over
 >= 200 runs is within 4 standard errors of the truth and the empirical variance is within 15%
 of the variance the module reports, both through the per-report path (small n) and through
 ``simulate_aggregate`` (large n); the two paths agree in distribution (two-sample KS test).
@@ -17,7 +17,7 @@ from scipy import stats
 
 from common.mechanisms import SeededSource, krappor, krr, rfrag, zsum
 from common.mechanisms._estimates import CountAccumulator, Estimate
-from common.mechanisms.base import BatchContext
+from common.mechanisms.device import BatchContext
 
 RUNS = 200
 SMALL = np.array([120, 80, 50, 30, 20, 0, 0, 0], dtype=np.int64)

@@ -10,7 +10,7 @@ import pytest
 
 from common.mechanisms import BUILT_IN, SeededSource, get, krappor, krr, longitudinal, rfrag, zsum
 from common.mechanisms._estimates import CountAccumulator
-from common.mechanisms.base import BatchContext
+from common.mechanisms.device import BatchContext
 from common.mechanisms.rfrag import BackstopStateError
 from common.randomness import SystemSource
 

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from common.mechanisms import SeededSource, longitudinal
-from common.mechanisms.base import BatchContext
+from common.mechanisms.device import BatchContext
 from common.mechanisms.longitudinal import ChangeLog, LongitudinalParams
 from services.tools import populations
 

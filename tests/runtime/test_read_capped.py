@@ -1,5 +1,5 @@
 """A signed document is read whole before its signature is checked, so the size of what a
-party answers is capped while it is read (runtime.http.read_capped)."""
+party answers is capped while it is read (common.fetching.fetch_within)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import threading
 from collections.abc import Iterator
 from typing import ClassVar
 
-import httpx
 import pytest
 
-from runtime.http import read_capped
+from common.fetching import FetchTooLargeError, deadline_client, fetch_within
 
 from ..support import QuietHandler, handler_served
 
@@ -47,8 +46,11 @@ def server() -> Iterator[str]:
 
 
 def _read(url: str, limit: int) -> bytes | None:
-    with httpx.Client() as http, http.stream("GET", url) as response:
-        return read_capped(response, limit)
+    with deadline_client(30.0) as http:
+        try:
+            return fetch_within(http, url, limit, 30.0).body
+        except FetchTooLargeError:
+            return None
 
 
 def test_a_body_up_to_the_cap_is_read_whole_and_one_byte_more_is_refused(server: str) -> None:

@@ -15,6 +15,7 @@ file itself on a Docker engine.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import json
 import os
 import re
@@ -86,6 +87,7 @@ COMPOSE_ONLY = {
     "ESA_ANALYZER_DATABASE_URL_FILE",
     "ESA_ANALYZER_PUBLISH_DIR",
     "ESA_SHUFFLER_HOST",
+    "ESA_SHUFFLER_TRUSTED_PROXIES",  # its HAProxy's fixed address (replicas profile)
     "ESA_SHUFFLER_ENVIRONMENT",
     "ESA_SHUFFLER_TOKEN_SECRET_FILE",
     "ESA_SHUFFLER_ADMIN_TOKEN_FILE",
@@ -248,7 +250,7 @@ def test_each_trust_domain_has_its_own_database_server_on_its_own_network() -> N
         assert members == {f"postgres-{party}", party} | (
             {f"{party}-r2"} if party != "analyzer" else set()
         )
-    assert set(COMPOSE["networks"]) == {f"db-{p}" for p in PARTIES}
+    assert set(COMPOSE["networks"]) == {"default"} | {f"db-{p}" for p in PARTIES}
     # The base image's entrypoint reads POSTGRES_PASSWORD_FILE only in the official image;
     # esa-postgres's own reads it for the stand-in too and refuses a placeholder.
     dockerfile = (ROOT / "deploy" / "postgres" / "Dockerfile").read_text()
@@ -555,3 +557,17 @@ def test_the_loadgen_home_is_writable_and_its_dashboard_is_the_hosts() -> None:
     script = SERVICES["loadgen"]["entrypoint"][2]
     assert 'esa "$$@"' in script and "http://127.0.0.1:8100/" in script
     assert "127.0.0.1:8100:8100" in SERVICES["analyzer"]["ports"]
+
+
+def test_each_shuffler_trusts_its_own_haproxys_fixed_address_only() -> None:
+    """X-Forwarded-For is the device's address only from the shuffler's HAProxy (replicas
+    profile): a fixed address on the default network, outside the range Docker hands other
+    containers, so no other container can hold it and name any address it likes."""
+    ipam = COMPOSE["networks"]["default"]["ipam"]["config"][0]
+    subnet, dynamic = ipaddress.ip_network(ipam["subnet"]), ipaddress.ip_network(ipam["ip_range"])
+    for party in PARTIES[1:]:
+        proxy = SERVICES[f"{party}-lb"]["networks"]["default"]["ipv4_address"]
+        assert ipaddress.ip_address(proxy) in subnet and ipaddress.ip_address(proxy) not in dynamic
+        for name in (party, f"{party}-r2"):
+            assert _env(SERVICES[name])["ESA_SHUFFLER_TRUSTED_PROXIES"] == proxy
+    assert "ESA_ANALYZER_TRUSTED_PROXIES" not in _env(SERVICES["analyzer"])  # no proxy in front

@@ -1,4 +1,5 @@
-"""``esa up``: starts everything healthy, refuses a taken port, leaves nothing behind on SIGTERM."""
+"""``esa up``: starts everything healthy, refuses a taken port, leaves nothing behind on SIGTERM
+(and says so, exiting 143 without a traceback)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,9 @@ def test_up_serves_every_mechanism_refuses_taken_ports_and_stops_cleanly(tmp_pat
         assert "new tokens" not in second.stdout  # shown once: the first run made them
         assert len(_processes_mentioning(str(var))) == 4  # analyzer + 3 shufflers
         first.send_signal(signal.SIGTERM)
-        first.wait(30)
+        assert first.wait(30) == 143  # 128 + SIGTERM, after stopping everything, quietly
+        rest = first.stdout.read()
+        assert "esa up stopped by SIGTERM" in rest and "Traceback" not in rest, rest
     finally:
         if first.poll() is None:
             first.kill()
@@ -175,15 +178,20 @@ def test_prepare_gives_each_party_its_own_lasting_secrets_as_files(tmp_path: Pat
     assert all("ESA_SHUFFLER_TOKEN_SECRET_FILE" not in s.env for s in chosen)
 
 
-def test_the_raised_enrolment_limit_is_local_only(tmp_path: Path) -> None:
-    from services.cli.launcher import service_specs
+def test_the_raised_enrolment_limit_and_the_example_pages_origins_are_local_only(
+    tmp_path: Path,
+) -> None:
+    from services.cli.launcher import EXAMPLE_PAGE_ORIGINS, service_specs
 
     local = service_specs(tmp_path, 2)
     production = service_specs(tmp_path, 2, profile="production")
-    for spec in local[1:]:
-        assert LOCAL_SETTINGS.items() <= spec.env.items()
-    for spec in production[1:]:
-        assert "ESA_SHUFFLER_ENROLL_PER_MINUTE" not in spec.env
+    for spec in local:
+        prefix = "ESA_ANALYZER_" if spec.name == "analyzer" else "ESA_SHUFFLER_"
+        mine = {k: v for k, v in LOCAL_SETTINGS.items() if k.startswith(prefix)}
+        assert mine and mine.items() <= spec.env.items()
+        assert spec.env[f"{prefix}CORS_ORIGINS"] == EXAMPLE_PAGE_ORIGINS
+    for spec in production:
+        assert not set(LOCAL_SETTINGS) & set(spec.env)
 
 
 def test_prepare_writes_the_keys_an_app_pins_and_the_analyzers_registry(tmp_path: Path) -> None:

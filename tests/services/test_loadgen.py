@@ -5,6 +5,7 @@ contribution acknowledged and counted where it went."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,13 +13,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from common.collection import TrustAnchors, verify_collection
-from common.wire import SignedConfig
+from common.wire import MAX_EPOCH_SECONDS, SignedConfig
 from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
@@ -114,7 +116,7 @@ def test_driver_waits_out_retry_after() -> None:
 
     class One:
         def __init__(self) -> None:
-            self.left = [loadgen.Request(0, "client.mac", b"sealed")]
+            self.left = [loadgen.Request(shuffler=0, token="client.mac", body=b"sealed")]
 
         def next(self, now: float) -> loadgen.Request | None:
             return self.left.pop() if self.left else None
@@ -131,6 +133,91 @@ def test_driver_waits_out_retry_after() -> None:
     assert driver.stats.statuses == {429: 1, 202: 1}
     assert driver.stats.errors == {"429": 1}
     assert arrivals[1] - arrivals[0] >= 0.95
+
+
+def _epoch_file(path: Path, tokens: list[str]) -> Path:
+    """An epoch file of one request per token, all to shuffler 0 (the body is the token)."""
+    with path.open("wb") as out:
+        for token in tokens:
+            encoded = token.encode()
+            out.write(loadgen.RECORD.pack(0, len(encoded), len(encoded)) + encoded + encoded)
+    return path
+
+
+async def _scripted(
+    answers: dict[str, list[bytes]], source: loadgen.Source, clock: Any = time.time
+) -> loadgen.Driver:
+    """A real HTTP/1.1 server on 127.0.0.1 answering each client token's requests with its
+    list of status lines in turn (the last one for ever), driven by a :class:`Driver`."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                lines = head.split(b"\r\n")[1:]
+                fields = dict(line.split(b": ", 1) for line in lines if b": " in line)
+                await reader.readexactly(int(fields[b"Content-Length"]))
+                token = fields[b"Authorization"].split()[1].decode()
+                line = answers[token].pop(0) if len(answers[token]) > 1 else answers[token][0]
+                body = b"{}" if line.startswith(b"202") else b'{"error": "%s"}' % line[:3]
+                head = b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n" % (line, len(body))
+                writer.write(head + body)
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    driver = loadgen.Driver([f"http://127.0.0.1:{port}"], concurrency=len(answers))
+    try:
+        await driver.run(source, rate=None, seconds=30, until_empty=True, clock=clock)
+    finally:
+        server.close()
+    return driver
+
+
+def test_refused_contributions_are_sent_again_within_their_epoch(tmp_path: Path) -> None:
+    """As a device's outbox: a 503 and a 429 (with Retry-After) are waited out and sent
+    again in their epoch; the run counts them refused, then delivered, apart from the one
+    delivered at once."""
+    answers = {
+        "unavailable": [b"503 Service Unavailable\r\nRetry-After: 1", b"202 Accepted"],
+        "limited": [b"429 Too Many Requests\r\nRetry-After: 1", b"202 Accepted"],
+        "at-once": [b"202 Accepted"],
+    }
+    epoch = int(time.time() // MAX_EPOCH_SECONDS)
+    source = loadgen.EpochSource(
+        {epoch: [_epoch_file(tmp_path / "e.bin", list(answers))]}, MAX_EPOCH_SECONDS
+    )
+    start = time.monotonic()
+    stats = asyncio.run(_scripted(answers, source)).stats
+    assert 0.9 < time.monotonic() - start < 5  # one Retry-After, waited in parallel
+    assert stats.accepted == 3 and stats.refused_then_delivered == 2
+    assert stats.never_delivered == stats.given_up == 0 and not stats.refusals
+    assert stats.retried == {503: 1, 429: 1} and stats.final == {202: 3}
+    assert stats.errors == {"429": 1, "503": 1}  # every answer, as the live view shows it
+
+
+def test_a_contribution_still_refused_when_its_epoch_ends_is_never_delivered(
+    tmp_path: Path,
+) -> None:
+    """Retries end with the epoch (a shuffler refuses a contribution to an ended epoch for
+    good): a request still answered 503 then is given up and never delivered; a 400 is not
+    retried at all."""
+    answers = {
+        "down": [b"503 Service Unavailable\r\nRetry-After: 1"],
+        "bad": [b"400 Bad Request"],
+    }
+    seconds = 60
+    shift = (int(time.time() // seconds) + 1) * seconds - 1.5 - time.time()
+    clock = lambda: time.time() + shift  # noqa: E731 - the epoch now ends in 1.5 s
+    epoch = int(clock() // seconds)
+    files = {epoch: [_epoch_file(tmp_path / "e.bin", list(answers))]}
+    start = time.monotonic()
+    stats = asyncio.run(_scripted(answers, loadgen.EpochSource(files, seconds), clock)).stats
+    assert time.monotonic() - start < 1.5  # the second wait would end past the epoch
+    assert stats.statuses == {503: 2, 400: 1} and stats.retried == {503: 1}
+    assert stats.accepted == stats.refused_then_delivered == 0
+    assert stats.never_delivered == 2 and stats.given_up == 1
+    assert stats.refusals == {"503": 1, "400": 1}
 
 
 def test_a_replayed_nonce_means_an_earlier_attempt_landed() -> None:

@@ -10,10 +10,12 @@ a clear error instead of verifying."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -39,7 +41,7 @@ from services.tools.credentials import Credentials
 from services.tools.loadgen import devices
 from services.tools.loadtest import verify
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
-from services.tools.loadtest.prepare import Plan, spec_for
+from services.tools.loadtest.prepare import LoadPlan, spec_for
 from services.tools.loadtest.refusals import RefusedError, check_answers, unexpected
 from services.tools.loadtest.verify import channel_problems
 from tests.support import LOADTEST_PAGES as PAGES
@@ -207,7 +209,7 @@ def test_state_populations_and_specs() -> None:
         ("words", "words", "changes"),
         ("changes:0.2", "zipf", "changes:0.2"),
     ]:
-        plan = Plan(
+        plan = LoadPlan(
             analyzer_url="http://x",
             trust=trust,
             devices=10,
@@ -592,3 +594,114 @@ def test_a_deployment_gone_before_verification_is_a_clear_error() -> None:
         verify.close_epochs([url], Credentials.shared("development"), {"pages": [7]})
     with pytest.raises(verify.VerifyError, match=f"the release of pages at {url}"):
         verify.release(url, "pages", [7], 16)
+
+
+#: Two k-RR channels whose epochs never end during a test: each device sends one contribution
+#: to each, both through the one shuffler of :func:`test_refusals_are_waited_out_in_their_epoch`.
+BUSY = [
+    PAGES.model_copy(update={"id": f"busy-{x}", "epoch_seconds": MAX_EPOCH_SECONDS}) for x in "ab"
+]
+
+
+@pytest.mark.system
+def test_refusals_are_waited_out_in_their_epoch(tmp_path: Path) -> None:
+    """A shuffler that takes one contribution per second from each client (the rate limit,
+    429 + Retry-After) and whose database is locked while the run starts (503, nothing
+    stored): as a device's outbox does, the run waits each refusal out and sends again within
+    the epoch; everything is delivered, verified, and reported as refused then delivered."""
+    var, base = tmp_path / "var", launcher.free_base_port(2)
+    overrides = {
+        **TEST_SHUFFLER_SETTINGS,
+        "ESA_SHUFFLER_RATE_PER_SECOND": "1",
+        "ESA_SHUFFLER_RATE_BURST": "1",
+        "ESA_SHUFFLER_SQLITE_BUSY_TIMEOUT_SECONDS": "0.2",
+    }
+    specs = launcher.prepare(var, 1, base, channels=BUSY, overrides=overrides)
+    services = launcher.start_all(specs, var / "logs")
+    try:
+        launcher.wait_config(services[0], 60)
+        args = ["--devices", "100", "--max", "--channel", "busy-a", "--channel", "busy-b"]
+        command = _command(services[0].url, var / launcher.TRUST_FILE, tmp_path / "out", *args)
+        run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        locked = threading.Thread(target=_lock_while_the_run_starts, args=(run, var))
+        locked.start()
+        assert run.stdout is not None
+        out = run.stdout.read()  # the thread reads stderr
+        run.wait(240)
+        locked.join(30)
+    finally:
+        launcher.stop(services)
+    err = "".join(_LOG)
+    assert run.returncode == 0, out[-3000:] + err[-3000:]
+    summary = json.loads((tmp_path / "out" / "loadtest.json").read_text())
+    found = summary["run"]
+    assert found["offered"] == found["accepted"] == 200 and found["never_delivered"] == 0
+    assert found["retried"].get("503", 0) >= 2, (found["retried"], err[-3000:])
+    assert found["retried"]["429"] >= 50, found["retried"]
+    assert found["refused_then_delivered"] >= 50
+    assert summary["verification"]["problems"] == [], summary["verification"]
+    later = found["refused_then_delivered"]
+    assert f"{200 - later} delivered at once, {later} refused then delivered" in out
+    assert "0 never delivered" in out and "verification: PASS" in out
+
+
+_LOG: list[str] = []
+
+
+def _lock_while_the_run_starts(run: subprocess.Popen[str], var: Path) -> None:
+    """Hold the shuffler's SQLite write lock from the end of sealing until 3 s after the run
+    began (its first contribution, sent alone, is answered 503 again and again: nothing can
+    be stored), reading the run's log meanwhile (into :data:`_LOG`)."""
+    assert run.stderr is not None
+    _LOG.clear()
+    lock = None
+    for line in run.stderr:
+        _LOG.append(line)
+        if "sealed" in line and "contributions" in line and lock is None:
+            lock = sqlite3.connect(var / "shuffler-1" / "shuffler.db", timeout=10)
+            lock.execute("BEGIN IMMEDIATE")
+        if line.lstrip().startswith("run:") and lock is not None:
+            time.sleep(3.0)
+            lock.rollback()
+            lock.close()
+            lock = None
+    if lock is not None:
+        lock.close()
+
+
+def test_a_wait_says_what_it_waits_for_and_counts_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait of the run (its planned start, a wave's epoch) is never silent: one line says
+    what for and until when, then the time left every WAIT_LINE_SECONDS without a live view,
+    or in the live view's title; a wait under a second goes unannounced."""
+    from rich.console import Console
+
+    from services.tools.loadtest import live
+
+    monkeypatch.setattr(live, "WAIT_LINE_SECONDS", 0.4)
+    monkeypatch.setattr(live, "QUIET_WAIT_SECONDS", 0.15)
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    live.wait_until(time.time() + 0.1, "nothing to say", console, live=False)
+    assert out.getvalue() == ""
+    at = time.time() + 1.0
+    live.wait_until(at, "the run's planned start (epoch 7 of pages)", console, live=False)
+    assert time.time() >= at
+    lines = out.getvalue().splitlines()
+    said = [x for x in lines if "waiting for the run's planned start (epoch 7 of pages):" in x]
+    assert len(said) >= 2 and all(" s left (until " in x for x in said), lines
+    assert time.strftime("%H:%M:%S", time.localtime(at)) in said[0]
+
+    monitor = live.Monitor(driver=loadgen.Driver([]), shuffler_urls=[])
+    titles: list[str] = []
+
+    async def watched() -> None:
+        waiting = asyncio.create_task(
+            live._wait_in_view(time.time() + 0.6, "epoch 9", monitor, console, live=True)
+        )
+        while not waiting.done():
+            titles.append(monitor.waiting)
+            await asyncio.sleep(0.1)
+
+    asyncio.run(watched())
+    assert any(t.startswith("waiting for epoch 9: 1 s left") for t in titles), titles
+    assert monitor.waiting == ""  # the title is plain again once the wait is over

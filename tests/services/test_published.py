@@ -183,7 +183,7 @@ def test_the_analyzer_pins_the_published_keys_and_refuses_batches_signed_otherwi
     url = parties.analyzer.url
     for other in (Ed25519PrivateKey.generate(), parties.signer("shuffler-2")):
         forged = post_part(url, batch.body(), other, "shuffler-1")
-        assert forged.status_code == 401 and forged.json()["error"] == "bad_signature", forged.text
+        assert forged.status_code == 401 and forged.json()["error"] == "bad_preauth", forged.text
     taken = post_part(url, batch.body(), parties.signer("shuffler-1"), "shuffler-1")
     assert taken.status_code == 201, taken.text
 

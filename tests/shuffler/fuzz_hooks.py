@@ -70,7 +70,7 @@ class Credentials:
         path = case.operation.path
         if path.startswith("/v1/admin/") or path == "/metrics":
             return ADMIN_TOKEN
-        if path != CONTRIBUTIONS:
+        if path != CONTRIBUTIONS or case.method.upper() != "POST":  # not its preflight
             return None
         self.issued += 1
         if self.issued % REUSE_EVERY:
@@ -128,7 +128,8 @@ def _not_a_channel(channel_id: str) -> bool:
 
 @schemathesis.hook
 def flatmap_body(context: Any, body: Any) -> Any:
-    if context.operation is None or context.operation.path != CONTRIBUTIONS:
+    operation = context.operation
+    if operation is None or (operation.method.upper(), operation.path) != ("POST", CONTRIBUTIONS):
         return st.just(body)
     return st.one_of(st.just(body), sealed())
 

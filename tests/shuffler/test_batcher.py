@@ -173,8 +173,8 @@ def test_marked_fragment_lands_uniformly() -> None:
 
 def test_groups_fall_due_only_when_their_epoch_closes() -> None:
     """However many contributions wait, a group is evaluated whole once its epoch closed (after
-    the grace period, or closed by an admin), never early (PROTOCOL.md: never split a group by
-    arrival)."""
+    the grace period, or closed by an admin), never early (docs/protocol.md: never split a group
+    by arrival)."""
     policy = ChannelPolicy(id="c", epoch_seconds=100, min_crowd=5)
     assert group_due(policy, epoch=5, now=550.0, grace=2.0, closed_upto=-1) is False
     assert group_due(policy, epoch=5, now=601.0, grace=2.0, closed_upto=-1) is False

@@ -21,6 +21,7 @@ from shuffler import tables
 
 from ..support import (
     SMALL_CHANNEL,
+    UNFOLLOWED,
     ServiceProcess,
     free_port,
     receiver,
@@ -90,10 +91,12 @@ def _signing_key(service: ServiceProcess) -> Ed25519PublicKey:
 
 
 def test_kill_after_acknowledging_before_batching(tmp_path: Path) -> None:
-    with receiver() as analyzer:
-        service = shuffler_process(
-            tmp_path, "shuffler-1", [CHANNEL], analyzer_url=analyzer.url
-        ).start()
+    with (
+        receiver() as analyzer,
+        shuffler_process(
+            tmp_path, "shuffler-1", [CHANNEL], analyzer_url=analyzer.url, **UNFOLLOWED
+        ).start() as service,
+    ):
         acknowledged = _send(service, 60)
         assert acknowledged == 60
         service.kill()
@@ -118,9 +121,13 @@ def test_kill_after_acknowledging_before_batching(tmp_path: Path) -> None:
 
 def test_kill_after_batch_creation_before_forwarding(tmp_path: Path) -> None:
     port = free_port()  # nobody listens yet: the analyzer is down
-    service = shuffler_process(
-        tmp_path, "shuffler-1", [CHANNEL], analyzer_url=f"http://127.0.0.1:{port}"
-    ).start()
+    with shuffler_process(
+        tmp_path, "shuffler-1", [CHANNEL], analyzer_url=f"http://127.0.0.1:{port}", **UNFOLLOWED
+    ).start() as service:
+        _kill_before_forwarding(tmp_path, service, port)
+
+
+def _kill_before_forwarding(tmp_path: Path, service: ServiceProcess, port: int) -> None:
     acknowledged = _send(service, 40)
     epoch = int(time.time() // 3600)
     close = httpx.post(

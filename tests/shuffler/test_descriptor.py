@@ -1,4 +1,4 @@
-"""A shuffler vouches for itself (PROTOCOL.md, "Who vouches for what"): ``GET /v1/descriptor``
+"""A shuffler vouches for itself (docs/protocol.md, "Shuffler descriptor"): ``GET /v1/descriptor``
 serves its id, the URL devices send to, its live HPKE keys (the current one first) and its
 signing key, valid for ``descriptor_ttl_seconds``, signed with its own Ed25519 key over
 ``DESCRIPTOR_CONTEXT + canonical(descriptor)``. Checked over real HTTP against a uvicorn process

@@ -18,6 +18,7 @@ EXPECTED = {
     errors.UnknownChannelError: ("unknown_channel", 400),
     errors.ChannelRetiredError: ("channel_retired", 409),
     errors.ConfigOutdatedError: ("config_outdated", 409),
+    errors.ChannelTermsChangedError: ("channel_terms_changed", 409),
     errors.UnknownCrowdError: ("unknown_crowd", 400),
     errors.EpochNotOpenError: ("epoch_not_open", 400),
     errors.FutureEpochError: ("epoch_not_started", 422),

@@ -1,7 +1,7 @@
 """Fault test of issue 11 with real processes, SQLite and PostgreSQL: SIGKILL a shuffler while
 contributions stream in, restart it, close the epoch, and account for every 202.
 
-Conservation (PROTOCOL.md, "Delivery guarantees"): acknowledged = in batches received by the
+Conservation (docs/protocol.md, "Delivery guarantees"): acknowledged = in batches received by the
 analyzer (all parts in, each contribution counted once across parts) + removed by randomized
 deletion (the ``groups.deleted`` counter) + held; nothing lost, nothing counted twice.
 """
@@ -23,7 +23,14 @@ from common.envelope import Contribution, load_x25519_public, new_nonce, seal_co
 from runtime import db
 from shuffler import tables
 
-from ..support import SMALL_CHANNEL, ServiceProcess, receiver, shuffler_process, wait_until
+from ..support import (
+    SMALL_CHANNEL,
+    UNFOLLOWED,
+    ServiceProcess,
+    receiver,
+    shuffler_process,
+    wait_until,
+)
 
 pytestmark = pytest.mark.system  # starts real processes
 
@@ -126,6 +133,7 @@ def test_kill_during_ingest_then_restart_conserves_every_contribution(
             [SMALL_CHANNEL],
             database_url,
             analyzer_url=analyzer.url,
+            **UNFOLLOWED,
             enroll_per_minute="600000",
             part_fragments=str(PART_FRAGMENTS),
         ).start()

@@ -35,7 +35,7 @@ from shuffler.service import ShufflerService
 
 from ..analyzer.helpers import CHANNEL, app_settings
 from ..support import wait_until
-from .factory import POLICY, make_service, pending
+from .factory import EPOCH_SECONDS, POLICY, fill, make_service, pending
 
 FLOOR = PolicyFloor(min_crowd=10, max_eps_cr=2.0, max_delta_cr=1e-5)
 ADMIN = {"Authorization": "Bearer development"}
@@ -284,3 +284,73 @@ def test_the_followed_analyzer_key_is_kept_for_restarts_and_replicas(
         replica.follower.fetch(http)
     assert replica.policies.get("stolen") is None
     thief.server.shutdown()
+
+
+def test_no_group_is_evaluated_before_the_analyzers_config_places_this_shuffler(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """A following shuffler that has not adopted its analyzer's config (just started, the
+    analyzer not up yet) cannot tell the crowd the analyzer will verify: its due groups stay
+    pending, none is sent to be withheld as below ``min_crowd``; once the config that lists it
+    is adopted, they are evaluated."""
+    signed = client.get("/v1/config").json()
+    homepage = POLICY.model_copy(update=CHANNEL.policy().model_dump())
+    service, clock = make_service(
+        f"sqlite:///{tmp_path / 's.db'}",
+        tmp_path,
+        policy=homepage,
+        analyzer_url="http://testserver",
+        analyzer_key=signed["config"]["analyzer"]["signing_key"],
+    )
+    clock.now = time.time()
+    assert service.follower is not None and service.follower.position is None
+    fill(service, clock.epoch, homepage.min_crowd + 5)
+    clock.now += homepage.epoch_seconds + service.settings.epoch_grace_seconds + 1
+    assert service.run_batching() == 0
+    assert service.ledger()["pending"] == homepage.min_crowd + 5
+    assert service.follower.fetch(client) is not None
+    assert service.follower.position is not None
+    assert service.run_batching() == 1
+    assert service.ledger()["pending"] == 0
+
+
+def test_a_stalling_analyzer_costs_a_batching_round_one_config_fetch(tmp_path: Path) -> None:
+    """Three due groups and an analyzer that holds every config fetch past its deadline: the
+    round asks it once (not once per group), defers all three, and evaluates none."""
+    asked: list[float] = []
+
+    class Stalling(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(time.monotonic())
+            time.sleep(2.0)  # past the follower's 1 s deadline
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        service, clock = make_service(
+            f"sqlite:///{tmp_path / 's.db'}",
+            tmp_path,
+            analyzer_url=f"http://127.0.0.1:{server.server_address[1]}",
+            analyzer_key=b64(public_bytes(Ed25519PrivateKey.generate().public_key())),
+            config_fetch_deadline_seconds=1.0,
+        )
+        clock.now -= 3 * EPOCH_SECONDS
+        for _ in range(3):
+            fill(service, clock.epoch, POLICY.min_crowd + 2)
+            clock.now += EPOCH_SECONDS
+        assert len(service.due_groups(clock.now)) == 3
+        assert service.follower is not None
+        start, frozen = time.monotonic(), clock.now  # the follower's clock runs as time does
+        service.follower.clock = lambda: frozen + time.monotonic() - start
+        assert service.run_batching() == 0
+        assert len(asked) == 1
+        assert service.ledger()["pending"] == 3 * (POLICY.min_crowd + 2)
+    finally:
+        server.shutdown()
+        server.server_close()

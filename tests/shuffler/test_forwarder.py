@@ -8,7 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
+from common.preauth import PreauthError, parse_preauth
 from common.randomness import SeededSource
 from common.wire import BatchAck
 from shuffler.forwarder import Outcome
@@ -48,7 +50,7 @@ def _ready(database_url: str, tmp_path: Path) -> tuple[ShufflerService, Clock]:
 
 
 def test_acknowledged_batch_is_forwarded_once(database_url: str, tmp_path: Path) -> None:
-    service, _ = _ready(database_url, tmp_path)
+    service, clock = _ready(database_url, tmp_path)
     seen: list[httpx.Request] = []
     with _client(_ack, seen) as client:
         assert service.forward_due(client) == {"forwarded": 1, "retried": 0, "failed": 0}
@@ -56,6 +58,11 @@ def test_acknowledged_batch_is_forwarded_once(database_url: str, tmp_path: Path)
     assert [str(r.url) for r in seen] == ["http://analyzer.test/v1/batches"]
     assert seen[0].headers["ESA-Signature"] and service.ledger()["in_batches_forwarded"] > 0
     assert seen[0].headers["ESA-Shuffler"] == "shuffler-1"  # the analyzer picks the key by it
+    head = parse_preauth(seen[0].headers["ESA-Preauth"])  # what takes the analyzer's slot
+    head.check("shuffler-1", service.signing_key.public_key(), clock.now)
+    head.check_body(seen[0].content)
+    with pytest.raises(PreauthError):
+        head.check("shuffler-2", service.signing_key.public_key(), clock.now)
 
 
 def test_retryable_answers_back_off_then_succeed(database_url: str, tmp_path: Path) -> None:

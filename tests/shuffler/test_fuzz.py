@@ -49,12 +49,12 @@ deterministic = true
 database = "none"
 
 [[operations]]
-include-path = "/v1/contributions"
+include-name = "POST /v1/contributions"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "409", "413", "429"]
 checks.negative_data_rejection.expected-statuses = ["400", "401", "409", "413", "429"]
 
 [[operations]]
-include-path = "/v1/admin/close"
+include-name = "POST /v1/admin/close"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "422", "429"]
 """
 #: Every operation of the shuffler's OpenAPI document (all of them are fuzzed).
@@ -63,6 +63,9 @@ OPERATIONS = {
     "POST /v1/enroll",
     "GET /v1/config",
     "GET /v1/descriptor",
+    "OPTIONS /v1/contributions",
+    "OPTIONS /v1/enroll",
+    "OPTIONS /v1/descriptor",
     "POST /v1/admin/close",
     "POST /v1/admin/revoke",
     "POST /v1/admin/requeue",
@@ -169,3 +172,6 @@ def test_schemathesis_finds_nothing_and_reaches_past_decryption(tmp_path: Path) 
     assert contributions[202] > 0, contributions  # genuine contributions were stored
     assert codes["malformed"] > 0 and sum(codes[c] for c in AFTER_DECRYPTION) > 0, codes
     assert statuses["GET /v1/descriptor"][200] > 0 and statuses["POST /v1/admin/requeue"][200] > 0
+    # the launcher's local profile allows a page origin: preflights granted and refused
+    for path in ("/v1/contributions", "/v1/enroll", "/v1/descriptor"):
+        assert {204, 403} <= set(statuses[f"OPTIONS {path}"]), statuses[f"OPTIONS {path}"]

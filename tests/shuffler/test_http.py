@@ -1,4 +1,4 @@
-"""Every status code of PROTOCOL.md's shuffler endpoints, over real HTTP to a uvicorn process."""
+"""Every status code of the shuffler's routes (docs/protocol.md), over real HTTP to uvicorn."""
 
 from __future__ import annotations
 
@@ -258,7 +258,8 @@ def test_admin_close_answers_a_close_result(service: ServiceProcess) -> None:
 
 
 def test_503_when_storage_is_unavailable(tmp_path: Path) -> None:
-    """Hold SQLite's write lock from outside: the commit fails and nothing is acknowledged."""
+    """Hold SQLite's write lock from outside: the commit fails, nothing is acknowledged, and
+    the answer says when to ask again (``Retry-After``)."""
     process = shuffler_process(
         tmp_path, "shuffler-1", [CHANNEL], sqlite_busy_timeout_seconds="1"
     ).start()
@@ -273,6 +274,8 @@ def test_503_when_storage_is_unavailable(tmp_path: Path) -> None:
             lock.rollback()
             lock.close()
         _error(response, 503, "storage_unavailable")
+        # when to ask again (issue 49: a device waits a database restart out within its epoch)
+        assert response.headers["Retry-After"] == "1"
         assert _post(process, blob, token).status_code == 202  # nothing was stored before
     finally:
         process.stop()
@@ -288,8 +291,11 @@ def test_logs_never_contain_tokens_or_client_ids(service: ServiceProcess) -> Non
 def test_the_enrolment_limit_is_per_address_behind_a_local_proxy(tmp_path: Path) -> None:
     """Behind HAProxy (``option forwardfor``, on this host) every device arrives from the
     proxy's address: uvicorn's proxy-headers middleware takes the device's own from
-    ``X-Forwarded-For``, so one address spending its enrolments leaves the others theirs."""
-    process = shuffler_process(tmp_path, "shuffler-1", [CHANNEL], enroll_per_minute="6").start()
+    ``X-Forwarded-For`` from the proxy it trusts (``trusted_proxies``, as ``esa up
+    --replicas`` sets it), so one address spending its enrolments leaves the others theirs."""
+    process = shuffler_process(
+        tmp_path, "shuffler-1", [CHANNEL], enroll_per_minute="6", trusted_proxies="127.0.0.1"
+    ).start()
     try:
         url = process.url + "/v1/enroll"
         first = [httpx.post(url, headers={"X-Forwarded-For": "203.0.113.7"}) for _ in range(2)]

@@ -21,7 +21,7 @@ from shuffler.errors import (
 )
 from shuffler.intake import RateLimiter, TokenAuthority, open_epochs
 
-from .factory import POLICY, make_service, pending
+from .factory import EPOCH_SECONDS, POLICY, make_service, pending
 
 
 def test_tokens_verify_without_lookup_and_refuse_forgeries_and_revocations() -> None:
@@ -68,13 +68,25 @@ def test_open_epochs_include_the_previous_one_during_the_grace_period() -> None:
     assert open_epochs(policy, 1_050.0, grace=0.0) == {10}
 
 
+def test_open_epochs_include_the_next_one_within_the_clock_skew() -> None:
+    """A device whose clock is ahead by up to ``skew`` reports for the next epoch before the
+    shuffler's clock reaches it: taken; an epoch further ahead is not."""
+    policy = ChannelPolicy(id="c", epoch_seconds=3600)
+    end = 11 * 3600  # epoch 10 ends
+    assert open_epochs(policy, end - 300.0, grace=2.0, skew=300.0) == {10, 11}
+    assert open_epochs(policy, end - 300.5, grace=2.0, skew=300.0) == {10}
+    assert open_epochs(policy, end - 1.0, grace=2.0, skew=0.0) == {10}
+    assert 12 not in open_epochs(policy, end - 1.0, grace=2.0, skew=3600.0)
+
+
 def test_validation_refuses_each_problem_with_its_code(database_url: str, tmp_path: Path) -> None:
     service, clock = make_service(database_url, tmp_path)
     token, epoch = service.tokens.issue(), clock.epoch
     assert pending(service, token, epoch).contribution.epoch == epoch
     cases: list[tuple[type[Exception], dict[str, object]]] = [
         (EpochNotOpenError, {"epoch": epoch - 5}),
-        (EpochNotOpenError, {"epoch": epoch + 1}),
+        (EpochNotOpenError, {"epoch": epoch + 2}),
+        (EpochNotOpenError, {"epoch": epoch + 10**6}),
         (TooManyFragmentsError, {"fragments": 9}),
         (UnknownChannelError, {"channel": "unknown"}),
     ]
@@ -90,6 +102,19 @@ def test_validation_refuses_each_problem_with_its_code(database_url: str, tmp_pa
         pending(service, token, epoch)
     with pytest.raises(EpochNotOpenError, match=f"epoch {epoch - 5} is not open"):
         pending(service, token, epoch - 5)  # an old epoch: nothing said of the admin's close
+
+
+def test_a_device_a_few_minutes_ahead_lands_and_one_further_ahead_is_refused(
+    database_url: str, tmp_path: Path
+) -> None:
+    """200 s before the next epoch starts, a device whose clock is ahead reports for it:
+    taken (the default skew is 300 s); the epoch after it is refused by name."""
+    service, clock = make_service(database_url, tmp_path)
+    token, epoch = service.tokens.issue(), clock.epoch
+    clock.now = (epoch + 1) * EPOCH_SECONDS - 200.0
+    assert pending(service, token, epoch + 1).contribution.epoch == epoch + 1
+    with pytest.raises(EpochNotOpenError, match=rf"epoch {epoch + 2} is not open \(open: "):
+        pending(service, token, epoch + 2)
 
 
 def test_a_wire_version_1_contribution_and_too_few_fragments_are_refused(
@@ -149,3 +174,13 @@ def test_per_client_state_stays_bounded_over_many_distinct_clients(
     assert len(intake.enrolments) <= enrol_window / step + 1
     intake.contributions.check("late", 20_000 * step + window, "slow")
     assert len(intake.contributions) == 1
+
+
+def test_with_epochs_shorter_than_the_skew_only_the_next_epoch_opens_early() -> None:
+    """docs/operations.md, "Clock skew": the skew opens the next epoch early, never a later one,
+    so with 60 s epochs and a 300 s skew a device 250 s ahead (its epoch 4 later) is refused."""
+    policy = ChannelPolicy(id="c", epoch_seconds=60)
+    now = 600.0 + 30.0  # epoch 10, half-way
+    ahead = int((now + 250.0) // 60)
+    assert ahead == 14 and ahead not in open_epochs(policy, now, grace=2.0, skew=300.0)
+    assert open_epochs(policy, now, grace=2.0, skew=300.0) == {10, 11}

@@ -68,7 +68,7 @@ def test_contributions_are_documented_with_body_answer_and_every_refusal(
     accepted = operation["responses"]["202"]["content"]["application/json"]["schema"]
     assert accepted == {"$ref": "#/components/schemas/Receipt"}
     assert set(operation["responses"]) == {
-        "202", "400", "401", "409", "413", "429", "431", "500", "503"
+        "202", "400", "401", "408", "409", "413", "429", "431", "500", "503"
     }  # fmt: skip
     retry_after = operation["responses"]["429"]["headers"]["Retry-After"]
     assert retry_after["required"] is True and retry_after["schema"]["type"] == "integer"
@@ -90,6 +90,10 @@ def test_every_error_is_the_error_shape_and_no_status_is_invented(
         ("post", "/v1/admin/keys/rotate"): {"200", "400", "401", "404", "409", "503"},
         ("post", "/v1/admin/keys/retire"): {"200", "400", "401", "404", "409", "503"},
         ("get", "/v1/descriptor"): {"200", "400"},
+        # CORS preflights of the device routes (the launcher's local profile allows a page)
+        ("options", "/v1/contributions"): {"204", "400", "403"},
+        ("options", "/v1/enroll"): {"204", "400", "403"},
+        ("options", "/v1/descriptor"): {"204", "400", "403"},
         ("get", "/healthz"): {"200", "400"},
         ("get", "/readyz"): {"200", "400", "503"},
         ("get", "/metrics"): {"200", "400", "401"},
@@ -101,7 +105,7 @@ def test_every_error_is_the_error_shape_and_no_status_is_invented(
     }
     assert set(found) == set(expected)
     for key, responses in found.items():
-        assert set(responses) == expected[key] | {"431", "500"}, key  # 431, 500: any request
+        assert set(responses) == expected[key] | {"408", "431", "500"}, key  # any request
         for status, answer in responses.items():
             if int(status) >= 400:
                 assert answer["content"] == ERROR, (key, status)

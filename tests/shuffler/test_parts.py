@@ -131,7 +131,7 @@ def test_two_forwarders_racing_deliver_each_part_once(database_url: str, tmp_pat
 def test_size_and_configuration_refusals_are_retried_not_failed(
     database_url: str, tmp_path: Path, status: int
 ) -> None:
-    """PROTOCOL.md, "Delivery guarantees": no batch is ever dropped for its size."""
+    """docs/protocol.md, "Delivery guarantees": no batch is ever dropped for its size."""
     service, clock = _closed(database_url, tmp_path)
     parts = len(_bodies(service))
     refuse = httpx.MockTransport(lambda _: httpx.Response(status, json={"error": "x"}))

@@ -23,7 +23,7 @@ from common.randomness import SeededSource
 from common.wire import Batch, ChannelPolicy
 from shuffler import store as store_module
 from shuffler import tables
-from shuffler.batcher import Batcher, Deletion, Evaluation, Release
+from shuffler.batcher import Batcher, DealtBatch, Deletion, Evaluation
 from shuffler.errors import (
     EpochNotOpenError,
     QuotaExceededError,
@@ -532,13 +532,13 @@ class StagingPauseBatcher(Batcher):
     staging: threading.Event = field(default_factory=threading.Event)
     go: threading.Event = field(default_factory=threading.Event)
 
-    def release(self, *args: Any, **kwargs: Any) -> Iterator[Release]:  # type: ignore[override]
+    def release(self, *args: Any, **kwargs: Any) -> Iterator[DealtBatch]:  # type: ignore[override]
         return self._paused(*args, **kwargs)
 
     @contextmanager
-    def _paused(self, *args: Any, **kwargs: Any) -> Iterator[Release]:
+    def _paused(self, *args: Any, **kwargs: Any) -> Iterator[DealtBatch]:
         with Batcher.release(self, *args, **kwargs) as release:
-            yield Release(release.batch, self._pause_after_first(release.parts))
+            yield DealtBatch(release.batch, self._pause_after_first(release.parts))
 
     def _pause_after_first(self, parts: Iterator[SealedPart]) -> Iterator[SealedPart]:
         for index, part in enumerate(parts):
@@ -655,13 +655,13 @@ class FailingBatcher(Batcher):
     """A real batcher whose storage fails after the first part is stored (as a full disk or a
     dropped connection would)."""
 
-    def release(self, *args: Any, **kwargs: Any) -> Iterator[Release]:  # type: ignore[override]
+    def release(self, *args: Any, **kwargs: Any) -> Iterator[DealtBatch]:  # type: ignore[override]
         return self._failing(*args, **kwargs)
 
     @contextmanager
-    def _failing(self, *args: Any, **kwargs: Any) -> Iterator[Release]:
+    def _failing(self, *args: Any, **kwargs: Any) -> Iterator[DealtBatch]:
         with Batcher.release(self, *args, **kwargs) as release:
-            yield Release(release.batch, _then_fail(release.parts))
+            yield DealtBatch(release.batch, _then_fail(release.parts))
 
 
 def _then_fail(parts: Iterator[SealedPart]) -> Iterator[SealedPart]:
@@ -782,3 +782,33 @@ def test_a_purge_racing_a_groups_commit_never_counts_its_rows_twice(
     ledger = service.ledger()
     assert ledger["purged"] == 0 and ledger["pending"] == 0
     assert ledger["in_batches_unforwarded"] + ledger["deleted_by_algorithm_3"] == 40
+
+
+def test_a_batch_the_analyzer_would_withhold_is_held_instead(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A released group whose fragments would verify fewer than ``min_crowd`` contributions at
+    the analyzer (a random fragment count's lower bound) is held here, as Algorithm 3 holds a
+    small group: nothing is sent to be withheld, every contribution stays accounted as held."""
+    service, clock = make_service(database_url, tmp_path, rng=SeededSource(43))
+    epochs = (clock.epoch - 2, clock.epoch - 1)
+    clock.now -= 2 * EPOCH_SECONDS
+    for epoch in epochs:
+        fill(service, epoch, 40)
+        clock.now += EPOCH_SECONDS
+    seen: list[tuple[int, int]] = []
+
+    def short(kept: int, fragments: int) -> int:
+        seen.append((kept, fragments))
+        return POLICY.min_crowd - 1
+
+    held = service.store.evaluate_group(
+        GroupKey("homepage", "", epochs[0]), service.batcher, POLICY, clock.now, short
+    )
+    assert held is not None and held.batch is None and held.deletion.status == "held"
+    assert seen and seen[0][1] > 0  # asked with the survivors' fragments
+    assert held.deletion.deleted == 0
+    kept = service.store.evaluate_group(
+        GroupKey("homepage", "", epochs[1]), service.batcher, POLICY, clock.now, lambda k, f: k
+    )
+    assert kept is not None and kept.batch is not None

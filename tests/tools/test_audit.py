@@ -16,8 +16,11 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +54,8 @@ from services.tools.audit.mechgame import (
 )
 from services.tools.audit.report import write_reports
 from services.tools.audit.runner import AuditConfig, run_audit
-from services.tools.audit.sink import SinkState, answer_batch, fetch_records
-from tests.support import ServiceProcess, free_port, shuffler_process, wait_until
+from services.tools.audit.sink import SinkState, answer_batch, fetch_records, serve
+from tests.support import UNFOLLOWED, ServiceProcess, free_port, shuffler_process, wait_until
 
 TOKEN = "sink-token-for-the-audit-tests"
 CHANNEL = {
@@ -77,12 +80,19 @@ HTTP = httpx.Client(timeout=10)
 def sink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``esa audit sink`` as its own process (one for the module: each audit reads only the
     records that arrived after it started)."""
-    tmp_path = tmp_path_factory.mktemp("sink")
+    with audit_sink(tmp_path_factory.mktemp("sink")) as url:
+        yield url
+
+
+@contextmanager
+def audit_sink(tmp_path: Path, *options: str) -> Iterator[str]:
+    """An ``esa audit sink`` process with ``options`` (e.g. ``--relay URL``), its token
+    :data:`TOKEN`, its records and log under ``tmp_path``: its URL while it runs."""
     port = free_port()
     log = (tmp_path / "sink.log").open("ab")
     command = [sys.executable, "-m", "services.cli", "audit", "sink", "--port", str(port)]
     process = subprocess.Popen(
-        [*command, "--token", TOKEN, "--record", str(tmp_path / "sink.jsonl")],
+        [*command, "--token", TOKEN, "--record", str(tmp_path / "sink.jsonl"), *options],
         stdout=log,
         stderr=log,
         start_new_session=True,
@@ -108,7 +118,10 @@ def _shuffler(
     tmp: Path, sink: str, leaks: str = "", channel: dict[str, object] = CHANNEL
 ) -> ServiceProcess:
     """A shuffler forwarding to the sink; with ``leaks``, the leaky variant's process."""
-    process = shuffler_process(tmp, "shuffler-1", [channel], analyzer_url=sink, **FAST)
+    # the sink has no analyzer behind it (no --relay): no signed config to follow
+    process = shuffler_process(
+        tmp, "shuffler-1", [channel], analyzer_url=sink, **FAST, **UNFOLLOWED
+    )
     spec = replace(process.spec, env={**process.spec.env, "ESA_AUDIT_LEAKS": leaks})
     process.log_path.parent.mkdir(parents=True, exist_ok=True)
     module = "tests.tools.leaky_shuffler" if leaks else "services.cli"
@@ -371,6 +384,7 @@ def test_sink_relays_other_channels_byte_for_byte(sink: str) -> None:
     signature = {
         "esa-shuffler": "shuffler-1",
         "esa-signature": "B" * 86 + "==",
+        "esa-preauth": "1." + "2." + "0" * 64 + "." + "C" * 86 + "==",
         "content-type": "application/json",
     }
     status, answer = answer_batch(relaying, signature, body)
@@ -379,6 +393,7 @@ def test_sink_relays_other_channels_byte_for_byte(sink: str) -> None:
     assert base64.b64decode(relayed["body"]) == body
     assert _header(relayed, "esa-shuffler") == "shuffler-1"  # the sender, relayed with the bytes
     assert _header(relayed, "esa-signature") == signature["esa-signature"]
+    assert _header(relayed, "esa-preauth") == signature["esa-preauth"]  # the slot's head too
     relaying.keep_channels = frozenset({"audit"})
     before = len(fetch_records(sink, TOKEN, client=HTTP))
     assert answer_batch(relaying, signature, _part())[0] == 201
@@ -479,3 +494,54 @@ def test_canaries_take_the_audited_channels_fragment_size(tmp_path: Path, sink: 
     finally:
         shuffler.stop()
     assert [f.name for f in result.findings if not f.passed] == []
+
+
+@pytest.mark.system
+def test_a_relaying_sink_serves_the_analyzers_signed_config_unchanged(sink: str) -> None:
+    """A shuffler whose analyzer URL is a relaying sink keeps following its analyzer: the sink
+    answers ``GET /v1/config`` with the analyzer's config, byte for byte, 502 ``relay_failed``
+    for any other answer, and 503 ``relay_unavailable`` when the analyzer is unreachable; a
+    sink without a relay has no config to give (404)."""
+    document = b'{"config": {"revision": 7}, "signature": "c2ln"}'
+    analyzer = _Serving(document)
+    relaying = serve(SinkState(token="t" * 16, relay=analyzer.url), "127.0.0.1", 0)
+    threading.Thread(target=relaying.serve_forever, daemon=True).start()
+    try:
+        through = f"http://127.0.0.1:{relaying.server_address[1]}/v1/config"
+        answer = HTTP.get(through)
+        assert answer.status_code == 200 and answer.content == document
+        alone = HTTP.get(sink + "/v1/config")
+        assert alone.status_code == 404 and alone.json()["error"] == "not_found"
+        analyzer.status = 503  # not the config: said as the sink's own error, never passed on
+        refused = HTTP.get(through)
+        assert refused.status_code == 502 and refused.json()["error"] == "relay_failed"
+        assert "503" in refused.json()["detail"]
+        analyzer.server.shutdown()
+        analyzer.server.server_close()
+        down = HTTP.get(through)
+        assert down.status_code == 503 and down.json()["error"] == "relay_unavailable"
+    finally:
+        relaying.shutdown()
+
+
+class _Serving:
+    """An HTTP server on loopback answering every GET with ``body`` (at :attr:`status`)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.status = 200
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(owner.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -2,8 +2,9 @@
 sealed to the auditor's own HPKE key (:func:`common.envelope.seal_fragment`), so that the
 auditor, and nobody else, can open them in the batches the shuffler releases.
 
-The shuffler never sees which key a fragment is sealed to (fragments are opaque to it:
-PROTOCOL.md), so canaries are indistinguishable from devices except through what they carry.
+The shuffler cannot open a fragment (docs/protocol.md, "Sealing"): it sees only the key id a
+fragment names, the same for every fragment of the canary-only audit channel, so canaries are
+indistinguishable from devices except through what they carry.
 Each canary fragment carries a marker: the run tag, the contribution's send sequence number,
 the fragment's index and count, the crowd index and a one-bit report for the privacy game
 (14 bytes, padded to the channel's ``payload_size`` like every fragment); in the privacy game of

@@ -28,11 +28,14 @@ from common.wire import Batch, ChannelPolicy
 from services.tools.audit.canary import CanaryKey, Marker, Sent
 
 ALPHA = 1e-7
-#: The fields a batch body documents (PROTOCOL.md, ``POST /v1/batches``), nothing else.
+#: The fields a batch body documents (docs/protocol.md, "Batches and parts"), nothing else.
 DOCUMENTED_FIELDS = frozenset(Batch.model_fields)
-#: Headers a forwarded part may carry: the documented three and what any HTTP client adds.
+#: Headers a forwarded part may carry: the documented four (``ESA-Preauth`` names only the
+#: shuffler, the body's length and digest, and when it was sent, all of which the analyzer
+#: sees anyway) and what any HTTP client adds.
 ALLOWED_HEADERS = frozenset(
-    {"esa-shuffler", "esa-signature", "content-type", "content-length", "host", "accept"}
+    {"esa-shuffler", "esa-signature", "esa-preauth", "content-type", "content-length"}
+    | {"host", "accept"}
     | {"accept-encoding"}
     | {"connection", "user-agent"}
 )
@@ -85,7 +88,7 @@ class Part:
 
 
 @dataclass
-class ReleasedBatch:
+class ReassembledBatch:
     """A batch's parts put back together in part order (positions are batch-wide)."""
 
     batch_id: str
@@ -130,7 +133,7 @@ def parse_parts(records: Iterable[dict[str, Any]], key: CanaryKey) -> list[Part]
     return parts
 
 
-def assemble(parts: Sequence[Part], channel_id: str) -> list[ReleasedBatch]:
+def assemble(parts: Sequence[Part], channel_id: str) -> list[ReassembledBatch]:
     """The batches of ``channel_id``, each part counted once, positions offset by part."""
     by_batch: dict[str, dict[int, Part]] = defaultdict(dict)
     for part in parts:
@@ -147,7 +150,7 @@ def assemble(parts: Sequence[Part], channel_id: str) -> list[ReleasedBatch]:
         first = next(iter(pieces.values())).batch
         assert first is not None
         batches.append(
-            ReleasedBatch(
+            ReassembledBatch(
                 batch_id=batch_id,
                 crowd_id=first.crowd_id,
                 n_contributions=first.n_contributions,
@@ -161,7 +164,7 @@ def assemble(parts: Sequence[Part], channel_id: str) -> list[ReleasedBatch]:
 # --- 1. order ----------------------------------------------------------------------------
 
 
-def order_checks(batches: Sequence[ReleasedBatch]) -> list[Finding]:
+def order_checks(batches: Sequence[ReassembledBatch]) -> list[Finding]:
     """Send order against batch position: Spearman's ρ per batch combined as
     Z = Σ ρ_b √(m_b − 1) / √B (ρ_b √(m_b − 1) ≈ N(0, 1) under a uniform shuffle); the
     positions of each batch's earliest-sent quarter of canaries, uniform over ten position bins
@@ -285,7 +288,7 @@ def _count(check: str, name: str, bad: Sequence[Any], what: str) -> Finding:
 
 
 def crowd_checks(
-    batches: Sequence[ReleasedBatch], policy: ChannelPolicy, small: Sequence[str]
+    batches: Sequence[ReassembledBatch], policy: ChannelPolicy, small: Sequence[str]
 ) -> list[Finding]:
     """No batch below ``min_crowd``; the auditor's deliberately small groups never released;
     no batch claims fewer contributions than the canaries found in it."""
@@ -338,7 +341,7 @@ def exact_surprisal_p(
 
 
 def deletion_checks(
-    batches: Sequence[ReleasedBatch],
+    batches: Sequence[ReassembledBatch],
     sent: Sequence[Sent],
     policy: ChannelPolicy,
     groups: Sequence[str],

@@ -24,7 +24,7 @@ from typing import Any
 from scipy import stats
 
 from common.accounting import KaryRR, certify
-from services.tools.audit.checks import ALPHA, Finding, ReleasedBatch
+from services.tools.audit.checks import ALPHA, Finding, ReassembledBatch
 
 CONFIDENCE = 0.95
 
@@ -111,7 +111,7 @@ def eps_lower(guesses: Sequence[tuple[int, int]], delta: float, confidence: floa
 
 
 def trials_from(
-    batches: Sequence[ReleasedBatch], secrets: Mapping[str, int], fragments: int
+    batches: Sequence[ReassembledBatch], secrets: Mapping[str, int], fragments: int
 ) -> list[Trial]:
     """One trial per group with a secret: its released reports in position order."""
     by_crowd = {b.crowd_id: b for b in batches}

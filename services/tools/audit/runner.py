@@ -114,7 +114,7 @@ class GamePlan:
         return fragments
 
     def trials(
-        self, batches: Iterable[checks.ReleasedBatch], secrets: dict[str, int], fragments: int
+        self, batches: Iterable[checks.ReassembledBatch], secrets: dict[str, int], fragments: int
     ) -> list[Any]:
         if self.mechanism is None:
             return game.trials_from(list(batches), secrets, fragments)

@@ -1,7 +1,7 @@
 """The audit sink (``esa audit sink``): where an audited shuffler forwards its batch parts.
 
 Every ``POST /v1/batches`` is recorded exactly as the analyzer would receive it (raw body, every
-header, arrival time) and answered as the analyzer answers (PROTOCOL.md), so the shuffler
+header, arrival time) and answered as the analyzer answers (docs/protocol.md), so the shuffler
 considers a part delivered exactly when it would at the analyzer; nothing is refused for its
 content, since such parts are what the audit looks for. With ``relay`` the parts of every
 channel but the audit channels go on, byte for byte, to the real analyzer. The auditor reads the
@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 from pydantic import ValidationError
 
+from common.fetching import MAX_CONFIG_BYTES
 from common.wire import Batch, BatchAck
 
 log = logging.getLogger("esa.audit.sink")
@@ -105,17 +106,36 @@ def answer_batch(state: SinkState, headers: dict[str, str], body: bytes) -> tupl
 def relay(
     client: httpx.Client, url: str, headers: dict[str, str], body: bytes
 ) -> tuple[int, bytes]:
-    """POST the exact bytes and signature on to the analyzer at ``url``; its answer."""
+    """POST the exact bytes, signature and signed head on to the analyzer at ``url``; its
+    answer."""
     sent = {
         "ESA-Shuffler": headers.get("esa-shuffler", ""),
         "ESA-Signature": headers["esa-signature"],
         "Content-Type": "application/json",
     }
+    if "esa-preauth" in headers:  # the shuffler's signed head, for the analyzer's intake slots
+        sent["ESA-Preauth"] = headers["esa-preauth"]
     try:
         response = client.post(url.rstrip("/") + "/v1/batches", content=body, headers=sent)
     except httpx.HTTPError as error:
         return _error(503, "relay_unavailable", f"analyzer unreachable: {type(error).__name__}")
     return response.status_code, response.content
+
+
+def relay_config(client: httpx.Client, url: str) -> tuple[int, bytes]:
+    """The analyzer's signed config, as it answers it: a shuffler whose analyzer URL is the sink
+    keeps following its analyzer (channel changes, where it sits among the shufflers), and
+    verifies the document's signature itself, so the sink cannot change it unseen."""
+    try:
+        response = client.get(url.rstrip("/") + "/v1/config")
+    except httpx.HTTPError as error:
+        return _error(503, "relay_unavailable", f"analyzer unreachable: {type(error).__name__}")
+    if response.status_code != 200:
+        return _error(502, "relay_failed", f"the analyzer answered {response.status_code}")
+    if len(response.content) > MAX_CONFIG_BYTES:
+        too_large = f"the analyzer's config is over {MAX_CONFIG_BYTES} bytes"
+        return _error(502, "relay_failed", too_large)
+    return 200, response.content
 
 
 def make_handler(state: SinkState) -> type[BaseHTTPRequestHandler]:
@@ -148,6 +168,9 @@ def make_handler(state: SinkState) -> type[BaseHTTPRequestHandler]:
             url = urlsplit(self.path)
             if url.path in ("/healthz", "/readyz"):
                 self._send(200, b'{"status": "ok"}')
+                return
+            if url.path == "/v1/config" and state.relay:
+                self._send(*relay_config(state.client, state.relay))
                 return
             if url.path != "/v1/audit/records":
                 self._send(*_error(404, "not_found", f"no route {url.path[:80]!r}"))

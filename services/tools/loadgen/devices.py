@@ -12,11 +12,14 @@ import json
 import math
 import multiprocessing
 import secrets
+import signal
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -240,33 +243,55 @@ def _sealer_main(
     values: ZipfValues,
 ) -> None:
     """A sealing worker: answers (command, channel, args) messages until ``None``; it keeps
-    one :class:`_Sealer` (devices and keys) per channel of the config."""
+    one :class:`_Sealer` (devices and keys) per channel of the config. It leaves quietly when
+    its parent is gone (end of file): the parent stops it, a Ctrl-C at the terminal is not
+    its to act on (:meth:`SealerPool._start`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sealers = {channel_id: _Sealer(config, channel_id, values)}
-    while (message := connection.recv()) is not None:
-        command, channel, args = message
-        start, cpu = time.perf_counter(), time.process_time()
+    while True:
         try:
-            if channel not in sealers:
-                sealers[channel] = _Sealer(config, channel, values)
-            sealer = sealers[channel]
-            if command == "ping":
-                result: Any = 0
-            elif command == "add":
-                sealer.add(*args)
-                result = len(args[0])
-            elif command == "add_series":
-                result = sealer.add_series(*args)
-            elif command == "seal_wave":
-                result = sealer.seal_wave(*args)
-            elif command == "settle":
-                result = sealer.settle(*args)
-            else:
-                result = sealer.seal_epoch(*args)
-        except Exception as error:  # reported to the parent, which raises LoadError
-            connection.send(("error", f"{type(error).__name__}: {error}"))
-            continue
-        spent = (time.perf_counter() - start, time.process_time() - cpu)
-        connection.send(("ok", (result, *spent)))
+            message = connection.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if message is None:
+            return
+        answer = _answer(sealers, config, values, message)
+        try:
+            connection.send(answer)
+        except OSError:  # the parent is gone
+            return
+
+
+def _answer(
+    sealers: dict[str, _Sealer],
+    config: dict[str, Any],
+    values: ZipfValues,
+    message: tuple[str, str, Any],
+) -> tuple[str, Any]:
+    """A sealing worker's answer to one (command, channel, args) message: ("ok", (result,
+    wall seconds, CPU seconds)), or ("error", what failed) for the parent to raise."""
+    command, channel, args = message
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        if channel not in sealers:
+            sealers[channel] = _Sealer(config, channel, values)
+        sealer = sealers[channel]
+        if command == "ping":
+            result: Any = 0
+        elif command == "add":
+            sealer.add(*args)
+            result = len(args[0])
+        elif command == "add_series":
+            result = sealer.add_series(*args)
+        elif command == "seal_wave":
+            result = sealer.seal_wave(*args)
+        elif command == "settle":
+            result = sealer.settle(*args)
+        else:
+            result = sealer.seal_epoch(*args)
+    except Exception as error:  # reported to the parent, which raises LoadError
+        return ("error", f"{type(error).__name__}: {error}")
+    return ("ok", (result, time.perf_counter() - start, time.process_time() - cpu))
 
 
 @dataclass(frozen=True)
@@ -288,6 +313,11 @@ class SealTiming:
         return self.items / self.seconds if self.seconds > 0 else math.inf
 
 
+#: Seconds workers have to leave once told to, before they are terminated: an idle worker
+#: leaves at once, one left mid-step by a failure or Ctrl-C need not be waited for.
+CLOSE_GRACE_SECONDS = 3.0
+
+
 class SealerPool:
     """Worker processes that each hold a shard of devices and seal their requests."""
 
@@ -307,21 +337,40 @@ class SealerPool:
         #: Devices per channel, per worker.
         self.shards: dict[str, list[int]] = {target.channel.id: [0] * workers}
         self._pipes: list[Connection] = []
-        self._processes = []
+        self._processes: list[BaseProcess] = []
         #: One step at a time on the pipes (``esa demo`` seals a longitudinal wave while a
         #: thread seals histogram devices in the same workers).
         self._lock = threading.Lock()
-        for _ in range(workers):
-            parent, child = context.Pipe()
-            process = context.Process(
-                target=_sealer_main,
-                args=(child, config, target.channel.id, values),
-                daemon=True,
-            )
+        try:
+            for _ in range(workers):
+                parent, child = context.Pipe()
+                process = context.Process(
+                    target=_sealer_main,
+                    args=(child, config, target.channel.id, values),
+                    daemon=True,
+                )
+                self._pipes.append(parent)
+                self._processes.append(process)
+                self._start(process)
+                child.close()  # the worker's end: a dead worker then reads as EOF, never a hang
+        except BaseException:  # Ctrl-C or SIGTERM while starting: leave no worker behind
+            self.close(0.0)
+            raise
+
+    @staticmethod
+    def _start(process: BaseProcess) -> None:
+        """Start a worker with SIGINT blocked, a mask it inherits through spawn's exec: a
+        Ctrl-C at the terminal reaches the whole foreground process group, and a worker that
+        took it would die with a traceback in the middle of its start; its parent stops it
+        (:meth:`close`). A SIGINT meanwhile reaches the parent once it is unblocked. The
+        resource tracker that a spawn start needs is started first: starting it unblocks
+        SIGINT on its way out."""
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
             process.start()
-            child.close()  # the worker's end: a dead worker then reads as EOF, never a hang
-            self._pipes.append(parent)
-            self._processes.append(process)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     @property
     def devices(self) -> list[int]:
@@ -459,22 +508,32 @@ class SealerPool:
         heads = [r[0][1] for r in results if r[0][1] is not None]
         return sum(r[0][0] for r in results), min(heads, default=None)
 
-    def close(self) -> None:
-        """Stop the workers (again: nothing)."""
+    def close(self, grace: float = CLOSE_GRACE_SECONDS) -> None:
+        """Stop the workers (again: nothing): each is told to leave, and one still busy after
+        ``grace`` seconds (the pool was left mid-step: a failure, Ctrl-C) gets SIGTERM, then
+        SIGKILL; none outlives the pool."""
         pipes, self._pipes = self._pipes, []
         for pipe in pipes:
             with contextlib.suppress(OSError):  # a worker that died has closed its end
                 pipe.send(None)
-        for process in self._processes:
-            process.join(10)
+            pipe.close()
+        started = [p for p in self._processes if p.pid is not None]
+        deadline = time.monotonic() + grace
+        for process in started:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in started:
+            if process.is_alive():
+                process.terminate()
+                process.join(2)
             if process.is_alive():
                 process.kill()
+                process.join()
 
     def __enter__(self) -> SealerPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(CLOSE_GRACE_SECONDS if kind is None else 0.0)  # no step to finish then
 
 
 def _split(total: int, capacities: list[int]) -> list[int]:

@@ -1,6 +1,8 @@
 """Replaying the sealed requests: sources that hand out the current epoch's requests, the
 pacing, the per-status statistics and the :class:`Driver` that sends them over keep-alive
-connections, honouring ``429`` + ``Retry-After``."""
+connections. A refused request (``429``, ``503``, any answer that can heal by waiting) is sent
+again after the server's ``Retry-After`` (else a capped backoff) while its epoch lasts, as a
+device's outbox does (docs/loadtest.md, "Refused, then delivered")."""
 
 from __future__ import annotations
 
@@ -12,18 +14,19 @@ import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from common.retry import retry_after_seconds
+from common.randomness import SystemSource
+from common.retry import Backoff, retry_after_seconds, retryable_status
 from services.tools.loadgen.http import HttpConnection, Response
 from services.tools.loadgen.target import ATTEMPTS, INGEST, RECORD
 
 # --- replay -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
     """One ready ``POST /v1/contributions``: shuffler index, client token, sealed body."""
 
@@ -32,15 +35,19 @@ class Request:
     body: bytes
     #: Which stream of requests this one came from (a channel, for per-channel counts).
     tag: int = 0
+    #: Unix time its epoch ends: a refused request is sent again until then, never after (a
+    #: shuffler refuses a contribution to an ended epoch for good). Infinite: no epoch known.
+    until: float = math.inf
 
 
-def read_requests(path: Path) -> Iterator[Request]:
-    """The records of an epoch file, in order."""
+def read_requests(path: Path, until: float = math.inf) -> Iterator[Request]:
+    """The records of an epoch file, in order (``until``: that epoch's end)."""
     with path.open("rb", buffering=1 << 20) as handle:
         while head := handle.read(RECORD.size):
             shuffler, token_length, body_length = RECORD.unpack(head)
             token = handle.read(token_length).decode()
-            yield Request(shuffler, token, handle.read(body_length))
+            body = handle.read(body_length)
+            yield Request(shuffler=shuffler, token=token, body=body, until=until)
 
 
 class Source(Protocol):
@@ -84,7 +91,8 @@ class EpochSource:
         if epoch != self._epoch:
             self.skipped += sum(1 for reader in self._readers for _ in reader)
             self._epoch = epoch
-            self._readers = [read_requests(p) for p in self.files.pop(epoch, [])]
+            until = (epoch + 1) * self.epoch_seconds
+            self._readers = [read_requests(p, until) for p in self.files.pop(epoch, [])]
         while self._readers:
             self._turn = (self._turn + 1) % len(self._readers)
             found = next(self._readers[self._turn], None)
@@ -127,9 +135,7 @@ class ChannelSource:
     def next_of(self, tag: int, now: float) -> Request | None:
         """The next request of the channel of index ``tag`` alone (None if it has none now)."""
         found = self.sources[tag].next(now)
-        if found is None:
-            return None
-        return Request(found.shuffler, found.token, found.body, tag)
+        return None if found is None else replace(found, tag=tag)
 
     def next(self, now: float) -> Request | None:
         """The next request of the next channel that has one now."""
@@ -137,7 +143,7 @@ class ChannelSource:
             self._turn = (self._turn + 1) % len(self.sources)
             found = self.sources[self._turn].next(now)
             if found is not None:
-                return Request(found.shuffler, found.token, found.body, self._turn)
+                return replace(found, tag=self._turn)
         return None
 
     def finished(self, now: float) -> bool:
@@ -157,13 +163,21 @@ class ChannelSource:
 
 @dataclass
 class Stats:
-    """Everything the driver saw: answers by status, transport errors, latencies."""
+    """Everything the driver saw: answers by status (every answer, a refusal that was then
+    sent again included), transport errors, latencies, and each request's outcome: delivered
+    at once, refused and then delivered, or never delivered."""
 
     statuses: Counter[int] = field(default_factory=Counter)
     transport_errors: Counter[str] = field(default_factory=Counter)
+    #: Requests still refused or unreachable when their retries ran out (their epoch ended,
+    #: or :data:`ATTEMPTS` / the driver's patience): part of :attr:`never_delivered`.
     given_up: int = 0
-    #: Answers retried in patient mode (503 while a shuffler restarts), by status.
+    #: Refusals that were waited out and sent again, by status (part of :attr:`statuses`).
     retried: Counter[int] = field(default_factory=Counter)
+    #: Requests acknowledged after one or more refusals were waited out.
+    refused_then_delivered: int = 0
+    #: Requests that ended unacknowledged: refused for good (400...) or :attr:`given_up`.
+    never_delivered: int = 0
     #: 409s after an attempt whose answer was lost: that attempt stored the contribution
     #: (the SDK reads a 409 the same way), counted as acknowledged.
     recovered: int = 0
@@ -174,9 +188,15 @@ class Stats:
     by_shuffler_tag: dict[tuple[int, int], Counter[int]] = field(default_factory=dict)
     #: Acknowledged (202) requests by :attr:`Request.tag`.
     accepted_by_tag: Counter[int] = field(default_factory=Counter)
-    #: Refusals (4xx/5xx answers recorded) by their JSON ``error`` code (``?``: no code).
+    #: Each unacknowledged request's last refusal (4xx/5xx) by its JSON ``error`` code
+    #: (``?``: no code); a refusal that was waited out and sent again is not one.
     refusals: Counter[str] = field(default_factory=Counter)
     _window: list[float] = field(default_factory=list)
+
+    @property
+    def final(self) -> Counter[int]:
+        """Each request's last answer, by status (the refusals sent again left out)."""
+        return self.statuses - self.retried
 
     @property
     def accepted(self) -> int:
@@ -232,19 +252,29 @@ class Pace:
         return self.start * t + slope * t * t / 2 + self.end * max(0.0, elapsed - seconds)
 
 
+#: Waits between attempts without a ``Retry-After``: capped exponential backoff with jitter,
+#: as the SDK's outbox (``common.retry.Backoff``), but shorter: a load test's epochs are.
+BACKOFF = Backoff(base=0.2, cap=5.0)
+_JITTER = SystemSource()
+
+
 class Driver:
     """Replays requests at a rate over ``concurrency`` keep-alive connections per shuffler."""
 
     def __init__(self, urls: Sequence[str], concurrency: int = 48, patience: float = 0.0) -> None:
-        """``patience`` > 0: a request keeps retrying transport errors, 429 and 503 with
-        backoff for that many seconds, as a device's outbox does while a shuffler restarts
-        (0: a few attempts, for measuring)."""
+        """A refused request (an answer :func:`common.retry.retryable_status` says heals by
+        waiting: 429, 503...) or a broken connection is tried again after ``Retry-After``
+        (else :data:`BACKOFF`) until its epoch ends (:attr:`Request.until`); a request of no
+        known epoch :data:`ATTEMPTS` times. ``patience`` > 0 also ends every request's retries
+        that many seconds after its first attempt (a device's outbox while a shuffler
+        restarts)."""
         self.urls = list(urls)
         self.concurrency = concurrency
         self.patience = patience
         self.stats = Stats()
         self.sent = 0
         self.behind = 0
+        self._clock: Callable[[], float] = time.time
 
     async def run(
         self,
@@ -258,7 +288,9 @@ class Driver:
         fast as the servers answer);
         with ``until_empty``, stop early once the source has nothing left (a source with a
         ``finished(now)`` method, as :class:`EpochSource`, waits for its later epochs).
+        Requests being retried are waited for (at most until their epoch ends).
         Returns the seconds it ran, from the first request to the last answer."""
+        self._clock = clock
         queues: list[asyncio.Queue[Request | None]] = [
             asyncio.Queue(maxsize=2 * self.concurrency) for _ in self.urls
         ]
@@ -314,60 +346,68 @@ class Driver:
         connection.close()
 
     async def _send(self, connection: HttpConnection, request: Request) -> None:
+        """Send ``request`` until it is acknowledged, refused for good, or its retries run
+        out (:meth:`_again`), counting its outcome in :attr:`stats`."""
         headers = {
             "Authorization": f"Bearer {request.token}",
             "Content-Type": "application/octet-stream",
         }
-        deadline, lost = time.monotonic() + self.patience, False
+        deadline, lost, refused = time.monotonic() + self.patience, False, False
         for attempt in itertools.count():
             start = time.perf_counter()
             try:
                 response = await connection.request("POST", INGEST, headers, request.body)
             except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as error:
                 self.stats.transport_errors[type(error).__name__] += 1
-                lost = True
-                if not self._again(attempt, deadline):
+                lost, wait = True, BACKOFF.delay(attempt, _JITTER)
+                if not self._again(request, attempt, deadline, wait):
                     break
-                await asyncio.sleep(self._backoff(attempt))
+                await asyncio.sleep(wait)
                 continue
             status = response.status
             if status == 409 and (lost or _replayed(response)):
                 self.stats.recovered += 1
                 status = 202
-            if status == 503 and self.patience > 0 and self._again(attempt, deadline):
-                self.stats.retried[503] += 1
-                await asyncio.sleep(retry_after_seconds(response.headers) or self._backoff(attempt))
-                continue
             self.stats.record(status, time.perf_counter() - start, request.shuffler, request.tag)
+            if status == 202:
+                self.stats.refused_then_delivered += refused
+                return
+            if retryable_status(status):
+                wait = retry_after_seconds(response.headers) or BACKOFF.delay(attempt, _JITTER)
+                if self._again(request, attempt, deadline, wait):
+                    self.stats.retried[status] += 1
+                    refused = True
+                    await asyncio.sleep(wait)
+                    continue
+                self.stats.given_up += 1
             if status >= 400:
                 self.stats.refusals[_error_code(response)] += 1
-            if status != 429:
-                return
-            if not self._again(attempt, deadline):
-                break
-            await asyncio.sleep(retry_after_seconds(response.headers) or 1.0)
+            self.stats.never_delivered += 1
+            return
         self.stats.given_up += 1
+        self.stats.never_delivered += 1
 
-    def _again(self, attempt: int, deadline: float) -> bool:
-        """Whether a failed attempt is tried again."""
+    def _again(self, request: Request, attempt: int, deadline: float, wait: float) -> bool:
+        """Whether a failed attempt is tried again after ``wait`` seconds: only if that is
+        still within the request's epoch, and within the driver's patience when it has one;
+        :data:`ATTEMPTS` attempts in all for a request of no known epoch and no patience."""
+        if self._clock() + wait >= request.until:
+            return False
         if self.patience > 0:
-            return time.monotonic() < deadline
-        return attempt + 1 < ATTEMPTS
-
-    def _backoff(self, attempt: int) -> float:
-        return 0.1 if self.patience <= 0 else min(0.2 * 2**attempt, 3.0)
+            return time.monotonic() + wait < deadline
+        return math.isfinite(request.until) or attempt + 1 < ATTEMPTS
 
 
 def _replayed(response: Response) -> bool:
     """A 409 ``replayed_nonce``: this request's own nonce is already stored, so an earlier
     attempt of it was committed, e.g. by a replica that died before answering, and a load
     balancer resent it (every nonce is sent by one logical request only, as a device's
-    outbox re-sends only its own queued contribution: PROTOCOL.md)."""
+    outbox re-sends only its own queued contribution: docs/protocol.md, "Contributions")."""
     return _error_code(response) == "replayed_nonce"
 
 
 def _error_code(response: Response) -> str:
-    """A refusal's JSON ``error`` code (PROTOCOL.md's error body); ``?`` when there is none."""
+    """A refusal's JSON ``error`` code (docs/protocol.md, "Errors"); ``?`` when there is none."""
     try:
         code = json.loads(response.body).get("error")
     except (ValueError, AttributeError):

@@ -18,7 +18,8 @@ INGEST = "/v1/contributions"
 ENROLL = "/v1/enroll"
 #: One request record in an epoch file: shuffler index, token length, body length.
 RECORD = struct.Struct(">BHI")
-#: Attempts of one request after a broken connection or a 429 before it counts as given up.
+#: Attempts of a request of no known epoch (a broken connection, or a refusal that can heal
+#: by waiting) before it counts as given up; one of a known epoch is tried until it ends.
 ATTEMPTS = 5
 
 

@@ -24,6 +24,10 @@ from services.tools import loadgen
 from services.tools.loadgen import ChannelSource
 
 SAMPLE_SECONDS = 1.0
+#: Without a live view, a wait of the run says how long is left this often.
+WAIT_LINE_SECONDS = 10.0
+#: Waits shorter than this go unannounced.
+QUIET_WAIT_SECONDS = 1.0
 
 
 @dataclass
@@ -35,6 +39,8 @@ class Monitor:
     local: Mapping[str, int] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    #: What the run waits for now, with the seconds left (the live view's title shows it).
+    waiting: str = ""
 
     def sample(self, last: dict[str, Any]) -> dict[str, Any]:
         """One sample since ``last`` (the previous sample, or {} at the start)."""
@@ -80,9 +86,10 @@ def _ms(seconds: float) -> float | None:
     return None if math.isnan(seconds) else round(seconds * 1e3, 2)
 
 
-def view(sample: dict[str, Any], title: str) -> Group:
-    """The live view of one sample."""
-    head = Table(title=f"{title} — {sample['t']:.0f} s", show_header=True)
+def view(sample: dict[str, Any], title: str, waiting: str = "") -> Group:
+    """The live view of one sample (and what the run waits for, if it waits)."""
+    heading = f"{title} — {sample['t']:.0f} s" + (f"\n{waiting}" if waiting else "")
+    head = Table(title=heading, show_header=True)
     for column in ("offered/s", "accepted/s", "accepted", "p50 ms", "p95 ms", "p99 ms", "errors"):
         head.add_column(column, justify="right")
     errors = ", ".join(f"{k}: {v:,}" for k, v in sample["errors"].items()) or "none"
@@ -117,7 +124,51 @@ async def _sampling(monitor: Monitor, display: Live | None, title: str) -> None:
         await asyncio.sleep(SAMPLE_SECONDS)
         last = monitor.sample(last)
         if display is not None:
-            display.update(view(last, title))
+            display.update(view(last, title, monitor.waiting))
+
+
+def _left(at: float, what: str) -> str:
+    """``waiting for WHAT: 42 s left (until 14:00:00)``."""
+    left, until = max(0.0, at - time.time()), time.strftime("%H:%M:%S", time.localtime(at))
+    return f"waiting for {what}: {left:.0f} s left (until {until})"
+
+
+def wait_until(at: float, what: str, console: Console, live: bool) -> None:
+    """Sleep until unix time ``at``, saying what for: one line, then a countdown (a status
+    line with ``live``, else a line every :data:`WAIT_LINE_SECONDS`); a wait shorter than
+    :data:`QUIET_WAIT_SECONDS` goes unannounced."""
+    if at - time.time() < QUIET_WAIT_SECONDS:
+        time.sleep(max(0.0, at - time.time()))
+        return
+    console.log(_left(at, what))
+    if live:
+        with console.status(_left(at, what)) as status:
+            while (left := at - time.time()) > 0:
+                time.sleep(min(0.5, left))
+                status.update(_left(at, what))
+        return
+    while (left := at - time.time()) > 0:
+        time.sleep(min(WAIT_LINE_SECONDS, left))
+        if at - time.time() >= QUIET_WAIT_SECONDS:
+            console.log(_left(at, what))
+
+
+async def _wait_in_view(
+    at: float, what: str, monitor: Monitor, console: Console, live: bool
+) -> None:
+    """:func:`wait_until` inside a live view: the countdown is in its title."""
+    if at - time.time() < QUIET_WAIT_SECONDS:
+        await asyncio.sleep(max(0.0, at - time.time()))
+        return
+    console.log(_left(at, what))
+    try:
+        while (left := at - time.time()) > 0:
+            monitor.waiting = _left(at, what)
+            await asyncio.sleep(min(0.5 if live else WAIT_LINE_SECONDS, left))
+            if not live and at - time.time() >= QUIET_WAIT_SECONDS:
+                console.log(_left(at, what))
+    finally:
+        monitor.waiting = ""
 
 
 async def replay(
@@ -164,7 +215,8 @@ async def replay_waves(
         task = asyncio.create_task(_sampling(monitor, display if live else None, title))
         try:
             while (wave := await asyncio.to_thread(waves.next_wave)) is not None:
-                await asyncio.sleep(max(0.0, wave.epoch * seconds + 0.05 - time.time()))
+                what = f"epoch {wave.epoch}, which {channel}'s wave {wave.period} goes in"
+                await _wait_in_view(wave.epoch * seconds + 0.05, what, monitor, console, live)
                 source = ChannelSource({channel: {wave.epoch: wave.files}}, {channel: seconds})
                 left = (wave.epoch + 1) * seconds - time.time()
                 # Past the epoch's end the source stops handing out requests.
@@ -185,7 +237,9 @@ class _Null:
 
 
 def summary(monitor: Monitor, seconds: float) -> dict[str, Any]:
-    """The whole run: rates, latency percentiles, errors, per shuffler."""
+    """The whole run: rates, latency percentiles, errors (every answer, refusals that were
+    sent again included), how the requests ended (refused then delivered, never delivered),
+    per shuffler."""
     stats = monitor.driver.stats
     latencies = sorted(stats.latencies)
     return {
@@ -199,6 +253,9 @@ def summary(monitor: Monitor, seconds: float) -> dict[str, Any]:
         "p99_ms": _ms(loadgen.percentile(latencies, 0.99)),
         "errors": stats.errors,
         "given_up": stats.given_up,
+        "refused_then_delivered": stats.refused_then_delivered,
+        "never_delivered": stats.never_delivered,
+        "retried": {str(k): v for k, v in sorted(stats.retried.items())},
         "behind_schedule": monitor.driver.behind,
         "per_shuffler": {
             monitor.shuffler_urls[i]: {str(k): v for k, v in sorted(c.items())}

@@ -1,6 +1,6 @@
 """The prepare phase: devices, their reports and every contribution of the run, ahead of time.
 
-Each simulated device is a device in protocol terms (PROTOCOL.md). Encoding and sealing run in
+Each simulated device is a device in protocol terms (docs/protocol.md). Encoding and sealing run in
 worker processes (:class:`services.tools.loadgen.SealerPool`) that write files of ready
 requests, so the run phase only replays bytes: in Python, sealing a k-RAPPOR report costs more
 CPU than a shuffler spends accepting it (docs/benchmarks.md, "Load test"). A longitudinal
@@ -13,7 +13,6 @@ Details: docs/loadtest.md, "What a simulated device is" and "Phases".
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -24,7 +23,7 @@ from common.collection import TrustAnchors, VerifiedConfig
 from common.mechanisms import ValueKind
 from common.mechanisms import get as get_mechanism
 from common.wire import ChannelConfig
-from services.tools import loadgen
+from services.tools import loadgen, stopping
 from services.tools.loadtest.population import Population, draw, draw_changes, is_changes
 
 #: Outer seals per second assumed when planning a longitudinal phase (measured: ~2,500/s).
@@ -40,7 +39,7 @@ SERIES_MOST_SECONDS = 900
 
 
 @dataclass(frozen=True)
-class Plan:
+class LoadPlan:
     """What to prepare: the deployment, the channels, the population, the run's length."""
 
     analyzer_url: str
@@ -81,10 +80,11 @@ class Prepared:
         """The deployment's shufflers (the same in every channel's config)."""
         return next(iter({**self.targets, **self.series}.values())).shuffler_urls
 
-    def close(self) -> None:
-        """Stop the sealing workers."""
+    def close(self, grace: float = loadgen.CLOSE_GRACE_SECONDS) -> None:
+        """Stop the sealing workers (after ``grace`` seconds, even one in the middle of a
+        step: :meth:`loadgen.SealerPool.close`)."""
         if self.pool is not None:
-            self.pool.close()
+            self.pool.close(grace)
             self.pool = None
 
     @property
@@ -145,7 +145,7 @@ def _left_out(channel: ChannelConfig) -> str | None:
     return None
 
 
-def spec_for(plan: Plan, channel_id: str, state: bool = False) -> str:
+def spec_for(plan: LoadPlan, channel_id: str, state: bool = False) -> str:
     """The channel's population spec (``*``: every channel's of its kind; default zipf, or
     changes for a longitudinal channel)."""
     default = plan.populations.get("*")
@@ -155,7 +155,7 @@ def spec_for(plan: Plan, channel_id: str, state: bool = False) -> str:
 
 
 def _populations(
-    plan: Plan, targets: dict[str, loadgen.Target], series: dict[str, loadgen.Target]
+    plan: LoadPlan, targets: dict[str, loadgen.Target], series: dict[str, loadgen.Target]
 ) -> dict[str, Population]:
     """Every channel's population (seeded: ``plan.seed`` + the channel's position)."""
     found = {}
@@ -180,7 +180,7 @@ def run_epochs(target: loadgen.Target, start: float, seconds: float) -> list[int
     return list(range(target.epoch(start), target.epoch(start + seconds) + 1))
 
 
-def prepare(plan: Plan, say: Callable[[str], None] = lambda _: None) -> Prepared:
+def prepare(plan: LoadPlan, say: Callable[[str], None] = lambda _: None) -> Prepared:
     """Enroll ``plan.devices`` devices, seal their reports and their run's contributions (and
     every period's report of the longitudinal channels; the pool stays open for those).
 
@@ -197,7 +197,7 @@ def prepare(plan: Plan, say: Callable[[str], None] = lambda _: None) -> Prepared
     pool = loadgen.SealerPool(first, plan.workers)
     try:
         started = time.perf_counter()
-        tokens = asyncio.run(loadgen.enroll(urls, plan.devices, plan.enroll_concurrency))
+        tokens = stopping.run(loadgen.enroll(urls, plan.devices, plan.enroll_concurrency))
         enrolled = time.perf_counter() - started
         rate = len(urls) * plan.devices / enrolled
         say(f"enrolled {plan.devices:,} devices at {len(urls)} shufflers ({rate:,.0f}/s)")
@@ -215,8 +215,8 @@ def prepare(plan: Plan, say: Callable[[str], None] = lambda _: None) -> Prepared
                 f"periods: {timing.items:,} reports sealed ({timing.rate:,.0f}/s)"
             )
         files, outer = _seal_run(plan, targets, pool, say)
-    except BaseException:
-        pool.close()
+    except BaseException:  # a failure or a stop: no step of the workers' to wait for
+        pool.close(0.0)
         raise
     timings = {
         "enrolments_per_s": len(urls) * plan.devices / enrolled,
@@ -239,7 +239,7 @@ def prepare(plan: Plan, say: Callable[[str], None] = lambda _: None) -> Prepared
 
 
 def _seal_run(
-    plan: Plan,
+    plan: LoadPlan,
     targets: dict[str, loadgen.Target],
     pool: loadgen.SealerPool,
     say: Callable[[str], None],
@@ -276,7 +276,7 @@ def _seal_run(
 
 
 def _pace(
-    plan: Plan, targets: dict[str, loadgen.Target], pool: loadgen.SealerPool, directory: Path
+    plan: LoadPlan, targets: dict[str, loadgen.Target], pool: loadgen.SealerPool, directory: Path
 ) -> dict[str, float]:
     """Wall seconds the pool takes per device's contribution(s) of each channel (a report of
     several routes is several requests), from a sample of up to :data:`CALIBRATION` devices
@@ -295,7 +295,7 @@ def _pace(
 
 
 def _seal_epochs(
-    plan: Plan,
+    plan: LoadPlan,
     targets: dict[str, loadgen.Target],
     pool: loadgen.SealerPool,
     directory: Path,

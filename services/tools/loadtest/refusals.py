@@ -13,12 +13,11 @@ Details: docs/loadtest.md, "Closed epochs: a second run within the same epoch".
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from services.tools import loadgen
+from services.tools import loadgen, stopping
 from services.tools.loadgen import ChannelSource
 
 #: The shuffler's error code for a contribution to an epoch that is not open (closed by an
@@ -27,7 +26,8 @@ EPOCH_NOT_OPEN = "epoch_not_open"
 #: Seconds after an epoch's start in which ``epoch_not_open`` may be clock skew (the
 #: shuffler still in the previous epoch), not a closed epoch.
 BOUNDARY_SECONDS = 5.0
-#: Refusals the driver retries (the per-client rate limit): not a problem of the run.
+#: Refusals that only pace the run (the per-client rate limit): waited out within the epoch,
+#: and one still refused at the epoch's end is the deployment limiting the load, not a fault.
 RETRIED = frozenset({"rate_limited"})
 #: What to do about a closed epoch (the end of every message).
 ADVICE = (
@@ -88,7 +88,7 @@ def _refused(driver: loadgen.Driver, request: loadgen.Request, seconds: float) -
     is sent again each second until then (a refused contribution was not stored)."""
     while True:
         refused = driver.stats.refusals[EPOCH_NOT_OPEN]
-        asyncio.run(driver.run(_One(request), None, 60, until_empty=True))
+        stopping.run(driver.run(_One(request), None, 60, until_empty=True))
         if driver.stats.refusals[EPOCH_NOT_OPEN] == refused:
             return False
         if time.time() % seconds > BOUNDARY_SECONDS:
@@ -129,10 +129,11 @@ def check_answers(
 
 
 def unexpected(refused: Counter[str]) -> list[str]:
-    """A phase's refusals (by error code) as verification problems, but for the rate limit's
-    (``rate_limited``: the driver waits and sends again): the run's contributions are
-    well-formed, so any other refusal is the deployment refusing part of the run, which a
-    conservation of the acknowledged ones alone would not show."""
+    """A phase's refusals of contributions never delivered (by error code; the refusals
+    waited out and then delivered are not among them: ``loadgen.Stats.refusals``) as
+    verification problems, but for the rate limit's (:data:`RETRIED`): the run's
+    contributions are well-formed, so any other refusal is the deployment refusing part of
+    the run, which a conservation of the acknowledged ones alone would not show."""
     found = {code: n for code, n in refused.most_common() if code not in RETRIED and n > 0}
     if not found:
         return []

@@ -17,6 +17,18 @@ def public_samples(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in s.items() if not k.startswith("_")} for s in samples]
 
 
+def delivery(run: dict[str, Any]) -> str:
+    """How a run's requests ended: acknowledged at once, refused and then delivered (the
+    refusals waited out, by status), never delivered (refused for good, or still refused when
+    their epoch ended)."""
+    later = run.get("refused_then_delivered", 0)
+    retried = ", ".join(f"{k}: {v:,}" for k, v in run.get("retried", {}).items()) or "none"
+    return (
+        f"{run['accepted'] - later:,} delivered at once, {later:,} refused then delivered "
+        f"(refusals waited out: {retried}), {run.get('never_delivered', 0):,} never delivered"
+    )
+
+
 def write_json(path: Path, summary: dict[str, Any]) -> None:
     """The whole summary (samples included) as JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +97,7 @@ def write_html(path: Path, summary: dict[str, Any]) -> None:
         ("rate offered / accepted", f"{run['offered_per_s']:,}/s / {run['accepted_per_s']:,}/s"),
         ("latency p50 / p95 / p99", f"{run['p50_ms']} / {run['p95_ms']} / {run['p99_ms']} ms"),
         ("errors", json.dumps(run["errors"]) or "none"),
+        ("delivery", delivery(run)),
         ("preparation", json.dumps(summary["preparation"])),
     ]
     verification = summary.get("verification")

@@ -3,9 +3,7 @@ histogram channels together, then each longitudinal channel in a phase of its ow
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -14,18 +12,18 @@ from typing import Any
 
 from rich.console import Console
 
-from services.tools import loadgen
+from services.tools import loadgen, stopping
 from services.tools.credentials import Credentials
 from services.tools.loadtest import live, refusals, report, verify
 from services.tools.loadtest.population import Population
-from services.tools.loadtest.prepare import Plan, Prepared, prepare, series_waves
+from services.tools.loadtest.prepare import LoadPlan, Prepared, prepare, series_waves
 
 
 @dataclass(frozen=True)
 class Options:
     """Everything ``esa loadtest`` was asked to do."""
 
-    plan: Plan
+    plan: LoadPlan
     rate: float | loadgen.Pace | None
     concurrency: int
     #: Each party's admin and metrics tokens (None: the run is not verified).
@@ -91,6 +89,7 @@ def verification(
     verify.close_epochs(urls, options.tokens, prepared.epochs)
     say("epochs closed; waiting for every batch to reach the analyzer")
     drained = verify.drain(options.plan.analyzer_url, urls, options.tokens, options.drain_timeout)
+    verify.close_at_analyzer(options.plan.analyzer_url, options.tokens, prepared.epochs)
     after = verify.shuffler_state(urls, options.tokens)
     channels = {
         cid: _row(
@@ -136,7 +135,7 @@ def series_phase(
     monitor = live.Monitor(driver=driver, shuffler_urls=urls, local=options.local)
     rate = options.rate if isinstance(options.rate, int | float) else None
     console.log(f"{cid}: periods in waves of one {target.channel.epoch_seconds}-s epoch")
-    spent = asyncio.run(live.replay_waves(monitor, waves, rate, console, options.live))
+    spent = stopping.run(live.replay_waves(monitor, waves, rate, console, options.live))
     epochs, periods = waves.epochs, prepared.populations[cid].k
     run = live.summary(monitor, spent) | {"periods": periods, "waves": len(epochs)}
     run |= {"rolled_over": waves.rolled_over, "epochs": [min(epochs), max(epochs)]}
@@ -165,6 +164,7 @@ def _series_verification(
     token, urls, analyzer = options.tokens, prepared.shuffler_urls, options.plan.analyzer_url
     verify.close_epochs(urls, token, {cid: [max(epochs)]})  # closes every epoch up to it
     drained = verify.drain(analyzer, urls, token, options.drain_timeout)
+    verify.close_at_analyzer(analyzer, token, {cid: [max(epochs)]})
     after, now = verify.shuffler_state(urls, token), verify.analyzer_fragments(analyzer, token, cid)
     received = int(now["opened"] - opened["opened"])
     population = prepared.populations[cid]
@@ -192,12 +192,13 @@ def _histograms(
     monitor = live.Monitor(driver=driver, shuffler_urls=urls, local=options.local)
     epochs = {cid: t.channel.epoch_seconds for cid, t in prepared.targets.items()}
     source = loadgen.ChannelSource(prepared.files, epochs)
-    start = min(min(e) * epochs[c] for c, e in prepared.epochs.items())
-    time.sleep(max(0.0, start - time.time()))
+    start, first = min((min(e) * epochs[c], (c, min(e))) for c, e in prepared.epochs.items())
+    what = f"the run's planned start (epoch {first[1]} of {first[0]})"
+    live.wait_until(start, what, console, options.live)
     say(f"run: {prepared.count:,} contributions prepared, {len(prepared.targets)} channels")
     refusals.preflight(driver, source)
     after_preflight = Counter(driver.stats.refusals)  # a refusal at the epoch's start, retried
-    seconds = asyncio.run(
+    seconds = stopping.run(
         live.replay(monitor, source, options.rate, plan.duration, console, options.live)
     )
     run = live.summary(monitor, seconds)
@@ -249,8 +250,10 @@ def execute(options: Options, console: Console) -> dict[str, Any]:
         for cid in prepared.series:
             summary["series"][cid], checked = series_phase(options, prepared, cid, console)
             phases += [checked] if checked else []
-    finally:
-        prepared.close()
+    except BaseException:  # a failure or a stop: no step of the workers' to wait for
+        prepared.close(0.0)
+        raise
+    prepared.close()
     if "run" not in summary:  # longitudinal channels only: the first one's run is the run
         first = summary["series"][next(iter(prepared.series))]
         summary["run"], summary["samples"] = first, first["samples"]

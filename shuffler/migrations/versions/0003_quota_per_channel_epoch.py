@@ -1,5 +1,5 @@
 """The quota is one contribution per (client, channel, epoch), whatever crowd it names
-(PROTOCOL.md, "Crowds"): ``uq_contribution_quota`` loses ``crowd_id``.
+(docs/protocol.md, "Channels, epochs and crowds"): ``uq_contribution_quota`` loses ``crowd_id``.
 
 Before this revision a client could store one contribution per crowd it made up. Of the
 contributions stored that way, the first (lowest id) of each (client, channel, epoch) is kept;

@@ -1,0 +1,111 @@
+"""Faults survived (issue 49): the scenarios of tests/faults/ run longer, under a verified
+``esa loadtest`` each, as one table of docs/reliability.md.
+
+Each scenario (tests/faults/scenarios.py) starts its own deployment of real processes (the
+launcher's, as ``esa up``), runs ``esa loadtest --rate R --duration S`` against it with every
+party's own tokens, causes its fault part way through and records the load test's own
+verification (acknowledged = received + deleted + held; counted twice = 0), the refusals its
+devices waited out by status, and the time the deployment took to recover. The fault lasts a
+quarter of ``--seconds`` (at least 5 s), the stopped replica the issue's 60 s (at most
+``--seconds``). ``--write`` records the table in
+docs/reliability.md ("## Faults under load"); without it the table is only printed.
+
+Run: ``.venv/bin/python benchmarks/faults.py --seconds 60 --rate 100 [--write]`` (as root for
+the full-disk fault: it mounts a tmpfs; PostgreSQL's server binaries for the restart fault).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _report import ROOT, add_write, machine, run_main, write_section
+
+from tests.faults import scenarios
+from tests.faults.cluster import binaries
+from tests.faults.harness import Load, Row, table
+
+PAGE = ROOT / "docs" / "reliability.md"
+HEADING = "## Faults under load"
+FAULTS = ("analyzer", "network", "postgres", "disk", "replica")
+#: The issue's stop of a replica behind HAProxy (at most ``--seconds``).
+STOP_SECONDS = 60.0
+
+
+def _scenario(name: str, tmp: Path, rate: float, seconds: float) -> Row | str:
+    """One fault's row, or why it was skipped."""
+    fault = max(seconds / 4, 5.0)
+    # histogram epochs of 3 s: every device sends once per epoch, so rate x 3 devices keep
+    # the rate up; the long-epoch scenarios send each device once: rate x seconds of them
+    short = Load(devices=int(rate * 3), rate=rate, seconds=seconds)
+    once = Load(devices=int(rate * seconds), rate=rate, seconds=seconds + 10)
+    if name == "analyzer":
+        return scenarios.analyzer_outage(tmp, short, down_seconds=fault)
+    if name == "network":
+        return scenarios.bad_network(tmp, short, fault_seconds=fault / 2)
+    if name == "postgres":
+        bin = binaries()
+        if bin is None:
+            return "no PostgreSQL server binaries under /usr/lib/postgresql"
+        return scenarios.postgres_restart(tmp, once, fault, bin)
+    if name == "replica":
+        bin = binaries()
+        if bin is None or shutil.which("haproxy") is None:
+            return "needs PostgreSQL's server binaries and haproxy"
+        return scenarios.stopped_replica(tmp, once, min(STOP_SECONDS, seconds), bin)
+    if os.geteuid() != 0:
+        return "not root: a tmpfs cannot be mounted"
+    return scenarios.full_disk(tmp, once, full_seconds=fault)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=60.0, help="load per fault (s)")
+    parser.add_argument("--rate", type=float, default=100.0, help="contributions/s offered")
+    parser.add_argument("--fault", choices=FAULTS, action="append", help="only these")
+    add_write(parser, also=" (here: docs/reliability.md)")
+    args = parser.parse_args()
+    rows: list[Row] = []
+    skipped: list[str] = []
+    for name in args.fault or FAULTS:
+        with tempfile.TemporaryDirectory(prefix=f"esa-fault-{name}-") as tmp:
+            started = time.monotonic()
+            found = _scenario(name, Path(tmp), args.rate, args.seconds)
+        if isinstance(found, str):
+            skipped.append(f"{name}: {found}")
+            print(f"{name}: skipped ({found})", file=sys.stderr)
+            continue
+        rows.append(found)
+        took = time.monotonic() - started
+        print(f"{name}: done in {took:.0f} s", file=sys.stderr)
+    body = _body(rows, skipped, args)
+    print(body)
+    write_section(HEADING, body, args.write, PAGE)
+
+
+def _body(rows: list[Row], skipped: list[str], args: argparse.Namespace) -> str:
+    """The section: the table, what was skipped, the command and the machine."""
+    faults = " ".join(f"--fault {name}" for name in args.fault or [])
+    command = (
+        f".venv/bin/python benchmarks/faults.py --seconds {args.seconds:g} "
+        f"--rate {args.rate:g} {faults}".rstrip()
+        + " --write"
+    )
+    skips = "".join(f"\n\nSkipped: {line}." for line in skipped)
+    return (
+        f"{table(rows)}{skips}\n\n"
+        f"`{command}`, {time.strftime('%Y-%m-%d', time.gmtime())}. Machine: "
+        f"{machine(pinned=False)} (services, load generator and faults share the cores)."
+    )
+
+
+if __name__ == "__main__":
+    run_main(main)

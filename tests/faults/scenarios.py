@@ -1,0 +1,277 @@
+"""The faults of issue 49, each as a scenario under a verified ``esa loadtest``
+(:mod:`tests.faults.harness`): the tests run them short, ``benchmarks/faults.py`` longer.
+
+Each returns the :class:`~tests.faults.harness.Row` of docs/reliability.md, with what was
+seen during the fault (``seen``) for the tests to assert on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sqlite3
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from common.wire import MAX_EPOCH_SECONDS
+from services.cli import launcher
+from services.tools.loadtest import verify
+from tests.support import TEST_SHUFFLER_SETTINGS
+
+from .cluster import Cluster
+from .harness import TICKS, Deployed, Load, LoadRun, Row, deployment, stop_loads, time_until
+from .proxy import FaultProxy
+
+#: Seconds of load before a fault starts (epochs delivered normally first).
+LEAD_SECONDS = 3.0
+
+
+def analyzer_outage(tmp: Path, load: Load, down_seconds: float) -> Row:
+    """Fault 2: the analyzer stopped for ``down_seconds`` (several 3-second epochs) under
+    load, then started again. The shufflers keep taking contributions, closing epochs and
+    holding their parts, and forward them once it is back; the time to recover is from its
+    restart until no shuffler holds an unforwarded part."""
+    with deployment(tmp / "var") as deployed:
+        run = LoadRun.against(deployed, tmp / "out", load).start()
+        run.wait_running()
+        time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
+        deployed.analyzer.stop()
+        stopped = time.monotonic()
+        # the shufflers close the epochs that end meanwhile and hold their parts
+        time_until(lambda: deployed.unforwarded() > 0, down_seconds + 10)
+        held = deployed.unforwarded()
+        time.sleep(max(0.0, down_seconds - (time.monotonic() - stopped)))
+        deployed.analyzer.start()
+        recovered = time_until(lambda: deployed.unforwarded() == 0, 120)
+        summary = run.finish()
+    seen = {"held_parts": held, "log": run.tail()}
+    return Row("analyzer unreachable", "SQLite", summary, recovered, seen)
+
+
+def bad_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
+    """Fault 5: every shuffler reaches the analyzer through a :class:`FaultProxy` that adds
+    ``latency`` seconds for ``fault_seconds``, then cuts every part mid-request or drops its
+    answer for ``fault_seconds``, then heals. Delivery completes once the fault ends and a
+    part the analyzer stored but never acknowledged is not counted twice; the time to
+    recover is from the heal until no shuffler holds an unforwarded part."""
+    base = launcher.free_base_port(3)
+    proxy = FaultProxy(target_port=base).start()
+    try:
+        with deployment(tmp / "var", base_port=base, analyzer_url=proxy.url) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load).start()
+            run.wait_running()
+            time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
+            proxy.mode = "slow"
+            time.sleep(fault_seconds)
+            proxy.mode = "reset"
+            # at least one part cut each way (a part is sent every 3-second epoch and retried)
+            time_until(lambda: proxy.cut_requests > 0 and proxy.cut_answers > 0, 60)
+            time.sleep(fault_seconds)
+            proxy.mode = "pass"
+            recovered = time_until(lambda: deployed.unforwarded() == 0, 120)
+            summary = run.finish()
+    finally:
+        proxy.stop()
+    seen = {"cut_requests": proxy.cut_requests, "cut_answers": proxy.cut_answers}
+    return Row(
+        "bad network shuffler → analyzer", "SQLite", summary, recovered, seen | {"log": run.tail()}
+    )
+
+
+#: A k-RR channel whose one epoch outlasts any run: a device's refused contribution can be
+#: retried for as long as a database is down (each scenario has its own deployment).
+LONG = TICKS.model_copy(update={"id": "long", "epoch_seconds": MAX_EPOCH_SECONDS})
+
+
+@dataclass
+class Readiness:
+    """``GET /readyz`` of one service every 0.2 s in a thread, each status counted."""
+
+    url: str
+    seen: Counter[int] = field(default_factory=Counter)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> Readiness:
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.seen[httpx.get(self.url + "/readyz", timeout=5).status_code] += 1
+            except httpx.HTTPError:
+                self.seen[0] += 1  # no answer at all
+
+
+def ready(url: str) -> bool:
+    return httpx.get(url + "/readyz", timeout=5).status_code == 200
+
+
+def postgres_restart(tmp: Path, load: Load, down_seconds: float, bin: Path) -> Row:
+    """Fault 1: shuffler-1's PostgreSQL (a private cluster, :class:`Cluster`) stopped
+    mid-ingest (``pg_ctl stop -m fast``: open transactions rolled back, connections
+    dropped) and started again ``down_seconds`` later. The shuffler answers 503 (nothing
+    stored) while it cannot commit, ``/readyz`` says so, the devices wait the refusals out;
+    the time to recover is from the server's start until ``/readyz`` answers 200 again."""
+    cluster = Cluster.create(bin)
+    try:
+        cluster.start()
+        databases = {"shuffler-1": cluster.database("shuffler_1")}
+        with deployment(tmp / "var", LONG, databases=databases) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load, LONG.id).start()
+            run.wait_running()
+            with Readiness(deployed.shufflers[0].url) as readiness:
+                time.sleep(LEAD_SECONDS)  # pacing: the fault starts into the run
+                cluster.stop("fast")
+                time.sleep(down_seconds)
+                cluster.start()
+                recovered = time_until(lambda: ready(deployed.shufflers[0].url), 60)
+            summary = run.finish()
+    finally:
+        cluster.remove()
+    seen = {"readyz": dict(readiness.seen), "log": run.tail()}
+    return Row("PostgreSQL restarted mid-ingest", "PostgreSQL", summary, recovered, seen)
+
+
+@contextmanager
+def tmpfs(size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -t tmpfs -o size=...``; root only), unmounted after."""
+    folder = Path(tempfile.mkdtemp(prefix="esa-tmpfs-"))
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]
+    if subprocess.run(mount, check=False).returncode != 0:
+        folder.rmdir()
+        raise RuntimeError(f"cannot mount a tmpfs ({' '.join(mount)}): CAP_SYS_ADMIN needed")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+        folder.rmdir()
+
+
+def fill(folder: Path) -> Path:
+    """Write a file into ``folder`` until its filesystem has no space left; the file."""
+    filler = folder / "filler"
+    block = b"\0" * (1 << 16)
+    with filler.open("wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(block)
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+    return filler
+
+
+def full_disk(tmp: Path, load: Load, full_seconds: float) -> Row:
+    """Fault 3: shuffler-1's SQLite file on a small tmpfs, filled to the last byte under
+    load until a commit is refused, then kept full ``full_seconds`` longer, then freed.
+    Writes are refused with ``503 storage_unavailable`` (nothing stored, ``Retry-After``),
+    the database stays whole (``PRAGMA integrity_check``), and intake resumes once space
+    returns; the time to recover is from the freeing until shuffler-1 acknowledges again
+    (its ledger grows)."""
+    with tmpfs("64m") as disk:
+        database = f"sqlite:///{disk / 'shuffler.db'}"
+        with deployment(tmp / "var", LONG, databases={"shuffler-1": database}) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load, LONG.id).start()
+            run.wait_running()
+            time.sleep(LEAD_SECONDS)  # pacing: the fault starts into the run
+            refused = _storage_refusals(deployed)
+            filler = fill(disk)
+            # the disk is full once a commit needs a new block: then it stays full this long
+            time_until(lambda: _storage_refusals(deployed) > refused, 60)
+            time.sleep(full_seconds)
+            before = _acknowledged(deployed)
+            filler.unlink()
+            recovered = time_until(lambda: _acknowledged(deployed) > before, 60)
+            summary = run.finish()
+        with sqlite3.connect(disk / "shuffler.db") as check:
+            (whole,) = check.execute("PRAGMA integrity_check").fetchone()
+    seen = {"integrity": whole, "log": run.tail()}
+    return Row("disk full at a shuffler", "SQLite", summary, recovered, seen)
+
+
+def _storage_refusals(deployed: Deployed) -> float:
+    """Contributions shuffler-1 refused ``503 storage_unavailable`` so far (its process)."""
+    metrics = verify.scrape(deployed.shufflers[0].url, deployed.tokens())
+    return metrics.get('esa_shuffler_contributions_rejected_total{reason="storage_unavailable"}', 0)
+
+
+def _acknowledged(deployed: Deployed) -> float:
+    """What shuffler-1's trust domain has acknowledged so far (its ledger)."""
+    state = verify.shuffler_state([deployed.shufflers[0].url], deployed.tokens())
+    return next(iter(state.values()))["received"]
+
+
+def _opening_workers(parent: int) -> list[int]:
+    """The analyzer's opening workers: its children started by ``multiprocessing`` spawn."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == parent and b"spawn_main" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def stopped_replica(tmp: Path, load: Load, stop_seconds: float, bin: Path) -> Row:
+    """Fault 6: shuffler-1 as two replicas behind HAProxy (``esa up --replicas 2`` on a
+    private PostgreSQL cluster); under load one replica is SIGSTOPped for ``stop_seconds``
+    (HAProxy's health check takes it out, what it held waits) and then continued, and an
+    opening worker of the analyzer is SIGKILLed while verification drains the parts. The
+    time to recover is from SIGCONT until HAProxy sees the replica ready again (its
+    ``/readyz`` through the process itself)."""
+    cluster = Cluster.create(bin)
+    try:
+        cluster.start()
+        for name in ("analyzer", "shuffler_1"):
+            cluster.database(name)
+        template = f"postgresql+psycopg://postgres@127.0.0.1:{cluster.port}/{{service}}"
+        var = tmp / "var"
+        services = launcher.up(
+            var, 1, launcher.free_base_port(launcher.scaled_ports(1, 2, 1)), 120,
+            template, replicas=2, channels=[LONG],
+            overrides={**TEST_SHUFFLER_SETTINGS, "ESA_ANALYZER_OPENING_PROCESSES": "2"},
+        )  # fmt: skip
+        try:
+            named = {s.name: s for s in services}
+            run = LoadRun(var, named["haproxy:analyzer"].url, tmp / "out", load, LONG.id)
+            run.start().wait_running()
+            time.sleep(LEAD_SECONDS)  # pacing: the fault starts into the run
+            replica = named["shuffler-1.r1"]
+            os.kill(replica.process.pid, signal.SIGSTOP)
+            time.sleep(stop_seconds)
+            os.kill(replica.process.pid, signal.SIGCONT)
+            recovered = time_until(lambda: ready(replica.url), 60)
+            run.wait_for("waiting for every batch", 300)
+            analyzer = next(s for s in services if s.name.startswith("analyzer"))
+            workers = _opening_workers(analyzer.process.pid)
+            if workers:
+                os.kill(workers[0], signal.SIGKILL)
+            summary = run.finish()
+        finally:
+            stop_loads()
+            launcher.stop(services)
+    finally:
+        cluster.remove()
+    seen = {"killed_workers": len(workers[:1]), "log": run.tail()}
+    return Row("replica SIGSTOPped behind HAProxy", "PostgreSQL", summary, recovered, seen)
