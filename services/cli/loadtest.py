@@ -176,6 +176,24 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
     show_default=True,
     help="Most seconds to wait for every batch to reach the analyzer.",
 )
+@click.option(
+    "--clock-offset",
+    "clock_offsets",
+    multiple=True,
+    metavar="SECONDS:SHARE",
+    help="A share of the devices whose clocks are off by SECONDS (e.g. 600:0.1, -600:0.1; "
+    "repeatable): each seals the epoch its own clock shows, as a device does; what the "
+    "shufflers answer them is counted apart (run.clocks), never a verification problem.",
+)
+@click.option(
+    "--expect-refusal",
+    "expected",
+    multiple=True,
+    metavar="CODE",
+    help="A refusal the deployment is expected to answer devices on true time (a fault test, "
+    "e.g. epoch_not_open from a shuffler whose clock is ahead; repeatable): counted by code, "
+    "not a verification problem, and with epoch_not_open the run is not stopped for it.",
+)
 @click.option("--no-live", is_flag=True, help="No live view (log lines only).")
 def loadtest(
     analyzer_url: str,
@@ -196,6 +214,8 @@ def loadtest(
     seed: int,
     out: Path,
     drain_timeout: float,
+    clock_offsets: tuple[str, ...],
+    expected: tuple[str, ...],
     no_live: bool,
 ) -> None:
     """Load-test a deployment with a simulated population; verify and report.
@@ -253,6 +273,7 @@ def _main(kw: dict[str, Any]) -> None:
             populations=_populations(kw["populations"]),
             workers=kw["workers"],
             seed=kw["seed"],
+            clock_offsets=_clock_offsets(kw["clock_offsets"]),
         )
         options = Options(
             plan=plan,
@@ -263,6 +284,7 @@ def _main(kw: dict[str, Any]) -> None:
             drain_timeout=kw["drain_timeout"],
             live=not kw["no_live"],
             local={s.name: s.process.pid for s in services},
+            expected=frozenset(kw["expected"]),
         )
         summary = execute(options, console)
     except (LoadError, PopulationError, verify.VerifyError, launcher.LaunchError) as error:
@@ -277,6 +299,24 @@ def _main(kw: dict[str, Any]) -> None:
     problems = summary.get("verification", {}).get("problems", [])
     if problems:
         raise click.ClickException("verification failed: " + "; ".join(problems))
+
+
+def _clock_offsets(values: tuple[str, ...]) -> tuple[tuple[float, float], ...]:
+    """``SECONDS:SHARE`` pairs (``--clock-offset``).
+
+    Raises:
+        click.UsageError: not two numbers, or a share outside (0, 1).
+    """
+    found = []
+    for value in values:
+        try:
+            offset, share = (float(x) for x in value.split(":"))
+        except ValueError as error:
+            raise click.UsageError(f"--clock-offset {value!r}: expected SECONDS:SHARE") from error
+        if not 0 < share < 1:
+            raise click.UsageError(f"--clock-offset {value!r}: the share is between 0 and 1")
+        found.append((offset, share))
+    return tuple(found)
 
 
 def _start_local(console: Console, where: Path) -> tuple[list[Any], Path]:

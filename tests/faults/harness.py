@@ -10,11 +10,12 @@ the judge: acknowledged = received at the analyzer + deleted + held, nothing cou
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -72,21 +73,26 @@ def deployment(
     analyzer_url: str | None = None,
     databases: Mapping[str, str] | None = None,
     overrides: Mapping[str, str] | None = None,
+    env: Mapping[str, Mapping[str, str]] | None = None,
+    channels: Sequence[ChannelConfig] = (),
 ) -> Iterator[Deployed]:
     """``esa up`` on free ports (or from ``base_port``; SQLite), every service started at
     once, shufflers batching fast; ``analyzer_url``: where the shufflers reach the analyzer
     (a fault proxy); ``databases``: a service's database URL by name (``shuffler-1``:
-    PostgreSQL of the test's own cluster, a file on a tmpfs); ``overrides``: more settings."""
+    PostgreSQL of the test's own cluster, a file on a tmpfs); ``overrides``: more settings;
+    ``env``: more environment of one process by name (``shuffler-1``: :func:`faketime`);
+    ``channels``: more channels than ``channel``."""
     base = base_port or launcher.free_base_port(shufflers + 1)
     specs = launcher.prepare(
         var,
         shufflers,
         base,
         analyzer_url=analyzer_url,
-        channels=[channel],
+        channels=[channel, *channels],
         overrides={**TEST_SHUFFLER_SETTINGS, **(overrides or {})},
     )
     specs = [_with_database(spec, (databases or {}).get(spec.name)) for spec in specs]
+    specs = [replace(s, env={**s.env, **(env or {}).get(s.name, {})}) for s in specs]
     started = launcher.start_all(specs, var / "logs", timeout=120)  # together: faster
     processes = [
         ServiceProcess(spec, service.log or var / "logs", service)
@@ -99,6 +105,24 @@ def deployment(
         stop_loads()
         for process in reversed(processes):
             process.stop()
+
+
+#: Debian's libfaketime (package ``faketime``): preloaded, it moves one process's clock.
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
+def faketime(seconds: float) -> dict[str, str]:
+    """The environment that runs a process with its wall clock ``seconds`` ahead (behind,
+    negative) of the machine's: libfaketime preloaded, ``FAKETIME="+90s"``; its monotonic
+    clock left alone (``FAKETIME_DONT_FAKE_MONOTONIC``: timeouts and asyncio's loop keep
+    real time, as on a machine whose wall clock alone is off). Python's ``time.time()`` goes
+    through ``clock_gettime(CLOCK_REALTIME)``, which the library moves."""
+    return {
+        "LD_PRELOAD": str(LIBFAKETIME),
+        "FAKETIME": f"{seconds:+g}s",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "FAKETIME_NO_CACHE": "1",
+    }
 
 
 def _with_database(spec: launcher.ServiceSpec, url: str | None) -> launcher.ServiceSpec:
@@ -119,15 +143,24 @@ class LoadRun:
     out: Path
     load: Load
     channel: str = TICKS.id
+    #: More ``esa loadtest`` arguments (``--channel``, ``--clock-offset``, ``--expect-refusal``).
+    extra: tuple[str, ...] = ()
     log: list[str] = field(default_factory=list)
     _running: threading.Event = field(default_factory=threading.Event)
     _process: subprocess.Popen[str] | None = None
     _reader: threading.Thread | None = None
 
     @classmethod
-    def against(cls, deployed: Deployed, out: Path, load: Load, channel: str = TICKS.id) -> LoadRun:
+    def against(
+        cls,
+        deployed: Deployed,
+        out: Path,
+        load: Load,
+        channel: str = TICKS.id,
+        extra: tuple[str, ...] = (),
+    ) -> LoadRun:
         """A run against :class:`Deployed` (started: :meth:`start`)."""
-        return cls(deployed.var, deployed.analyzer.url, out, load, channel)
+        return cls(deployed.var, deployed.analyzer.url, out, load, channel, extra)
 
     def start(self) -> LoadRun:
         var = self.var
@@ -137,7 +170,7 @@ class LoadRun:
             "--trust", str(var / launcher.TRUST_FILE), "--keys", str(var / "keys"),
             "--out", str(self.out), "--no-live", "--drain-timeout", "120",
             "--channel", self.channel, "--devices", str(self.load.devices),
-            "--rate", str(self.load.rate), "--duration", str(self.load.seconds),
+            "--rate", str(self.load.rate), "--duration", str(self.load.seconds), *self.extra,
         ]  # fmt: skip
         self._process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -251,7 +284,7 @@ class Row:
             f"{max(totals['lost'], 0):,}",
             f"{max(-totals['lost'], 0):,}",
             refused,
-            f"{self.recovered_seconds:.1f} s",
+            "—" if math.isnan(self.recovered_seconds) else f"{self.recovered_seconds:.1f} s",
         ]
 
 

@@ -29,7 +29,17 @@ from services.tools.loadtest import verify
 from tests.support import TEST_SHUFFLER_SETTINGS
 
 from .cluster import Cluster
-from .harness import TICKS, Deployed, Load, LoadRun, Row, deployment, stop_loads, time_until
+from .harness import (
+    TICKS,
+    Deployed,
+    Load,
+    LoadRun,
+    Row,
+    deployment,
+    faketime,
+    stop_loads,
+    time_until,
+)
 from .proxy import FaultProxy
 
 #: Seconds of load before a fault starts (epochs delivered normally first).
@@ -275,3 +285,42 @@ def stopped_replica(tmp: Path, load: Load, stop_seconds: float, bin: Path) -> Ro
         cluster.remove()
     seen = {"killed_workers": len(workers[:1]), "log": run.tail()}
     return Row("replica SIGSTOPped behind HAProxy", "PostgreSQL", summary, recovered, seen)
+
+
+def clocks(
+    tmp: Path, load: Load, ahead: float = 90.0, devices_off: float = 600.0, share: float = 0.1
+) -> Row:
+    """Fault 4: clocks that disagree. shuffler-1 runs with its wall clock ``ahead`` seconds
+    ahead of the analyzer's and shuffler-2's (libfaketime, :func:`~.harness.faketime`), and
+    ``share`` of the devices each run ``devices_off`` seconds ahead and behind, on two
+    channels: 3-second epochs (``ticks``) and one epoch longer than the run (``long``). The
+    load test counts the refusals of the devices on true time by code (``--expect-refusal
+    epoch_not_open``: shuffler-1 is 30 ticks ahead) and those of the clock groups apart; after
+    verification the analyzer's privacy ledger of each channel is read (``seen["ledgers"]``)
+    to check that every epoch was charged once and no release covers an uncharged one. There
+    is nothing to recover from (the clocks stay off): the time to recover is NaN."""
+    env = {"shuffler-1": faketime(ahead)}
+    with deployment(tmp / "var", TICKS, env=env, channels=[LONG]) as deployed:
+        shown = _wall_clock(deployed.shufflers[0].url) - _wall_clock(deployed.shufflers[1].url)
+        extra = (
+            "--channel", LONG.id, "--expect-refusal", "epoch_not_open",
+            "--clock-offset", f"{devices_off:g}:{share:g}",
+            "--clock-offset", f"{-devices_off:g}:{share:g}",
+        )  # fmt: skip
+        run = LoadRun.against(deployed, tmp / "out", load, TICKS.id, extra).start()
+        summary = run.finish()
+        url = deployed.analyzer.url
+        ledgers = {
+            cid: httpx.get(f"{url}/v1/channels/{cid}/privacy", timeout=30).raise_for_status().json()
+            for cid in (TICKS.id, LONG.id)
+        }
+    seen = {"ledgers": ledgers, "clock_ahead": shown, "log": run.tail()}
+    fault = f"shuffler {ahead:+g} s, devices ±{devices_off / 60:g} min"
+    return Row(fault, "SQLite", summary, float("nan"), seen)
+
+
+def _wall_clock(url: str) -> float:
+    """A shuffler's wall clock when it signed its descriptor (``issued_at``, at its start:
+    both shufflers start together, so the difference is their clocks')."""
+    answer = httpx.get(url + "/v1/descriptor", timeout=10).raise_for_status().json()
+    return float(answer["descriptor"]["issued_at"])

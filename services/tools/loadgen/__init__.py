@@ -18,6 +18,7 @@ from services.tools.loadgen.devices import (
     SealerPool,
     SealTiming,
     ZipfValues,
+    clock_range,
     domain_of,
     enroll,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "Usage",
     "Wave",
     "ZipfValues",
+    "clock_range",
     "cpu_seconds",
     "domain_of",
     "enroll",

@@ -148,10 +148,13 @@ class _Sealer:
         chosen: list[int | None] = list(values) if values is not None else [None] * len(tokens)
         self.devices += [_Device(t, self.report(v), v) for t, v in zip(tokens, chosen, strict=True)]
 
-    def seal_epoch(self, epoch: int, count: int, path: str, fresh: bool) -> int:
-        """Write the requests of ``count`` devices of this shard (a CSPRNG sample) for
-        ``epoch`` to ``path``; returns how many requests were written."""
-        chosen = secrets.SystemRandom().sample(range(len(self.devices)), count)
+    def seal_epoch(
+        self, epoch: int, count: int, path: str, fresh: bool, among: tuple[float, float] = (0, 1)
+    ) -> int:
+        """Write the requests of ``count`` devices of this shard (a CSPRNG sample of those in
+        the ``among`` fractions of it: a clock group, :func:`clock_range`) for ``epoch`` to
+        ``path``; returns how many requests were written."""
+        chosen = secrets.SystemRandom().sample(range(*clock_range(len(self.devices), among)), count)
         written = 0
         with open(path, "wb") as out:
             for index in chosen:
@@ -441,21 +444,25 @@ class SealerPool:
         directory: Path,
         fresh: bool = False,
         channel: str | None = None,
+        among: tuple[float, float] = (0, 1),
+        stem: str = "epoch",
     ) -> tuple[list[Path], SealTiming]:
-        """Files of requests from ``count`` distinct devices (at most the pool) for ``epoch``,
-        one per worker (of ``channel``, default the target's)."""
+        """Files of requests from ``count`` distinct devices (at most the pool, or the
+        ``among`` fractions of each shard: a clock group) for ``epoch``, one per worker (of
+        ``channel``, default the target's), named ``<stem>-<epoch>-<worker>.bin``."""
         channel = channel or self.target.channel.id
-        devices = self.shards.get(channel, [0] * len(self._pipes))
+        shards = self.shards.get(channel, [0] * len(self._pipes))
+        devices = [hi - lo for lo, hi in (clock_range(n, among) for n in shards)]
         if count > sum(devices):
             raise LoadError(
                 f"{count} contributions per epoch need {count} devices; pool has {sum(devices)}"
             )
         shares = _split(count, devices)
-        paths = [directory / f"epoch-{epoch}-{i}.bin" for i in range(len(self._pipes))]
+        paths = [directory / f"{stem}-{epoch}-{i}.bin" for i in range(len(self._pipes))]
         start = time.perf_counter()
         results = self._all(
             [
-                ("seal", channel, (epoch, n, str(p), fresh))
+                ("seal", channel, (epoch, n, str(p), fresh, among))
                 for n, p in zip(shares, paths, strict=True)
             ]
         )
@@ -534,6 +541,13 @@ class SealerPool:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.close(CLOSE_GRACE_SECONDS if kind is None else 0.0)  # no step to finish then
+
+
+def clock_range(devices: int, among: tuple[float, float]) -> tuple[int, int]:
+    """The indices ``[lo, hi)`` of a shard of ``devices`` in the fractions ``among`` of it:
+    the devices of one clock group (``esa loadtest --clock-offset``), the same in every epoch,
+    so a device keeps its clock for the whole run."""
+    return round(among[0] * devices), round(among[1] * devices)
 
 
 def _split(total: int, capacities: list[int]) -> list[int]:

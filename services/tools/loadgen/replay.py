@@ -191,6 +191,8 @@ class Stats:
     #: Each unacknowledged request's last refusal (4xx/5xx) by its JSON ``error`` code
     #: (``?``: no code); a refusal that was waited out and sent again is not one.
     refusals: Counter[str] = field(default_factory=Counter)
+    #: :attr:`refusals` by :attr:`Request.tag` (a clock group's refusals told apart).
+    refusals_by_tag: dict[int, Counter[str]] = field(default_factory=dict)
     _window: list[float] = field(default_factory=list)
 
     @property
@@ -381,7 +383,9 @@ class Driver:
                     continue
                 self.stats.given_up += 1
             if status >= 400:
-                self.stats.refusals[_error_code(response)] += 1
+                code = _error_code(response)
+                self.stats.refusals[code] += 1
+                self.stats.refusals_by_tag.setdefault(request.tag, Counter())[code] += 1
             self.stats.never_delivered += 1
             return
         self.stats.given_up += 1

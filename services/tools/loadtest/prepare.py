@@ -26,6 +26,8 @@ from common.wire import ChannelConfig
 from services.tools import loadgen, stopping
 from services.tools.loadtest.population import Population, draw, draw_changes, is_changes
 
+#: Request files by channel (or clock group), then by epoch.
+Files = dict[str, dict[int, list[Path]]]
 #: Outer seals per second assumed when planning a longitudinal phase (measured: ~2,500/s).
 OUTER_SEALS_PER_S = 1500.0
 #: Devices per channel whose contributions are sealed to measure the pool's pace before the
@@ -52,6 +54,8 @@ class LoadPlan:
     workers: int = 2
     enroll_concurrency: int = 32
     seed: int = 0
+    #: Clock groups, (offset seconds, share of the devices): ``esa loadtest --clock-offset``.
+    clock_offsets: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass
@@ -68,6 +72,10 @@ class Prepared:
     series: dict[str, loadgen.Target] = field(default_factory=dict)
     #: The sealing workers, holding the longitudinal devices' reports (None once closed).
     pool: loadgen.SealerPool | None = None
+    #: The requests of the devices whose clock is off (``--clock-offset``), by clock group
+    #: (:func:`clock_name`), then by the epoch they are sent in (each names the epoch its own
+    #: clock shows then); :attr:`files` holds the devices on true time.
+    clocks: dict[str, dict[int, list[Path]]] = field(default_factory=dict)
 
     @property
     def parties(self) -> dict[str, str]:
@@ -91,6 +99,30 @@ class Prepared:
     def epochs(self) -> dict[str, list[int]]:
         """Per channel, the epochs that requests were sealed for."""
         return {cid: sorted(files) for cid, files in self.files.items()}
+
+
+def clock_groups(plan: LoadPlan) -> list[tuple[float, tuple[float, float]]]:
+    """The devices' clock groups: (offset seconds, the fractions of each worker's devices in
+    it); the devices on true time first (offset 0, the share left), each group the same
+    devices in every epoch.
+
+    Raises:
+        loadgen.LoadError: shares that leave no device on true time.
+    """
+    total = sum(share for _, share in plan.clock_offsets)
+    if total >= 1:
+        raise loadgen.LoadError(f"--clock-offset shares sum to {total:g}: leave some on time")
+    groups: list[tuple[float, tuple[float, float]]] = [(0.0, (0.0, 1.0 - total))]
+    start = 1.0 - total
+    for offset, share in plan.clock_offsets:
+        groups.append((offset, (start, start + share)))
+        start += share
+    return groups
+
+
+def clock_name(channel_id: str, offset: float) -> str:
+    """How a clock group of a channel is named in the run's summary (``pages@+600s``)."""
+    return f"{channel_id}@{offset:+g}s"
 
 
 def choose(
@@ -214,7 +246,7 @@ def prepare(plan: LoadPlan, say: Callable[[str], None] = lambda _: None) -> Prep
                 f"{cid}: {plan.devices:,} devices ran their tree through {pops[cid].k} "
                 f"periods: {timing.items:,} reports sealed ({timing.rate:,.0f}/s)"
             )
-        files, outer = _seal_run(plan, targets, pool, say)
+        files, clocks, outer = _seal_run(plan, targets, pool, say)
     except BaseException:  # a failure or a stop: no step of the workers' to wait for
         pool.close(0.0)
         raise
@@ -235,6 +267,7 @@ def prepare(plan: LoadPlan, say: Callable[[str], None] = lambda _: None) -> Prep
         count=outer[0],
         series=series,
         pool=pool,
+        clocks=clocks,
     )
 
 
@@ -243,9 +276,9 @@ def _seal_run(
     targets: dict[str, loadgen.Target],
     pool: loadgen.SealerPool,
     say: Callable[[str], None],
-) -> tuple[dict[str, dict[int, list[Path]]], tuple[int, float, float]]:
-    """Each channel's contributions for every epoch the run touches; (files, (sealed, wall
-    seconds, CPU seconds)).
+) -> tuple[Files, Files, tuple[int, float, float]]:
+    """Each channel's contributions for every epoch the run touches; (files of the devices
+    on true time, files of the clock groups, (sealed, wall seconds, CPU seconds)).
 
     The envelopes name their epoch, so the run's start is planned before sealing: at the
     pace the pool just sealed a sample of each channel at (:func:`_pace`), with
@@ -253,7 +286,7 @@ def _seal_run(
     busy), its files are deleted and it is done again for later epochs, with twice the
     margin."""
     if not targets:
-        return {}, (0, 1e-9, 1e-9)
+        return {}, {}, (0, 1e-9, 1e-9)
     directory = plan.workdir / "requests"
     directory.mkdir(parents=True, exist_ok=True)
     per_device = _pace(plan, targets, pool, directory)
@@ -264,12 +297,13 @@ def _seal_run(
     margin = PACE_MARGIN
     for _ in range(3):
         start = time.time() + 2.0 + margin * needed
-        files, sealed = _seal_epochs(plan, targets, pool, directory, start)
+        files, clocks, sealed = _seal_epochs(plan, targets, pool, directory, start)
         if time.time() < start:
             say(f"sealed {sealed[0]:,} contributions ({sealed[0] / sealed[1]:,.0f}/s)")
-            return files, sealed
+            return files, clocks, sealed
         say("sealing took longer than planned: sealing again for later epochs")
-        for path in (p for by_epoch in files.values() for ps in by_epoch.values() for p in ps):
+        every = {**files, **clocks}.values()
+        for path in (p for by_epoch in every for ps in by_epoch.values() for p in ps):
             path.unlink(missing_ok=True)
         margin *= 2
     raise loadgen.LoadError("could not seal the run's contributions ahead of its start")
@@ -300,20 +334,39 @@ def _seal_epochs(
     pool: loadgen.SealerPool,
     directory: Path,
     start: float,
-) -> tuple[dict[str, dict[int, list[Path]]], tuple[int, float, float]]:
-    """Every channel's files for the epochs a run from ``start`` touches."""
-    files: dict[str, dict[int, list[Path]]] = {}
+) -> tuple[Files, Files, tuple[int, float, float]]:
+    """Every channel's files for the epochs a run from ``start`` touches: of the devices on
+    true time, and of each clock group (:func:`clock_groups`), whose devices seal the epoch
+    their clock shows at the middle of the epoch they are sent in."""
+    files: Files = {}
     written, seconds, cpu = 0, 0.0, 0.0
     for cid, target in targets.items():
-        files[cid] = {}
-        for epoch in run_epochs(target, start, plan.duration):
-            where = directory / cid
-            where.mkdir(exist_ok=True)
-            paths, timing = pool.seal_epoch(epoch, plan.devices, where, channel=cid)
-            files[cid][epoch] = paths
-            written, seconds = written + timing.items, seconds + timing.seconds
-            cpu += timing.cpu_seconds
-    return files, (written, max(seconds, 1e-9), max(cpu, 1e-9))
+        where = directory / cid
+        where.mkdir(exist_ok=True)
+        period = target.channel.epoch_seconds
+        for group, (offset, among) in enumerate(clock_groups(plan)):
+            name = cid if offset == 0 else clock_name(cid, offset)
+            count = sum(hi - lo for lo, hi in _ranges(pool, cid, among))
+            files[name] = {}
+            for epoch in run_epochs(target, start, plan.duration) if count else []:
+                shown = target.epoch((epoch + 0.5) * period + offset)
+                stem = f"sent-{epoch}-clock-{group}-epoch"
+                paths, timing = pool.seal_epoch(
+                    shown, count, where, channel=cid, among=among, stem=stem
+                )
+                files[name][epoch] = paths
+                written, seconds = written + timing.items, seconds + timing.seconds
+                cpu += timing.cpu_seconds
+    clocks = {name: f for name, f in files.items() if name not in targets}
+    mine = {cid: files[cid] for cid in targets}
+    return mine, clocks, (written, max(seconds, 1e-9), max(cpu, 1e-9))
+
+
+def _ranges(
+    pool: loadgen.SealerPool, channel: str, among: tuple[float, float]
+) -> list[tuple[int, int]]:
+    """Each worker's device indices in the fractions ``among`` of its shard of ``channel``."""
+    return [loadgen.clock_range(n, among) for n in pool.shards.get(channel, [])]
 
 
 def series_waves(prepared: Prepared, channel_id: str, workdir: Path) -> loadgen.SeriesWaves:

@@ -52,16 +52,18 @@ class _One:
         return found
 
 
-def preflight(driver: loadgen.Driver, source: ChannelSource) -> None:
+def preflight(driver: loadgen.Driver, source: ChannelSource, channels: int | None = None) -> None:
     """Send the next request of each channel of ``source`` alone (through ``driver``: it is
     the run's, counted in its stats) before the load; a channel with no request now (its
-    first epoch has not started, so it cannot have been closed) is left to the run.
+    first epoch has not started, so it cannot have been closed) is left to the run;
+    ``channels``: only the first so many sources (the devices on true time, not the clock
+    groups, whose refusals are expected).
 
     Raises:
         RefusedError: a shuffler refused one as ``epoch_not_open``, naming every such channel.
     """
     closed = []
-    for tag, channel in enumerate(source.channels):
+    for tag, channel in enumerate(source.channels[:channels]):
         now = time.time()
         request = source.next_of(tag, now)
         if request is not None and _refused(driver, request, source.sources[tag].epoch_seconds):
@@ -128,13 +130,15 @@ def check_answers(
         )
 
 
-def unexpected(refused: Counter[str]) -> list[str]:
+def unexpected(refused: Counter[str], expected: frozenset[str] = frozenset()) -> list[str]:
     """A phase's refusals of contributions never delivered (by error code; the refusals
     waited out and then delivered are not among them: ``loadgen.Stats.refusals``) as
-    verification problems, but for the rate limit's (:data:`RETRIED`): the run's
-    contributions are well-formed, so any other refusal is the deployment refusing part of
-    the run, which a conservation of the acknowledged ones alone would not show."""
-    found = {code: n for code, n in refused.most_common() if code not in RETRIED and n > 0}
+    verification problems, but for the rate limit's (:data:`RETRIED`) and the ``expected``
+    codes (``esa loadtest --expect-refusal``: a fault test that makes the deployment refuse):
+    the run's contributions are well-formed, so any other refusal is the deployment refusing
+    part of the run, which a conservation of the acknowledged ones alone would not show."""
+    allowed = RETRIED | expected
+    found = {code: n for code, n in refused.most_common() if code not in allowed and n > 0}
     if not found:
         return []
     codes = ", ".join(f"{code} {n:,}" for code, n in found.items())

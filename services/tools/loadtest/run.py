@@ -32,6 +32,9 @@ class Options:
     drain_timeout: float = 600.0
     live: bool = True
     local: Mapping[str, int] = field(default_factory=dict)
+    #: Refusal codes the deployment is expected to answer (``--expect-refusal``): counted by
+    #: code, never a verification problem, and no reason to stop (:mod:`.refusals`).
+    expected: frozenset[str] = frozenset()
 
 
 def _row(
@@ -91,6 +94,7 @@ def verification(
     drained = verify.drain(options.plan.analyzer_url, urls, options.tokens, options.drain_timeout)
     verify.close_at_analyzer(options.plan.analyzer_url, options.tokens, prepared.epochs)
     after = verify.shuffler_state(urls, options.tokens)
+    owner = list(prepared.targets) + [_channel_of(name) for name in prepared.clocks]
     channels = {
         cid: _row(
             options,
@@ -98,11 +102,11 @@ def verification(
             target,
             prepared.populations[cid],
             prepared.epochs[cid],
-            stats.accepted_by_tag.get(index, 0),
+            sum(stats.accepted_by_tag.get(tag, 0) for tag, c in enumerate(owner) if c == cid),
             None,
-            {e: verify.requests_in(paths) for e, paths in prepared.files[cid].items()},
+            _prepared_counts(prepared, cid),
         )
-        for index, (cid, target) in enumerate(prepared.targets.items())
+        for cid, target in prepared.targets.items()
     }
     received = sum(r["received"] for r in channels.values())
     check = verify.conservation(before, after, stats.accepted, received)
@@ -114,6 +118,40 @@ def verification(
         "channels": channels,
         "problems": problems,
     }
+
+
+def _channel_of(clock_group: str) -> str:
+    """The channel of a clock group's name (``pages@+600s``: ``pages``)."""
+    return clock_group.rsplit("@", 1)[0]
+
+
+def _prepared_counts(prepared: Prepared, cid: str) -> dict[int, int]:
+    """Per epoch of the run, the contributions of ``cid`` sent in it, the clock groups'
+    included: the devices whose clock is off are a random part of the population (the
+    estimate's kept share is received / all of them, whichever epoch their clocks named)."""
+    counts = {e: verify.requests_in(paths) for e, paths in prepared.files[cid].items()}
+    for name, by_epoch in prepared.clocks.items():
+        if _channel_of(name) == cid:
+            for epoch, paths in by_epoch.items():
+                counts[epoch] = counts.get(epoch, 0) + verify.requests_in(paths)
+    return counts
+
+
+def clock_summary(prepared: Prepared, stats: loadgen.Stats) -> dict[str, Any]:
+    """Per clock group (``--clock-offset``): sent, acknowledged and refused by error code."""
+    found = {}
+    for tag, name in enumerate(prepared.clocks, start=len(prepared.targets)):
+        answers = Counter[int]()
+        for (_, t), counted in stats.by_shuffler_tag.items():
+            answers += counted if t == tag else Counter()
+        refused = stats.refusals_by_tag.get(tag, Counter())
+        found[name] = {
+            "sent": sum(verify.requests_in(p) for p in prepared.clocks[name].values()),
+            "acknowledged": stats.accepted_by_tag.get(tag, 0),
+            "refused": dict(refused.most_common()),
+            "statuses": {str(k): v for k, v in sorted(answers.items())},
+        }
+    return found
 
 
 def series_phase(
@@ -150,7 +188,7 @@ def series_phase(
     checked = _series_verification(
         options, prepared, cid, epochs, before, opened, driver.stats.accepted
     )
-    checked["problems"] += refusals.unexpected(driver.stats.refusals)
+    checked["problems"] += refusals.unexpected(driver.stats.refusals, options.expected)
     return run, checked
 
 
@@ -191,26 +229,41 @@ def _histograms(
     driver = loadgen.Driver(urls, max(1, options.concurrency // len(urls)))
     monitor = live.Monitor(driver=driver, shuffler_urls=urls, local=options.local)
     epochs = {cid: t.channel.epoch_seconds for cid, t in prepared.targets.items()}
-    source = loadgen.ChannelSource(prepared.files, epochs)
+    epochs |= {name: epochs[_channel_of(name)] for name in prepared.clocks}
+    source = loadgen.ChannelSource({**prepared.files, **prepared.clocks}, epochs)
+    on_time = len(prepared.targets)  # the tags of the devices on true time
     start, first = min((min(e) * epochs[c], (c, min(e))) for c, e in prepared.epochs.items())
     what = f"the run's planned start (epoch {first[1]} of {first[0]})"
     live.wait_until(start, what, console, options.live)
     say(f"run: {prepared.count:,} contributions prepared, {len(prepared.targets)} channels")
-    refusals.preflight(driver, source)
-    after_preflight = Counter(driver.stats.refusals)  # a refusal at the epoch's start, retried
+    refusals.preflight(driver, source, on_time)
+    after_preflight = _on_time_refusals(driver.stats, on_time)  # at the epoch's start, retried
     seconds = stopping.run(
         live.replay(monitor, source, options.rate, plan.duration, console, options.live)
     )
     run = live.summary(monitor, seconds)
     run["prepared_not_sent"] = prepared.count - driver.sent
+    run["clocks"] = clock_summary(prepared, driver.stats)
+    refused = _on_time_refusals(driver.stats, on_time) - after_preflight
+    run["expected_refusals"] = {c: n for c, n in refused.items() if c in options.expected}
     rate = run["accepted_per_s"]
     say(f"run finished: {run['accepted']:,} accepted in {seconds:.1f} s ({rate:,}/s)")
     checked = None
     if options.tokens:
-        refusals.check_answers(driver.stats, urls, source.channels, prepared.epochs)
+        if refusals.EPOCH_NOT_OPEN not in options.expected:
+            refusals.check_answers(driver.stats, urls, source.channels[:on_time], prepared.epochs)
         checked = verification(options, prepared, before, driver.stats, say)
-        checked["problems"] += refusals.unexpected(driver.stats.refusals - after_preflight)
+        checked["problems"] += refusals.unexpected(refused, options.expected)
     return run, report.public_samples(monitor.samples), checked
+
+
+def _on_time_refusals(stats: loadgen.Stats, on_time: int) -> Counter[str]:
+    """The refusals of the devices on true time (tags below ``on_time``) by error code: a
+    clock group's are expected and reported apart (:func:`clock_summary`)."""
+    found = Counter[str]()
+    for tag, counted in stats.refusals_by_tag.items():
+        found += counted if tag < on_time else Counter()
+    return found
 
 
 def execute(options: Options, console: Console) -> dict[str, Any]:
