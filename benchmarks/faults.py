@@ -7,7 +7,8 @@ party's own tokens, causes its fault part way through and records the load test'
 verification (acknowledged = received + deleted + held; counted twice = 0), the refusals its
 devices waited out by status, and the time the deployment took to recover. The fault lasts a
 quarter of ``--seconds`` (at least 5 s), the stopped replica the issue's 60 s (at most
-``--seconds``). ``--write`` records the table in
+``--seconds``); the clocks (shuffler-1 90 s ahead, a tenth of the devices 10 min ahead and a
+tenth 10 min behind, libfaketime) stay off for the whole run. ``--write`` records the table in
 docs/reliability.md ("## Faults under load"); without it the table is only printed.
 
 Run: ``.venv/bin/python benchmarks/faults.py --seconds 60 --rate 100 [--write]`` (as root for
@@ -31,11 +32,11 @@ from _report import ROOT, add_write, machine, run_main, write_section
 
 from tests.faults import scenarios
 from tests.faults.cluster import binaries
-from tests.faults.harness import Load, Row, table
+from tests.faults.harness import LIBFAKETIME, Load, Row, table
 
 PAGE = ROOT / "docs" / "reliability.md"
 HEADING = "## Faults under load"
-FAULTS = ("analyzer", "network", "postgres", "disk", "replica")
+FAULTS = ("analyzer", "network", "postgres", "disk", "replica", "clocks")
 #: The issue's stop of a replica behind HAProxy (at most ``--seconds``).
 STOP_SECONDS = 60.0
 
@@ -49,6 +50,10 @@ def _scenario(name: str, tmp: Path, rate: float, seconds: float) -> Row | str:
     once = Load(devices=int(rate * seconds), rate=rate, seconds=seconds + 10)
     if name == "analyzer":
         return scenarios.analyzer_outage(tmp, short, down_seconds=fault)
+    if name == "clocks":
+        if not LIBFAKETIME.exists():
+            return f"no libfaketime ({LIBFAKETIME}; Debian package faketime)"
+        return scenarios.clocks(tmp, short)
     if name == "network":
         return scenarios.bad_network(tmp, short, fault_seconds=fault / 2)
     if name == "postgres":

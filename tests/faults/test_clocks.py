@@ -2,7 +2,7 @@
 
 shuffler-1 runs 90 s ahead of the analyzer and of shuffler-2 (libfaketime preloaded: its wall
 clock alone is moved), and a tenth of the devices each run 10 minutes ahead and 10 minutes
-behind, on a channel of 3-second epochs and one whose epoch outlasts the run, for 20 s of
+behind, on a channel of 3-second epochs and one whose epoch outlasts the run, for 12 s of
 load. What the protocol allows (docs/operations.md, "Clock skew"; docs/reliability.md):
 
 * every contribution lands in the epoch its device's clock named, if a shuffler had that epoch
@@ -38,7 +38,7 @@ def test_clocks_that_disagree_refuse_with_a_documented_error_and_charge_each_epo
             pytest.fail(f"CI must install Debian's faketime: no {LIBFAKETIME}")
         pytest.skip(f"no libfaketime ({LIBFAKETIME}; Debian package faketime)")
     started = time.time()
-    row = clocks(tmp_path, Load(devices=300, rate=100, seconds=20))
+    row = clocks(tmp_path, Load(devices=200, rate=67, seconds=12))
     summary, seen, log = row.summary, row.seen, row.seen["log"]
     assert 80 <= seen["clock_ahead"] <= 100, seen["clock_ahead"]  # the clock really moved
     check = summary["verification"]
@@ -53,16 +53,16 @@ def test_clocks_that_disagree_refuse_with_a_documented_error_and_charge_each_epo
     refused = run["expected_refusals"].get("epoch_not_open", 0)
     assert set(run["expected_refusals"]) == {"epoch_not_open"} and refused > 0, run
     groups = run["clocks"]
-    off = sum(g["sent"] - g["acknowledged"] for g in groups.values())
+    off = sum(g["answered"] - g["acknowledged"] for g in groups.values())
     assert run["never_delivered"] == refused + off, run
     _shuffler_one_refused_every_tick(run)
     for name, group in groups.items():
-        not_taken = group["sent"] - group["acknowledged"]
+        not_taken = group["answered"] - group["acknowledged"]
         assert group["refused"] == ({"epoch_not_open": not_taken} if not_taken else {}), name
         if name.startswith("ticks@"):  # 200 ticks away: no shuffler has it open
-            assert group["acknowledged"] == 0 and group["sent"] > 0, (name, group)
+            assert group["acknowledged"] == 0 and group["answered"] > 0, (name, group)
         elif not _near_boundary(started, LONG.epoch_seconds, 700):  # the same long epoch
-            assert group["acknowledged"] == group["sent"] > 0, (name, group)
+            assert group["acknowledged"] == group["answered"] > 0, (name, group)
     for cid, ledger in seen["ledgers"].items():
         _charged_once(cid, ledger, check["channels"][cid])
 

@@ -138,7 +138,9 @@ def _prepared_counts(prepared: Prepared, cid: str) -> dict[int, int]:
 
 
 def clock_summary(prepared: Prepared, stats: loadgen.Stats) -> dict[str, Any]:
-    """Per clock group (``--clock-offset``): sent, acknowledged and refused by error code."""
+    """Per clock group (``--clock-offset``): prepared, answered (every request's last
+    answer: a group's refusals are not waited out unless a shuffler says they heal),
+    acknowledged, refused by error code, and the answers by status."""
     found = {}
     for tag, name in enumerate(prepared.clocks, start=len(prepared.targets)):
         answers = Counter[int]()
@@ -146,7 +148,8 @@ def clock_summary(prepared: Prepared, stats: loadgen.Stats) -> dict[str, Any]:
             answers += counted if t == tag else Counter()
         refused = stats.refusals_by_tag.get(tag, Counter())
         found[name] = {
-            "sent": sum(verify.requests_in(p) for p in prepared.clocks[name].values()),
+            "prepared": sum(verify.requests_in(p) for p in prepared.clocks[name].values()),
+            "answered": stats.accepted_by_tag.get(tag, 0) + sum(refused.values()),
             "acknowledged": stats.accepted_by_tag.get(tag, 0),
             "refused": dict(refused.most_common()),
             "statuses": {str(k): v for k, v in sorted(answers.items())},
