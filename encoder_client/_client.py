@@ -70,6 +70,10 @@ OUTBOX_BACKOFF = Backoff(base=0.5, cap=300.0)
 #: the shuffler pinned): the contribution is dropped, never counted as stored, and the config
 #: fetched again.
 OUTDATED = frozenset({"channel_retired", "config_outdated", "channel_terms_changed"})
+#: Said of a contribution refused ``400 epoch_not_open``: its epoch is this device's clock,
+#: and a shuffler takes only the epochs its own clock has open (docs/sdk.md, "Clocks"), so a
+#: clock minutes off loses its reports (the shuffler's detail, logged, names the open ones).
+CLOCK_HINT = " (its epoch is not open at the shuffler: is this device's clock right?)"
 #: Least seconds between two config fetches for channels the config does not name.
 UNKNOWN_CHANNEL_REFRESH_SECONDS = 10.0
 #: Largest answer read from a shuffler to a contribution or an enrolment (a 202, a JSON
@@ -600,9 +604,15 @@ class Client:
             wait = retry_after_seconds(response.headers)
             self.state.retry_later(item.id, self._clock() + max(1.0, wait or 1.0))
         elif response.status in (400, 413):
+            why = CLOCK_HINT if code == "epoch_not_open" else ""
             log.error(
-                "contribution refused for good; dropped",
-                extra={"shuffler": shuffler.id, "status": response.status, "error": code},
+                f"contribution refused for good{why}; dropped",
+                extra={
+                    "shuffler": shuffler.id,
+                    "status": response.status,
+                    "error": code,
+                    "detail": _error_detail(response.body),
+                },
             )
             self.state.delivered(item.id)
         else:
@@ -652,6 +662,16 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _error_detail(answer: bytes) -> str | None:
+    """The ``detail`` of a JSON error body (at most 300 characters), None for any other."""
+    try:
+        body = json.loads(answer)
+    except ValueError:
+        return None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    return str(detail)[:300] if detail is not None else None
 
 
 def _error_code(answer: bytes) -> str | None:

@@ -8,6 +8,7 @@ seen during the fault (``seen``) for the tests to assert on.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import sqlite3
@@ -20,10 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from common.wire import MAX_EPOCH_SECONDS
+from encoder_client import Client
 from services.cli import launcher
 from services.tools.loadtest import verify
 from tests.support import TEST_SHUFFLER_SETTINGS
@@ -309,14 +312,53 @@ def clocks(
         )  # fmt: skip
         run = LoadRun.against(deployed, tmp / "out", load, TICKS.id, extra).start()
         summary = run.finish()
+        offsets = (0.0, devices_off, -devices_off)
+        devices = {f"{o:+g}": _sdk_devices(deployed, tmp, o) for o in offsets}
         url = deployed.analyzer.url
         ledgers = {
             cid: httpx.get(f"{url}/v1/channels/{cid}/privacy", timeout=30).raise_for_status().json()
             for cid in (TICKS.id, LONG.id)
         }
-    seen = {"ledgers": ledgers, "clock_ahead": shown, "log": run.tail()}
+    seen = {"ledgers": ledgers, "clock_ahead": shown, "sdk": devices, "log": run.tail()}
     fault = f"shuffler {ahead:+g} s, devices ±{devices_off / 60:g} min"
     return Row(fault, "SQLite", summary, float("nan"), seen)
+
+
+class _Refusals(logging.Handler):
+    """The SDK's log records of contributions it dropped: (message, error code)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.found: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.found.append((record.getMessage(), str(getattr(record, "error", ""))))
+
+
+def _sdk_devices(deployed: Deployed, tmp: Path, offset: float, count: int = 8) -> dict[str, Any]:
+    """``count`` devices of the Python SDK whose clock is ``offset`` seconds off, each with one
+    report on the 3-second channel, flushed at once (after the load: its epochs are over):
+    how many were delivered, what the outboxes still hold (nothing is retried forever) and
+    the refusals the SDK logged (message, error code)."""
+    refusals = _Refusals()
+    logger = logging.getLogger("esa.client")
+    logger.addHandler(refusals)
+    delivered = left = 0
+    try:
+        for i in range(count):
+            with Client(
+                deployed.analyzer.url + "/v1/config",
+                trust_file=deployed.var / launcher.TRUST_FILE,
+                state_path=tmp / f"sdk-{offset:+g}-{i}.db",
+                background=False,
+                clock=lambda: time.time() + offset,
+            ) as client:
+                client.histogram(TICKS.id).report(i % 16)
+                delivered += client.flush()
+                left += client.state.outbox_size()
+    finally:
+        logger.removeHandler(refusals)
+    return {"reports": count, "delivered": delivered, "left": left, "refused": refusals.found}
 
 
 def _wall_clock(url: str) -> float:

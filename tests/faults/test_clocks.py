@@ -63,6 +63,7 @@ def test_clocks_that_disagree_refuse_with_a_documented_error_and_charge_each_epo
             assert group["acknowledged"] == 0 and group["answered"] > 0, (name, group)
         elif not _near_boundary(started, LONG.epoch_seconds, 700):  # the same long epoch
             assert group["acknowledged"] == group["answered"] > 0, (name, group)
+    _sdk_devices_see_a_documented_refusal(seen["sdk"])
     for cid, ledger in seen["ledgers"].items():
         _charged_once(cid, ledger, check["channels"][cid])
 
@@ -73,6 +74,20 @@ def _shuffler_one_refused_every_tick(run: dict[str, Any]) -> None:
     first, second = sorted(run["per_shuffler"].values(), key=lambda c: -c.get("400", 0))
     assert first.get("400", 0) > 0 and first.get("202", 0) > 0, run["per_shuffler"]
     assert second.get("202", 0) > first.get("202", 0), run["per_shuffler"]
+
+
+def _sdk_devices_see_a_documented_refusal(devices: dict[str, dict[str, Any]]) -> None:
+    """The SDK's devices: nothing left in an outbox (no retry forever); every report not
+    delivered was dropped with a logged 400 epoch_not_open that asks about the clock; those
+    10 min off delivered nothing (200 ticks away); those on time delivered what went to
+    shuffler-2 (shuffler-1, 30 ticks ahead, refused the rest)."""
+    for offset, seen in devices.items():
+        assert seen["left"] == 0, (offset, seen)
+        assert seen["delivered"] + len(seen["refused"]) == seen["reports"], (offset, seen)
+        for message, code in seen["refused"]:
+            assert code == "epoch_not_open" and "device's clock" in message, (offset, seen)
+        if offset != "+0":
+            assert seen["delivered"] == 0, (offset, seen)
 
 
 def _near_boundary(now: float, seconds: int, margin: float) -> bool:
