@@ -273,7 +273,13 @@ class Row:
     def cells(self) -> list[str]:
         run, check = self.summary["run"], self.summary["verification"]
         totals = check["conservation"]["totals"]
-        refused = ", ".join(f"{k}: {v:,}" for k, v in run["retried"].items()) or "none"
+        refused = ", ".join(f"{k}: {v:,}" for k, v in run["retried"].items())
+        never = dict(run.get("expected_refusals", {}))
+        for group in run.get("clocks", {}).values():
+            for code, n in group["refused"].items():
+                never[code] = never.get(code, 0) + n
+        kept = ", ".join(f"{k}: {v:,} (refused for good)" for k, v in never.items())
+        refused = ", ".join(x for x in (refused, kept) if x) or "none"
         verdict = "" if self.summary.get("returncode") == 0 else " (verification FAILED)"
         return [
             self.fault + verdict,
