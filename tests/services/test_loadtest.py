@@ -41,7 +41,7 @@ from services.tools.credentials import Credentials
 from services.tools.loadgen import devices
 from services.tools.loadtest import verify
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
-from services.tools.loadtest.prepare import LoadPlan, spec_for
+from services.tools.loadtest.prepare import LoadPlan, clock_groups, clock_name, spec_for
 from services.tools.loadtest.refusals import RefusedError, check_answers, unexpected
 from services.tools.loadtest.verify import channel_problems
 from tests.support import LOADTEST_PAGES as PAGES
@@ -515,6 +515,19 @@ def test_populations_add_up_to_the_devices(tmp_path: Path) -> None:
         draw(f"csv:{values}", HOMEPAGE, 256, 10, seed=0)
     with pytest.raises(PopulationError, match="use zipf"):
         draw("pareto", HOMEPAGE, 256, 10, seed=0)
+
+
+def test_clock_groups_are_disjoint_devices_and_leave_some_on_time() -> None:
+    """``--clock-offset``: each group is its own slice of every worker's devices (the same in
+    every epoch: a device keeps its clock), the devices on true time first; shares that
+    leave none on time are refused."""
+    groups = clock_groups(((600.0, 0.1), (-600.0, 0.2)))
+    assert [offset for offset, _ in groups] == [0.0, 600.0, -600.0]
+    ranges = [loadgen.clock_range(150, among) for _, among in groups]
+    assert ranges == [(0, 105), (105, 120), (120, 150)]  # disjoint, covering the shard
+    with pytest.raises(loadgen.LoadError, match="leave some on time"):
+        clock_groups(((600.0, 0.5), (-600.0, 0.5)))
+    assert clock_name("ticks", -600) == "ticks@-600s"
 
 
 def test_rate_options_are_exclusive() -> None:

@@ -101,20 +101,22 @@ class Prepared:
         return {cid: sorted(files) for cid, files in self.files.items()}
 
 
-def clock_groups(plan: LoadPlan) -> list[tuple[float, tuple[float, float]]]:
-    """The devices' clock groups: (offset seconds, the fractions of each worker's devices in
-    it); the devices on true time first (offset 0, the share left), each group the same
-    devices in every epoch.
+def clock_groups(
+    offsets: tuple[tuple[float, float], ...],
+) -> list[tuple[float, tuple[float, float]]]:
+    """The devices' clock groups of ``offsets`` ((seconds, share) pairs): (offset seconds,
+    the fractions of each worker's devices in it); the devices on true time first (offset 0,
+    the share left), each group the same devices in every epoch.
 
     Raises:
         loadgen.LoadError: shares that leave no device on true time.
     """
-    total = sum(share for _, share in plan.clock_offsets)
+    total = sum(share for _, share in offsets)
     if total >= 1:
         raise loadgen.LoadError(f"--clock-offset shares sum to {total:g}: leave some on time")
     groups: list[tuple[float, tuple[float, float]]] = [(0.0, (0.0, 1.0 - total))]
     start = 1.0 - total
-    for offset, share in plan.clock_offsets:
+    for offset, share in offsets:
         groups.append((offset, (start, start + share)))
         start += share
     return groups
@@ -344,7 +346,7 @@ def _seal_epochs(
         where = directory / cid
         where.mkdir(exist_ok=True)
         period = target.channel.epoch_seconds
-        for group, (offset, among) in enumerate(clock_groups(plan)):
+        for group, (offset, among) in enumerate(clock_groups(plan.clock_offsets)):
             name = cid if offset == 0 else clock_name(cid, offset)
             count = sum(hi - lo for lo, hi in _ranges(pool, cid, among))
             files[name] = {}
