@@ -530,6 +530,21 @@ def test_clock_groups_are_disjoint_devices_and_leave_some_on_time() -> None:
     assert clock_name("ticks", -600) == "ticks@-600s"
 
 
+def test_a_clock_groups_refusals_do_not_stop_the_run_but_the_devices_on_time_do() -> None:
+    """check_answers looks at the channels' own tags only: a clock group (a tag beyond them)
+    refused wholesale is expected, the devices on true time refused more than acknowledged
+    stop the run."""
+    stats = loadgen.Stats()
+    for _ in range(5):
+        stats.record(202, 0.01, shuffler=0, tag=0)
+        stats.record(400, 0.01, shuffler=0, tag=1)  # ticks@+600s: 200 epochs ahead
+    check_answers(stats, ["http://s1"], ["ticks"], {"ticks": [7]})  # no RefusedError
+    for _ in range(6):
+        stats.record(400, 0.01, shuffler=0, tag=0)
+    with pytest.raises(RefusedError, match="refused 6 of the 11"):
+        check_answers(stats, ["http://s1"], ["ticks"], {"ticks": [7]})
+
+
 def test_rate_options_are_exclusive() -> None:
     result = CliRunner().invoke(loadtest, ["--rate", "10", "--max", "--trust", "x"])
     assert result.exit_code == 2 and "give one of --rate, --ramp and --max" in result.output

@@ -105,14 +105,17 @@ def check_answers(
     epochs: Mapping[str, Sequence[int]],
 ) -> None:
     """After a phase: stop if a shuffler refused (400) more of a channel's contributions sent
-    to it than it acknowledged (202); ``channels`` by request tag, ``epochs``: the phase's,
-    per channel, to name them.
+    to it than it acknowledged (202); ``channels`` by request tag (a tag beyond them, a clock
+    group's, whose refusals are expected, is left out), ``epochs``: the phase's, per channel,
+    to name them.
 
     Raises:
         RefusedError: naming every such shuffler and channel.
     """
     refusing = []
     for (index, tag), answers in sorted(stats.by_shuffler_tag.items()):
+        if tag >= len(channels):
+            continue
         refused, acknowledged = answers[400], answers[202]
         if refused > acknowledged:
             cid = channels[tag]
