@@ -373,6 +373,7 @@ def _print(summary: dict[str, Any], console: Console) -> None:
             f"{run['p50_ms']} ms, p95 {run['p95_ms']} ms, p99 {run['p99_ms']} ms; errors: {errors}"
         )
         click.echo(f"{what}delivery: {report.delivery(run)}")
+        _print_clocks(run)
     found = summary.get("verification")
     if found is None:
         click.echo("not verified (no --admin-token)")
@@ -394,3 +395,17 @@ def _print(summary: dict[str, Any], console: Console) -> None:
             )
         click.echo("verification: " + ("PASS" if not found["problems"] else "FAIL"))
     click.echo(f"report: {summary['report']}")
+
+
+def _print_clocks(run: dict[str, Any]) -> None:
+    """The refusals expected (``--expect-refusal``) and each clock group's answers."""
+    expected = run.get("expected_refusals") or {}
+    if expected:
+        codes = ", ".join(f"{code} {n:,}" for code, n in expected.items())
+        click.echo(f"refused as expected (devices on true time): {codes}")
+    for name, group in (run.get("clocks") or {}).items():
+        codes = ", ".join(f"{code} {n:,}" for code, n in group["refused"].items()) or "none"
+        click.echo(
+            f"{name}: {group['answered']:,} answered, {group['acknowledged']:,} acknowledged, "
+            f"refused: {codes}"
+        )

@@ -320,7 +320,7 @@ def clocks(
             for cid in (TICKS.id, LONG.id)
         }
     seen = {"ledgers": ledgers, "clock_ahead": shown, "sdk": devices, "log": run.tail()}
-    fault = f"shuffler {ahead:+g} s, devices ±{devices_off / 60:g} min"
+    fault = f"clocks: shuffler {ahead:+g} s, devices ±{devices_off / 60:g} min"
     return Row(fault, "SQLite", summary, float("nan"), seen)
 
 
