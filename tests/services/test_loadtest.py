@@ -39,7 +39,7 @@ from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from services.tools.credentials import Credentials
 from services.tools.loadgen import devices
-from services.tools.loadtest import verify
+from services.tools.loadtest import refusals, verify
 from services.tools.loadtest.population import PopulationError, draw, draw_changes
 from services.tools.loadtest.prepare import LoadPlan, clock_groups, clock_name, spec_for
 from services.tools.loadtest.refusals import RefusedError, check_answers, unexpected
@@ -342,6 +342,47 @@ def test_a_second_run_in_an_epoch_the_first_closed_stops_before_the_load(
     assert _refused(urls, tokens) == refused + 1
     after = verify.shuffler_state(urls, tokens)
     assert sum(s["received"] for s in after.values()) == acknowledged
+
+
+@pytest.mark.system
+def test_a_first_contribution_refused_on_short_epochs_stops_the_run_instead_of_looping(
+    deployment: tuple[str, Path], tmp_path: Path
+) -> None:
+    """On 3-second epochs the preflight's wait for a shuffler's clock (sent again each second
+    while within 5 s of the epoch's start) never ended: ``time % 3`` is never above 5, so a
+    first contribution refused ``epoch_not_open`` (here: sealed for an epoch long past, as a
+    device whose clock is 5 minutes behind would) was sent again forever. Now the wait ends
+    at half the epoch, or with the epoch, and the run stops with RefusedError."""
+    url, trust = deployment
+    target = _target(url, trust, "ticks")
+    tokens = asyncio.run(loadgen.enroll(target.shuffler_urls, 1, 1))
+    config = {
+        "config": target.config.config.model_dump(mode="json"),
+        "shufflers": [s.model_dump() for s in target.config.shufflers],
+    }
+    sealer = devices._Sealer(config, "ticks", loadgen.ZipfValues(8))
+    sealer.add(list(zip(*tokens, strict=True)))
+    now = target.epoch(time.time())
+    files = {}
+    for epoch in range(now, now + 4):  # handed out in whichever epoch the preflight runs
+        path = tmp_path / f"past-{epoch}.bin"
+        sealer.seal_epoch(now - 100, 1, str(path), fresh=False)
+        files[epoch] = [path]
+    source = loadgen.ChannelSource({"ticks": files}, {"ticks": TICKS.epoch_seconds})
+    driver = loadgen.Driver(target.shuffler_urls, 1)
+    raised: list[BaseException] = []
+
+    def preflight() -> None:
+        try:
+            refusals.preflight(driver, source)
+        except RefusedError as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=preflight, daemon=True)
+    thread.start()
+    thread.join(30)  # at most the 3-second epoch it is sent in, plus the answers
+    assert not thread.is_alive(), "the preflight kept sending the refused contribution"
+    assert raised and "of channel 'ticks' is closed" in str(raised[0]), raised
 
 
 @pytest.mark.system

@@ -85,15 +85,19 @@ def preflight(driver: loadgen.Driver, source: ChannelSource, channels: int | Non
 
 def _refused(driver: loadgen.Driver, request: loadgen.Request, seconds: float) -> bool:
     """Whether ``request`` (of a channel with epochs of ``seconds``) is refused
-    ``epoch_not_open`` for good: within :data:`BOUNDARY_SECONDS` of its epoch's start a
-    shuffler whose clock is a little behind ours still refuses it as a future epoch, so it
-    is sent again each second until then (a refused contribution was not stored)."""
+    ``epoch_not_open`` for good: within :data:`BOUNDARY_SECONDS` of its epoch's start (half
+    the epoch, for epochs shorter than twice that) a shuffler whose clock is a little behind
+    ours still refuses it as a future epoch, so it is sent again each second until then (a
+    refused contribution was not stored). Its epoch's end ends the wait: on epochs of 5 s or
+    less the boundary was never passed, and the same request was sent again forever."""
+    boundary = min(BOUNDARY_SECONDS, seconds / 2)
     while True:
         refused = driver.stats.refusals[EPOCH_NOT_OPEN]
         stopping.run(driver.run(_One(request), None, 60, until_empty=True))
         if driver.stats.refusals[EPOCH_NOT_OPEN] == refused:
             return False
-        if time.time() % seconds > BOUNDARY_SECONDS:
+        now = time.time()
+        if now % seconds > boundary or now + 1.0 >= request.until:
             return True
         time.sleep(1.0)
 
