@@ -8,6 +8,7 @@ seen during the fault (``seen``) for the tests to assert on.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import sqlite3
@@ -16,7 +17,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import httpx
 
 from common.wire import MAX_EPOCH_SECONDS
 from services.cli import launcher
+from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
 from tests.support import TEST_SHUFFLER_SETTINGS
 
@@ -36,12 +38,15 @@ from .proxy import FaultProxy
 LEAD_SECONDS = 3.0
 
 
-def analyzer_outage(tmp: Path, load: Load, down_seconds: float) -> Row:
+def analyzer_outage(
+    tmp: Path, load: Load, down_seconds: float, databases: Mapping[str, str] | None = None
+) -> Row:
     """Fault 2: the analyzer stopped for ``down_seconds`` (several 3-second epochs) under
     load, then started again. The shufflers keep taking contributions, closing epochs and
     holding their parts, and forward them once it is back; the time to recover is from its
-    restart until no shuffler holds an unforwarded part."""
-    with deployment(tmp / "var") as deployed:
+    restart until no shuffler holds an unforwarded part. ``databases``: every party's
+    (:func:`every_party_on_postgres`), else SQLite."""
+    with deployment(tmp / "var", databases=databases) as deployed:
         run = LoadRun.against(deployed, tmp / "out", load).start()
         run.wait_running()
         time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
@@ -55,19 +60,24 @@ def analyzer_outage(tmp: Path, load: Load, down_seconds: float) -> Row:
         recovered = time_until(lambda: deployed.unforwarded() == 0, 120)
         summary = run.finish()
     seen = {"held_parts": held, "log": run.tail()}
-    return Row("analyzer unreachable", "SQLite", summary, recovered, seen)
+    return Row("analyzer unreachable", _backend(databases), summary, recovered, seen)
 
 
-def bad_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
+def bad_network(
+    tmp: Path, load: Load, fault_seconds: float, databases: Mapping[str, str] | None = None
+) -> Row:
     """Fault 5: every shuffler reaches the analyzer through a :class:`FaultProxy` that adds
     ``latency`` seconds for ``fault_seconds``, then cuts every part mid-request or drops its
     answer for ``fault_seconds``, then heals. Delivery completes once the fault ends and a
     part the analyzer stored but never acknowledged is not counted twice; the time to
-    recover is from the heal until no shuffler holds an unforwarded part."""
+    recover is from the heal until no shuffler holds an unforwarded part. ``databases``:
+    every party's (:func:`every_party_on_postgres`), else SQLite."""
     base = launcher.free_base_port(3)
     proxy = FaultProxy(target_port=base).start()
     try:
-        with deployment(tmp / "var", base_port=base, analyzer_url=proxy.url) as deployed:
+        with deployment(
+            tmp / "var", base_port=base, analyzer_url=proxy.url, databases=databases
+        ) as deployed:
             run = LoadRun.against(deployed, tmp / "out", load).start()
             run.wait_running()
             time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
@@ -84,8 +94,33 @@ def bad_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
         proxy.stop()
     seen = {"cut_requests": proxy.cut_requests, "cut_answers": proxy.cut_answers}
     return Row(
-        "bad network shuffler → analyzer", "SQLite", summary, recovered, seen | {"log": run.tail()}
+        "bad network shuffler → analyzer",
+        _backend(databases),
+        summary,
+        recovered,
+        seen | {"log": run.tail()},
     )
+
+
+# --- every party on PostgreSQL (faults 2 and 5 on the deployment's other backend) ----------
+
+
+@contextmanager
+def every_party_on_postgres(bin: Path, shufflers: int = 2) -> Iterator[dict[str, str]]:
+    """A private cluster (:class:`Cluster`) with one database per party, as ``esa up
+    --database-template`` gives each its own: the ``databases`` of :func:`deployment`."""
+    cluster = Cluster.create(bin)
+    try:
+        cluster.start()
+        names = ["analyzer", *(f"shuffler-{i}" for i in range(1, shufflers + 1))]
+        yield {name: cluster.database(name.replace("-", "_")) for name in names}
+    finally:
+        cluster.remove()
+
+
+def _backend(databases: Mapping[str, str] | None) -> str:
+    """The backend column of a row: PostgreSQL when the parties' databases are given."""
+    return "PostgreSQL" if databases else "SQLite"
 
 
 #: A k-RR channel whose one epoch outlasts any run: a device's refused contribution can be
@@ -275,3 +310,75 @@ def stopped_replica(tmp: Path, load: Load, stop_seconds: float, bin: Path) -> Ro
         cluster.remove()
     seen = {"killed_workers": len(workers[:1]), "log": run.tail()}
     return Row("replica SIGSTOPped behind HAProxy", "PostgreSQL", summary, recovered, seen)
+
+
+# --- the analyzer's own storage: its database restarted (fault 1), its disk full (fault 3) --
+
+
+def forward_refusals(deployed: Deployed) -> Counter[str]:
+    """The shufflers' forwarding attempts that will be retried, by what the analyzer (or the
+    link) answered: ``HTTP 503 storage_unavailable`` and the like, read from their logs
+    (``forward failed, will retry``, whose ``reason`` is the answer's status and body)."""
+    found: Counter[str] = Counter()
+    for log in sorted((deployed.var / "logs").glob("shuffler-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "forward failed, will retry" not in line:
+                continue
+            reason = json.loads(line).get("reason", "") if line.startswith("{") else line
+            found[_answer(str(reason))] += 1
+    return found
+
+
+def _answer(reason: str) -> str:
+    """``HTTP 503 storage_unavailable`` of ``HTTP 503: {"error":"storage_unavailable",...}``;
+    a transport error's name otherwise (``ConnectError``)."""
+    head, _, body = reason.partition(": ")
+    if not head.startswith("HTTP "):
+        return head
+    try:
+        code = json.loads(body).get("error", "?")
+    except ValueError:  # cut at the excerpt's length, or not JSON
+        code = body.split('"error":"', 1)[-1].split('"', 1)[0] if '"error":"' in body else "?"
+    return f"{head} {code}"
+
+
+def analyzer_postgres_restart(tmp: Path, load: Load, down_seconds: float, bin: Path) -> Row:
+    """Fault 1, the analyzer's side: its PostgreSQL (a private cluster, :class:`Cluster`;
+    the shufflers keep SQLite) stopped (``pg_ctl stop -m fast``) under load on a channel of
+    3-second epochs, while parts arrive and are opened, and started again ``down_seconds``
+    later. The analyzer refuses every part it cannot commit (``503 storage_unavailable``,
+    ``Retry-After``), the shufflers keep taking contributions and retry forwarding, the
+    opener blames no part (the database's failure is transient); the time to recover is from
+    the server's start until no shuffler holds an unforwarded part."""
+    cluster = Cluster.create(bin)
+    try:
+        cluster.start()
+        databases = {"analyzer": cluster.database("analyzer")}
+        with deployment(tmp / "var", databases=databases) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load).start()
+            run.wait_running()
+            with Readiness(deployed.analyzer.url) as readiness:
+                time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
+                cluster.stop("fast")
+                time.sleep(down_seconds)
+                cluster.start()
+                recovered = time_until(lambda: deployed.unforwarded() == 0, 120)
+            summary = run.finish()
+            refusals = forward_refusals(deployed)
+            blamed = _analyzer_metric(deployed, "esa_analyzer_part_open_failures_total")
+    finally:
+        cluster.remove()
+    seen = {
+        "readyz": dict(readiness.seen),
+        "forward_refusals": dict(refusals),
+        "open_failures": blamed,
+        "log": run.tail(),
+    }
+    return Row("analyzer's PostgreSQL restarted mid-ingest", "PostgreSQL", summary, recovered, seen)
+
+
+def _analyzer_metric(deployed: Deployed, name: str) -> float:
+    """One sample of the analyzer's ``/metrics`` (0 when absent), with its metrics token."""
+    url = deployed.analyzer.url
+    tokens = Credentials(folder=deployed.var / "keys").for_parties({"analyzer": url})
+    return verify.scrape(url, tokens).get(name, 0.0)
