@@ -72,11 +72,14 @@ def deployment(
     analyzer_url: str | None = None,
     databases: Mapping[str, str] | None = None,
     overrides: Mapping[str, str] | None = None,
+    public_urls: Mapping[str, str] | None = None,
 ) -> Iterator[Deployed]:
     """``esa up`` on free ports (or from ``base_port``; SQLite), every service started at
     once, shufflers batching fast; ``analyzer_url``: where the shufflers reach the analyzer
     (a fault proxy); ``databases``: a service's database URL by name (``shuffler-1``:
-    PostgreSQL of the test's own cluster, a file on a tmpfs); ``overrides``: more settings."""
+    PostgreSQL of the test's own cluster, a file on a tmpfs); ``overrides``: more settings;
+    ``public_urls``: where devices reach a shuffler, by name (a fault proxy in front of it:
+    the registry's URL and the one its descriptor vouches for)."""
     base = base_port or launcher.free_base_port(shufflers + 1)
     specs = launcher.prepare(
         var,
@@ -87,6 +90,7 @@ def deployment(
         overrides={**TEST_SHUFFLER_SETTINGS, **(overrides or {})},
     )
     specs = [_with_database(spec, (databases or {}).get(spec.name)) for spec in specs]
+    specs = _with_public_urls(var, specs, public_urls or {})
     started = launcher.start_all(specs, var / "logs", timeout=120)  # together: faster
     processes = [
         ServiceProcess(spec, service.log or var / "logs", service)
@@ -106,6 +110,25 @@ def _with_database(spec: launcher.ServiceSpec, url: str | None) -> launcher.Serv
         return spec
     key = "ESA_ANALYZER_DATABASE_URL" if spec.name == "analyzer" else "ESA_SHUFFLER_DATABASE_URL"
     return replace(spec, env={**spec.env, key: url})
+
+
+def _with_public_urls(
+    var: Path, specs: list[launcher.ServiceSpec], urls: Mapping[str, str]
+) -> list[launcher.ServiceSpec]:
+    """Register the shufflers of ``urls`` at those URLs (``var/shufflers.json``) and have
+    their descriptors vouch for them (``ESA_SHUFFLER_PUBLIC_URL``)."""
+    if not urls:
+        return specs
+    registry = json.loads((var / "shufflers.json").read_text())
+    for entry in registry:
+        entry["url"] = urls.get(entry["id"], entry["url"])
+    (var / "shufflers.json").write_text(json.dumps(registry, indent=2))
+    return [
+        replace(spec, env={**spec.env, "ESA_SHUFFLER_PUBLIC_URL": urls[spec.name]})
+        if spec.name in urls
+        else spec
+        for spec in specs
+    ]
 
 
 @dataclass

@@ -382,3 +382,78 @@ def _analyzer_metric(deployed: Deployed, name: str) -> float:
     url = deployed.analyzer.url
     tokens = Credentials(folder=deployed.var / "keys").for_parties({"analyzer": url})
     return verify.scrape(url, tokens).get(name, 0.0)
+
+
+def analyzer_full_disk(tmp: Path, load: Load, full_seconds: float) -> Row:
+    """Fault 3, the analyzer's side: its SQLite file on a small tmpfs (root only), filled to
+    the last byte under load on a channel of 3-second epochs until it refuses a part, kept
+    full ``full_seconds`` longer, then freed. The analyzer refuses the parts it cannot store
+    (``503 storage_unavailable``, ``Retry-After``: nothing half-written, ``PRAGMA
+    integrity_check``), the shufflers keep them and forward them again once space returns;
+    the time to recover is from the freeing until no shuffler holds an unforwarded part."""
+    with tmpfs("64m") as disk:
+        database = f"sqlite:///{disk / 'analyzer.db'}"
+        with deployment(tmp / "var", databases={"analyzer": database}) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load).start()
+            run.wait_running()
+            time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
+            filler = fill(disk)
+            # full once a commit needs a new block (the WAL grows): then it stays full
+            time_until(lambda: forward_refusals(deployed)[STORAGE_REFUSAL] > 0, 60)
+            time.sleep(full_seconds)
+            filler.unlink()
+            recovered = time_until(lambda: deployed.unforwarded() == 0, 120)
+            summary = run.finish()
+            refusals = forward_refusals(deployed)
+            blamed = _analyzer_metric(deployed, "esa_analyzer_part_open_failures_total")
+        with sqlite3.connect(disk / "analyzer.db") as check:
+            (whole,) = check.execute("PRAGMA integrity_check").fetchone()
+    seen = {
+        "integrity": whole,
+        "forward_refusals": dict(refusals),
+        "open_failures": blamed,
+        "log": run.tail(),
+    }
+    return Row("disk full at the analyzer", "SQLite", summary, recovered, seen)
+
+
+#: How a shuffler's log names the analyzer's refusal of a part it could not store.
+STORAGE_REFUSAL = "HTTP 503 storage_unavailable"
+
+
+# --- a bad network between the devices and a shuffler (fault 5, the devices' side) ---------
+
+
+def bad_device_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
+    """Fault 5, the devices' side: the load test's devices reach shuffler-1 through a
+    :class:`FaultProxy` (registered as its URL, so the analyzer's config sends them there),
+    which adds 0.5 s to every chunk for ``fault_seconds``, then for ``fault_seconds`` cuts
+    every third contribution (alternately half sent, and whole sent with its 202 dropped:
+    stored, the device does not know), then heals; on a channel whose one epoch outlasts the
+    run, so a device retries as long as it must. A contribution sent again after its lost
+    202 is answered 409 ``replayed_nonce`` and counted once (the verification reads the
+    shufflers' ledgers); the time to recover is from the heal until shuffler-1's ledger
+    grows."""
+    base = launcher.free_base_port(3)
+    proxy = FaultProxy(target_port=base + 1, latency=0.5, cut_every=3).start()
+    urls = {"shuffler-1": proxy.url}
+    try:
+        with deployment(tmp / "var", LONG, base_port=base, public_urls=urls) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load, LONG.id).start()
+            run.wait_running()
+            time.sleep(LEAD_SECONDS)  # pacing: the fault starts into the run
+            proxy.mode = "slow"
+            time.sleep(fault_seconds)
+            proxy.mode = "reset"
+            time_until(lambda: proxy.cut_requests > 0 and proxy.cut_answers > 0, 60)
+            time.sleep(fault_seconds)
+            before = _acknowledged(deployed)
+            proxy.mode = "pass"
+            recovered = time_until(lambda: _acknowledged(deployed) > before, 60)
+            summary = run.finish()
+    finally:
+        proxy.stop()
+    seen = {"cut_requests": proxy.cut_requests, "cut_answers": proxy.cut_answers}
+    return Row(
+        "bad network devices → shuffler", "SQLite", summary, recovered, seen | {"log": run.tail()}
+    )
