@@ -38,7 +38,9 @@ from tests.faults.harness import Load, Row, table
 
 PAGE = ROOT / "docs" / "reliability.md"
 HEADING = "## Faults under load"
-FAULTS = ("analyzer", "network", "postgres", "disk", "replica")
+#: Faults 1, 3 and 5 at the analyzer's storage and between devices and a shuffler.
+STORAGE_AND_DEVICE_FAULTS = ("analyzer-postgres", "analyzer-disk", "device-network")
+FAULTS = ("analyzer", "network", "postgres", "disk", "replica", *STORAGE_AND_DEVICE_FAULTS)
 #: The faults run on each ``--backend``; the others have the one backend their fault needs.
 BOTH_BACKENDS = ("analyzer", "network")
 BACKENDS = ("sqlite", "postgresql")
@@ -57,6 +59,8 @@ def _scenario(name: str, tmp: Path, rate: float, seconds: float, backend: str) -
             return _either_backend(name, tmp, rate, seconds, databases)
     if name in BOTH_BACKENDS:
         return _either_backend(name, tmp, rate, seconds, None)
+    if name in STORAGE_AND_DEVICE_FAULTS:
+        return _storage_or_device(name, tmp, rate, seconds)
     fault = max(seconds / 4, 5.0)
     # the long-epoch scenarios send each device once: rate x seconds of them
     once = Load(devices=int(rate * seconds), rate=rate, seconds=seconds + 10)
@@ -86,6 +90,25 @@ def _either_backend(
     if name == "analyzer":
         return scenarios.analyzer_outage(tmp, short, fault, databases)
     return scenarios.bad_network(tmp, short, fault / 2, databases)
+
+
+def _storage_or_device(name: str, tmp: Path, rate: float, seconds: float) -> Row | str:
+    """A fault of :data:`STORAGE_AND_DEVICE_FAULTS`, or why it was skipped. The analyzer's
+    faults run on 3-second epochs (the devices never see them), the devices' on one long
+    epoch (each device sends once and retries as long as it must)."""
+    fault = max(seconds / 4, 5.0)
+    if name == "device-network":
+        once = Load(devices=int(rate * seconds), rate=rate, seconds=seconds + 10)
+        return scenarios.bad_device_network(tmp, once, fault_seconds=fault / 2)
+    short = Load(devices=int(rate * 3), rate=rate, seconds=seconds)
+    if name == "analyzer-disk":
+        if os.geteuid() != 0:
+            return "not root: a tmpfs cannot be mounted"
+        return scenarios.analyzer_full_disk(tmp, short, full_seconds=fault)
+    bin = binaries()
+    if bin is None:
+        return "no PostgreSQL server binaries under /usr/lib/postgresql"
+    return scenarios.analyzer_postgres_restart(tmp, short, fault, bin)
 
 
 def main() -> None:
