@@ -248,6 +248,12 @@ def _storage_refusals(deployed: Deployed) -> float:
     return metrics.get('esa_shuffler_contributions_rejected_total{reason="storage_unavailable"}', 0)
 
 
+def _refusals(deployed: Deployed, reason: str) -> float:
+    """Contributions shuffler-1 refused with ``reason`` so far (its process)."""
+    metrics = verify.scrape(deployed.shufflers[0].url, deployed.tokens())
+    return metrics.get(f'esa_shuffler_contributions_rejected_total{{reason="{reason}"}}', 0)
+
+
 def _acknowledged(deployed: Deployed) -> float:
     """What shuffler-1's trust domain has acknowledged so far (its ledger)."""
     state = verify.shuffler_state([deployed.shufflers[0].url], deployed.tokens())
@@ -451,9 +457,14 @@ def bad_device_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
             proxy.mode = "pass"
             recovered = time_until(lambda: _acknowledged(deployed) > before, 60)
             summary = run.finish()
+            replayed = _refusals(deployed, "replayed_nonce")
     finally:
         proxy.stop()
-    seen = {"cut_requests": proxy.cut_requests, "cut_answers": proxy.cut_answers}
+    seen = {
+        "cut_requests": proxy.cut_requests,
+        "cut_answers": proxy.cut_answers,
+        "replayed_nonce": replayed,
+    }
     return Row(
         "bad network devices → shuffler", "SQLite", summary, recovered, seen | {"log": run.tail()}
     )

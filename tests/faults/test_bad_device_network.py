@@ -28,5 +28,8 @@ def test_devices_retry_through_a_lossy_link_and_each_contribution_counts_once(
     # dropped 202s were sent again and recognised (409 replayed_nonce); a retry may be cut
     # again, so one contribution may account for several cut answers
     assert 0 < run["recovered"] <= row.seen["cut_answers"], (run, row.seen)
+    # ... by its nonce: shuffler-1 refused at least that many as replayed (a 409 can be cut
+    # too, and then sent again)
+    assert row.seen["replayed_nonce"] >= run["recovered"], (run, row.seen)
     assert run["retried"] == {} and run["never_delivered"] == 0, run
     assert row.recovered_seconds < 30
