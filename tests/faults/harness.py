@@ -266,7 +266,8 @@ class Row:
         refused = ", ".join(f"{k}: {v:,}" for k, v in run["retried"].items()) or "none"
         broken = sum(v for k, v in run["errors"].items() if not k.isdigit())
         if broken:  # transport errors: every one sent again (409 after a lost 202: stored)
-            refused += f"; broken connections: {broken:,} ({run.get('recovered', 0):,} stored)"
+            stored = run.get("recovered", 0)
+            refused += f"; {broken:,} broken connections sent again ({stored:,} had been stored)"
         verdict = "" if self.summary.get("returncode") == 0 else " (verification FAILED)"
         return [
             self.fault + verdict,
