@@ -174,7 +174,8 @@ def _pace(rate: float | None, ramp: str | None, as_fast: bool) -> float | Pace |
     type=click.FloatRange(min=1),
     default=600.0,
     show_default=True,
-    help="Most seconds to wait for every batch to reach the analyzer.",
+    help="Most seconds to wait for every batch to reach the analyzer (and for a service "
+    "that does not answer meanwhile, e.g. restarting).",
 )
 @click.option(
     "--clock-offset",

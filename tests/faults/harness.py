@@ -75,13 +75,16 @@ def deployment(
     overrides: Mapping[str, str] | None = None,
     env: Mapping[str, Mapping[str, str]] | None = None,
     channels: Sequence[ChannelConfig] = (),
+    public_urls: Mapping[str, str] | None = None,
 ) -> Iterator[Deployed]:
     """``esa up`` on free ports (or from ``base_port``; SQLite), every service started at
     once, shufflers batching fast; ``analyzer_url``: where the shufflers reach the analyzer
     (a fault proxy); ``databases``: a service's database URL by name (``shuffler-1``:
     PostgreSQL of the test's own cluster, a file on a tmpfs); ``overrides``: more settings;
     ``env``: more environment of one process by name (``shuffler-1``: :func:`faketime`);
-    ``channels``: more channels than ``channel``."""
+    ``channels``: more channels than ``channel``; ``public_urls``: where devices reach a
+    shuffler, by name (a fault proxy in front of it: the registry's URL and the one its
+    descriptor vouches for)."""
     base = base_port or launcher.free_base_port(shufflers + 1)
     specs = launcher.prepare(
         var,
@@ -93,6 +96,7 @@ def deployment(
     )
     specs = [_with_database(spec, (databases or {}).get(spec.name)) for spec in specs]
     specs = [replace(s, env={**s.env, **(env or {}).get(s.name, {})}) for s in specs]
+    specs = _with_public_urls(var, specs, public_urls or {})
     started = launcher.start_all(specs, var / "logs", timeout=120)  # together: faster
     processes = [
         ServiceProcess(spec, service.log or var / "logs", service)
@@ -130,6 +134,25 @@ def _with_database(spec: launcher.ServiceSpec, url: str | None) -> launcher.Serv
         return spec
     key = "ESA_ANALYZER_DATABASE_URL" if spec.name == "analyzer" else "ESA_SHUFFLER_DATABASE_URL"
     return replace(spec, env={**spec.env, key: url})
+
+
+def _with_public_urls(
+    var: Path, specs: list[launcher.ServiceSpec], urls: Mapping[str, str]
+) -> list[launcher.ServiceSpec]:
+    """Register the shufflers of ``urls`` at those URLs (``var/shufflers.json``) and have
+    their descriptors vouch for them (``ESA_SHUFFLER_PUBLIC_URL``)."""
+    if not urls:
+        return specs
+    registry = json.loads((var / "shufflers.json").read_text())
+    for entry in registry:
+        entry["url"] = urls.get(entry["id"], entry["url"])
+    (var / "shufflers.json").write_text(json.dumps(registry, indent=2))
+    return [
+        replace(spec, env={**spec.env, "ESA_SHUFFLER_PUBLIC_URL": urls[spec.name]})
+        if spec.name in urls
+        else spec
+        for spec in specs
+    ]
 
 
 @dataclass
@@ -280,6 +303,10 @@ class Row:
                 never[code] = never.get(code, 0) + n
         kept = ", ".join(f"{k}: {v:,} (refused for good)" for k, v in never.items())
         refused = ", ".join(x for x in (refused, kept) if x) or "none"
+        broken = sum(v for k, v in run["errors"].items() if not k.isdigit())
+        if broken:  # transport errors: every one sent again (409 after a lost 202: stored)
+            stored = run.get("recovered", 0)
+            refused += f"; {broken:,} broken connections sent again ({stored:,} had been stored)"
         verdict = "" if self.summary.get("returncode") == 0 else " (verification FAILED)"
         return [
             self.fault + verdict,

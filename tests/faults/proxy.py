@@ -7,7 +7,11 @@ a small asyncio TCP proxy in its own thread whose mode the test changes while it
 * ``reset``: every request that starts a POST (a part) is cut: alternately after half of its
   first chunk (the analyzer never sees the whole part) and after the whole request, dropping
   the answer (the analyzer stored the part, the shuffler never hears so and sends it again).
-  A cut closes both sockets with a TCP reset (``SO_LINGER`` 0).
+  A cut closes both sockets with a TCP reset (``SO_LINGER`` 0). With ``cut_every`` n, only
+  every n-th POST is cut (a lossy link rather than a broken one).
+
+The same proxy stands between the load test's devices and a shuffler (fault 5, the devices'
+side): there a POST is a contribution, and a dropped answer is a 202 the device never saw.
 
 A real network fault, not a mock: the shuffler's HTTP client and the analyzer see broken
 connections, timeouts and resets on real sockets.
@@ -46,6 +50,10 @@ class FaultProxy:
     #: POSTs cut mid-request, and POSTs whose answer was dropped.
     cut_requests: int = 0
     cut_answers: int = 0
+    #: Cut only every n-th POST in ``reset`` mode (1: every one).
+    cut_every: int = 1
+    #: POSTs seen in ``reset`` mode.
+    posts: int = 0
     connections: int = 0
     _loop: asyncio.AbstractEventLoop | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
@@ -114,7 +122,7 @@ class FaultProxy:
         delivery = asyncio.ensure_future(self._deliver(queue, writer))
         try:
             while chunk := await reader.read(65536):
-                if upstream and self.mode == "reset" and chunk.startswith(b"POST "):
+                if self._cut_now(upstream, chunk):
                     if (self.cut_requests + self.cut_answers) % 2 == 0:
                         self.cut_requests += 1
                         writer.write(chunk[: len(chunk) // 2])
@@ -129,6 +137,13 @@ class FaultProxy:
             await queue.join()
         finally:
             delivery.cancel()
+
+    def _cut_now(self, upstream: bool, chunk: bytes) -> bool:
+        """Whether this chunk starts a POST to cut (``reset`` mode, every ``cut_every``-th)."""
+        if not (upstream and self.mode == "reset" and chunk.startswith(b"POST ")):
+            return False
+        self.posts += 1
+        return self.posts % self.cut_every == 0
 
     @staticmethod
     async def _deliver(

@@ -8,6 +8,7 @@ seen during the fault (``seen``) for the tests to assert on.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import httpx
 from common.wire import MAX_EPOCH_SECONDS
 from encoder_client import Client
 from services.cli import launcher
+from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
 from tests.support import TEST_SHUFFLER_SETTINGS
 
@@ -49,12 +51,15 @@ from .proxy import FaultProxy
 LEAD_SECONDS = 3.0
 
 
-def analyzer_outage(tmp: Path, load: Load, down_seconds: float) -> Row:
+def analyzer_outage(
+    tmp: Path, load: Load, down_seconds: float, databases: Mapping[str, str] | None = None
+) -> Row:
     """Fault 2: the analyzer stopped for ``down_seconds`` (several 3-second epochs) under
     load, then started again. The shufflers keep taking contributions, closing epochs and
     holding their parts, and forward them once it is back; the time to recover is from its
-    restart until no shuffler holds an unforwarded part."""
-    with deployment(tmp / "var") as deployed:
+    restart until no shuffler holds an unforwarded part. ``databases``: every party's
+    (:func:`every_party_on_postgres`), else SQLite."""
+    with deployment(tmp / "var", databases=databases) as deployed:
         run = LoadRun.against(deployed, tmp / "out", load).start()
         run.wait_running()
         time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
@@ -68,19 +73,24 @@ def analyzer_outage(tmp: Path, load: Load, down_seconds: float) -> Row:
         recovered = time_until(lambda: deployed.unforwarded() == 0, 120)
         summary = run.finish()
     seen = {"held_parts": held, "log": run.tail()}
-    return Row("analyzer unreachable", "SQLite", summary, recovered, seen)
+    return Row("analyzer unreachable", _backend(databases), summary, recovered, seen)
 
 
-def bad_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
+def bad_network(
+    tmp: Path, load: Load, fault_seconds: float, databases: Mapping[str, str] | None = None
+) -> Row:
     """Fault 5: every shuffler reaches the analyzer through a :class:`FaultProxy` that adds
     ``latency`` seconds for ``fault_seconds``, then cuts every part mid-request or drops its
     answer for ``fault_seconds``, then heals. Delivery completes once the fault ends and a
     part the analyzer stored but never acknowledged is not counted twice; the time to
-    recover is from the heal until no shuffler holds an unforwarded part."""
+    recover is from the heal until no shuffler holds an unforwarded part. ``databases``:
+    every party's (:func:`every_party_on_postgres`), else SQLite."""
     base = launcher.free_base_port(3)
     proxy = FaultProxy(target_port=base).start()
     try:
-        with deployment(tmp / "var", base_port=base, analyzer_url=proxy.url) as deployed:
+        with deployment(
+            tmp / "var", base_port=base, analyzer_url=proxy.url, databases=databases
+        ) as deployed:
             run = LoadRun.against(deployed, tmp / "out", load).start()
             run.wait_running()
             time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
@@ -97,8 +107,33 @@ def bad_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
         proxy.stop()
     seen = {"cut_requests": proxy.cut_requests, "cut_answers": proxy.cut_answers}
     return Row(
-        "bad network shuffler → analyzer", "SQLite", summary, recovered, seen | {"log": run.tail()}
+        "bad network shuffler → analyzer",
+        _backend(databases),
+        summary,
+        recovered,
+        seen | {"log": run.tail()},
     )
+
+
+# --- every party on PostgreSQL (faults 2 and 5 on the deployment's other backend) ----------
+
+
+@contextmanager
+def every_party_on_postgres(bin: Path, shufflers: int = 2) -> Iterator[dict[str, str]]:
+    """A private cluster (:class:`Cluster`) with one database per party, as ``esa up
+    --database-template`` gives each its own: the ``databases`` of :func:`deployment`."""
+    cluster = Cluster.create(bin)
+    try:
+        cluster.start()
+        names = ["analyzer", *(f"shuffler-{i}" for i in range(1, shufflers + 1))]
+        yield {name: cluster.database(name.replace("-", "_")) for name in names}
+    finally:
+        cluster.remove()
+
+
+def _backend(databases: Mapping[str, str] | None) -> str:
+    """The backend column of a row: PostgreSQL when the parties' databases are given."""
+    return "PostgreSQL" if databases else "SQLite"
 
 
 #: A k-RR channel whose one epoch outlasts any run: a device's refused contribution can be
@@ -224,6 +259,12 @@ def _storage_refusals(deployed: Deployed) -> float:
     """Contributions shuffler-1 refused ``503 storage_unavailable`` so far (its process)."""
     metrics = verify.scrape(deployed.shufflers[0].url, deployed.tokens())
     return metrics.get('esa_shuffler_contributions_rejected_total{reason="storage_unavailable"}', 0)
+
+
+def _refusals(deployed: Deployed, reason: str) -> float:
+    """Contributions shuffler-1 refused with ``reason`` so far (its process)."""
+    metrics = verify.scrape(deployed.shufflers[0].url, deployed.tokens())
+    return metrics.get(f'esa_shuffler_contributions_rejected_total{{reason="{reason}"}}', 0)
 
 
 def _acknowledged(deployed: Deployed) -> float:
@@ -366,3 +407,155 @@ def _wall_clock(url: str) -> float:
     both shufflers start together, so the difference is their clocks')."""
     answer = httpx.get(url + "/v1/descriptor", timeout=10).raise_for_status().json()
     return float(answer["descriptor"]["issued_at"])
+
+
+# --- the analyzer's own storage: its database restarted (fault 1), its disk full (fault 3) --
+
+
+def forward_refusals(deployed: Deployed) -> Counter[str]:
+    """The shufflers' forwarding attempts that will be retried, by what the analyzer (or the
+    link) answered: ``HTTP 503 storage_unavailable`` and the like, read from their logs
+    (``forward failed, will retry``, whose ``reason`` is the answer's status and body)."""
+    found: Counter[str] = Counter()
+    for log in sorted((deployed.var / "logs").glob("shuffler-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "forward failed, will retry" not in line:
+                continue
+            reason = json.loads(line).get("reason", "") if line.startswith("{") else line
+            found[_answer(str(reason))] += 1
+    return found
+
+
+def _answer(reason: str) -> str:
+    """``HTTP 503 storage_unavailable`` of ``HTTP 503: {"error":"storage_unavailable",...}``;
+    a transport error's name otherwise (``ConnectError``)."""
+    head, _, body = reason.partition(": ")
+    if not head.startswith("HTTP "):
+        return head
+    try:
+        code = json.loads(body).get("error", "?")
+    except ValueError:  # cut at the excerpt's length, or not JSON
+        code = body.split('"error":"', 1)[-1].split('"', 1)[0] if '"error":"' in body else "?"
+    return f"{head} {code}"
+
+
+def analyzer_postgres_restart(tmp: Path, load: Load, down_seconds: float, bin: Path) -> Row:
+    """Fault 1, the analyzer's side: its PostgreSQL (a private cluster, :class:`Cluster`;
+    the shufflers keep SQLite) stopped (``pg_ctl stop -m fast``) under load on a channel of
+    3-second epochs, while parts arrive and are opened, and started again ``down_seconds``
+    later. The analyzer refuses every part it cannot commit (``503 storage_unavailable``,
+    ``Retry-After``), the shufflers keep taking contributions and retry forwarding, the
+    opener blames no part (the database's failure is transient); the time to recover is from
+    the server's start until no shuffler holds an unforwarded part."""
+    cluster = Cluster.create(bin)
+    try:
+        cluster.start()
+        databases = {"analyzer": cluster.database("analyzer")}
+        with deployment(tmp / "var", databases=databases) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load).start()
+            run.wait_running()
+            with Readiness(deployed.analyzer.url) as readiness:
+                time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
+                cluster.stop("fast")
+                time.sleep(down_seconds)
+                cluster.start()
+                recovered = time_until(lambda: deployed.unforwarded() == 0, 120)
+            summary = run.finish()
+            refusals = forward_refusals(deployed)
+            blamed = _analyzer_metric(deployed, "esa_analyzer_part_open_failures_total")
+    finally:
+        cluster.remove()
+    seen = {
+        "readyz": dict(readiness.seen),
+        "forward_refusals": dict(refusals),
+        "open_failures": blamed,
+        "log": run.tail(),
+    }
+    return Row("analyzer's PostgreSQL restarted mid-ingest", "PostgreSQL", summary, recovered, seen)
+
+
+def _analyzer_metric(deployed: Deployed, name: str) -> float:
+    """One sample of the analyzer's ``/metrics`` (0 when absent), with its metrics token."""
+    url = deployed.analyzer.url
+    tokens = Credentials(folder=deployed.var / "keys").for_parties({"analyzer": url})
+    return verify.scrape(url, tokens).get(name, 0.0)
+
+
+def analyzer_full_disk(tmp: Path, load: Load, full_seconds: float) -> Row:
+    """Fault 3, the analyzer's side: its SQLite file on a small tmpfs (root only), filled to
+    the last byte under load on a channel of 3-second epochs until it refuses a part, kept
+    full ``full_seconds`` longer, then freed. The analyzer refuses the parts it cannot store
+    (``503 storage_unavailable``, ``Retry-After``: nothing half-written, ``PRAGMA
+    integrity_check``), the shufflers keep them and forward them again once space returns;
+    the time to recover is from the freeing until no shuffler holds an unforwarded part."""
+    with tmpfs("64m") as disk:
+        database = f"sqlite:///{disk / 'analyzer.db'}"
+        with deployment(tmp / "var", databases={"analyzer": database}) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load).start()
+            run.wait_running()
+            time.sleep(LEAD_SECONDS)  # pacing: the fault starts a few epochs into the run
+            filler = fill(disk)
+            # full once a commit needs a new block (the WAL grows): then it stays full
+            time_until(lambda: forward_refusals(deployed)[STORAGE_REFUSAL] > 0, 60)
+            time.sleep(full_seconds)
+            filler.unlink()
+            recovered = time_until(lambda: deployed.unforwarded() == 0, 120)
+            summary = run.finish()
+            refusals = forward_refusals(deployed)
+            blamed = _analyzer_metric(deployed, "esa_analyzer_part_open_failures_total")
+        with sqlite3.connect(disk / "analyzer.db") as check:
+            (whole,) = check.execute("PRAGMA integrity_check").fetchone()
+    seen = {
+        "integrity": whole,
+        "forward_refusals": dict(refusals),
+        "open_failures": blamed,
+        "log": run.tail(),
+    }
+    return Row("disk full at the analyzer", "SQLite", summary, recovered, seen)
+
+
+#: How a shuffler's log names the analyzer's refusal of a part it could not store.
+STORAGE_REFUSAL = "HTTP 503 storage_unavailable"
+
+
+# --- a bad network between the devices and a shuffler (fault 5, the devices' side) ---------
+
+
+def bad_device_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
+    """Fault 5, the devices' side: the load test's devices reach shuffler-1 through a
+    :class:`FaultProxy` (registered as its URL, so the analyzer's config sends them there),
+    which adds 0.5 s to every chunk for ``fault_seconds``, then for ``fault_seconds`` cuts
+    every third contribution (alternately half sent, and whole sent with its 202 dropped:
+    stored, the device does not know), then heals; on a channel whose one epoch outlasts the
+    run, so a device retries as long as it must. A contribution sent again after its lost
+    202 is answered 409 ``replayed_nonce`` and counted once (the verification reads the
+    shufflers' ledgers); the time to recover is from the heal until shuffler-1's ledger
+    grows."""
+    base = launcher.free_base_port(3)
+    proxy = FaultProxy(target_port=base + 1, latency=0.5, cut_every=3).start()
+    urls = {"shuffler-1": proxy.url}
+    try:
+        with deployment(tmp / "var", LONG, base_port=base, public_urls=urls) as deployed:
+            run = LoadRun.against(deployed, tmp / "out", load, LONG.id).start()
+            run.wait_running()
+            time.sleep(LEAD_SECONDS)  # pacing: the fault starts into the run
+            proxy.mode = "slow"
+            time.sleep(fault_seconds)
+            proxy.mode = "reset"
+            time_until(lambda: proxy.cut_requests > 0 and proxy.cut_answers > 0, 60)
+            time.sleep(fault_seconds)
+            before = _acknowledged(deployed)
+            proxy.mode = "pass"
+            recovered = time_until(lambda: _acknowledged(deployed) > before, 60)
+            summary = run.finish()
+            replayed = _refusals(deployed, "replayed_nonce")
+    finally:
+        proxy.stop()
+    seen = {
+        "cut_requests": proxy.cut_requests,
+        "cut_answers": proxy.cut_answers,
+        "replayed_nonce": replayed,
+    }
+    return Row(
+        "bad network devices → shuffler", "SQLite", summary, recovered, seen | {"log": run.tail()}
+    )

@@ -148,7 +148,9 @@ async def _scripted(
     answers: dict[str, list[bytes]], source: loadgen.Source, clock: Any = time.time
 ) -> loadgen.Driver:
     """A real HTTP/1.1 server on 127.0.0.1 answering each client token's requests with its
-    list of status lines in turn (the last one for ever), driven by a :class:`Driver`."""
+    list of status lines in turn (the last one for ever), driven by a :class:`Driver`; a line
+    ``status#code`` answers that JSON error code, ``RESET`` drops the answer (the request was
+    read whole, the connection is reset: a 202 the client never saw)."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
@@ -158,7 +160,11 @@ async def _scripted(
                 await reader.readexactly(int(fields[b"Content-Length"]))
                 token = fields[b"Authorization"].split()[1].decode()
                 line = answers[token].pop(0) if len(answers[token]) > 1 else answers[token][0]
-                body = b"{}" if line.startswith(b"202") else b'{"error": "%s"}' % line[:3]
+                if line == b"RESET":
+                    writer.transport.abort()
+                    return
+                line, _, code = line.partition(b"#")
+                body = b"{}" if line.startswith(b"202") else b'{"error": "%s"}' % (code or line[:3])
                 head = b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n" % (line, len(body))
                 writer.write(head + body)
                 await writer.drain()
@@ -234,6 +240,30 @@ def test_a_replayed_nonce_means_an_earlier_attempt_landed() -> None:
     assert not _replayed(answer(b'{"error": "quota_exceeded", "detail": "one per epoch"}'))
     assert not _replayed(answer(b"<html>conflict</html>"))
     assert not _replayed(answer(b"[1, 2]"))
+
+
+def test_a_409_after_a_lost_answer_is_acknowledged_only_if_it_says_already_stored(
+    tmp_path: Path,
+) -> None:
+    """A request whose answer was lost is sent again: a 409 ``replayed_nonce`` or
+    ``quota_exceeded`` then says the lost attempt stored it (acknowledged, ``recovered``),
+    as the SDK reads it; a 409 saying the device's config is outdated (``config_outdated``,
+    ``channel_retired``, ``channel_terms_changed``) stored nothing and is a refusal: counted
+    as acknowledged, verification would report a loss that never happened."""
+    answers = {
+        "replayed": [b"RESET", b"409 Conflict#replayed_nonce"],
+        "quota": [b"RESET", b"409 Conflict#quota_exceeded"],
+        "outdated": [b"RESET", b"409 Conflict#config_outdated"],
+        "retired": [b"RESET", b"409 Conflict#channel_retired"],
+    }
+    epoch = int(time.time() // MAX_EPOCH_SECONDS)
+    source = loadgen.EpochSource(
+        {epoch: [_epoch_file(tmp_path / "e.bin", list(answers))]}, MAX_EPOCH_SECONDS
+    )
+    stats = asyncio.run(_scripted(answers, source)).stats
+    assert stats.recovered == 2 and stats.accepted == 2, stats
+    assert stats.never_delivered == 2 and stats.statuses[409] == 2, stats
+    assert stats.refusals == {"config_outdated": 1, "channel_retired": 1}, stats
 
 
 @pytest.mark.system

@@ -178,8 +178,9 @@ class Stats:
     refused_then_delivered: int = 0
     #: Requests that ended unacknowledged: refused for good (400...) or :attr:`given_up`.
     never_delivered: int = 0
-    #: 409s after an attempt whose answer was lost: that attempt stored the contribution
-    #: (the SDK reads a 409 the same way), counted as acknowledged.
+    #: 409s saying an earlier attempt stored the contribution (:func:`_stored_before`: after
+    #: an attempt whose answer was lost, any but an outdated config's; the SDK reads a 409
+    #: the same way), counted as acknowledged.
     recovered: int = 0
     latencies: array[float] = field(default_factory=lambda: array("d"))
     #: Answers by shuffler index, then status.
@@ -367,7 +368,7 @@ class Driver:
                 await asyncio.sleep(wait)
                 continue
             status = response.status
-            if status == 409 and (lost or _replayed(response)):
+            if status == 409 and _stored_before(response, lost):
                 self.stats.recovered += 1
                 status = 202
             self.stats.record(status, time.perf_counter() - start, request.shuffler, request.tag)
@@ -400,6 +401,19 @@ class Driver:
         if self.patience > 0:
             return time.monotonic() + wait < deadline
         return math.isfinite(request.until) or attempt + 1 < ATTEMPTS
+
+
+#: 409 codes that say the contribution stored nothing because the device's config is behind
+#: (the SDK drops such a contribution and refreshes its config: ``encoder_client``'s
+#: ``OUTDATED``), so never "an earlier attempt landed", lost answer or not.
+OUTDATED = frozenset({"channel_retired", "config_outdated", "channel_terms_changed"})
+
+
+def _stored_before(response: Response, lost: bool) -> bool:
+    """Whether a 409 says an earlier attempt of this request was stored: its own nonce
+    (:func:`_replayed`), or after an attempt whose answer was lost any 409 but an
+    :data:`OUTDATED` one (its quota, used by that attempt), as the SDK reads it."""
+    return _replayed(response) or (lost and _error_code(response) not in OUTDATED)
 
 
 def _replayed(response: Response) -> bool:

@@ -255,6 +255,7 @@ def summary(monitor: Monitor, seconds: float) -> dict[str, Any]:
         "given_up": stats.given_up,
         "refused_then_delivered": stats.refused_then_delivered,
         "never_delivered": stats.never_delivered,
+        "recovered": stats.recovered,
         "retried": {str(k): v for k, v in sorted(stats.retried.items())},
         "behind_schedule": monitor.driver.behind,
         "per_shuffler": {

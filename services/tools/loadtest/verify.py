@@ -138,23 +138,30 @@ def close_epochs(
 
 def drain(analyzer_url: str, urls: Sequence[str], tokens: Credentials, timeout: float) -> float:
     """Wait until no shuffler has a pending contribution or an unforwarded batch and the
-    analyzer has opened every stored part; returns the seconds it took.
+    analyzer has opened every stored part; returns the seconds it took. A service that does
+    not answer meanwhile (the analyzer restarting after an outage, its database down) is
+    waited for too, within the same ``timeout``: the shufflers hold what it has not taken.
 
     Raises:
-        VerifyError: still not drained after ``timeout`` seconds.
+        VerifyError: still not drained after ``timeout`` seconds (why: what was left, or
+            the last service that did not answer).
     """
     start = time.monotonic()
     while True:
-        state = shuffler_state(urls, tokens)
-        waiting = sum(s["pending"] + s["in_batches_unforwarded"] for s in state.values())
-        unopened = scrape(analyzer_url, tokens).get("esa_analyzer_parts_unopened", math.nan)
-        if waiting == 0 and unopened == 0:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise VerifyError(
-                f"not drained after {timeout:.0f} s: {waiting:,.0f} contributions pending or in "
-                f"unforwarded batches at the shufflers, {unopened} parts unopened at the analyzer"
+        try:
+            state = shuffler_state(urls, tokens)
+            waiting = sum(s["pending"] + s["in_batches_unforwarded"] for s in state.values())
+            unopened = scrape(analyzer_url, tokens).get("esa_analyzer_parts_unopened", math.nan)
+            if waiting == 0 and unopened == 0:
+                return time.monotonic() - start
+            left = (
+                f"{waiting:,.0f} contributions pending or in unforwarded batches at the "
+                f"shufflers, {unopened} parts unopened at the analyzer"
             )
+        except VerifyError as error:
+            left = str(error)
+        if time.monotonic() - start > timeout:
+            raise VerifyError(f"not drained after {timeout:.0f} s: {left}")
         time.sleep(0.3)
 
 
