@@ -198,8 +198,12 @@ def test_pipeline_end_to_end(deployment: Deployment) -> None:
     # (multinomial routing, Algorithm 3, hypergeometric deletion, k-RAPPOR):
     spread = np.sqrt(np.array(release["std_errors"]) ** 2 + TRUTH[bins] * kept * (1 - kept))
     z = (estimate - expected) / spread
-    # counts are Poisson-like (skewed), so not the normal tail: P(max |z| > 6) = 2.6e-6.
-    assert np.all(np.abs(z) <= 6.0), (estimate, expected, spread)
+    # counts are Poisson-like (skewed), so not the normal tail: P(max |z| > 6) = 3.1e-6, above
+    # 1e-6; P(max |z| > 7) = 6.5e-8 (union over bins of the exact randomized-response tail
+    # given the kept crowd, averaged over 300 draws of routing and deletion). A group aborted
+    # or held (no release) adds 7.5e-8: each shuffler keeps ~215, min_crowd 50 needs 100
+    # fragments at alpha 1e-9.
+    assert np.all(np.abs(z) <= 7.0), (estimate, expected, spread)
     # The per-bin check is loose; the power is here. Slope of estimate on truth, weighted by the
     # truth (sd ~2%): a correct pipeline exceeds 5 sd with probability < 1e-7 (none in the 10^7
     # runs), while estimates scaled by 0.85 fail it with probability > 0.999 and estimates moved

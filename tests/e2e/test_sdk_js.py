@@ -170,11 +170,15 @@ def test_typescript_devices_report_through_a_real_deployment(
     assert check["invalid_fragments"] == 0 and check["withheld_batches"] == 0
     assert check["verified"] <= release["n"] <= check["claimed"] <= values.size
     # Randomized deletion (Algorithm 3) dropped whole contributions uniformly at each shuffler:
-    # the estimate targets the reported counts scaled by what was kept; 6 standard errors of
-    # randomized response and deletion together (as tests/e2e/test_pipeline.py).
+    # the estimate targets the reported counts scaled by what was kept; 8 standard errors of
+    # randomized response and deletion together (as tests/e2e/test_pipeline.py). The 17 empty
+    # bins' counts are Poisson-like (~4.3 false bits each), far from normal in the upper tail:
+    # 6 failed a correct run with P = 4.5e-5, 8 with 7.4e-8 (union over bins of the exact
+    # randomized-response tail given the kept crowd, averaged over 200 draws of routing and
+    # deletion). A group aborted or held adds 7.5e-8 (~90 a shuffler, min_crowd 5).
     kept = release["n"] / values.size
     assert 0.4 < kept <= 1.0
     bins = np.array(release["bins"])
     expected = TRUTH[bins] * kept
     spread = np.sqrt(np.array(release["std_errors"]) ** 2 + TRUTH[bins] * kept * (1 - kept))
-    assert np.all(np.abs(np.array(release["values"]) - expected) <= 6.0 * spread), release
+    assert np.all(np.abs(np.array(release["values"]) - expected) <= 8.0 * spread), release
