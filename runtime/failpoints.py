@@ -44,8 +44,7 @@ POINTS: dict[str, str] = {
     "accumulator and epoch charge written in their transaction, not committed",
     "analyzer.fold.after_commit": "a part's fold committed, the fragments seen not yet "
     "remembered in memory",
-    "analyzer.close.before_commit": "an epoch's closure written in its transaction, not "
-    "committed",
+    "analyzer.close.before_commit": "an epoch's closure written in its transaction, not committed",
     "analyzer.close.after_commit": "an epoch's closure committed",
     "analyzer.release.before_commit": "a published release written in its transaction, not "
     "committed",

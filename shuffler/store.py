@@ -1257,7 +1257,9 @@ class SqliteContributionStore(ContributionStore):
         p = tables.batch_parts.c
         with self.engine.begin() as conn:
             conn.execute(
-                update(tables.batch_parts).where(p.lease_until.is_not(None)).values(lease_until=None)
+                update(tables.batch_parts)
+                .where(p.lease_until.is_not(None))
+                .values(lease_until=None)
             )
 
     def _held_keys(self) -> HeldKeys:

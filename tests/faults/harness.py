@@ -72,11 +72,13 @@ def deployment(
     analyzer_url: str | None = None,
     databases: Mapping[str, str] | None = None,
     overrides: Mapping[str, str] | None = None,
+    env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Iterator[Deployed]:
     """``esa up`` on free ports (or from ``base_port``; SQLite), every service started at
     once, shufflers batching fast; ``analyzer_url``: where the shufflers reach the analyzer
     (a fault proxy); ``databases``: a service's database URL by name (``shuffler-1``:
-    PostgreSQL of the test's own cluster, a file on a tmpfs); ``overrides``: more settings."""
+    PostgreSQL of the test's own cluster, a file on a tmpfs); ``overrides``: more settings;
+    ``env``: more variables of one service, by name (``ESA_FAILPOINTS`` armed in one)."""
     base = base_port or launcher.free_base_port(shufflers + 1)
     specs = launcher.prepare(
         var,
@@ -87,6 +89,7 @@ def deployment(
         overrides={**TEST_SHUFFLER_SETTINGS, **(overrides or {})},
     )
     specs = [_with_database(spec, (databases or {}).get(spec.name)) for spec in specs]
+    specs = [replace(s, env={**s.env, **(env or {}).get(s.name, {})}) for s in specs]
     started = launcher.start_all(specs, var / "logs", timeout=120)  # together: faster
     processes = [
         ServiceProcess(spec, service.log or var / "logs", service)

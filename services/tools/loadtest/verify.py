@@ -52,7 +52,7 @@ QUEUES = ("pending", "held", "in_batches_unforwarded")
 
 #: How long verification waits for a service that does not answer at all (a refused or
 #: broken connection: a crash and restart, docs/reliability.md) before it gives up.
-RESTART_PATIENCE_SECONDS = 60.0
+RESTART_PATIENCE_SECONDS = 120.0
 
 
 class VerifyError(RuntimeError):
