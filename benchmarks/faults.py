@@ -7,7 +7,8 @@ party's own tokens, causes its fault part way through and records the load test'
 verification (acknowledged = received + deleted + held; counted twice = 0), the refusals its
 devices waited out by status, and the time the deployment took to recover. The fault lasts a
 quarter of ``--seconds`` (at least 5 s), the stopped replica the issue's 60 s (at most
-``--seconds``). ``--write`` records the table in
+``--seconds``); the commit points are crashed once each, after the load
+(``--fault commit-points``). ``--write`` records the table in
 docs/reliability.md ("## Faults under load"); without it the table is only printed.
 
 Run: ``.venv/bin/python benchmarks/faults.py --seconds 60 --rate 100 [--write]`` (as root for
@@ -30,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _report import ROOT, add_write, machine, run_main, write_section
 
 from tests.faults import scenarios
-from tests.faults.cluster import binaries
+from tests.faults.cluster import Cluster, binaries
 from tests.faults.harness import Load, Row, table
 
 PAGE = ROOT / "docs" / "reliability.md"
 HEADING = "## Faults under load"
-FAULTS = ("analyzer", "network", "postgres", "disk", "replica")
+FAULTS = ("analyzer", "network", "postgres", "disk", "replica", "commit-points")
 #: The issue's stop of a replica behind HAProxy (at most ``--seconds``).
 STOP_SECONDS = 60.0
 
@@ -56,6 +57,8 @@ def _scenario(name: str, tmp: Path, rate: float, seconds: float) -> Row | str:
         if bin is None:
             return "no PostgreSQL server binaries under /usr/lib/postgresql"
         return scenarios.postgres_restart(tmp, once, fault, bin)
+    if name == "commit-points":
+        return _commit_points(tmp, once)
     if name == "replica":
         bin = binaries()
         if bin is None or shutil.which("haproxy") is None:
@@ -64,6 +67,20 @@ def _scenario(name: str, tmp: Path, rate: float, seconds: float) -> Row | str:
     if os.geteuid() != 0:
         return "not root: a tmpfs cannot be mounted"
     return scenarios.full_disk(tmp, once, full_seconds=fault)
+
+
+def _commit_points(tmp: Path, load: Load) -> Row:
+    """Fault 7, with shuffler-2 on a private PostgreSQL cluster when the server binaries are
+    there (SQLite only otherwise)."""
+    bin = binaries()
+    if bin is None:
+        return scenarios.commit_points(tmp, load)
+    cluster = Cluster.create(bin)
+    try:
+        cluster.start()
+        return scenarios.commit_points(tmp, load, {"shuffler-2": cluster.database("shuffler_2")})
+    finally:
+        cluster.remove()
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ transaction ended, nothing flushed — what a power cut or the OOM killer leaves
 placed inside a transaction (``…before_commit``) leaves it uncommitted; one placed after the
 commit (``…after_commit``) leaves it committed with nothing that follows done.
 
-Testing only (docs/operations.md, "Settings for tests only"): unset, a call costs one truth
+Testing only (docs/operations.md, "Failpoints (testing only)"): unset, a call costs one truth
 test of an empty set. Every point is listed in :data:`POINTS` with what it crashes between; a
 name the variable gives that is not listed is refused at import, so a typo cannot make a
 crash test pass by never crashing.

@@ -122,6 +122,8 @@ class LoadRun:
     out: Path
     load: Load
     channel: str = TICKS.id
+    #: How long verification waits for every batch to reach the analyzer and be opened.
+    drain_timeout: float = 120.0
     log: list[str] = field(default_factory=list)
     _running: threading.Event = field(default_factory=threading.Event)
     _process: subprocess.Popen[str] | None = None
@@ -138,7 +140,7 @@ class LoadRun:
             sys.executable, "-m", "services.cli", "loadtest",
             "--analyzer-url", self.analyzer_url,
             "--trust", str(var / launcher.TRUST_FILE), "--keys", str(var / "keys"),
-            "--out", str(self.out), "--no-live", "--drain-timeout", "120",
+            "--out", str(self.out), "--no-live", "--drain-timeout", str(self.drain_timeout),
             "--channel", self.channel, "--devices", str(self.load.devices),
             "--rate", str(self.load.rate), "--duration", str(self.load.seconds),
         ]  # fmt: skip

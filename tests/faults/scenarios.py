@@ -294,6 +294,9 @@ ANALYZER_POINTS = tuple(
 RELEASE_POINTS = ("analyzer.release.before_commit", "analyzer.release.after_commit")
 #: How long a process armed with a point may run before it must have crashed there.
 POINT_TIMEOUT = 120.0
+#: How long verification may take to drain: a process's restart takes 2-10 s on a loaded
+#: 2-core machine, and the chains' ~25 restarts overlap only in part.
+DRAIN_TIMEOUT = 400.0
 #: Contributions per batch part: every batch of the run comes in several parts, so a part
 #: that is not its batch's last is folded (``analyzer.fold.part_before_commit``).
 PART_FRAGMENTS = "40"
@@ -399,8 +402,9 @@ def commit_points(tmp: Path, load: Load, databases: Mapping[str, str] | None = N
         tmp / "var", LONG, databases=databases, overrides=overrides, env=env
     ) as deployed:
         chains = crash_chains(deployed, names)
-        run = LoadRun.against(deployed, tmp / "out", load, LONG.id).start()
-        summary = run.finish()
+        run = LoadRun.against(deployed, tmp / "out", load, LONG.id)
+        run.drain_timeout = DRAIN_TIMEOUT  # every crash and restart happens while it drains
+        summary = run.start().finish(DRAIN_TIMEOUT + 300)
         for chain in chains:
             chain.join(60)
         forwarded = [_forwarded(p.env["ESA_SHUFFLER_DATABASE_URL"]) for p in deployed.shufflers]
