@@ -325,7 +325,10 @@ class CrashChain:
     crashes: list[Crash] = field(default_factory=list)
     ready_at: float | None = None
     error: BaseException | None = None
+    #: Set when the test ends early: the process is not started again.
+    cancelled: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _offset: int = 0
 
     def start(self) -> CrashChain:
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -344,6 +347,8 @@ class CrashChain:
         try:
             for index, point in enumerate(self.points):
                 self.crashes.append(self._await(point))
+                if self.cancelled.is_set():
+                    return
                 following = self.points[index + 1 : index + 2]
                 self._restart(following[0] if following else None)
         except BaseException as error:  # reported by join
@@ -361,8 +366,6 @@ class CrashChain:
         self.process.env[failpoints.ENV] = point
         self._offset = self.process.log_path.stat().st_size
         self.process.service = launcher.start(self.process.spec, self.process.log_path)
-
-    _offset: int = 0
 
 
 def crash_chains(deployed: Deployed, names: Sequence[str]) -> list[CrashChain]:
@@ -404,9 +407,13 @@ def commit_points(tmp: Path, load: Load, databases: Mapping[str, str] | None = N
         chains = crash_chains(deployed, names)
         run = LoadRun.against(deployed, tmp / "out", load, LONG.id)
         run.drain_timeout = DRAIN_TIMEOUT  # every crash and restart happens while it drains
-        summary = run.start().finish(DRAIN_TIMEOUT + 300)
-        for chain in chains:
-            chain.join(60)
+        try:
+            summary = run.start().finish(DRAIN_TIMEOUT + 300)
+            for chain in chains:
+                chain.join(60)
+        finally:  # a failed run: no process is started again once the deployment stops
+            for chain in chains:
+                chain.cancelled.set()
         forwarded = [_forwarded(p.env["ESA_SHUFFLER_DATABASE_URL"]) for p in deployed.shufflers]
         published, releases = publish_crashing(deployed)
     crashes = {c.process.spec.name: c.crashes for c in chains} | {"analyzer release": published}
