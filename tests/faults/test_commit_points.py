@@ -16,7 +16,7 @@ shufflers forwarded in them.
 
 from __future__ import annotations
 
-import os
+import secrets
 import signal
 from collections.abc import Iterator
 
@@ -37,7 +37,7 @@ def postgres_database() -> Iterator[str | None]:
     except pytest.skip.Exception:
         yield None
         return
-    name = f"esa_test_points_{os.getpid()}"
+    name = f"esa_test_{secrets.token_hex(6)}"
     admin.execute(f'CREATE DATABASE "{name}"')
     user, _, hostport = POSTGRES.partition("@")
     try:
