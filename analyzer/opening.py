@@ -37,6 +37,7 @@ from analyzer.metrics import AnalyzerEvents
 from analyzer.store import AnalyzerStore, Complete, Completion, Fold, Folded, Merge, PartHeader
 from common.envelope import EnvelopeError, FragmentContext, KeyRing, open_fragment, seal_key
 from common.wire import Batch
+from runtime.failpoints import failpoint
 
 log = logging.getLogger("esa.analyzer")
 
@@ -375,6 +376,7 @@ class PartOpener:
         undecryptable = opening.fragments - len(opened)
         if self.fault_while_opening == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        failpoint("analyzer.fold.after_opening")
         invalid: list[tuple[int, int]] = []
         fold = _folder(runtime, header, [f for _, f in opened], undecryptable, invalid)
         verified: list[int] = []

@@ -47,6 +47,7 @@ from common.wire import (
     b64,
 )
 from runtime import db
+from runtime.failpoints import failpoint
 from runtime.publish import publish
 
 log = logging.getLogger("esa.analyzer")
@@ -197,6 +198,8 @@ class AnalyzerService:
         if self.settings.fault_after_commit == "exit" and not intake.duplicate:
             # Test-only crash window between the commit and the answer (refused in production).
             os._exit(3)
+        if not intake.duplicate:
+            failpoint("analyzer.intake.after_part_committed")
         self.opener.wake()
         return BatchAck(batch_id=intake.batch_id, part=intake.part, duplicate=intake.duplicate)
 

@@ -57,6 +57,7 @@ from analyzer import seen
 from analyzer.errors import StorageConflictError
 from common.wire import Bound, ReleaseBody
 from runtime import db
+from runtime.failpoints import failpoint
 
 metadata = MetaData()
 
@@ -717,6 +718,12 @@ class AnalyzerStore:
                 with self._storing, self.engine.begin() as conn:
                     decrypted = (n_opened, seal_keys, self.seen, staged)
                     folded = _fold_part(conn, header, fold, steps, decrypted, self.clock())
+                    if folded is Folded.PART:
+                        failpoint("analyzer.fold.part_before_commit")
+                    elif folded is Folded.BATCH:
+                        failpoint("analyzer.fold.batch_before_commit")
+                if folded is not None:
+                    failpoint("analyzer.fold.after_commit")
                 # Memory follows the record only once its rows are committed.
                 for part in staged:
                     self.seen.commit(part)
@@ -836,6 +843,8 @@ class AnalyzerStore:
                     released_at=self.clock(),
                 )
             )
+            failpoint("analyzer.release.before_commit")
+        failpoint("analyzer.release.after_commit")
 
     def releases(self, channel_id: str) -> list[StoredRelease]:
         """A channel's releases, oldest first."""
@@ -1019,8 +1028,10 @@ class AnalyzerStore:
                         closed_at=self.clock(),
                     )
                 )
+                failpoint("analyzer.close.before_commit")
         except IntegrityError:
             return None
+        failpoint("analyzer.close.after_commit")
         return shufflers
 
 

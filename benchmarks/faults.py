@@ -8,7 +8,8 @@ verification (acknowledged = received + deleted + held; counted twice = 0), the 
 devices waited out by status, and the time the deployment took to recover. The fault lasts a
 quarter of ``--seconds`` (at least 5 s), the stopped replica the issue's 60 s (at most
 ``--seconds``); the clocks (shuffler-1 90 s ahead, a tenth of the devices 10 min ahead and a
-tenth 10 min behind, libfaketime) stay off for the whole run. The faults that apply to either
+tenth 10 min behind, libfaketime) stay off for the whole run; the commit points are crashed
+once each, after the load (``--fault commit-points``). The faults that apply to either
 backend (the analyzer outage, the bad network between shufflers and analyzer) run once per
 ``--backend`` (both by default: with PostgreSQL every party has its own database on a private
 cluster). ``--write`` records the table in
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _report import ROOT, add_write, machine, run_main, write_section
 
 from tests.faults import scenarios
-from tests.faults.cluster import binaries
+from tests.faults.cluster import Cluster, binaries
 from tests.faults.harness import LIBFAKETIME, Load, Row, table
 
 PAGE = ROOT / "docs" / "reliability.md"
@@ -43,7 +44,8 @@ HEADING = "## Faults under load"
 #: Faults 1, 3 and 5 at the analyzer's storage and between devices and a shuffler.
 STORAGE_AND_DEVICE_FAULTS = ("analyzer-postgres", "analyzer-disk", "device-network")
 FAULTS = (
-    "analyzer", "network", "postgres", "disk", "replica", "clocks", *STORAGE_AND_DEVICE_FAULTS
+    "analyzer", "network", "postgres", "disk", "replica", "clocks", "commit-points",
+    *STORAGE_AND_DEVICE_FAULTS
 )  # fmt: skip
 #: The faults run on each ``--backend``; the others have the one backend their fault needs.
 BOTH_BACKENDS = ("analyzer", "network")
@@ -78,6 +80,8 @@ def _scenario(name: str, tmp: Path, rate: float, seconds: float, backend: str) -
         if bin is None:
             return "no PostgreSQL server binaries under /usr/lib/postgresql"
         return scenarios.postgres_restart(tmp, once, fault, bin)
+    if name == "commit-points":
+        return _commit_points(tmp, once)
     if name == "replica":
         bin = binaries()
         if bin is None or shutil.which("haproxy") is None:
@@ -118,6 +122,20 @@ def _storage_or_device(name: str, tmp: Path, rate: float, seconds: float) -> Row
     if bin is None:
         return "no PostgreSQL server binaries under /usr/lib/postgresql"
     return scenarios.analyzer_postgres_restart(tmp, short, fault, bin)
+
+
+def _commit_points(tmp: Path, load: Load) -> Row:
+    """Fault 7, with shuffler-2 on a private PostgreSQL cluster when the server binaries are
+    there (SQLite only otherwise)."""
+    bin = binaries()
+    if bin is None:
+        return scenarios.commit_points(tmp, load)
+    cluster = Cluster.create(bin)
+    try:
+        cluster.start()
+        return scenarios.commit_points(tmp, load, {"shuffler-2": cluster.database("shuffler_2")})
+    finally:
+        cluster.remove()
 
 
 def main() -> None:

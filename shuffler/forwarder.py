@@ -29,6 +29,7 @@ from common.preauth import PREAUTH_HEADER, preauth_header
 from common.randomness import RandomSource
 from common.retry import Backoff, retry_after_seconds
 from common.wire import BatchAck, b64
+from runtime.failpoints import failpoint
 from shuffler.records import DuePart, PartKey
 from shuffler.store import ContributionStore
 
@@ -148,12 +149,15 @@ class Forwarder:
             part = self.store.claim(key, self.clock(), self.lease_seconds)
             if part is None:
                 continue
+            failpoint("shuffler.forward.after_lease")
             preauth = None
             if self.signer is not None:
                 signing = self.signer()
                 part = replace(part, signature=b64(sign(part.body, signing)))
                 preauth = preauth_header(self.shuffler_id, part.body, signing, self.clock())
             attempt = post_part(client, self.url, part, self.shuffler_id, preauth)
+            if attempt.outcome is Outcome.FORWARDED:
+                failpoint("shuffler.forward.after_post")
             self._record(part, attempt)
             tally[attempt.outcome] += 1
         return tally

@@ -35,6 +35,7 @@ from common.wire import (
     b64,
 )
 from runtime import db
+from runtime.failpoints import failpoint
 from runtime.keys import KeyDirectory, LiveKeys, PartyKeys
 from runtime.publish import publish
 from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, group_due
@@ -274,6 +275,7 @@ class ShufflerService:
         closed = self.intake.closed_upto.get(key.channel_id, -1)
         if now >= closes_at(policy, key.epoch, grace) or key.epoch <= closed:
             self.store.close_epoch(key.channel_id, key.epoch, now)
+            failpoint("shuffler.close.after_epoch_closed")
         placed, position = self._placement()
         if not placed:
             return None

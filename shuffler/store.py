@@ -54,6 +54,7 @@ from common.terms import ChannelTerms
 from common.wire import ChannelPolicy
 from runtime import db
 from runtime.conservation import LEDGER_CAUSES
+from runtime.failpoints import failpoint
 from shuffler import tables
 from shuffler.batcher import Batcher, DealtBatch, Deletion, Evaluation, GroupStatus, ReleasedBatch
 from shuffler.records import (
@@ -394,6 +395,7 @@ class ContributionStore(ABC):
                 batch = self._stage(key, batcher, ids[picked], fragments, now)
                 if batch is None:
                     return None
+                failpoint("shuffler.close.after_parts_staged")
         try:
             outcome = self._finish(key, ids, deletion, batch, now)
         except BaseException:
@@ -492,6 +494,8 @@ class ContributionStore(ABC):
             if batch is not None:
                 _publish(conn, key, batch, now)
             _apply(conn, key, part, ids, deletion, now)
+            failpoint("shuffler.close.group_before_commit")
+        failpoint("shuffler.close.group_after_commit")
         return Evaluation(deletion, batch)
 
     def _unstage(self, batch_id: str) -> None:
@@ -581,6 +585,8 @@ class ContributionStore(ABC):
                 .where(b.batch_id == key.batch_id, b.status != "forwarded", ~waiting)
                 .values(status="forwarded", forwarded_at=now)
             )
+            failpoint("shuffler.forward.ack_before_commit")
+        failpoint("shuffler.forward.ack_after_commit")
 
     def record_failed(self, key: PartKey, error: str) -> None:
         """The analyzer refused the part's content for good; it stays stored (counted as
@@ -1238,13 +1244,23 @@ class SqliteContributionStore(ContributionStore):
 
     def start_writing(self) -> None:
         """Take the file's writer lock and read the held keys now, so a second server on the
-        same file stops at its start, not at its first contribution.
+        same file stops at its start, not at its first contribution; then release every
+        forwarding lease: with the file's lock, any lease is a dead process's (a crash
+        between a part's claim and its outcome), and the part would otherwise wait out
+        ``forward_lease_seconds`` (two minutes by default) before it is sent again.
 
         Raises:
             SecondWriterError: another process writes to this file.
         """
         with self._writing:
             self._held_keys()
+        p = tables.batch_parts.c
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(tables.batch_parts)
+                .where(p.lease_until.is_not(None))
+                .values(lease_until=None)
+            )
 
     def _held_keys(self) -> HeldKeys:
         """The keys of the open epochs' rows, read from the table once (at

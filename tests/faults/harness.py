@@ -81,7 +81,8 @@ def deployment(
     once, shufflers batching fast; ``analyzer_url``: where the shufflers reach the analyzer
     (a fault proxy); ``databases``: a service's database URL by name (``shuffler-1``:
     PostgreSQL of the test's own cluster, a file on a tmpfs); ``overrides``: more settings;
-    ``env``: more environment of one process by name (``shuffler-1``: :func:`faketime`);
+    ``env``: more environment of one process by name (``shuffler-1``: :func:`faketime`,
+    ``ESA_FAILPOINTS`` armed in one);
     ``channels``: more channels than ``channel``; ``public_urls``: where devices reach a
     shuffler, by name (a fault proxy in front of it: the registry's URL and the one its
     descriptor vouches for)."""
@@ -168,6 +169,8 @@ class LoadRun:
     channel: str = TICKS.id
     #: More ``esa loadtest`` arguments (``--channel``, ``--clock-offset``, ``--expect-refusal``).
     extra: tuple[str, ...] = ()
+    #: How long verification waits for every batch to reach the analyzer and be opened.
+    drain_timeout: float = 120.0
     log: list[str] = field(default_factory=list)
     _running: threading.Event = field(default_factory=threading.Event)
     _process: subprocess.Popen[str] | None = None
@@ -191,7 +194,7 @@ class LoadRun:
             sys.executable, "-m", "services.cli", "loadtest",
             "--analyzer-url", self.analyzer_url,
             "--trust", str(var / launcher.TRUST_FILE), "--keys", str(var / "keys"),
-            "--out", str(self.out), "--no-live", "--drain-timeout", "120",
+            "--out", str(self.out), "--no-live", "--drain-timeout", str(self.drain_timeout),
             "--channel", self.channel, "--devices", str(self.load.devices),
             "--rate", str(self.load.rate), "--duration", str(self.load.seconds), *self.extra,
         ]  # fmt: skip

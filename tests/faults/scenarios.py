@@ -18,20 +18,24 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy import select
 
+from analyzer.store import AnalyzerStore
 from common.wire import MAX_EPOCH_SECONDS
 from encoder_client import Client
+from runtime import db, failpoints
 from services.cli import launcher
 from services.tools.credentials import Credentials
 from services.tools.loadtest import verify
-from tests.support import TEST_SHUFFLER_SETTINGS
+from shuffler import tables as shuffler_tables
+from tests.support import TEST_SHUFFLER_SETTINGS, ServiceProcess
 
 from .cluster import Cluster
 from .harness import (
@@ -559,3 +563,203 @@ def bad_device_network(tmp: Path, load: Load, fault_seconds: float) -> Row:
     return Row(
         "bad network devices → shuffler", "SQLite", summary, recovered, seen | {"log": run.tail()}
     )
+
+
+#: The shuffler's commit points (runtime/failpoints.py) in the order an epoch's close meets
+#: them: the close, the group's evaluation, the forwarding of its first part.
+SHUFFLER_POINTS = tuple(p for p in failpoints.POINTS if p.startswith("shuffler."))
+#: The analyzer's commit points in the order a batch meets them (a part stored, opened, folded,
+#: its batch completed, its epoch closed), but for a release's (:data:`RELEASE_POINTS`).
+ANALYZER_POINTS = tuple(
+    p for p in failpoints.POINTS if p.startswith("analyzer.") and ".release." not in p
+)
+#: A release's record, crashed when it is published after the load test.
+RELEASE_POINTS = ("analyzer.release.before_commit", "analyzer.release.after_commit")
+#: How long a process armed with a point may run before it must have crashed there.
+POINT_TIMEOUT = 120.0
+#: How long verification may take to drain: a process's restart takes 2-10 s on a loaded
+#: 2-core machine, and the chains' ~25 restarts overlap only in part.
+DRAIN_TIMEOUT = 400.0
+#: Contributions per batch part: every batch of the run comes in several parts, so a part
+#: that is not its batch's last is folded (``analyzer.fold.part_before_commit``).
+PART_FRAGMENTS = "40"
+
+
+@dataclass(frozen=True)
+class Crash:
+    """One process's death at one failpoint: its exit status (-9: SIGKILL; None: never
+    reached), whether it wrote the point's line just before, and when it died."""
+
+    point: str
+    returncode: int | None
+    logged: bool
+    died_at: float
+
+
+@dataclass
+class CrashChain:
+    """Crashes one process at each of ``points`` in turn (in a thread): the process runs armed
+    with the first (``ESA_FAILPOINTS``, started so), and each time it dies it is started again
+    armed with the next, which also makes it recover from the crash before; after the last it
+    is started unarmed (``ready_at``: when it answered ready)."""
+
+    process: ServiceProcess
+    points: Sequence[str]
+    crashes: list[Crash] = field(default_factory=list)
+    ready_at: float | None = None
+    error: BaseException | None = None
+    #: Set when the test ends early: the process is not started again.
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _offset: int = 0
+
+    def start(self) -> CrashChain:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        assert self._thread is not None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"{self.process.spec.name}: crash chain still running")
+        if self.error is not None:
+            raise AssertionError(f"{self.process.spec.name}: crash chain failed") from self.error
+
+    def _run(self) -> None:
+        try:
+            for index, point in enumerate(self.points):
+                self.crashes.append(self._await(point))
+                if self.cancelled.is_set():
+                    return
+                following = self.points[index + 1 : index + 2]
+                self._restart(following[0] if following else None)
+        except BaseException as error:  # reported by join
+            self.error = error
+
+    def _await(self, point: str) -> Crash:
+        return _death(self.process, point, self._offset)
+
+    def _restart(self, point: str | None) -> None:
+        if point is None:
+            self.process.env.pop(failpoints.ENV, None)
+            self.process.start(POINT_TIMEOUT)
+            self.ready_at = time.monotonic()
+            return
+        self.process.env[failpoints.ENV] = point
+        self._offset = self.process.log_path.stat().st_size
+        self.process.service = launcher.start(self.process.spec, self.process.log_path)
+
+
+def crash_chains(deployed: Deployed, names: Sequence[str]) -> list[CrashChain]:
+    """A :class:`CrashChain` per process named (``shuffler-N``: :data:`SHUFFLER_POINTS`,
+    ``analyzer``: :data:`ANALYZER_POINTS`), started."""
+    processes = {p.spec.name: p for p in (deployed.analyzer, *deployed.shufflers)}
+    return [
+        CrashChain(processes[n], ANALYZER_POINTS if n == "analyzer" else SHUFFLER_POINTS).start()
+        for n in names
+    ]
+
+
+def commit_points(tmp: Path, load: Load, databases: Mapping[str, str] | None = None) -> Row:
+    """Fault 7: a crash at every commit point of the shufflers' epoch close and forwarding
+    and of the analyzer's intake, fold and epoch closure (:mod:`runtime.failpoints`), and of
+    a release's record.
+
+    On a channel whose one epoch outlasts the run, the load is taken with nothing closing;
+    then the load test's verification closes the epoch, and shuffler-1 (and every shuffler
+    of ``databases``: PostgreSQL), armed from their start, die at each point in turn, as the
+    analyzer does while their batches arrive and when verification closes its epoch; each
+    death is followed by a restart armed with the next point (which recovers from the one
+    before), then an unarmed one. After the load test, a release is published while the
+    analyzer is armed at :data:`RELEASE_POINTS`. The time to recover: from the last crash of
+    any process until it answered ready again."""
+    names = ["shuffler-1", *sorted(set(databases or {}) - {"shuffler-1"}), "analyzer"]
+    env = {n: {failpoints.ENV: (ANALYZER_POINTS if n == "analyzer" else SHUFFLER_POINTS)[0]}
+           for n in names}  # fmt: skip
+    for name in databases or {}:  # a PostgreSQL shuffler's lease is its only recovery
+        env[name]["ESA_SHUFFLER_FORWARD_LEASE_SECONDS"] = "3"
+    # opening in the analyzer's own process: a restart need not start a pool of workers
+    overrides = {
+        "ESA_SHUFFLER_PART_FRAGMENTS": PART_FRAGMENTS,
+        "ESA_ANALYZER_OPENING_PROCESSES": "1",
+    }
+    with deployment(
+        tmp / "var", LONG, databases=databases, overrides=overrides, env=env
+    ) as deployed:
+        chains = crash_chains(deployed, names)
+        run = LoadRun.against(deployed, tmp / "out", load, LONG.id)
+        run.drain_timeout = DRAIN_TIMEOUT  # every crash and restart happens while it drains
+        try:
+            summary = run.start().finish(DRAIN_TIMEOUT + 300)
+            for chain in chains:
+                chain.join(60)
+        finally:  # a failed run: no process is started again once the deployment stops
+            for chain in chains:
+                chain.cancelled.set()
+        forwarded = [_forwarded(p.env["ESA_SHUFFLER_DATABASE_URL"]) for p in deployed.shufflers]
+        published, releases = publish_crashing(deployed)
+    crashes = {c.process.spec.name: c.crashes for c in chains} | {"analyzer release": published}
+    recovered = max((c.ready_at or 0.0) - c.crashes[-1].died_at for c in chains)
+    backend = "SQLite" + (" + PostgreSQL" if databases else "")
+    seen = {"crashes": crashes, "releases": releases, "forwarded": forwarded, "log": run.tail()}
+    return Row("a crash at every commit point", backend, summary, recovered, seen)
+
+
+def publish_crashing(deployed: Deployed) -> tuple[list[Crash], int]:
+    """Publish the release of the last settled epoch with the analyzer armed at each of
+    :data:`RELEASE_POINTS` in turn (each publish cut off by its crash), then start it
+    unarmed; the crashes and how many releases its database then records."""
+    analyzer, crashes = deployed.analyzer, []
+    url = f"{analyzer.url}/v1/channels/{LONG.id}/releases"
+    tokens = Credentials(folder=deployed.var / "keys").for_parties({"analyzer": analyzer.url})
+    headers = tokens.admin_headers(analyzer.url)
+    epoch = {"epoch": int(time.time() // LONG.epoch_seconds)}
+    for point in RELEASE_POINTS:
+        analyzer.stop()
+        analyzer.env[failpoints.ENV] = point
+        offset = analyzer.log_path.stat().st_size
+        analyzer.start(POINT_TIMEOUT)  # ready: the point is reached only by a publish
+        try:
+            answer = httpx.post(url, json=epoch, headers=headers, timeout=60)
+        except httpx.TransportError:  # cut off by the crash
+            pass
+        else:
+            raise AssertionError(f"the publish was answered: {answer.status_code} {answer.text}")
+        crashes.append(_death(analyzer, point, offset))
+    analyzer.env.pop(failpoints.ENV)
+    analyzer.start(POINT_TIMEOUT)
+    store = AnalyzerStore(db.make_engine(analyzer.env["ESA_ANALYZER_DATABASE_URL"]))
+    try:
+        return crashes, len(store.releases(LONG.id))
+    finally:
+        store.engine.dispose()
+
+
+def _death(process: ServiceProcess, point: str, offset: int) -> Crash:
+    """Wait for ``process`` to die at ``point`` (killed after :data:`POINT_TIMEOUT`: never
+    reached), its log read from ``offset``."""
+    service = process.service
+    assert service is not None
+    try:
+        code: int | None = service.process.wait(POINT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        service.kill()
+        code = None
+    died = time.monotonic()
+    written = process.log_path.read_bytes()[offset:]
+    return Crash(point, code, f"failpoint {point}: SIGKILL".encode() in written, died)
+
+
+def _forwarded(database_url: str) -> tuple[int, int]:
+    """A shuffler's batches of :data:`LONG` and the contributions in those it forwarded
+    (from its database)."""
+    b = shuffler_tables.batches.c
+    engine = db.make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(select(b.status, b.n_contributions).where(b.channel_id == LONG.id))
+            found = [(str(status), int(n)) for status, n in rows]
+    finally:
+        engine.dispose()
+    return len(found), sum(n for status, n in found if status == "forwarded")

@@ -655,9 +655,13 @@ def test_refusals_other_than_the_rate_limit_fail_the_verification() -> None:
     ]
 
 
-def test_a_deployment_gone_before_verification_is_a_clear_error() -> None:
+def test_a_deployment_gone_before_verification_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A shuffler or the analyzer that stopped answering (the deployment went away during the
-    run) is a VerifyError naming what verification was doing, never a traceback."""
+    run) is a VerifyError naming what verification was doing, never a traceback, once it
+    waited for a restart (here 1 s instead of two minutes)."""
+    monkeypatch.setattr(verify, "RESTART_PATIENCE_SECONDS", 1.0)
     url = f"http://127.0.0.1:{launcher.free_base_port(1)}"  # nothing listens there
     with pytest.raises(verify.VerifyError, match=f"closing pages epoch 7 at {url}"):
         verify.close_epochs([url], Credentials.shared("development"), {"pages": [7]})

@@ -20,6 +20,7 @@ from runtime import db
 from shuffler import tables
 from shuffler.forwarder import Outcome
 from shuffler.service import ShufflerService
+from shuffler.store import make_store
 
 from .factory import Clock, fill, make_service, migrations_on
 
@@ -98,6 +99,29 @@ def test_a_claimed_part_is_not_claimed_again_until_its_lease_expires(
     assert store.claim(key, clock.now + 61, 60.0) is not None  # its forwarder died
     store.record_forwarded(key, clock.now + 62)
     assert store.claim(key, clock.now + 200, 60.0) is None
+
+
+def test_a_lease_left_by_a_crash_is_released_when_a_sqlite_shuffler_starts(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A crash between a part's claim and its outcome (fault 7, docs/reliability.md) leaves
+    the part leased. On SQLite one process writes the file (its writer lock), so the next
+    start releases every lease and sends the part at once instead of after the lease
+    (``forward_lease_seconds``, two minutes by default); on PostgreSQL another replica may
+    hold the lease, so it runs out."""
+    service, clock = _closed(database_url, tmp_path)
+    store = service.store
+    key = store.due_parts(clock.now)[0]
+    assert store.claim(key, clock.now, 120.0) is not None
+    store.close()  # the crashed process's writer lock is gone with it
+    restarted = make_store(db.make_engine(database_url))
+    restarted.claim_file()
+    restarted.start_writing()
+    try:
+        released = key in restarted.due_parts(clock.now + 1)
+        assert released == database_url.startswith("sqlite")
+    finally:
+        restarted.close()
 
 
 def test_two_forwarders_racing_deliver_each_part_once(database_url: str, tmp_path: Path) -> None:

@@ -50,15 +50,39 @@ _METRIC = re.compile(r"^(esa_[a-z_]+)(\{[^}]*\})? (\S+)$", re.MULTILINE)
 QUEUES = ("pending", "held", "in_batches_unforwarded")
 
 
+#: How long verification waits for a service that does not answer at all (a refused or
+#: broken connection: a crash and restart, docs/reliability.md) before it gives up.
+RESTART_PATIENCE_SECONDS = 120.0
+
+
 class VerifyError(RuntimeError):
     """Verification could not be completed (unreachable service, drain timed out)."""
+
+
+def _request(method: str, url: str, **options: Any) -> httpx.Response:
+    """One HTTP request, sent again while the service does not answer at all (connection
+    refused or cut: restarting), for :data:`RESTART_PATIENCE_SECONDS`. Every request
+    verification sends may be repeated (reads, and closes that are idempotent).
+
+    Raises:
+        httpx.HTTPError: still no answer after that, or any other failure.
+    """
+    deadline = time.monotonic() + RESTART_PATIENCE_SECONDS
+    while True:
+        try:
+            return httpx.request(method, url, **options)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def scrape(url: str, tokens: Credentials | None) -> dict[str, float]:
     """A service's ``/metrics`` as {name{labels}: value} (with its metrics token)."""
     headers = {} if tokens is None else tokens.metrics_headers(url)
     try:
-        response = httpx.get(url + "/metrics", headers=headers, timeout=30).raise_for_status()
+        response = _request("GET", url + "/metrics", headers=headers, timeout=30)
+        response.raise_for_status()
     except httpx.HTTPError as error:
         raise VerifyError(f"metrics of {url}: {error}") from error
     return parse_metrics(response.text)
@@ -121,7 +145,8 @@ def close_epochs(
         for epoch in numbers:
             for url in urls:
                 try:
-                    response = httpx.post(
+                    response = _request(
+                        "POST",
                         url + "/v1/admin/close",
                         json={"channel_id": channel_id, "epoch": epoch},
                         headers=tokens.admin_headers(url),
@@ -180,7 +205,8 @@ def close_at_analyzer(
     for channel_id, numbers in epochs.items():
         url = f"{analyzer_url}/v1/admin/channels/{channel_id}/close"
         try:
-            response = httpx.post(
+            response = _request(
+                "POST",
                 url,
                 json={"epoch": max(numbers)},
                 headers=tokens.admin_headers(analyzer_url),
@@ -201,7 +227,8 @@ def release(
         VerifyError: the analyzer did not answer.
     """
     try:
-        response = httpx.get(
+        response = _request(
+            "GET",
             f"{analyzer_url}/v1/channels/{channel_id}/estimate",
             params={"epoch_from": min(epochs), "epoch_to": max(epochs), "top": k},
             timeout=300,
