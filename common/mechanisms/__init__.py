@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from common.mechanisms._wire import WIRE_VERSION, FragmentError
 from common.mechanisms.device import (
     BatchContext,
+    BoundDevice,
     DeviceMechanism,
     Encoded,
     FragmentCount,
@@ -37,7 +38,10 @@ from common.mechanisms.device.longitudinal import LongitudinalDevice
 from common.mechanisms.device.rfrag import RFragDevice
 from common.mechanisms.device.zsum import ZSumDevice
 from common.mechanisms.registry import (
+    ChannelSpec,
     UnknownMechanismError,
+    build,
+    build_device,
     get,
     get_device,
     names,
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     from common.mechanisms import krappor, krr, ldpsgd, longitudinal, rfrag, zsum
     from common.mechanisms._estimates import CountAccumulator, Estimate
     from common.mechanisms.base import (
+        Accumulator,
+        BoundMechanism,
         Mechanism,
         NoDataError,
         PrivacyDescription,
@@ -93,6 +99,8 @@ for _device in BUILT_IN_DEVICES:
 _WHERE = {
     "CountAccumulator": "common.mechanisms._estimates",
     "Estimate": "common.mechanisms._estimates",
+    "Accumulator": "common.mechanisms.base",
+    "BoundMechanism": "common.mechanisms.base",
     "Mechanism": "common.mechanisms.base",
     "NoDataError": "common.mechanisms.base",
     "PrivacyDescription": "common.mechanisms.base",
@@ -120,7 +128,11 @@ __all__ = [
     "BUILT_IN",
     "BUILT_IN_DEVICES",
     "WIRE_VERSION",
+    "Accumulator",
     "BatchContext",
+    "BoundDevice",
+    "BoundMechanism",
+    "ChannelSpec",
     "CountAccumulator",
     "DeviceMechanism",
     "Encoded",
@@ -142,6 +154,8 @@ __all__ = [
     "SystemSource",
     "UnknownMechanismError",
     "ValueKind",
+    "build",
+    "build_device",
     "default_source",
     "get",
     "get_device",
