@@ -8,6 +8,10 @@ here that completes it for the analyzer and accounting (the accumulator, ``estim
 ``simulate_aggregate``, vectorized sampling of the accumulator for paper-scale experiments):
 one class implementing :class:`common.mechanisms.base.Mechanism`, registered below.
 
+Callers hold a channel's mechanism with its parameters bound, parsed once: :func:`build`
+(:class:`BoundMechanism`, for the analyzer and the tools) or :func:`build_device`
+(:class:`BoundDevice`, for devices); no method of those takes parameters.
+
 Importing this package loads the device side only: the analyzer's and accounting's names
 (:class:`Mechanism`, :class:`Estimate`, the mechanism modules...) load on first use (PEP 562),
 so ``import encoder_client`` stays free of numpy, scipy and dp_accounting (docs/sdk.md, "What
