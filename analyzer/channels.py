@@ -1,7 +1,10 @@
-"""A configured channel: its mechanism (from the registry) with validated parameters.
+"""A configured channel: its config and its mechanism with the parameters bound
+(:func:`common.mechanisms.registry.build`, once per channel).
 
-The analyzer treats every mechanism the same way through :class:`ChannelRuntime`; everything
-mechanism-specific lives in the mechanism's module (:mod:`common.mechanisms.base`).
+The analyzer treats every mechanism the same way through the bound mechanism's methods;
+everything mechanism-specific lives in the mechanism's module (:mod:`common.mechanisms.base`).
+:class:`ChannelRuntime` adds only what is the channel's: its δ, its ``max_fragments`` and where
+each shuffler sits.
 """
 
 from __future__ import annotations
@@ -10,22 +13,19 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from analyzer.errors import InvalidChannelError
 from analyzer.store import ReceivedRange
 from common.mechanisms import (
+    Accumulator,
     BatchContext,
-    Estimate,
+    BoundMechanism,
     FragmentCount,
-    LocalPrivacy,
-    Mechanism,
     NoDataError,
     Received,
     ReleaseCertificate,
-    get,
+    build,
 )
-from common.mechanisms.base import Accumulator
 from common.wire import ChannelConfig
 
 #: How far above a mechanism's mean fragment count a channel's ``max_fragments`` must sit when
@@ -34,13 +34,20 @@ from common.wire import ChannelConfig
 TRUNCATION_SIGMAS = 8.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChannelRuntime:
-    """A configured channel with its mechanism and validated parameters."""
+    """A configured channel: its config, its mechanism with the parameters bound (built once,
+    when the channel is; the mechanism's own methods, which take no parameters, are called
+    on :attr:`mechanism` directly) and the shufflers its batches come from.
+
+    Attributes:
+        config: The channel's config.
+        mechanism: Its mechanism with its parameters bound.
+        shuffler_ids: The registered shufflers, in the order that gives each its position.
+    """
 
     config: ChannelConfig
-    mechanism: Mechanism[Any, Any]
-    params: Any
+    mechanism: BoundMechanism[object, Accumulator]
     shuffler_ids: tuple[str, ...]
 
     @classmethod
@@ -51,17 +58,16 @@ class ChannelRuntime:
             InvalidChannelError: naming the channel and what is wrong.
         """
         try:
-            mechanism = get(config.mechanism)
-            params = mechanism.parse_params(config.params)
+            mechanism = build(config)
         except (TypeError, ValueError) as error:
             raise InvalidChannelError(f"channel {config.id!r}: {error}") from error
-        _check_fragment_bounds(config, mechanism, params, len(shuffler_ids))
+        _check_fragment_bounds(config, mechanism, len(shuffler_ids))
         if config.payload_size < mechanism.payload_size + 4:
             raise InvalidChannelError(
                 f"channel {config.id!r}: payload_size={config.payload_size} is smaller than the "
                 f"{mechanism.payload_size + 4} bytes a {config.mechanism} fragment needs padded"
             )
-        return cls(config, mechanism, params, tuple(shuffler_ids))
+        return cls(config=config, mechanism=mechanism, shuffler_ids=tuple(shuffler_ids))
 
     def source(self, shuffler_id: str) -> BatchContext:
         """Where a registered shuffler sits among the K shufflers."""
@@ -75,53 +81,32 @@ class ChannelRuntime:
         verified crowd, never let a claim through (and :meth:`build` refuses a
         ``max_fragments`` that would cut more than a negligible tail). Bernstein's range term
         stays the law's (:attr:`FragmentCount.honest_maximum`)."""
-        count = self.mechanism.fragment_count(self.params, self.source(shuffler_id))
+        count = self.mechanism.fragment_count(self.source(shuffler_id))
         return count.accepting(self.config.max_fragments)
-
-    def new_accumulator(self) -> Accumulator:
-        """Empty sufficient statistics."""
-        result: Accumulator = self.mechanism.new_accumulator(self.params)
-        return result
-
-    def load(self, data: bytes) -> Accumulator:
-        """Deserialize an accumulator of this channel."""
-        result: Accumulator = self.mechanism.load_accumulator(self.params, data)
-        return result
 
     def add(
         self, accumulator: Accumulator, fragments: Sequence[bytes], n: int, shuffler_id: str
     ) -> int:
-        """Fold one batch's opened fragments in; returns the invalid ones (chaff)."""
-        invalid: int = self.mechanism.accumulate(
-            self.params, accumulator, fragments, n, self.source(shuffler_id)
-        )
-        return invalid
+        """Fold one batch from ``shuffler_id`` in (the mechanism's ``accumulate`` at that
+        shuffler's position); returns the invalid fragments (chaff)."""
+        return self.mechanism.accumulate(accumulator, fragments, n, self.source(shuffler_id))
 
-    def estimate(self, accumulator: Accumulator) -> Estimate:
-        """The mechanism's estimate."""
-        result: Estimate = self.mechanism.estimate(self.params, accumulator)
-        return result
+    def certify(self, received: Sequence[Received[Accumulator]]) -> ReleaseCertificate:
+        """The release certificate over what was received, at the channel's δ.
 
-    def local_privacy(self) -> LocalPrivacy:
-        """What one report reveals locally."""
-        result: LocalPrivacy = self.mechanism.local_privacy(self.params)
-        return result
+        Raises:
+            NoDataError: nothing in ``received`` a certificate can rest on.
+        """
+        return self.mechanism.certify(self.config.delta, received)
 
-    def certify(self, received: Sequence[Received[Any]]) -> ReleaseCertificate:
-        """The release certificate over what was received (NoDataError if nothing usable)."""
-        result: ReleaseCertificate = self.mechanism.certify(
-            self.params, self.config.delta, received
-        )
-        return result
-
-    def crowds(self, received: ReceivedRange) -> list[Received[Any]]:
+    def crowds(self, received: ReceivedRange) -> list[Received[Accumulator]]:
         """What the mechanism certifies from: each stored (epoch, shuffler) with its batches."""
         return [
             Received(
                 epoch=s.epoch,
                 shuffler_id=s.shuffler_id,
                 batches=received.batch_sizes.get((s.epoch, s.shuffler_id), ()),
-                accumulator=self.load(s.state),
+                accumulator=self.mechanism.load_accumulator(s.state),
                 source=self.source(s.shuffler_id),
             )
             for s in received.states
@@ -144,7 +129,7 @@ class ChannelRuntime:
 
 
 def _check_fragment_bounds(
-    config: ChannelConfig, mechanism: Mechanism[Any, Any], params: Any, shufflers: int
+    config: ChannelConfig, mechanism: BoundMechanism[object, Accumulator], shufflers: int
 ) -> None:
     """The channel's ``[min_fragments, max_fragments]`` must hold every honest contribution
     to every shuffler (up to a tail :data:`TRUNCATION_SIGMAS` standard deviations out), since
@@ -154,7 +139,7 @@ def _check_fragment_bounds(
         InvalidChannelError: naming the bound and what an honest report can carry.
     """
     for index in range(max(1, shufflers)):
-        count = mechanism.fragment_count(params, BatchContext(index, max(1, shufflers)))
+        count = mechanism.fragment_count(BatchContext(index, max(1, shufflers)))
         if config.min_fragments > count.minimum:
             raise InvalidChannelError(
                 f"channel {config.id!r}: min_fragments={config.min_fragments}, but a "

@@ -188,9 +188,7 @@ def _epochs(
         certificate = _certificate_epoch(rt, item, deleted, replacement)
         pair = None
         if item.n >= 1:
-            pair = rt.mechanism.epoch_pair(
-                rt.params, n, share, deletion=deletion, replacement=replacement
-            )
+            pair = rt.mechanism.epoch_pair(n, share, deletion=deletion, replacement=replacement)
         # A pair stated in another notion than the epoch's certificate (an out-of-tree
         # mechanism's mistake) would not compose with the other epochs: keep the certificate.
         if pair is not None and pair.neighbouring == certificate.neighbouring:
@@ -279,7 +277,7 @@ def _reports(items: Sequence[Item]) -> list[tuple[float, float]]:
     """(epoch start, local ε) of a device that reported in every epoch of ``items``: the
     SDK charges each report its local ε in the replacement notion at the epoch's start."""
     return [
-        (float(item.epoch * rt.config.epoch_seconds), rt.local_privacy().replacement)
+        (float(item.epoch * rt.config.epoch_seconds), rt.mechanism.local_privacy().replacement)
         for rt, item in items
     ]
 

@@ -478,7 +478,10 @@ def _folder(
     # Fragments seen before in the epoch (``repeated``, positions in ``opened``) are left out
     # and count as invalid; ``invalid`` receives (invalid, repeated) of the fold that commits.
     def fold(state: bytes | None, repeated: Collection[int]) -> tuple[bytes, int]:
-        accumulator = runtime.new_accumulator() if state is None else runtime.load(state)
+        mechanism = runtime.mechanism
+        accumulator = (
+            mechanism.new_accumulator() if state is None else mechanism.load_accumulator(state)
+        )
         skip = set(repeated)
         first = [f for i, f in enumerate(opened) if i not in skip] if skip else opened
         unparsed = runtime.add(accumulator, first, 0, header.shuffler_id)
@@ -494,7 +497,7 @@ def _completer(runtime: ChannelRuntime, header: PartHeader, verified: list[int])
     def complete(state: bytes, valid: int, invalid: int) -> Completion:
         count = runtime.fragment_count(header.shuffler_id)
         crowd = count.verified_crowd(header.n_contributions, valid, invalid)
-        accumulator = runtime.load(state)
+        accumulator = runtime.mechanism.load_accumulator(state)
         estimated = count.estimated_crowd(header.n_contributions, valid, invalid)
         runtime.add(accumulator, (), estimated, header.shuffler_id)
         verified.append(crowd)
@@ -508,7 +511,8 @@ def _merger(runtime: ChannelRuntime) -> Merge:
     def merge(state: bytes | None, batch: bytes) -> bytes:
         if state is None:
             return batch
-        merged = runtime.load(state).merge(runtime.load(batch))
+        load = runtime.mechanism.load_accumulator
+        merged = load(state).merge(load(batch))
         return bytes(merged.to_bytes())
 
     return merge

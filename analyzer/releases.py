@@ -429,13 +429,13 @@ def _computed(
         channel_id=config.id,
         epoch_from=epoch_from,
         epoch_to=epoch_to,
-        estimate=runtime.estimate(merged),
+        estimate=runtime.mechanism.estimate(merged),
         certificate=certs.certified,
         other_notion=certs.other,
         crowds=certs.crowds,
         add_remove=certs.with_deletion(config.eps_cr, config.delta_cr),
         lower=certs.lower,
-        local=runtime.local_privacy(),
+        local=runtime.mechanism.local_privacy(),
     )
 
 

@@ -98,7 +98,7 @@ class Trainer:
         path = self._path(channel_id)
         if path.exists():
             return TrainingState.from_json(path.read_text())
-        return TrainingState(0, [0.0] * runtime.params.dim)
+        return TrainingState(0, [0.0] * _params(runtime).dim)
 
     def _save(self, channel_id: str, state: TrainingState) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +124,7 @@ class Trainer:
 
     def _step(self, channel_id: str, epoch_to: int | None) -> StepRecord:
         runtime = self._runtime(channel_id)
-        params: ldpsgd.LdpSgdParams = runtime.params
+        params = _params(runtime)
         state = self.state(channel_id)
         # Never past the last epoch received, nor past an epoch still waiting for a shuffler's
         # batch (docs/protocol-notes.md, "Releases wait for every shuffler": θ is public): a
@@ -139,6 +139,7 @@ class Trainer:
         crowds = runtime.crowds(received)
         merged = ldpsgd.LdpSgdAccumulator(params.dim)
         for item in crowds:
+            assert isinstance(item.accumulator, ldpsgd.LdpSgdAccumulator), "an ldp-sgd channel"
             merged = merged.merge(item.accumulator)
         used = merged.counts.get(state.round, 0)
         if used == 0:
@@ -165,6 +166,14 @@ class Trainer:
         steps = [*state.steps, record]
         self._save(channel_id, TrainingState(state.round + 1, theta.tolist(), last + 1, steps))
         return record
+
+
+def _params(runtime: ChannelRuntime) -> ldpsgd.LdpSgdParams:
+    """The LDP-SGD parameters of a training channel."""
+    params = runtime.mechanism.params
+    if not isinstance(params, ldpsgd.LdpSgdParams):
+        raise UnknownChannelError(f"channel {runtime.config.id!r} is not an ldp-sgd channel")
+    return params
 
 
 def published_channels(

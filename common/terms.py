@@ -15,7 +15,13 @@ from typing import Any
 
 from pydantic import Field
 
-from common.mechanisms import BatchContext, LocalPrivacy, UnknownMechanismError, get_device
+from common.mechanisms import (
+    BatchContext,
+    LocalPrivacy,
+    UnknownMechanismError,
+    build_device,
+    get_device,
+)
 from common.wire import ChannelConfig, ChannelPolicy, DeviceBudget
 
 #: Relative slack when comparing two ε or δ, so that the same number computed twice is equal.
@@ -54,8 +60,7 @@ class ChannelTerms(ChannelPolicy):
         10**400 that overflows a float, so nothing can be ordered). The parameters are another
         party's signed word: any failure to evaluate them refuses this channel alone."""
         try:
-            mechanism = get_device(self.mechanism)
-            local = mechanism.local_privacy(mechanism.parse_params(self.params))
+            local = build_device(self).local_privacy()
             notions = [float(getattr(local, notion)) for notion in NOTIONS]
         except Exception:
             return None
@@ -67,8 +72,7 @@ class ChannelTerms(ChannelPolicy):
         (:meth:`common.mechanisms.FragmentCount.verified_crowd`, the law as the channel
         accepts it); None when this party cannot evaluate the mechanism."""
         try:
-            mechanism = get_device(self.mechanism)
-            law = mechanism.fragment_count(mechanism.parse_params(self.params), source)
+            law = build_device(self).fragment_count(source)
         except Exception:
             return None
         return law.accepting(self.max_fragments).verified_crowd(claimed, fragments, 0)
@@ -89,8 +93,7 @@ class ChannelTerms(ChannelPolicy):
         if self.mechanism != other.mechanism:
             return False
         try:
-            mechanism = get_device(self.mechanism)
-            return bool(mechanism.parse_params(self.params) == mechanism.parse_params(other.params))
+            return build_device(self).params == build_device(other).params
         except Exception:
             return self.params == other.params
 

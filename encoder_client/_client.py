@@ -28,6 +28,7 @@ from common.collection import (
 )
 from common.envelope import load_ed25519_public, load_x25519_public
 from common.mechanisms import (
+    BoundDevice,
     DeviceMechanism,
     MechanismError,
     StaleUpdateError,
@@ -694,6 +695,18 @@ def _limits(scope: str | None, budget: DeviceBudget, epoch_start: float) -> list
     return limits
 
 
+def _bound(config: ChannelConfig, mechanism: DeviceMechanism[Any]) -> BoundDevice[object]:
+    """``mechanism`` with ``config``'s parameters bound.
+
+    Raises:
+        ChannelError: the parameters do not validate.
+    """
+    try:
+        return mechanism.bind(config.params)
+    except (TypeError, ValueError) as error:
+        raise ChannelError(f"channel {config.id!r} does not validate: {error}") from error
+
+
 class Reporter:
     """Reports on one channel, in one of its declared crowds, through its mechanism (one
     contribution per epoch, whatever the crowd: docs/protocol.md's quota), with the channel as the
@@ -707,15 +720,8 @@ class Reporter:
         crowd: str = "",
     ) -> None:
         self._client = client
-        self._mechanism = mechanism
         self.crowd = crowd
-        self._config, self._params = config, self._parsed(config)
-
-    def _parsed(self, config: ChannelConfig) -> Any:
-        try:
-            return self._mechanism.parse_params(config.params)
-        except (TypeError, ValueError) as error:
-            raise ChannelError(f"channel {config.id!r} does not validate: {error}") from error
+        self._config, self._mechanism = config, _bound(config, mechanism)
 
     def _fresh(self) -> None:
         """The channel as the current config states it (refreshed first if it expired): a
@@ -733,7 +739,7 @@ class Reporter:
             raise ChannelError(
                 f"channel {config.id!r} is now {config.mechanism}, not {self._mechanism.name}"
             )
-        self._config, self._params = config, self._parsed(config)
+        self._config, self._mechanism = config, _bound(config, self._mechanism.mechanism)
 
     def _submit(self, value: Any) -> None:
         """Encode ``value`` with the channel's mechanism, seal and queue it with the state.
@@ -759,8 +765,8 @@ class Reporter:
         client, config, mechanism = self._client, self._config, self._mechanism
         saved = client.state.channel_state(config.id, mechanism.name)
         try:
-            state = saved if saved is not None else mechanism.new_state(self._params, _RNG)
-            return mechanism.encode(self._params, value, state, _RNG, len(client._shufflers))
+            state = saved if saved is not None else mechanism.new_state(_RNG)
+            return mechanism.encode(value, state, _RNG, len(client._shufflers))
         except StaleUpdateError as error:
             raise AlreadyReportedError(str(error)) from error
         except StateConflictError as error:
@@ -780,7 +786,7 @@ class Reporter:
             client._seal(config, self.crowd, epoch, client._route(slot), list(fragments))
             for slot, fragments in encoded.routes
         ]
-        charge = client._charge(config, epoch, mechanism.local_privacy(self._params).replacement)
+        charge = client._charge(config, epoch, mechanism.local_privacy().replacement)
         client._queue(config, epoch, mechanism.name, encoded.state, outbox, charge)
 
 

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from common.mechanisms import UnknownMechanismError, ValueKind, get_device
+from common.mechanisms import UnknownMechanismError, ValueKind, build_device
 from encoder_client._client import Client
 from encoder_client._errors import ChannelError, EsaError
 
@@ -224,8 +224,8 @@ def _bind(i: int, rule: CategoryRule | BucketRule | StateRule, client: Client) -
     try:
         config = client.channel(rule.channel)
         crowd = client.crowd(rule.channel, rule.crowd)
-        mechanism = get_device(config.mechanism)
-        domain = mechanism.domain_size(mechanism.parse_params(config.params))
+        mechanism = build_device(config)
+        domain = mechanism.domain_size()
     except (ChannelError, UnknownMechanismError, TypeError, ValueError) as error:
         raise MappingError(f"{where}: {error}") from error
     want = ValueKind.STATE if isinstance(rule, StateRule) else ValueKind.CATEGORY

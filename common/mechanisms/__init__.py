@@ -8,6 +8,10 @@ here that completes it for the analyzer and accounting (the accumulator, ``estim
 ``simulate_aggregate``, vectorized sampling of the accumulator for paper-scale experiments):
 one class implementing :class:`common.mechanisms.base.Mechanism`, registered below.
 
+Callers hold a channel's mechanism with its parameters bound, parsed once: :func:`build`
+(:class:`BoundMechanism`, for the analyzer and the tools) or :func:`build_device`
+(:class:`BoundDevice`, for devices); no method of those takes parameters.
+
 Importing this package loads the device side only: the analyzer's and accounting's names
 (:class:`Mechanism`, :class:`Estimate`, the mechanism modules...) load on first use (PEP 562),
 so ``import encoder_client`` stays free of numpy, scipy and dp_accounting (docs/sdk.md, "What
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from common.mechanisms._wire import WIRE_VERSION, FragmentError
 from common.mechanisms.device import (
     BatchContext,
+    BoundDevice,
     DeviceMechanism,
     Encoded,
     FragmentCount,
@@ -37,7 +42,10 @@ from common.mechanisms.device.longitudinal import LongitudinalDevice
 from common.mechanisms.device.rfrag import RFragDevice
 from common.mechanisms.device.zsum import ZSumDevice
 from common.mechanisms.registry import (
+    ChannelSpec,
     UnknownMechanismError,
+    build,
+    build_device,
     get,
     get_device,
     names,
@@ -50,6 +58,8 @@ if TYPE_CHECKING:
     from common.mechanisms import krappor, krr, ldpsgd, longitudinal, rfrag, zsum
     from common.mechanisms._estimates import CountAccumulator, Estimate
     from common.mechanisms.base import (
+        Accumulator,
+        BoundMechanism,
         Mechanism,
         NoDataError,
         PrivacyDescription,
@@ -93,6 +103,8 @@ for _device in BUILT_IN_DEVICES:
 _WHERE = {
     "CountAccumulator": "common.mechanisms._estimates",
     "Estimate": "common.mechanisms._estimates",
+    "Accumulator": "common.mechanisms.base",
+    "BoundMechanism": "common.mechanisms.base",
     "Mechanism": "common.mechanisms.base",
     "NoDataError": "common.mechanisms.base",
     "PrivacyDescription": "common.mechanisms.base",
@@ -120,7 +132,11 @@ __all__ = [
     "BUILT_IN",
     "BUILT_IN_DEVICES",
     "WIRE_VERSION",
+    "Accumulator",
     "BatchContext",
+    "BoundDevice",
+    "BoundMechanism",
+    "ChannelSpec",
     "CountAccumulator",
     "DeviceMechanism",
     "Encoded",
@@ -142,6 +158,8 @@ __all__ = [
     "SystemSource",
     "UnknownMechanismError",
     "ValueKind",
+    "build",
+    "build_device",
     "default_source",
     "get",
     "get_device",

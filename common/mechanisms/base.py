@@ -16,7 +16,7 @@ only. Roles of each method: docs/mechanisms.md, "The interface".
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
@@ -31,7 +31,7 @@ from common.accounting import (
 )
 from common.accounting.lifetime import mechanism_epoch
 from common.mechanisms._estimates import Estimate, FloatArray
-from common.mechanisms.device import BatchContext, DeviceMechanism, P
+from common.mechanisms.device import BatchContext, BoundDevice, DeviceMechanism, P
 
 
 class Accumulator(Protocol):
@@ -143,6 +143,15 @@ class Mechanism(DeviceMechanism[P], Generic[P, A]):
 
     randomizer_type: ClassVar[type[LocalRandomizer] | None] = None
 
+    def bind(self, raw: Mapping[str, Any]) -> BoundMechanism[P, A]:
+        """This mechanism with a channel's ``params`` parsed and bound, for the analyzer and
+        accounting (:class:`BoundMechanism`).
+
+        Raises:
+            ValueError: naming the bad parameter (TypeError: not a mapping of the right types).
+        """
+        return BoundMechanism(mechanism=self, params=self.parse_params(raw))
+
     # --- the analyzer -------------------------------------------------------------------
 
     @abstractmethod
@@ -210,6 +219,69 @@ class Mechanism(DeviceMechanism[P], Generic[P, A]):
         pair (Balcer–Cheu, fragments across batches), so the epoch enters as its certificate.
         """
         return self.privacy(params).epoch(n, delta, deletion=deletion, replacement=replacement)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BoundMechanism(BoundDevice[P], Generic[P, A]):
+    """A whole mechanism with one channel's parameters bound (:meth:`Mechanism.bind`, or
+    :func:`common.mechanisms.registry.build`): the device role plus the analyzer's
+    accumulation and estimate and the privacy argument, no method taking parameters.
+
+    Attributes:
+        mechanism: The registered mechanism.
+        params: Its validated parameters for this channel.
+    """
+
+    mechanism: Mechanism[P, A]
+
+    def new_accumulator(self) -> A:
+        """Empty sufficient statistics."""
+        return self.mechanism.new_accumulator(self.params)
+
+    def load_accumulator(self, data: bytes) -> A:
+        """Inverse of the accumulator's ``to_bytes``."""
+        return self.mechanism.load_accumulator(self.params, data)
+
+    def accumulate(
+        self, accumulator: A, fragments: Sequence[bytes], n_contributions: int, batch: BatchContext
+    ) -> int:
+        """Fold one batch's opened fragments in; returns how many were invalid (chaff)."""
+        return self.mechanism.accumulate(
+            self.params, accumulator, fragments, n_contributions, batch
+        )
+
+    def estimate(self, accumulator: A) -> Estimate:
+        """Debiased estimates with standard errors."""
+        return self.mechanism.estimate(self.params, accumulator)
+
+    def bin_count_law(self, value: int, bins: tuple[int, int]) -> FloatArray | None:
+        """Joint law of one report's fragments naming two bins (:meth:`Mechanism.bin_count_law`)."""
+        return self.mechanism.bin_count_law(self.params, value, bins)
+
+    def privacy(self) -> PrivacyDescription:
+        """The privacy argument that covers one report in a shuffled batch."""
+        return self.mechanism.privacy(self.params)
+
+    def certify(self, delta: float, received: Sequence[Received[A]]) -> ReleaseCertificate:
+        """Certified central (ε, δ) of a release computed from ``received``.
+
+        Raises:
+            NoDataError: nothing in ``received`` a certificate can rest on.
+        """
+        return self.mechanism.certify(self.params, delta, received)
+
+    def epoch_pair(
+        self,
+        n: int,
+        delta: float,
+        *,
+        deletion: tuple[float, float] | None = None,
+        replacement: bool = False,
+    ) -> Epoch | None:
+        """One epoch's dominating pair at crowd ``n`` (:meth:`Mechanism.epoch_pair`)."""
+        return self.mechanism.epoch_pair(
+            self.params, n, delta, deletion=deletion, replacement=replacement
+        )
 
 
 def epoch_batches(received: Sequence[Received[Any]]) -> dict[int, dict[str, int]]:

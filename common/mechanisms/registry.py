@@ -6,11 +6,12 @@ in a service process — named in ``ESA_MECHANISM_MODULES`` (comma-separated mod
 published under the ``esa.mechanisms`` entry-point group of an installed package. Wire codes
 (byte 2 of every inner plaintext) are unique across the registry.
 
-A device looks a mechanism up with :func:`get_device` (its device facet:
-:class:`common.mechanisms.device.DeviceMechanism`); the analyzer and the tools with :func:`get`
-(the whole :class:`common.mechanisms.base.Mechanism`). A built-in mechanism is registered by
-its device facet and a loader: its analyzer and privacy facets, with numpy and
-:mod:`common.accounting`, load on the first :func:`get` of it, never on a device.
+A channel's mechanism, its parameters parsed once and bound, is :func:`build_device` on a
+device (:class:`common.mechanisms.device.BoundDevice`) and :func:`build` on the analyzer and in
+the tools (:class:`common.mechanisms.base.BoundMechanism`); :func:`get_device` and :func:`get`
+return the registered mechanism itself (its device facet, or the whole mechanism). A built-in
+mechanism is registered by its device facet and a loader: its analyzer and privacy facets, with
+numpy and :mod:`common.accounting`, load on the first :func:`get` of it, never on a device.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from common.mechanisms.device import DeviceMechanism
+from common.mechanisms.device import BoundDevice, DeviceMechanism
 
 if TYPE_CHECKING:
-    from common.mechanisms.base import Mechanism
+    from common.mechanisms.base import Accumulator, BoundMechanism, Mechanism
 
 #: Environment variable listing extra modules that register mechanisms when imported.
 PLUGIN_ENV = "ESA_MECHANISM_MODULES"
@@ -42,6 +43,43 @@ _plugins_loaded = False
 
 class UnknownMechanismError(ValueError):
     """A mechanism name nobody registered."""
+
+
+class ChannelSpec(Protocol):
+    """What names a channel's mechanism and its parameters (a :class:`common.wire.ChannelConfig`,
+    or the terms a config states)."""
+
+    @property
+    def mechanism(self) -> str:
+        """The registry name."""
+        ...
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """The mechanism's parameters, as the config writes them."""
+        ...
+
+
+def build_device(channel: ChannelSpec) -> BoundDevice[object]:
+    """The device role of ``channel``'s mechanism with its parameters validated and bound
+    (no analyzer or privacy facet loads).
+
+    Raises:
+        UnknownMechanismError: the mechanism is not registered.
+        ValueError: naming the bad parameter (TypeError: parameters of the wrong types).
+    """
+    return get_device(channel.mechanism).bind(channel.params)
+
+
+def build(channel: ChannelSpec) -> BoundMechanism[object, Accumulator]:
+    """``channel``'s whole mechanism with its parameters validated and bound: what the analyzer
+    and the tools estimate, certify and account with.
+
+    Raises:
+        UnknownMechanismError: the mechanism is not registered.
+        ValueError: naming the bad parameter (TypeError: parameters of the wrong types).
+    """
+    return get(channel.mechanism).bind(channel.params)
 
 
 def register(mechanism: Mechanism[Any, Any]) -> Mechanism[Any, Any]:

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from common.collection import TrustAnchors, VerifiedConfig
-from common.mechanisms import ValueKind
+from common.mechanisms import ValueKind, build
 from common.mechanisms import get as get_mechanism
 from common.retry import retryable_status
 from common.wire import ChannelConfig, ChannelList, CollectionConfig, SignedConfig
@@ -205,8 +205,8 @@ def population(config: ChannelConfig, devices: int, rng: np.random.Generator) ->
     A state channel's users change state at most once over its periods, which every
     longitudinal mechanism accepts (k >= 1 changes).
     """
-    mechanism = get_mechanism(config.mechanism)
-    k = mechanism.domain_size(mechanism.parse_params(config.params))
+    mechanism = build(config)
+    k = mechanism.domain_size()
     if mechanism.value_kind is ValueKind.STATE:
         drawn = populations.longitudinal(devices, k, 1, seed=int(rng.integers(2**31)))
         return Truth(config, drawn.changes.true_counts(), changes=drawn.changes)
@@ -458,7 +458,7 @@ def periods(config: ChannelConfig) -> int | None:
     mechanism = get_mechanism(config.mechanism)
     if mechanism.value_kind is not ValueKind.STATE:
         return None
-    return mechanism.domain_size(mechanism.parse_params(config.params))
+    return build(config).domain_size()
 
 
 def selected(target: DemoDeployment, only: tuple[str, ...]) -> list[ChannelConfig]:

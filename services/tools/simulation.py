@@ -29,7 +29,7 @@ from common.accounting import (
     fragment_eps,
     plan_eps0,
 )
-from common.mechanisms import krappor, longitudinal, rfrag
+from common.mechanisms import BoundMechanism, krappor, longitudinal, rfrag
 from common.mechanisms.longitudinal import LongitudinalParams
 from services.tools.populations import HistogramPopulation, LongitudinalPopulation
 
@@ -126,16 +126,17 @@ def run_histogram(
         eps0 = _plan(eps_c, delta, n, bound)
         if tau == 1:
             params = krappor.KRapporParams(k=k, eps=eps0)
-            estimate = krappor.KRappor().estimate(
-                params, krappor.simulate_aggregate(population.counts, params, gen)
-            )
+            attributes = BoundMechanism(mechanism=krappor.KRappor(), params=params)
+            aggregate = krappor.simulate_aggregate(population.counts, params, gen)
+            estimate = attributes.estimate(aggregate)
             predicted = math.sqrt(krappor.variance(n, params))
             l_inf = l_one = eps0
         else:
             fragment = eps_f if eps_f is not None else balanced_fragment_eps(eps0, tau)
             r_params = rfrag.RFragParams(k=k, eps_b=eps0, eps_f=fragment, tau=tau)
             accumulator = rfrag.simulate_aggregate(population.counts, r_params, gen)
-            estimate = rfrag.RFrag().estimate(r_params, accumulator)
+            fragments = BoundMechanism(mechanism=rfrag.RFrag(), params=r_params)
+            estimate = fragments.estimate(accumulator)
             predicted = math.sqrt(rfrag.variance(n, r_params))
             l_inf, l_one = fragment_eps(eps0, fragment, tau), fragment_eps(eps0, fragment, 1)
         row = ResultRow(
@@ -192,7 +193,7 @@ def run_longitudinal(
             eps = _plan(eps_c, delta, crowd, bound, BinaryRRSequence())
             params = LongitudinalParams(d=changes.d, k=population.k, eps=eps)
             accumulator = longitudinal.simulate_aggregate(changes, params, gen)
-            estimate = longitudinal.Longitudinal().estimate(params, accumulator)
+            estimate = _tree(params).estimate(accumulator)
             squared = [float(np.mean((estimate.values - truth) ** 2))]
             squared += _repeated_errors(changes, params, truth, gen, repeats - 1)
             first_nodes = longitudinal.TreeAccumulator.offsets(changes.d)[:-1]
@@ -225,6 +226,13 @@ def run_longitudinal(
             )
 
 
+def _tree(
+    params: LongitudinalParams,
+) -> BoundMechanism[LongitudinalParams, longitudinal.TreeAccumulator]:
+    """The longitudinal mechanism with ``params`` bound."""
+    return BoundMechanism(mechanism=longitudinal.Longitudinal(), params=params)
+
+
 def _repeated_errors(
     changes: longitudinal.ChangeLog,
     params: LongitudinalParams,
@@ -235,9 +243,7 @@ def _repeated_errors(
     """Mean squared errors of ``repeats`` more independent simulations of the tree."""
     errors = []
     for _ in range(repeats):
-        again = longitudinal.Longitudinal().estimate(
-            params, longitudinal.simulate_aggregate(changes, params, gen)
-        )
+        again = _tree(params).estimate(longitudinal.simulate_aggregate(changes, params, gen))
         errors.append(float(np.mean((again.values - truth) ** 2)))
     return errors
 

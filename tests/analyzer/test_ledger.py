@@ -153,7 +153,9 @@ def test_two_analyzer_processes_charging_one_epoch_at_once_miss_no_batch(
         first.intake.accept(*make_batch(VALUES[:500], epoch=7, seed=3, shuffler="shuffler-3")),
     ]
     base = ChannelRuntime.build(CHANNEL, sorted(SHUFFLERS))
-    runtime = _MeetingRuntime(base.config, base.mechanism, base.params, base.shuffler_ids)
+    runtime = _MeetingRuntime(
+        config=base.config, mechanism=base.mechanism, shuffler_ids=base.shuffler_ids
+    )
     _MeetingRuntime.meeting.reset()
     headers = {h.batch_id: h for h in first.store.pending_parts()}
     openers = [

@@ -60,7 +60,7 @@ def _row(runtime: ChannelRuntime, epoch: int, n: int) -> LedgerRow:
         epoch=epoch,
         shuffler_id="shuffler-1",
         batches=(n,),
-        accumulator=runtime.new_accumulator(),
+        accumulator=runtime.mechanism.new_accumulator(),
         source=BatchContext(0, 1),
     )
     certs = runtime.certify([received])
@@ -242,7 +242,7 @@ def test_no_local_privacy_is_an_unbounded_spend() -> None:
     (limit,) = used.limits
     assert limit.exhausted and limit.spent is None and limit.left == 0.0
     assert "no local privacy" in used.note
-    assert math.isinf(_runtime(ZSUM).local_privacy().replacement)
+    assert math.isinf(_runtime(ZSUM).mechanism.local_privacy().replacement)
     empty = budget_in_use([], None, None, "")
     assert empty.reports == 0 and empty.spent == 0.0 and empty.limits == []
 

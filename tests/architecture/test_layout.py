@@ -5,6 +5,9 @@
   and ``services.tools`` never import a service (only ``services.cli`` starts them).
 * No production function is longer than :data:`MAX_LINES` lines (docs/architecture.md,
   "Conventions the tests check": short enough to read at once).
+* A channel's mechanism carries its parameters (:func:`common.mechanisms.build`): outside
+  ``common/mechanisms`` no code parses them again nor passes them to a mechanism, nor holds a
+  mechanism of unknown types (``Mechanism[Any, Any]``).
 """
 
 from __future__ import annotations
@@ -99,3 +102,28 @@ def test_the_rules_catch_a_violation() -> None:
     assert sorted(our_imports(tree)) == ["analyzer.core", "shuffler.app"]
     assert rule_for("services.tools.demo") == ALLOWED["services.tools"]
     assert not any(_within("shuffler.app", a) for a in rule_for("analyzer.core"))
+
+
+def _parses_parameters(tree: ast.Module) -> list[int]:
+    """Lines that call a ``parse_params`` method."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "parse_params"
+    ]
+
+
+def test_only_the_mechanisms_package_handles_parameters() -> None:
+    mechanisms = ROOT / "common" / "mechanisms"
+    found = []
+    for path in production_files():
+        if mechanisms in path.parents:
+            continue
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        found += [f"{where}:{line}" for line in _parses_parameters(ast.parse(text, where))]
+        found += [where] if "Mechanism[Any, Any]" in text else []
+    assert not found, f"build the channel's mechanism once (common.mechanisms.build): {found}"
+    assert _parses_parameters(ast.parse("get(name).parse_params(raw)\n")) == [1]

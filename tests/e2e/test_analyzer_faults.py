@@ -152,7 +152,8 @@ def _conserved(analyzer: Analyzer, batches: list[list[bytes]]) -> None:
         wait_until(lambda: not store.pending_parts(), timeout=120)
         runtime = ChannelRuntime.build(CHANNEL, ["shuffler-1"])
         received = store.received(CHANNEL.id, "", epochs[0], epochs[-1])
-        counts = sum(int(runtime.load(s.state).counts.sum()) for s in received.states)  # type: ignore[attr-defined]
+        loaded = [runtime.mechanism.load_accumulator(s.state) for s in received.states]
+        counts = sum(int(a.counts.sum()) for a in loaded)  # type: ignore[attr-defined]
         assert counts == sum(_fragments(b) for parts in batches for b in parts)
         n = sum(h.n_contributions for h in headers)
         for header in headers:  # each batch's verified crowd: a lower bound, never the claim

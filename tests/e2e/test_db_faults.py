@@ -270,7 +270,7 @@ def _analyzer_received(engine: Engine) -> int:
         assert receipt.n_fragments == sum(p.n_fragments for p in mine) and receipt.invalid == 0
     (accumulator,) = accumulators
     assert accumulator.batches == len(receipts)
-    counts = runtime.load(bytes(accumulator.state)).counts  # type: ignore[attr-defined]
+    counts = runtime.mechanism.load_accumulator(bytes(accumulator.state)).counts  # type: ignore[attr-defined]
     assert int(counts.sum()) == sum(r.n_fragments for r in receipts)
     return sum(int(r.n_contributions) for r in receipts)
 

@@ -267,7 +267,7 @@ def _analyzer_received(engine: Engine) -> dict[str, int]:
     for accumulator in accumulators:
         theirs = [r for r in receipts if r.shuffler_id == accumulator.shuffler_id]
         assert accumulator.batches == len(theirs) == 1  # each group evaluated and counted once
-        counts = runtime.load(bytes(accumulator.state)).counts  # type: ignore[attr-defined]
+        counts = runtime.mechanism.load_accumulator(bytes(accumulator.state)).counts  # type: ignore[attr-defined]
         assert int(counts.sum()) == sum(r.n_fragments for r in theirs)
     return {r.shuffler_id: int(r.n_contributions) for r in receipts}
 

@@ -1,5 +1,6 @@
 """The contract every registered mechanism keeps, checked through the one interface the SDK,
-the analyzer and the tools use (:class:`common.mechanisms.Mechanism`, found by name in the
+the analyzer and the tools use (a channel's mechanism with its parameters bound,
+:func:`common.mechanisms.build`, of :class:`common.mechanisms.Mechanism` found by name in the
 registry): one suite, every implementation, as dp_accounting's ``privacy_accountant_test``
 runs one suite over every accountant.
 
@@ -14,6 +15,7 @@ the certified central ε never exceeds the local ε of the same notion.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -32,10 +34,13 @@ from common.mechanisms import (
     Received,
     SeededSource,
     StateUpdate,
+    build,
+    build_device,
     get,
     names,
 )
 from common.mechanisms.ldpsgd import GradientReport
+from common.wire import ChannelConfig
 
 DEVICES = 3000
 SOURCE = BatchContext(shuffler_index=0, shuffler_count=1)
@@ -129,26 +134,32 @@ class _Run:
     """One seeded population through a mechanism: its fragments and the accumulator."""
 
     mechanism: Any
-    params: Any
     fragments: list[bytes]
     accumulator: Any
 
 
+@dataclass(frozen=True)
+class _Channel:
+    """What :func:`common.mechanisms.build` reads of a channel: its mechanism and params."""
+
+    mechanism: str
+    params: dict[str, Any]
+
+
 def _run(name: str, devices: int = DEVICES) -> _Run:
-    case, mechanism = CASES[name], get(name)
-    params = mechanism.parse_params(case.params)
+    mechanism = build(_Channel(name, CASES[name].params))
     rng = SeededSource(7)
     fragments: list[bytes] = []
     for i in range(devices):
-        state = mechanism.new_state(params, rng)
-        encoded = mechanism.encode(params, case.value(i), state, rng, 1)
+        state = mechanism.new_state(rng)
+        encoded = mechanism.encode(CASES[name].value(i), state, rng, 1)
         report = [f for _, route in encoded.routes for f in route]
-        assert len(report) <= mechanism.fragment_limit(params)
+        assert len(report) <= mechanism.fragment_limit()
         fragments += report
-    accumulator = mechanism.new_accumulator(params)
-    invalid = mechanism.accumulate(params, accumulator, fragments, devices, SOURCE)
+    accumulator = mechanism.new_accumulator()
+    invalid = mechanism.accumulate(accumulator, fragments, devices, SOURCE)
     assert invalid == 0
-    return _Run(mechanism, params, fragments, accumulator)
+    return _Run(mechanism, fragments, accumulator)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -158,13 +169,43 @@ def run(request: pytest.FixtureRequest) -> _Run:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_parameters_and_values_are_refused_by_name(name: str) -> None:
-    case, mechanism = CASES[name], get(name)
+    case = CASES[name]
     with pytest.raises(ValueError, match=re.escape(f"{case.bad}={case.bad_params[case.bad]!r}")):
-        mechanism.parse_params(case.bad_params)
-    params = mechanism.parse_params(case.params)
-    rng = SeededSource(1)
+        build(_Channel(name, case.bad_params))
+    with pytest.raises(ValueError, match=re.escape(f"{case.bad}={case.bad_params[case.bad]!r}")):
+        build_device(_Channel(name, case.bad_params))
+    mechanism, rng = build(_Channel(name, case.params)), SeededSource(1)
     with pytest.raises(MechanismError):
-        mechanism.encode(params, case.outside, mechanism.new_state(params, rng), rng, 1)
+        mechanism.encode(case.outside, mechanism.new_state(rng), rng, 1)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_bound_mechanism_is_its_mechanism_at_its_parameters(name: str) -> None:
+    """The bound mechanism (analyzer, tools) and the bound device facet (SDK) of one channel
+    answer as the registered mechanism at the parsed parameters, and stay frozen."""
+    mechanism, params = get(name), get(name).parse_params(CASES[name].params)
+    channel = ChannelConfig(id="c", mechanism=name, params=CASES[name].params)
+    bound, device = build(channel), build_device(channel)
+    assert bound.params == device.params == params and bound.mechanism is mechanism
+    for each in (bound, device):
+        assert each.domain_size() == mechanism.domain_size(params)
+        assert each.local_privacy() == mechanism.local_privacy(params)
+        assert each.fragment_count(SOURCE) == mechanism.fragment_count(params, SOURCE)
+        assert (each.name, each.code) == (name, mechanism.code)
+        assert each.value_kind == mechanism.value_kind
+        assert each.payload_size == mechanism.payload_size
+    reports = []
+    for encoder in (bound, device):
+        rng = SeededSource(3)
+        encoded = encoder.encode(CASES[name].value(1), encoder.new_state(rng), rng, 1)
+        reports.append(encoded.routes)
+    rng = SeededSource(3)
+    state = mechanism.new_state(params, rng)
+    expected = mechanism.encode(params, CASES[name].value(1), state, rng, 1)
+    assert reports == [expected.routes] * 2  # the state may carry an id of its own
+    assert bound.privacy() == mechanism.privacy(params)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bound.params = params  # type: ignore[misc]
 
 
 def test_fragments_have_the_channels_size(run: _Run) -> None:
@@ -176,16 +217,16 @@ def test_garbage_is_chaff_and_changes_nothing(run: _Run) -> None:
     before = run.accumulator.to_bytes()
     size = 2 + run.mechanism.payload_size
     garbage = [b"\xff" * size, b"", b"\x00" * (size + 3)]
-    copy = run.mechanism.load_accumulator(run.params, before)
-    assert run.mechanism.accumulate(run.params, copy, garbage, 0, SOURCE) == len(garbage)
+    copy = run.mechanism.load_accumulator(before)
+    assert run.mechanism.accumulate(copy, garbage, 0, SOURCE) == len(garbage)
     assert copy.to_bytes() == before
 
 
 def test_accumulators_survive_serialization_and_merge(run: _Run) -> None:
     data = run.accumulator.to_bytes()
-    loaded = run.mechanism.load_accumulator(run.params, data)
+    loaded = run.mechanism.load_accumulator(data)
     assert loaded.to_bytes() == data and loaded.n == run.accumulator.n
-    empty = run.mechanism.new_accumulator(run.params)
+    empty = run.mechanism.new_accumulator()
     assert run.accumulator.merge(empty).to_bytes() == data
     doubled = run.accumulator.merge(loaded)
     assert doubled.n == 2 * run.accumulator.n
@@ -196,7 +237,7 @@ def test_the_estimate_holds_the_truth(run: _Run) -> None:
     if not CASES[name].histogram:
         pytest.skip(f"{name}: its estimator is checked against the truth in its own test module")
     truth = np.bincount([CASES[name].value(i) for i in range(DEVICES)], minlength=8)
-    estimate = run.mechanism.estimate(run.params, run.accumulator)
+    estimate = run.mechanism.estimate(run.accumulator)
     assert not estimate.clipped and estimate.n == DEVICES
     gap = np.abs(estimate.values - truth)
     assert np.all(gap <= 6 * estimate.std_errors), (estimate.values, truth, estimate.std_errors)
@@ -210,8 +251,8 @@ def test_the_certificate_never_exceeds_the_local_eps_and_a_larger_crowd_never_hu
         received = Received(
             epoch=0, shuffler_id="s", batches=(crowd,), accumulator=run.accumulator, source=SOURCE
         )
-        certificate = run.mechanism.certify(run.params, 1e-8, [received]).certified
-        local = run.mechanism.local_privacy(run.params)
+        certificate = run.mechanism.certify(1e-8, [received]).certified
+        local = run.mechanism.local_privacy()
         same = local.removal if certificate.neighbouring == "removal" else local.replacement
         assert certificate.kind == "upper" and certificate.eps <= same + 1e-12
         certified.append(certificate.eps)

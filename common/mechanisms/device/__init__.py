@@ -293,6 +293,15 @@ class DeviceMechanism(ABC, Generic[P]):
             ValueError: naming the bad parameter.
         """
 
+    def bind(self, raw: Mapping[str, Any]) -> BoundDevice[P]:
+        """This mechanism with a channel's ``params`` parsed and bound: what callers use, so
+        parameters are validated once per channel and no method call passes them again.
+
+        Raises:
+            ValueError: naming the bad parameter (TypeError: not a mapping of the right types).
+        """
+        return BoundDevice(mechanism=self, params=self.parse_params(raw))
+
     @abstractmethod
     def domain_size(self, params: P) -> int:
         """Bins of an estimate (values for histograms, periods for longitudinal channels)."""
@@ -336,3 +345,73 @@ class DeviceMechanism(ABC, Generic[P]):
         """What one device's report reveals with no shuffling at all (a closed form: the SDK
         checks it against the app's caps and the pinned terms, and charges it to the device
         budget, at every report)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BoundDevice(Generic[P]):
+    """A device mechanism with one channel's parameters bound (:meth:`DeviceMechanism.bind`,
+    or :func:`common.mechanisms.registry.build_device`): the device role of a channel, its
+    methods taking no parameters (as libprio-rs's ``Vdaf`` instances carry theirs).
+
+    Attributes:
+        mechanism: The registered mechanism.
+        params: Its validated parameters for this channel.
+    """
+
+    mechanism: DeviceMechanism[P]
+    params: P
+
+    @property
+    def name(self) -> str:
+        """Registry name."""
+        return self.mechanism.name
+
+    @property
+    def code(self) -> int:
+        """Wire mechanism code."""
+        return self.mechanism.code
+
+    @property
+    def payload_size(self) -> int:
+        """Bytes of the mechanism payload after the 2-byte frame."""
+        return self.mechanism.payload_size
+
+    @property
+    def value_kind(self) -> ValueKind:
+        """What an app reports."""
+        return self.mechanism.value_kind
+
+    @property
+    def shuffle_only(self) -> bool:
+        """No local privacy by design (:attr:`DeviceMechanism.shuffle_only`)."""
+        return self.mechanism.shuffle_only
+
+    def domain_size(self) -> int:
+        """Bins of an estimate (:meth:`DeviceMechanism.domain_size`)."""
+        return self.mechanism.domain_size(self.params)
+
+    def fragment_limit(self) -> int:
+        """The most fragments one contribution can carry."""
+        return self.mechanism.fragment_limit(self.params)
+
+    def fragment_count(self, batch: BatchContext) -> FragmentCount:
+        """How many fragments one contribution to the shuffler at ``batch`` carries."""
+        return self.mechanism.fragment_count(self.params, batch)
+
+    def new_state(self, rng: RandomSource) -> DeviceState | None:
+        """A new device's state for this channel; ``None`` if the mechanism keeps none."""
+        return self.mechanism.new_state(self.params, rng)
+
+    def encode(
+        self, value: Any, state: DeviceState | None, rng: RandomSource, shufflers: int
+    ) -> Encoded:
+        """One report of ``value`` (:meth:`DeviceMechanism.encode`).
+
+        Raises:
+            MechanismError: a value outside the domain, or unusable state.
+        """
+        return self.mechanism.encode(self.params, value, state, rng, shufflers)
+
+    def local_privacy(self) -> LocalPrivacy:
+        """What one report reveals with no shuffling (:meth:`DeviceMechanism.local_privacy`)."""
+        return self.mechanism.local_privacy(self.params)

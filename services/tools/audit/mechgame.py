@@ -24,7 +24,15 @@ import numpy as np
 import numpy.typing as npt
 
 from common.accounting import BoundResult
-from common.mechanisms import BatchContext, Mechanism, Received, get
+from common.mechanisms import (
+    Accumulator,
+    BatchContext,
+    BoundMechanism,
+    CountAccumulator,
+    Received,
+    build,
+    get,
+)
 from common.randomness import RandomSource, SeededSource
 from common.wire import ChannelConfig
 from services.tools.audit.checks import ALPHA, Finding
@@ -92,13 +100,13 @@ class MechanismGame:
         """
         game = cls(config.id, config.mechanism, json.dumps(config.params, sort_keys=True),
                    config.delta)  # fmt: skip
-        if game.mechanism.bin_count_law(game.params, A, (A, B)) is None:
+        if game.mechanism.bin_count_law(A, (A, B)) is None:
             raise GameError(
                 f"channel {config.id!r}: the privacy game covers mechanisms whose reports name "
                 f"bins (an exact bin_count_law), not {config.mechanism!r} (a longitudinal "
                 "report is a change history across epochs, not one value in one group)"
             )
-        if game.mechanism.domain_size(game.params) < 3:
+        if game.mechanism.domain_size() < 3:
             raise GameError(f"channel {config.id!r}: the game needs a domain of >= 3 values")
         return game
 
@@ -118,18 +126,15 @@ class MechanismGame:
         return cls.of(config)
 
     @property
-    def mechanism(self) -> Mechanism[Any, Any]:
-        return get(self.mechanism_name)
+    def mechanism(self) -> BoundMechanism[object, Accumulator]:
+        """The channel's mechanism with its parameters bound (built once per game)."""
+        return _bound(self.mechanism_name, self.params_json)
 
     def law(self, value: int) -> FloatArray:
         """Joint law of (fragments naming a, fragments naming b) of one report of ``value``."""
-        law = self.mechanism.bin_count_law(self.params, value, (A, B))
+        law = self.mechanism.bin_count_law(value, (A, B))
         assert law is not None, "checked when the game was built"
         return law
-
-    @property
-    def params(self) -> Any:
-        return _params(self.mechanism_name, self.params_json)
 
     @property
     def fragment_size(self) -> int:
@@ -139,21 +144,21 @@ class MechanismGame:
     def encode(self, value: int, rng: RandomSource) -> list[bytes]:
         """One report of ``value`` by a new device, every route through the audited shuffler
         (shuffler 0 of 1: report fragments send all τ rows to it)."""
-        mechanism, params = self.mechanism, self.params
-        encoded = mechanism.encode(params, value, mechanism.new_state(params, rng), rng, 1)
+        mechanism = self.mechanism
+        encoded = mechanism.encode(value, mechanism.new_state(rng), rng, 1)
         return [fragment for _, fragments in encoded.routes for fragment in fragments]
 
     def view(self, fragments: Sequence[bytes]) -> tuple[int, int, int]:
         """(S_a, S_b, first) of a released batch's fragments in batch order, folded with the
         mechanism's ``accumulate`` as the analyzer folds them."""
-        mechanism, params, source = self.mechanism, self.params, BatchContext(0, 1)
-        total = mechanism.new_accumulator(params)
-        mechanism.accumulate(params, total, fragments, 0, source)
+        mechanism, source = self.mechanism, BatchContext(0, 1)
+        total = _counts(mechanism.new_accumulator())
+        mechanism.accumulate(total, fragments, 0, source)
         first = -1
         if total.counts[A] + total.counts[B] > 0:
             for fragment in fragments:
-                single = mechanism.new_accumulator(params)
-                mechanism.accumulate(params, single, [fragment], 0, source)
+                single = _counts(mechanism.new_accumulator())
+                mechanism.accumulate(single, [fragment], 0, source)
                 if single.counts[A] or single.counts[B]:
                     first = int(single.counts[B] > 0)
                     break
@@ -162,15 +167,15 @@ class MechanismGame:
     def certified(self, n: int) -> BoundResult:
         """The replacement-notion certificate of one batch of ``n`` from shuffler 0 of 1,
         through the mechanism's ``certify`` as the analyzer calls it."""
-        mechanism, params = self.mechanism, self.params
+        mechanism = self.mechanism
         received = Received(
             epoch=0,
             shuffler_id="audited",
             batches=(n,),
-            accumulator=mechanism.new_accumulator(params),
+            accumulator=mechanism.new_accumulator(),
             source=BatchContext(0, 1),
         )
-        cert = mechanism.certify(params, self.delta, [received])
+        cert = mechanism.certify(self.delta, [received])
         return cert.certified if cert.certified.neighbouring == "replacement" else cert.other
 
     def describe(self) -> str:
@@ -178,13 +183,19 @@ class MechanismGame:
 
 
 def _covered(config: ChannelConfig) -> bool:
-    mechanism = get(config.mechanism)
-    return mechanism.bin_count_law(mechanism.parse_params(config.params), A, (A, B)) is not None
+    return build(config).bin_count_law(A, (A, B)) is not None
 
 
 @lru_cache(maxsize=64)
-def _params(name: str, params_json: str) -> Any:
-    return get(name).parse_params(json.loads(params_json))
+def _bound(name: str, params_json: str) -> BoundMechanism[object, Accumulator]:
+    return get(name).bind(json.loads(params_json))
+
+
+def _counts(accumulator: Accumulator) -> CountAccumulator:
+    """A histogram's counts (what every mechanism the game covers accumulates)."""
+    if not isinstance(accumulator, CountAccumulator):
+        raise GameError(f"the game folds bin counts, not a {type(accumulator).__name__}")
+    return accumulator
 
 
 @lru_cache(maxsize=256)

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from common.envelope import load_x25519_public
-from common.mechanisms import StateUpdate
-from common.mechanisms import get as get_mechanism
+from common.mechanisms import StateUpdate, build_device
 from common.randomness import SystemSource
 from common.retry import retry_after_seconds
 from common.wire import ChannelConfig, CollectionConfig, ShufflerInfo
@@ -114,8 +113,7 @@ class _Sealer:
     def __init__(self, config: dict[str, Any], channel_id: str, values: ZipfValues) -> None:
         self.config = CollectionConfig.model_validate(config["config"])
         self.channel = next(c for c in self.config.channels if c.id == channel_id)
-        self.mechanism = get_mechanism(self.channel.mechanism)
-        self.params = self.mechanism.parse_params(self.channel.params)
+        self.mechanism = build_device(self.channel)
         self.analyzer = load_x25519_public(
             base64.b64decode(self.config.analyzer.keys[0].public_key)
         )
@@ -138,8 +136,8 @@ class _Sealer:
         if value is None:
             value = bisect.bisect_left(self.cdf, secrets.randbelow(1 << 53) / (1 << 53))
             value = min(value, len(self.cdf) - 1)
-        state = self.mechanism.new_state(self.params, self.rng)
-        encoded = self.mechanism.encode(self.params, value, state, self.rng, len(self.shufflers))
+        state = self.mechanism.new_state(self.rng)
+        encoded = self.mechanism.encode(value, state, self.rng, len(self.shufflers))
         return encoded.routes
 
     def add(self, tokens: list[tuple[str, ...]], values: list[int] | None = None) -> None:
@@ -170,16 +168,14 @@ class _Sealer:
         runs its own tree state (from the OS CSPRNG) through every period, changing state at
         the periods in its entry of ``changes``, and keeps the sealed report of each period
         the tree asks it to report in. Returns how many reports were encoded."""
-        d = self.mechanism.domain_size(self.params)
+        d = self.mechanism.domain_size()
         sealed = 0
         for device_tokens, changed in zip(tokens, changes, strict=True):
-            state = self.mechanism.new_state(self.params, self.rng)
+            state = self.mechanism.new_state(self.rng)
             periods = []
             for t in range(1, d + 1):
                 update = StateUpdate(t, t in changed)
-                encoded = self.mechanism.encode(
-                    self.params, update, state, self.rng, len(self.shufflers)
-                )
+                encoded = self.mechanism.encode(update, state, self.rng, len(self.shufflers))
                 state = encoded.state
                 periods.append(encoded.routes)
                 sealed += len(encoded.routes)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.mechanisms import get as get_mechanism
+from common.mechanisms import build
 from common.wire import ChannelConfig
 from services.tools.loadgen.devices import SealerPool
 from services.tools.loadgen.target import LoadError
@@ -93,6 +93,5 @@ class SeriesWaves:
         return self._periods(earliest)
 
     def _periods(self, earliest: int | None) -> int:
-        mechanism = get_mechanism(self.channel.mechanism)
-        total = mechanism.domain_size(mechanism.parse_params(self.channel.params))
+        total = build(self.channel).domain_size()
         return total if earliest is None else earliest

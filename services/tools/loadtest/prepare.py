@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.collection import TrustAnchors, VerifiedConfig
-from common.mechanisms import ValueKind
+from common.mechanisms import ValueKind, build
 from common.mechanisms import get as get_mechanism
 from common.wire import ChannelConfig
 from services.tools import loadgen, stopping
@@ -170,7 +170,7 @@ def _left_out(channel: ChannelConfig) -> str | None:
         return None
     if mechanism.value_kind is not ValueKind.STATE:
         return "does not take category values or states"
-    periods = mechanism.domain_size(mechanism.parse_params(channel.params))
+    periods = build(channel).domain_size()
     if periods * channel.epoch_seconds > SERIES_MOST_SECONDS:
         return (
             f"{periods} periods of {channel.epoch_seconds} s take longer than "
@@ -205,8 +205,7 @@ def _populations(
 
 def domain(target: loadgen.Target) -> int:
     """The channel's number of values."""
-    mechanism = get_mechanism(target.channel.mechanism)
-    return int(mechanism.domain_size(mechanism.parse_params(target.channel.params)))
+    return build(target.channel).domain_size()
 
 
 def run_epochs(target: loadgen.Target, start: float, seconds: float) -> list[int]:
