@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -85,3 +86,51 @@ def test_the_drain_says_which_service_never_answered() -> None:
         pytest.raises(verify.VerifyError, match=f"not drained after 1 s: metrics of {analyzer}"),
     ):
         verify.drain(analyzer, [shuffler], tokens, timeout=1)
+
+
+class _NotStartedYet(BaseHTTPRequestHandler):
+    """A shuffler's admin close that answers ``epoch_not_started`` to the first
+    ``refusals`` requests (the run ended before the epoch it sealed requests for began)."""
+
+    refusals = 2
+    closes: ClassVar[list[bytes]] = []
+
+    def do_POST(self) -> None:
+        type(self).closes.append(self.rfile.read(int(self.headers["Content-Length"])))
+        started = len(type(self).closes) > type(self).refusals
+        status, body = (200, b'{"closed": 1}') if started else (409, NOT_STARTED)
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+NOT_STARTED = b'{"error":"epoch_not_started","detail":"epoch 9 has not started"}'
+
+
+@contextmanager
+def _closer(refusals: int) -> Iterator[str]:
+    _NotStartedYet.refusals, _NotStartedYet.closes = refusals, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NotStartedYet)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_epoch_not_started_yet_is_closed_once_it_starts() -> None:
+    with _closer(refusals=2) as url:
+        verify.close_epochs([url], Credentials.shared("t"), {"ticks": [9]})
+    assert len(_NotStartedYet.closes) == 3
+
+
+def test_an_epoch_that_never_starts_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verify, "NOT_STARTED_PATIENCE_SECONDS", 1.0)
+    with _closer(refusals=10**6) as url, pytest.raises(verify.VerifyError, match="not_started"):
+        verify.close_epochs([url], Credentials.shared("t"), {"ticks": [9]})

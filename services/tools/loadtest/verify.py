@@ -59,15 +59,19 @@ class VerifyError(RuntimeError):
     """Verification could not be completed (unreachable service, drain timed out)."""
 
 
-def _request(method: str, url: str, **options: Any) -> httpx.Response:
+def _request(
+    method: str, url: str, patience: float | None = None, **options: Any
+) -> httpx.Response:
     """One HTTP request, sent again while the service does not answer at all (connection
-    refused or cut: restarting), for :data:`RESTART_PATIENCE_SECONDS`. Every request
-    verification sends may be repeated (reads, and closes that are idempotent).
+    refused or cut: restarting), for ``patience`` seconds (:data:`RESTART_PATIENCE_SECONDS`
+    unless a caller's own deadline is nearer). Every request verification sends may be
+    repeated (reads, and closes that are idempotent).
 
     Raises:
         httpx.HTTPError: still no answer after that, or any other failure.
     """
-    deadline = time.monotonic() + RESTART_PATIENCE_SECONDS
+    wait = RESTART_PATIENCE_SECONDS if patience is None else patience
+    deadline = time.monotonic() + wait
     while True:
         try:
             return httpx.request(method, url, **options)
@@ -77,11 +81,12 @@ def _request(method: str, url: str, **options: Any) -> httpx.Response:
             time.sleep(0.5)
 
 
-def scrape(url: str, tokens: Credentials | None) -> dict[str, float]:
-    """A service's ``/metrics`` as {name{labels}: value} (with its metrics token)."""
+def scrape(url: str, tokens: Credentials | None, patience: float | None = None) -> dict[str, float]:
+    """A service's ``/metrics`` as {name{labels}: value} (with its metrics token; a service
+    that does not answer is waited for ``patience`` seconds, as :func:`_request`)."""
     headers = {} if tokens is None else tokens.metrics_headers(url)
     try:
-        response = _request("GET", url + "/metrics", headers=headers, timeout=30)
+        response = _request("GET", url + "/metrics", patience, headers=headers, timeout=30)
         response.raise_for_status()
     except httpx.HTTPError as error:
         raise VerifyError(f"metrics of {url}: {error}") from error
@@ -93,7 +98,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     return {m.group(1) + (m.group(2) or ""): float(m.group(3)) for m in _METRIC.finditer(text)}
 
 
-def shuffler_state(urls: Sequence[str], tokens: Credentials) -> dict[str, dict[str, float]]:
+def shuffler_state(
+    urls: Sequence[str], tokens: Credentials, patience: float | None = None
+) -> dict[str, dict[str, float]]:
     """Per shuffler (trust domain): acknowledged so far, deletions by cause
     (:func:`domain_state`) and its queues.
 
@@ -101,7 +108,7 @@ def shuffler_state(urls: Sequence[str], tokens: Credentials) -> dict[str, dict[s
         VerifyError: a shuffler unreachable, or without the ledger gauges.
     """
     with ThreadPoolExecutor(len(urls)) as pool:
-        scraped = list(pool.map(lambda url: scrape(url, tokens), urls))
+        scraped = list(pool.map(lambda url: scrape(url, tokens, patience), urls))
     found = {}
     for url, metrics in zip(urls, scraped, strict=True):
         queues = {q: metrics.get(f'esa_shuffler_queue_depth{{state="{q}"}}', 0.0) for q in QUEUES}
@@ -132,6 +139,12 @@ def domain_state(metrics: Mapping[str, float], url: str) -> dict[str, float]:
     }
 
 
+#: How long closing waits for an epoch a shuffler says has not started: the run sealed
+#: requests for it but ended (``--duration``) before it began, so it begins within an epoch
+#: of the run's end (or a shuffler's clock is that far behind this one).
+NOT_STARTED_PATIENCE_SECONDS = 30.0
+
+
 def close_epochs(
     urls: Sequence[str], tokens: Credentials, epochs: Mapping[str, Sequence[int]]
 ) -> None:
@@ -144,21 +157,34 @@ def close_epochs(
     for channel_id, numbers in epochs.items():
         for epoch in numbers:
             for url in urls:
-                try:
-                    response = _request(
-                        "POST",
-                        url + "/v1/admin/close",
-                        json={"channel_id": channel_id, "epoch": epoch},
-                        headers=tokens.admin_headers(url),
-                        timeout=300,
-                    )
-                except httpx.HTTPError as error:
-                    message = f"closing {channel_id} epoch {epoch} at {url}: {error}"
-                    raise VerifyError(message) from error
-                if response.status_code != 200:
-                    raise VerifyError(
-                        f"closing {channel_id} epoch {epoch} at {url}: {response.text}"
-                    )
+                _close(url, tokens, channel_id, epoch)
+
+
+def _close(url: str, tokens: Credentials, channel_id: str, epoch: int) -> None:
+    """One admin close; an epoch not started yet (``epoch_not_started``) is closed once it
+    starts, within :data:`NOT_STARTED_PATIENCE_SECONDS`.
+
+    Raises:
+        VerifyError: refused otherwise, or not answered.
+    """
+    deadline = time.monotonic() + NOT_STARTED_PATIENCE_SECONDS
+    where = f"closing {channel_id} epoch {epoch} at {url}"
+    while True:
+        try:
+            response = _request(
+                "POST",
+                url + "/v1/admin/close",
+                json={"channel_id": channel_id, "epoch": epoch},
+                headers=tokens.admin_headers(url),
+                timeout=300,
+            )
+        except httpx.HTTPError as error:
+            raise VerifyError(f"{where}: {error}") from error
+        if response.status_code == 200:
+            return
+        if '"epoch_not_started"' not in response.text or time.monotonic() > deadline:
+            raise VerifyError(f"{where}: {response.text}")
+        time.sleep(0.5)
 
 
 def drain(analyzer_url: str, urls: Sequence[str], tokens: Credentials, timeout: float) -> float:
@@ -174,9 +200,11 @@ def drain(analyzer_url: str, urls: Sequence[str], tokens: Credentials, timeout: 
     start = time.monotonic()
     while True:
         try:
-            state = shuffler_state(urls, tokens)
+            patience = max(0.0, timeout - (time.monotonic() - start))  # the drain's own deadline
+            state = shuffler_state(urls, tokens, patience)
             waiting = sum(s["pending"] + s["in_batches_unforwarded"] for s in state.values())
-            unopened = scrape(analyzer_url, tokens).get("esa_analyzer_parts_unopened", math.nan)
+            metrics = scrape(analyzer_url, tokens, patience)
+            unopened = metrics.get("esa_analyzer_parts_unopened", math.nan)
             if waiting == 0 and unopened == 0:
                 return time.monotonic() - start
             left = (
