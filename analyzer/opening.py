@@ -18,7 +18,6 @@ import binascii
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -253,14 +252,12 @@ class PartOpener:
         channels: Mapping[str, ChannelRuntime],
         opener: FragmentOpener,
         events: AnalyzerEvents,
-        fault_while_opening: str | None = None,
         attempts: int = OPEN_ATTEMPTS,
     ) -> None:
         self.store = store
         self.channels = channels
         self.opener = opener
         self.events = events
-        self.fault_while_opening = fault_while_opening
         self.attempts = attempts
         events.gauge("parts_quarantined", store.quarantined_parts)
         self._wake = threading.Event()
@@ -374,8 +371,6 @@ class PartOpener:
         header, runtime = opening.header, opening.runtime
         opened = opening.task.result()
         undecryptable = opening.fragments - len(opened)
-        if self.fault_while_opening == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
         failpoint("analyzer.fold.after_opening")
         invalid: list[tuple[int, int]] = []
         fold = _folder(runtime, header, [f for _, f in opened], undecryptable, invalid)

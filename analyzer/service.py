@@ -8,7 +8,6 @@ is an :class:`~analyzer.errors.AnalyzerError`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -127,7 +126,6 @@ class AnalyzerService:
                 channels,
                 FragmentOpener(policy.ring, settings.opening_processes, settings.opening_chunk),
                 events,
-                settings.fault_while_opening,
             ),
             descriptors,
             catalog,
@@ -195,9 +193,6 @@ class AnalyzerService:
         """``POST /v1/batches``: store the part (:meth:`BatchIntake.accept`) and answer right
         after the commit; fragment counts are unknown until the opener has opened it."""
         intake = self.intake.accept(body, signature, shuffler_id)
-        if self.settings.fault_after_commit == "exit" and not intake.duplicate:
-            # Test-only crash window between the commit and the answer (refused in production).
-            os._exit(3)
         if not intake.duplicate:
             failpoint("analyzer.intake.after_part_committed")
         self.opener.wake()

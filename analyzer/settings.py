@@ -187,11 +187,6 @@ class AnalyzerSettings(SecretFileSettings, DeadlineSettings, TrustedProxySetting
     opening_chunk: int = Field(2000, ge=1)
     #: How often the opener looks for stored parts when nothing wakes it.
     opening_poll_seconds: float = Field(1.0, gt=0)
-    #: Fault hooks for the crash tests only, refused in production:
-    #: ``exit`` ends the process between a part's commit and its answer; ``kill`` SIGKILLs it
-    #: after opening a stored part and before folding it in.
-    fault_after_commit: Literal["exit"] | None = None
-    fault_while_opening: Literal["kill"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -221,13 +216,6 @@ class AnalyzerSettings(SecretFileSettings, DeadlineSettings, TrustedProxySetting
         ):
             if len(ids) != len(set(ids)):
                 raise ValueError(f"duplicate {name} ids in {ids}")
-        if self.environment == "production" and (
-            self.fault_after_commit or self.fault_while_opening
-        ):
-            raise ValueError(
-                "fault hooks (fault_after_commit, fault_while_opening) are for tests; "
-                "refused in production"
-            )
         refuse_placeholder("admin_token", self.admin_token.get_secret_value(), self.environment)
         if self.metrics_token is not None:
             token = self.metrics_token.get_secret_value()

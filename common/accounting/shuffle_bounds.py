@@ -64,6 +64,20 @@ def _finish(
     )
 
 
+def _clone_bound(
+    method: Method,
+    pair: ClonePair,
+    eps0: float,
+    delta: float,
+    neighbouring: Neighbouring,
+    inputs: tuple[tuple[str, InputValue], ...],
+) -> BoundResult:
+    """The bound a clone pair gives (FMT21 eq. (20) with its ``C ~ Bin(n - 1, γ)``): the ε at
+    which the pair's hockey-stick divergence is ``delta``, evaluated exactly
+    (:mod:`.hockey_stick`) and clamped at the local ε; valid for every n >= 1, ε0 > 0."""
+    return _finish(method, eps_for_delta(pair, delta), eps0, delta, neighbouring, inputs, None)
+
+
 def _check_common(eps0: float, n: int, delta: float) -> tuple[float, int, float]:
     return check_positive("eps0", eps0), check_count("n", n), check_probability("delta", delta)
 
@@ -202,15 +216,8 @@ def fmt21_clones(
     """
     eps0, n, delta = _check_common(eps0, n, delta)
     pair = ClonePair(n - 1, math.exp(-eps0), eps0)
-    return _finish(
-        Method.FMT21_CLONES,
-        eps_for_delta(pair, delta),
-        eps0,
-        delta,
-        neighbouring,
-        _inputs(eps0=eps0, n=n, delta=delta),
-        None,
-    )
+    inputs = _inputs(eps0=eps0, n=n, delta=delta)
+    return _clone_bound(Method.FMT21_CLONES, pair, eps0, delta, neighbouring, inputs)
 
 
 def blanket_binary_rr(
@@ -226,15 +233,8 @@ def blanket_binary_rr(
     """
     eps0, n, delta = _check_common(eps0, n, delta)
     pair = ClonePair(n - 1, 2.0 / (math.exp(eps0) + 1.0), eps0)
-    return _finish(
-        Method.BLANKET_BINARY_RR,
-        eps_for_delta(pair, delta),
-        eps0,
-        delta,
-        neighbouring,
-        _inputs(eps0=eps0, n=n, delta=delta),
-        None,
-    )
+    inputs = _inputs(eps0=eps0, n=n, delta=delta)
+    return _clone_bound(Method.BLANKET_BINARY_RR, pair, eps0, delta, neighbouring, inputs)
 
 
 def cheu_lemma_ii6(
@@ -323,15 +323,8 @@ def blanket_krr(
     k = check_count("k", k, minimum=2)
     e0 = math.exp(eps0)
     pair = ClonePair(n - 1, 2.0 / (e0 + k - 1.0), eps0, weight=krr_weight(eps0, k))
-    return _finish(
-        Method.BLANKET_KRR,
-        eps_for_delta(pair, delta),
-        eps0,
-        delta,
-        neighbouring,
-        _inputs(eps0=eps0, n=n, delta=delta, k=k),
-        None,
-    )
+    inputs = _inputs(eps0=eps0, n=n, delta=delta, k=k)
+    return _clone_bound(Method.BLANKET_KRR, pair, eps0, delta, neighbouring, inputs)
 
 
 def balcer_cheu_thm12(

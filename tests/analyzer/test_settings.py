@@ -35,14 +35,6 @@ def test_device_budget_is_read_from_the_environment(monkeypatch: pytest.MonkeyPa
         AnalyzerSettings()
 
 
-def test_production_refuses_the_fault_hooks() -> None:
-    real = SecretStr("x" * 32)
-    for hook in ({"fault_after_commit": "exit"}, {"fault_while_opening": "kill"}):
-        with pytest.raises(ValidationError, match="fault hooks"):
-            _settings(environment="production", admin_token=real, **hook)
-        assert _settings(**hook).environment == "development"
-
-
 def test_the_renamed_intake_slots_setting_is_refused_not_ignored(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

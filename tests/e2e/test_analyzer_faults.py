@@ -5,9 +5,10 @@ Parts are forged as a shuffler would send them (signed with a registered shuffle
 in the ``ESA-Shuffler`` header, every fragment a real k-RAPPOR report sealed to the batch's
 channel, epoch and crowd; one batch per epoch, as one shuffler sends one per group) and
 POSTed to an ``esa analyzer serve`` process that is killed: with SIGKILL while parts are
-being delivered, by its own SIGKILL after opening a stored part and before folding it in
-(``ESA_ANALYZER_FAULT_WHILE_OPENING=kill``), and between the commit of a part and its answer
-(``ESA_ANALYZER_FAULT_AFTER_COMMIT=exit``). After each restart, every part must count exactly
+being delivered, and by its own SIGKILL at a failpoint (docs/operations.md, "Failpoints
+(testing only)"): after opening a stored part and before folding it in
+(``analyzer.fold.after_opening``), and between the commit of a part and its answer
+(``analyzer.intake.after_part_committed``). After each restart, every part must count exactly
 once: the fragments accumulated equal the fragments sent, and the estimate's n is the sum of
 the n_contributions of the complete batches (every one verified by its fragments).
 """
@@ -31,7 +32,7 @@ from common.envelope import FragmentContext, load_or_create_ed25519, load_or_cre
 from common.mechanisms import krappor
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelConfig
-from runtime import db
+from runtime import db, failpoints
 
 from ..support import ServiceProcess, analyzer_process, registry_entry, wait_until
 from .forge import fragments, krappor_reports, post_part
@@ -61,15 +62,15 @@ class Analyzer:
     def post(self, body: bytes) -> httpx.Response:
         return post_part(self.process.url, body, self.signer, "shuffler-1")
 
-    def restart(self, **env: str) -> None:
-        """Start again after a crash, with these fault hooks ("" removes one)."""
+    def arm(self, point: str) -> None:
+        """Start with failpoint ``point`` armed: the process SIGKILLs itself on reaching it."""
+        self.process.env[failpoints.ENV] = point
+        self.process.start()
+
+    def restart(self) -> None:
+        """Start again after a crash, with no failpoint armed."""
         self.process.kill()
-        for name, value in env.items():
-            key = f"ESA_ANALYZER_{name.upper()}"
-            if value:
-                self.process.env[key] = value
-            else:
-                self.process.env.pop(key, None)
+        self.process.env.pop(failpoints.ENV, None)
         self.process.start()
 
 
@@ -177,14 +178,13 @@ def _conserved(analyzer: Analyzer, batches: list[list[bytes]]) -> None:
 def test_kill_while_opening_and_while_delivering_counts_every_part_once(
     analyzer: Analyzer,
 ) -> None:
-    analyzer.process.env["ESA_ANALYZER_FAULT_WHILE_OPENING"] = "kill"
-    analyzer.process.start()
+    analyzer.arm("analyzer.fold.after_opening")
     batches = [_batch(analyzer, 120, 3, seed) for seed in range(3)]
     first = analyzer.process.service
     assert first is not None
     assert analyzer.post(batches[0][0]).status_code == 201
     wait_until(lambda: first.process.poll() is not None, timeout=60)
-    analyzer.restart(fault_while_opening="")
+    analyzer.restart()
     assert analyzer.post(batches[0][0]).status_code == 200
     sent = [body for parts in batches for body in parts][1:]
     for index, body in enumerate(sent):
@@ -195,12 +195,11 @@ def test_kill_while_opening_and_while_delivering_counts_every_part_once(
 
 
 def test_crash_between_commit_and_answer_counts_the_part_once(analyzer: Analyzer) -> None:
-    analyzer.process.env["ESA_ANALYZER_FAULT_AFTER_COMMIT"] = "exit"
-    analyzer.process.start()
+    analyzer.arm("analyzer.intake.after_part_committed")
     batches = [_batch(analyzer, 100, 2, seed) for seed in (7, 8)]
     with pytest.raises(httpx.TransportError):
         analyzer.post(batches[0][0])
-    analyzer.restart(fault_after_commit="")
+    analyzer.restart()
     assert analyzer.post(batches[0][0]).status_code == 200
     assert [_deliver(analyzer, b) for b in [batches[0][1], *batches[1]]] == [201, 201, 201]
     _conserved(analyzer, batches)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, ClassVar
 
@@ -46,6 +47,20 @@ def check_value(value: int, k: int) -> int:
 def index_fragment(code: int, index: int) -> bytes:
     """A fragment whose payload is one uint32 index."""
     return frame(code, int(index).to_bytes(4, "big"))
+
+
+@dataclass(frozen=True, slots=True)
+class DomainParams:
+    """A domain size ``k`` (>= 2, uint32) and a local ``eps`` (finite, > 0), both checked on
+    construction: the parameters k-RAPPOR (ESA-revisited Algorithm 1) and k-RR (Hiding Among
+    the Clones §4.1) share; each subclass says what its ``eps`` means."""
+
+    k: int
+    eps: float
+
+    def __post_init__(self) -> None:
+        check_bins("k", self.k)
+        check_eps("eps", self.eps)
 
 
 class IndexEncoder(DeviceMechanism[P]):

@@ -16,9 +16,8 @@ from typing import Any
 
 from common.mechanisms.device import BatchContext, FragmentCount, LocalPrivacy
 from common.mechanisms.device._histogram import (
+    DomainParams,
     IndexEncoder,
-    check_bins,
-    check_eps,
     check_value,
     index_fragment,
 )
@@ -31,15 +30,8 @@ PAYLOAD_SIZE = 4
 
 
 @dataclass(frozen=True, slots=True)
-class KRapporParams:
+class KRapporParams(DomainParams):
     """Attributes: ``k`` domain size, ``eps`` per-bit ε (removal)."""
-
-    k: int
-    eps: float
-
-    def __post_init__(self) -> None:
-        check_bins("k", self.k)
-        check_eps("eps", self.eps)
 
     @property
     def flip_prob(self) -> float:

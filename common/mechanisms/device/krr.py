@@ -15,9 +15,8 @@ from typing import Any
 
 from common.mechanisms.device import BatchContext, FragmentCount, LocalPrivacy
 from common.mechanisms.device._histogram import (
+    DomainParams,
     IndexEncoder,
-    check_bins,
-    check_eps,
     check_value,
     index_fragment,
 )
@@ -29,15 +28,8 @@ PAYLOAD_SIZE = 4
 
 
 @dataclass(frozen=True, slots=True)
-class KRRParams:
+class KRRParams(DomainParams):
     """Attributes: ``k`` domain size, ``eps`` replacement ε."""
-
-    k: int
-    eps: float
-
-    def __post_init__(self) -> None:
-        check_bins("k", self.k)
-        check_eps("eps", self.eps)
 
     @property
     def truth_prob(self) -> float:
