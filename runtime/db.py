@@ -250,7 +250,8 @@ def run_tx(
                 TRANSACTIONS.count(name, "retried" if again else "failed")
             if not again:
                 raise
-            log.info("transaction retried", extra={"transaction": name, "attempt": attempt})
+            why = {"transaction": name, "attempt": attempt, "error": type(error).__name__}
+            log.info("transaction retried", extra=why)
             time.sleep(backoff * attempt)
             continue
         if counted:

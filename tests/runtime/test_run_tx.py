@@ -20,6 +20,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select,
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from analyzer.metrics import AnalyzerEvents, EventsCollector
 from runtime import db
 from shuffler.app import create_app
 from shuffler.settings import ShufflerSettings
@@ -190,3 +191,17 @@ def test_the_shuffler_serves_its_transactions_but_never_its_batching_ones(
     assert all(name.startswith("shuffler.") for name, _ in served)
     assert not BATCHING & {name for name, _ in served}
     assert {outcome for _, outcome in served} <= set(db.TX_OUTCOMES)
+
+
+def test_the_analyzer_serves_its_own_transactions_only(engine: Engine) -> None:
+    db.run_tx(engine, "analyzer.test_probe", lambda conn: None)
+    db.run_tx(engine, "shuffler.test_probe", lambda conn: None)
+    collector = EventsCollector(AnalyzerEvents(), backlog=lambda: 0)
+    served = {
+        (sample.labels["name"], sample.labels["outcome"])
+        for family in collector.collect()
+        if family.name == db.TRANSACTIONS_METRIC
+        for sample in family.samples
+    }
+    assert ("analyzer.test_probe", "committed") in served
+    assert all(name.startswith("analyzer.") for name, _ in served)
