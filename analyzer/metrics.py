@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
 from analyzer.store import EpochHealth
+from runtime import db
 from runtime.conservation import ANALYZER_FRAGMENTS, FRAGMENT_STATES
 
 log = logging.getLogger("esa.analyzer")
@@ -213,6 +214,7 @@ class EventsCollector:
             if key.startswith(REJECTED):
                 rejected.add_metric([key.removeprefix(REJECTED)], value)
         yield rejected
+        yield db.TRANSACTIONS.family("analyzer.")  # this process's, by name and outcome
 
 
 def _read(read: Callable[[], int]) -> float:

@@ -403,31 +403,34 @@ class AnalyzerStore:
         raises to refuse). Returns False for a known part (a repeat, or a batch accepted whole
         before parts existed).
         """
+
+        def store(conn: Connection) -> bool:
+            # Analyzer workers: two parts of one batch, or of two batches of one group, stored
+            # at once by two processes are checked against each other, one after the other
+            # (PostgreSQL): a group never gets a second batch.
+            _lock_batch(conn, header)
+            if _known(conn, header):
+                return False
+            check(StoredBatch(_stored_parts(conn, header.batch_id), _rival(conn, header)))
+            conn.execute(
+                insert(batch_parts).values(
+                    **asdict(header),
+                    body=body,
+                    status=STORED,
+                    attempts=0,
+                    invalid=0,
+                    received_at=self.clock(),
+                )
+            )
+            return True
+
         with self._storing:
             try:
-                with self.engine.begin() as conn:
-                    # Analyzer workers: two parts of one batch, or of two batches of one group,
-                    # stored at once by two processes are checked against each other, one
-                    # after the other (PostgreSQL): a group never gets a second batch.
-                    _lock_batch(conn, header)
-                    if _known(conn, header):
-                        return False
-                    check(StoredBatch(_stored_parts(conn, header.batch_id), _rival(conn, header)))
-                    conn.execute(
-                        insert(batch_parts).values(
-                            **asdict(header),
-                            body=body,
-                            status=STORED,
-                            attempts=0,
-                            invalid=0,
-                            received_at=self.clock(),
-                        )
-                    )
-            except IntegrityError:
+                return db.run_tx(self.engine, "analyzer.store_part", store)
+            except IntegrityError:  # not retried: the part stored meanwhile is a repeat
                 if self._known(header):
                     return False
                 raise
-        return True
 
     def _known(self, header: PartHeader) -> bool:
         with self.engine.connect() as conn:
@@ -544,7 +547,8 @@ class AnalyzerStore:
         never folded in). Returns True if this failure quarantined it."""
         p = batch_parts.c
         key = (p.batch_id == header.batch_id, p.part == header.part, p.status == STORED)
-        with self.engine.begin() as conn:
+
+        def count(conn: Connection) -> bool:
             before = conn.execute(_locked(conn, select(p.attempts).where(*key))).scalar()
             if before is None:
                 return False
@@ -559,7 +563,9 @@ class AnalyzerStore:
                     status=QUARANTINED if quarantined else STORED,
                 )
             )
-        return quarantined
+            return quarantined
+
+        return db.run_tx(self.engine, "analyzer.record_failure", count)
 
     def purge_incomplete(self, before: float) -> int:
         """Delete the parts of batches that never completed and received nothing since
@@ -572,12 +578,15 @@ class AnalyzerStore:
             .group_by(p.batch_id)
             .having(func.max(p.received_at) < before)
         )
-        with self._storing, self.engine.begin() as conn:
+
+        def purge(conn: Connection) -> int:
             ids = [str(b) for b in conn.execute(stale).scalars()]
             if not ids:
                 return 0
             conn.execute(delete(open_batches).where(open_batches.c.batch_id.in_(ids)))
             return int(conn.execute(delete(batch_parts).where(p.batch_id.in_(ids))).rowcount)
+
+        return db.run_tx(self.engine, "analyzer.purge_incomplete", purge, lock=self._storing)
 
     def forget_fragments(self, before: float) -> int:
         """Drop the record (:mod:`analyzer.seen`) of every (channel, epoch) that received no
@@ -591,11 +600,14 @@ class AnalyzerStore:
             .group_by(p.channel_id, p.epoch)
             .having(func.max(p.received_at) < before)
         )
-        dropped = 0
-        with self._storing, self.engine.begin() as conn:
+
+        def forget(conn: Connection) -> tuple[list[tuple[str, int]], int]:
             groups = [(str(c), int(e)) for c, e in conn.execute(stale).all()]
-            for group in groups:
-                dropped += seen.forget_rows(conn, group)
+            return groups, sum(seen.forget_rows(conn, group) for group in groups)
+
+        groups, dropped = db.run_tx(
+            self.engine, "analyzer.forget_fragments", forget, lock=self._storing
+        )
         for group in groups:
             self.seen.forget(group)
         return dropped
@@ -607,8 +619,12 @@ class AnalyzerStore:
         query = update(batch_parts).where(p.status == QUARANTINED)
         if batch_id is not None:
             query = query.where(p.batch_id == batch_id)
-        with self.engine.begin() as conn:
-            return int(conn.execute(query.values(status=STORED, attempts=0)).rowcount)
+        query = query.values(status=STORED, attempts=0)
+        return db.run_tx(
+            self.engine,
+            "analyzer.requeue_quarantined",
+            lambda conn: int(conn.execute(query).rowcount),
+        )
 
     def keep_descriptor(
         self, shuffler_id: str, issued_at: int, expires_at: int, doc: str, *, stale: bool = False
@@ -619,7 +635,8 @@ class AnalyzerStore:
         d = shuffler_descriptors.c
         values = {"issued_at": issued_at, "expires_at": expires_at, "document": doc}
         older = d.issued_at < issued_at
-        with self.engine.begin() as conn:
+
+        def keep(conn: Connection) -> bool:
             newer = conn.execute(
                 update(shuffler_descriptors)
                 .where(d.shuffler_id == shuffler_id, true() if stale else older)
@@ -636,7 +653,9 @@ class AnalyzerStore:
                     )
             except IntegrityError:  # another worker kept one first: compare again next time
                 return False
-        return True
+            return True
+
+        return db.run_tx(self.engine, "analyzer.keep_descriptor", keep)
 
     def record_channel_change(
         self, channel_id: str, action: str, config: str | None, retired_from_epoch: int | None
@@ -644,7 +663,8 @@ class AnalyzerStore:
         """Append one change to the channel log; its version (the config revision it starts).
         On PostgreSQL the log is locked for the insert, so versions commit in their order (a
         reader that saw version v has seen every version below it)."""
-        with self.engine.begin() as conn:
+
+        def append(conn: Connection) -> int:
             if not db.is_sqlite(self.engine):
                 conn.execute(text("LOCK TABLE channel_changes IN EXCLUSIVE MODE"))
             row = conn.execute(
@@ -658,7 +678,9 @@ class AnalyzerStore:
                 )
                 .returning(channel_changes.c.version)
             ).one()
-        return int(row[0])
+            return int(row[0])
+
+        return db.run_tx(self.engine, "analyzer.record_channel_change", append)
 
     def channel_changes(self, after: int = 0) -> list[ChannelLogRow]:
         """The channel log after version ``after``, oldest first."""
@@ -712,25 +734,36 @@ class AnalyzerStore:
         Raises:
             StorageConflictError: if concurrent writers kept colliding.
         """
-        for _ in range(STORE_ATTEMPTS):
-            try:
-                staged: list[seen.Staged] = []
-                with self._storing, self.engine.begin() as conn:
-                    decrypted = (n_opened, seal_keys, self.seen, staged)
-                    folded = _fold_part(conn, header, fold, steps, decrypted, self.clock())
-                    if folded is Folded.PART:
-                        failpoint("analyzer.fold.part_before_commit")
-                    elif folded is Folded.BATCH:
-                        failpoint("analyzer.fold.batch_before_commit")
-                if folded is not None:
-                    failpoint("analyzer.fold.after_commit")
-                # Memory follows the record only once its rows are committed.
-                for part in staged:
-                    self.seen.commit(part)
-                return folded
-            except IntegrityError:
-                continue
-        raise StorageConflictError("could not fold the part; retry later")
+
+        def fold_in(conn: Connection) -> tuple[Folded | None, list[seen.Staged]]:
+            staged: list[seen.Staged] = []  # each attempt stages afresh
+            decrypted = (n_opened, seal_keys, self.seen, staged)
+            folded = _fold_part(conn, header, fold, steps, decrypted, self.clock())
+            if folded is Folded.PART:
+                failpoint("analyzer.fold.part_before_commit")
+            elif folded is Folded.BATCH:
+                failpoint("analyzer.fold.batch_before_commit")
+            return folded, staged
+
+        try:
+            # An IntegrityError is a concurrent writer's row: the next attempt reads it.
+            folded, staged = db.run_tx(
+                self.engine,
+                "analyzer.fold_part",
+                fold_in,
+                attempts=STORE_ATTEMPTS,
+                retry_on=(IntegrityError,),
+                backoff=0.0,
+                lock=self._storing,
+            )
+        except IntegrityError as error:
+            raise StorageConflictError("could not fold the part; retry later") from error
+        if folded is not None:
+            failpoint("analyzer.fold.after_commit")
+        # Memory follows the record only once its rows are committed.
+        for part in staged:
+            self.seen.commit(part)
+        return folded
 
     def incomplete(
         self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int
@@ -785,8 +818,12 @@ class AnalyzerStore:
             n_fragments=0,
             n_verified=0,
         )
-        with self._storing, self.engine.begin() as conn:
-            _charge(conn, key, charge, self.clock())
+        db.run_tx(
+            self.engine,
+            "analyzer.recharge",
+            lambda conn: _charge(conn, key, charge, self.clock()),
+            lock=self._storing,
+        )
 
     def charges(self, channel_id: str | None = None) -> list[StoredCharge]:
         """The ledger rows of one channel (or of all), by channel, epoch and crowd."""
@@ -831,19 +868,21 @@ class AnalyzerStore:
             "certificate": summary.certificate.model_dump(mode="json"),
             "other_notion": None if other_notion is None else other_notion.model_dump(mode="json"),
         }
-        with self.engine.begin() as conn:
-            conn.execute(
-                insert(releases).values(
-                    channel_id=summary.channel_id,
-                    epoch_from=summary.epochs[0],
-                    epoch_to=summary.epochs[1],
-                    n=summary.n,
-                    certificate=json.dumps(record),
-                    summary=summary.model_dump_json(),
-                    released_at=self.clock(),
-                )
-            )
+        query = insert(releases).values(
+            channel_id=summary.channel_id,
+            epoch_from=summary.epochs[0],
+            epoch_to=summary.epochs[1],
+            n=summary.n,
+            certificate=json.dumps(record),
+            summary=summary.model_dump_json(),
+            released_at=self.clock(),
+        )
+
+        def append(conn: Connection) -> None:
+            conn.execute(query)
             failpoint("analyzer.release.before_commit")
+
+        db.run_tx(self.engine, "analyzer.add_release", append)
         failpoint("analyzer.release.after_commit")
 
     def releases(self, channel_id: str) -> list[StoredRelease]:
@@ -1009,27 +1048,33 @@ class AnalyzerStore:
         takes to recharge its epoch: a batch counts here if its charge committed first."""
         r, c = receipts.c, epoch_closures.c
         key = (r.channel_id == group.channel_id, r.crowd_id == group.crowd_id)
+
+        def close(conn: Connection) -> frozenset[str] | None:
+            _lock_epoch(conn, *group)
+            closed = select(c.epoch).where(
+                c.channel_id == group.channel_id,
+                c.crowd_id == group.crowd_id,
+                c.epoch == group.epoch,
+            )
+            if conn.execute(closed).first() is not None:
+                return None
+            query = select(r.shuffler_id).where(*key, r.epoch == group.epoch).distinct()
+            shufflers = frozenset(str(s) for s in conn.execute(query).scalars())
+            conn.execute(
+                insert(epoch_closures).values(
+                    **group._asdict(),
+                    shufflers=json.dumps(sorted(shufflers)),
+                    closed_at=self.clock(),
+                )
+            )
+            failpoint("analyzer.close.before_commit")
+            return shufflers
+
         try:
-            with self._storing, self.engine.begin() as conn:
-                _lock_epoch(conn, *group)
-                closed = select(c.epoch).where(
-                    c.channel_id == group.channel_id,
-                    c.crowd_id == group.crowd_id,
-                    c.epoch == group.epoch,
-                )
-                if conn.execute(closed).first() is not None:
-                    return None
-                query = select(r.shuffler_id).where(*key, r.epoch == group.epoch).distinct()
-                shufflers = frozenset(str(s) for s in conn.execute(query).scalars())
-                conn.execute(
-                    insert(epoch_closures).values(
-                        **group._asdict(),
-                        shufflers=json.dumps(sorted(shufflers)),
-                        closed_at=self.clock(),
-                    )
-                )
-                failpoint("analyzer.close.before_commit")
-        except IntegrityError:
+            shufflers = db.run_tx(self.engine, "analyzer.close_group", close, lock=self._storing)
+        except IntegrityError:  # not retried: another analyzer process closed it first
+            return None
+        if shufflers is None:
             return None
         failpoint("analyzer.close.after_commit")
         return shufflers

@@ -4,6 +4,10 @@ SQLite (the embedded default) runs in WAL mode with ``synchronous=FULL``: a comm
 transaction is on disk before the service acknowledges it. PostgreSQL (``postgresql+psycopg``)
 is the production database. Schemas are managed by alembic; every service runs
 ``upgrade head`` on start (the pre-start step), after waiting for the database.
+
+:func:`run_tx` is the one way into a read-write transaction (docs/architecture.md, "Storage"):
+it retries what the backend says may succeed on a second try and counts every transaction by
+its fixed name and outcome (:data:`TRANSACTIONS`, exported as :data:`TRANSACTIONS_METRIC`).
 """
 
 from __future__ import annotations
@@ -12,16 +16,18 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
+from prometheus_client.core import CounterMetricFamily
 from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.base import Executable
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,21 @@ log = logging.getLogger(__name__)
 #: on SQLite, whose blobs are bytes already.
 BINARY_RESULTS = "binary_results"
 _Statement = TypeVar("_Statement", bound=Executable)
+_Result = TypeVar("_Result")
+
+#: Attempts :func:`run_tx` makes by default (the first one included).
+TX_ATTEMPTS = 3
+#: The default backoff: attempt ``k`` (from 1) waits ``k`` times this before the next.
+TX_BACKOFF_SECONDS = 0.05
+#: PostgreSQL SQLSTATEs that ask for the transaction to be run again: serialization failure
+#: and deadlock detected (the server rolled it back; nothing was written).
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+#: SQLite's messages for a write lock not granted within the busy timeout (nothing written).
+RETRYABLE_SQLITE = ("database is locked", "database table is locked")
+#: The Prometheus counter of :data:`TRANSACTIONS`.
+TRANSACTIONS_METRIC = "esa_db_transactions"
+#: The outcomes :func:`run_tx` counts: an attempt that will be run again is ``retried``.
+TX_OUTCOMES = ("committed", "retried", "failed")
 
 
 def make_engine(url: str, busy_timeout: float = 5.0) -> Engine:
@@ -140,3 +161,100 @@ def try_advisory_lock(engine: Engine, identity: Sequence[Any]) -> Iterator[bool]
             except Exception:  # never hand a pooled connection back still holding it
                 conn.invalidate()
                 raise
+
+
+class TransactionCounts:
+    """This process's transactions by (name, outcome): names are fixed strings chosen in the
+    code, never data, so the counter's series are bounded and reveal nothing stored."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def count(self, name: str, outcome: str) -> None:
+        """One more transaction ``name`` ended with ``outcome`` (one of :data:`TX_OUTCOMES`)."""
+        with self._lock:
+            self._counts[name, outcome] = self._counts.get((name, outcome), 0) + 1
+
+    def get(self, name: str, outcome: str) -> int:
+        """How many transactions ``name`` ended with ``outcome`` so far."""
+        with self._lock:
+            return self._counts.get((name, outcome), 0)
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        """A copy of every count so far."""
+        with self._lock:
+            return dict(self._counts)
+
+    def family(self, prefix: str) -> CounterMetricFamily:
+        """:data:`TRANSACTIONS_METRIC` for the names starting with ``prefix`` (a service's
+        own stores: one process may run several services in tests)."""
+        help_text = "database transactions by name and outcome"
+        family = CounterMetricFamily(TRANSACTIONS_METRIC, help_text, labels=["name", "outcome"])
+        for (name, outcome), value in sorted(self.snapshot().items()):
+            if name.startswith(prefix):
+                family.add_metric([name, outcome], value)
+        return family
+
+
+#: The process's transaction counts (:func:`run_tx` adds to it).
+TRANSACTIONS = TransactionCounts()
+
+
+def retryable(error: BaseException) -> bool:
+    """Whether the backend says ``error``'s transaction may succeed if run again: PostgreSQL's
+    serialization failure or deadlock (:data:`RETRYABLE_SQLSTATES`), SQLite's write lock not
+    granted in time (:data:`RETRYABLE_SQLITE`). Nothing else: a unique constraint, a lock
+    timeout or a lost connection means something the caller decides about."""
+    if not isinstance(error, DBAPIError):
+        return False
+    orig = error.orig
+    if getattr(orig, "sqlstate", None) in RETRYABLE_SQLSTATES:
+        return True
+    return isinstance(error, OperationalError) and str(orig).startswith(RETRYABLE_SQLITE)
+
+
+def run_tx(
+    engine: Engine,
+    name: str,
+    fn: Callable[[Connection], _Result],
+    *,
+    attempts: int = TX_ATTEMPTS,
+    retry_on: tuple[type[BaseException], ...] = (),
+    backoff: float = TX_BACKOFF_SECONDS,
+    lock: contextlib.AbstractContextManager[Any] | None = None,
+    counted: bool = True,
+) -> _Result:
+    """Run ``fn`` in one transaction (``engine.begin()``: committed if it returns, rolled back
+    if it raises) and return what it returned; the one way into a read-write transaction
+    (Janus's ``Datastore::run_tx``; docs/architecture.md, "Storage").
+
+    A failure :func:`retryable` says may pass, or one of ``retry_on`` (a caller's own, e.g. an
+    ``IntegrityError`` that means "run it again, it reads the winner now"), runs ``fn`` again in
+    a new transaction, up to ``attempts`` in all, after ``backoff`` times the attempt number;
+    ``attempts=1`` runs it once (a body that must not run twice). ``lock`` (e.g. a store's
+    writing lock) is held for each attempt. Each attempt is counted in :data:`TRANSACTIONS`
+    under ``name`` (a fixed string) unless ``counted`` is False (a shuffler transaction whose
+    count would reveal a secret, docs/shuffler.md, "Metrics").
+
+    Raises:
+        Exception: ``fn``'s or the commit's error, at once when not retried, else the last.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            with contextlib.nullcontext() if lock is None else lock, engine.begin() as conn:
+                result = fn(conn)
+        except Exception as error:
+            again = attempt < attempts and (retryable(error) or isinstance(error, retry_on))
+            if counted:
+                TRANSACTIONS.count(name, "retried" if again else "failed")
+            if not again:
+                raise
+            why = {"transaction": name, "attempt": attempt, "error": type(error).__name__}
+            log.info("transaction retried", extra=why)
+            time.sleep(backoff * attempt)
+            continue
+        if counted:
+            TRANSACTIONS.count(name, "committed")
+        return result
+    raise AssertionError("unreachable: the last attempt returns or raises")

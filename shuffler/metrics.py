@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
+from runtime import db
 from runtime.conservation import DELETION_CAUSES, LEDGER_CONTRIBUTIONS, LEDGER_DELETED
 from shuffler.records import EpochGroups
 
@@ -170,6 +171,9 @@ class ShufflerCollector:
         for cause in DELETION_CAUSES:
             deleted.add_metric([cause], self.events.get(f"deleted_by_{cause}"))
         yield deleted
+        # This process's store transactions by name and outcome (runtime.db.run_tx); the
+        # batching ones are never counted (their counts follow group sizes).
+        yield db.TRANSACTIONS.family("shuffler.")
 
 
 def channel_families(health: Sequence[EpochGroups]) -> tuple[GaugeMetricFamily, ...]:

@@ -258,10 +258,8 @@ class ContributionStore(ABC):
 
     def revoke(self, client_id: str, now: float) -> None:
         """Persist a revocation (idempotent)."""
-        with self.engine.begin() as conn:
-            conn.execute(
-                self.insert_ignore(tables.revoked).values(client_id=client_id, revoked_at=now)
-            )
+        query = self.insert_ignore(tables.revoked).values(client_id=client_id, revoked_at=now)
+        db.run_tx(self.engine, "shuffler.revoke", lambda conn: conn.execute(query))
 
     def revoked(self) -> set[str]:
         """Every revoked client id."""
@@ -271,8 +269,8 @@ class ContributionStore(ABC):
     def close_epoch(self, channel_id: str, epoch: int, now: float) -> None:
         """Persist that every epoch <= ``epoch`` of a channel is closed (idempotent)."""
         values = {"channel_id": channel_id, "epoch": epoch, "closed_at": now}
-        with self.engine.begin() as conn:
-            conn.execute(self.insert_ignore(tables.closed_epochs).values(**values))
+        query = self.insert_ignore(tables.closed_epochs).values(**values)
+        db.run_tx(self.engine, "shuffler.close_epoch", lambda conn: conn.execute(query))
 
     def closed_epochs(self) -> dict[str, int]:
         """The latest closed epoch of each channel."""
@@ -290,7 +288,8 @@ class ContributionStore(ABC):
         channel in ``suspended`` takes no more contributions."""
         f = tables.followed_channels
         suspended = suspended or {}
-        with self.engine.begin() as conn:
+
+        def replace(conn: Connection) -> None:
             for policy in policies:
                 conn.execute(delete(f).where(f.c.channel_id == policy.id))
                 row = policy.model_dump(mode="json")
@@ -299,12 +298,17 @@ class ContributionStore(ABC):
                 values = {"policy": json.dumps(row), "version": revision}
                 conn.execute(insert(f).values(channel_id=policy.id, **values))
 
+        db.run_tx(self.engine, "shuffler.follow", replace)
+
     def follow_key(self, party: str, signing_key: str) -> None:
         """Persist the signing key this shuffler follows for ``party`` (base64)."""
         k = tables.followed_keys
-        with self.engine.begin() as conn:
+
+        def replace(conn: Connection) -> None:
             conn.execute(delete(k).where(k.c.party == party))
             conn.execute(insert(k).values(party=party, signing_key=signing_key))
+
+        db.run_tx(self.engine, "shuffler.follow_key", replace)
 
     def followed_key(self, party: str) -> str | None:
         """The signing key followed for ``party`` (None: none yet)."""
@@ -461,13 +465,10 @@ class ContributionStore(ABC):
         batch, parts = release.batch, 0
         try:
             for sealed in release.parts:
-                with self.engine.begin() as conn:
-                    conn.execute(insert(tables.batch_parts).values(**_part_row(sealed, now)))
-                    conn.execute(
-                        insert(tables.part_bodies).values(
-                            batch_id=sealed.batch_id, part=sealed.part, body=sealed.body
-                        )
-                    )
+                # Retried as a whole: the part is signed already (outside), the body only
+                # inserts it. Not counted: one per part of a batch (docs/shuffler.md, "Metrics").
+                stage = functools.partial(_stage_part, sealed=sealed, now=now)
+                db.run_tx(self.engine, "shuffler.stage_part", stage, counted=False)
                 parts += 1
             if parts != batch.parts:
                 raise RuntimeError(
@@ -481,20 +482,31 @@ class ContributionStore(ABC):
         self, key: GroupKey, ids: Ids, deletion: Deletion, batch: ReleasedBatch | None, now: float
     ) -> Evaluation | None:
         """Step 3 of :meth:`evaluate_group`, under the write lock: None when another worker
-        evaluated the group first or a row read in step 1 vanished."""
-        with self.engine.begin() as conn:
+        evaluated the group first or a row read in step 1 vanished.
+
+        Run once (``attempts=1``): Algorithm 3's draw (``deletion``) and the signed ``batch``
+        were made before it, and a failure here unstages the batch and leaves the group to the
+        next round, which draws afresh only if nothing committed (docs/shuffler.md, "Evaluating
+        a group"); an ``IntegrityError`` (another worker recorded the group first) reaches the
+        caller as before. Not counted: one per group evaluated, whatever its outcome."""
+
+        def record(conn: Connection) -> bool:
             self.begin_writing(conn)
             part = _evaluated(conn, key)
             if part:
-                return None
+                return False
             current, _ = _group_rows(conn, key, lock=True)
             if np.setdiff1d(ids, current, assume_unique=True).size:
-                return None
+                return False
             _purge_late(conn, np.setdiff1d(current, ids, assume_unique=True), now)
             if batch is not None:
                 _publish(conn, key, batch, now)
             _apply(conn, key, part, ids, deletion, now)
             failpoint("shuffler.close.group_before_commit")
+            return True
+
+        if not db.run_tx(self.engine, "shuffler.record_group", record, attempts=1, counted=False):
+            return None
         failpoint("shuffler.close.group_after_commit")
         return Evaluation(deletion, batch)
 
@@ -503,15 +515,16 @@ class ContributionStore(ABC):
         times: the failure that stopped the evaluation may be a dropped connection. What a
         crash leaves behind, retention deletes (:data:`STAGED_GRACE_SECONDS`)."""
         p = tables.batch_parts.c
-        for attempt in range(UNSTAGE_ATTEMPTS):
-            try:
-                with self.engine.begin() as conn:
-                    _delete_parts(conn, p.batch_id == batch_id, p.status == "staged")
-                return
-            except OperationalError:
-                if attempt + 1 == UNSTAGE_ATTEMPTS:
-                    raise
-                time.sleep(0.2 * (attempt + 1))
+        # Any OperationalError (a dropped connection too), retried; not counted (per batch).
+        db.run_tx(
+            self.engine,
+            "shuffler.unstage",
+            lambda conn: _delete_parts(conn, p.batch_id == batch_id, p.status == "staged"),
+            attempts=UNSTAGE_ATTEMPTS,
+            retry_on=(OperationalError,),
+            backoff=0.2,
+            counted=False,
+        )
 
     # --- forwarding -----------------------------------------------------------------------
 
@@ -537,7 +550,8 @@ class ContributionStore(ABC):
         row updated (docs/protocol.md: exactly one forwarder at a time).
         """
         p = tables.batch_parts.c
-        with self.engine.begin() as conn:
+
+        def take(conn: Connection) -> Row | None:
             taken = conn.execute(
                 update(tables.batch_parts)
                 .where(*_part_filter(key), p.status == "pending", _unleased(now))
@@ -546,7 +560,7 @@ class ContributionStore(ABC):
             if taken != 1:
                 return None
             body = tables.part_bodies.c
-            row = conn.execute(
+            return conn.execute(
                 db.binary_rows(
                     select(body.body, p.signature, p.attempts)
                     .join_from(
@@ -557,6 +571,10 @@ class ContributionStore(ABC):
                     .where(*_part_filter(key))
                 )
             ).one()
+
+        row = db.run_tx(self.engine, "shuffler.claim_part", take)
+        if row is None:
+            return None
         return DuePart(
             batch_id=key.batch_id,
             part=key.part,
@@ -573,7 +591,8 @@ class ContributionStore(ABC):
         """
         p, b = tables.batch_parts.c, tables.batches.c
         waiting = exists().where(p.batch_id == key.batch_id, p.status != "forwarded")
-        with self.engine.begin() as conn:
+
+        def record(conn: Connection) -> None:
             conn.execute(select(b.batch_id).where(b.batch_id == key.batch_id).with_for_update())
             conn.execute(
                 update(tables.batch_parts)
@@ -586,6 +605,8 @@ class ContributionStore(ABC):
                 .values(status="forwarded", forwarded_at=now)
             )
             failpoint("shuffler.forward.ack_before_commit")
+
+        db.run_tx(self.engine, "shuffler.record_forwarded", record)
         failpoint("shuffler.forward.ack_after_commit")
 
     def record_failed(self, key: PartKey, error: str) -> None:
@@ -604,10 +625,8 @@ class ContributionStore(ABC):
         # Only a part still pending: a forwarder whose lease ran out must not mark failed (or
         # reschedule) a part another forwarder has meanwhile delivered.
         pending = tables.batch_parts.c.status == "pending"
-        with self.engine.begin() as conn:
-            conn.execute(
-                update(tables.batch_parts).where(*_part_filter(key), pending).values(**changes)
-            )
+        query = update(tables.batch_parts).where(*_part_filter(key), pending).values(**changes)
+        db.run_tx(self.engine, "shuffler.update_part", lambda conn: conn.execute(query))
 
     # --- retention and accounting ---------------------------------------------------------
 
@@ -626,29 +645,34 @@ class ContributionStore(ABC):
         under the lock, so a forwarder's lease or a requeue between the two reads either
         commits first (the batch is kept) or waits and finds the batch gone.
         """
+        return db.run_tx(
+            self.engine, "shuffler.purge", functools.partial(self._purge, cutoff=cutoff, now=now)
+        )
+
+    def _purge(self, conn: Connection, cutoff: float, now: float) -> dict[str, int]:
+        """:meth:`purge`'s transaction."""
         b = tables.batches.c
-        with self.engine.begin() as conn:
-            self.begin_writing(conn)
-            old = _expired(conn, cutoff)
-            stale = _stale_batches(conn, cutoff, now)
-            if stale:
-                _lock_parts(conn, list(stale))
-                stale = _stale_batches(conn, cutoff, now, among=list(stale))
-            removed = {"retention": _delete_ids(conn, old), "refused": 0}
-            if stale:
-                ids = list(stale)
-                _delete_parts(conn, tables.batch_parts.c.batch_id.in_(ids))
-                conn.execute(delete(tables.batches).where(b.batch_id.in_(ids)))
-            _delete_orphans(conn, now - STAGED_GRACE_SECONDS)
-            for n, refused in stale.values():
-                removed["refused" if refused else "retention"] += n
-            rows = [
-                {"reason": reason, "contributions": n, "purged_at": now}
-                for reason, n in removed.items()
-                if n
-            ]
-            if rows:
-                conn.execute(insert(tables.purges), rows)
+        self.begin_writing(conn)
+        old = _expired(conn, cutoff)
+        stale = _stale_batches(conn, cutoff, now)
+        if stale:
+            _lock_parts(conn, list(stale))
+            stale = _stale_batches(conn, cutoff, now, among=list(stale))
+        removed = {"retention": _delete_ids(conn, old), "refused": 0}
+        if stale:
+            ids = list(stale)
+            _delete_parts(conn, tables.batch_parts.c.batch_id.in_(ids))
+            conn.execute(delete(tables.batches).where(b.batch_id.in_(ids)))
+        _delete_orphans(conn, now - STAGED_GRACE_SECONDS)
+        for n, refused in stale.values():
+            removed["refused" if refused else "retention"] += n
+        rows = [
+            {"reason": reason, "contributions": n, "purged_at": now}
+            for reason, n in removed.items()
+            if n
+        ]
+        if rows:
+            conn.execute(insert(tables.purges), rows)
         return removed
 
     def requeue_refused(self, now: float, batch_id: str | None = None) -> int:
@@ -659,12 +683,10 @@ class ContributionStore(ABC):
         query = update(tables.batch_parts).where(p.status == "failed")
         if batch_id is not None:
             query = query.where(p.batch_id == batch_id)
-        with self.engine.begin() as conn:
-            return int(
-                conn.execute(
-                    query.values(status="pending", attempts=0, next_attempt_at=now)
-                ).rowcount
-            )
+        query = query.values(status="pending", attempts=0, next_attempt_at=now)
+        return db.run_tx(
+            self.engine, "shuffler.requeue_refused", lambda conn: int(conn.execute(query).rowcount)
+        )
 
     def sweep(self, budget: int = 20 * SWEEP_CHUNK) -> int:
         """Delete up to ``budget`` dead contributions (of groups already evaluated, counted by
@@ -677,13 +699,18 @@ class ContributionStore(ABC):
         swept = 0
         for key in dead:
             while swept < budget:
-                with self.engine.begin() as conn:
-                    self.begin_writing(conn)
-                    deleted = _delete_ids(conn, _dead_ids(conn, key, SWEEP_CHUNK))
+                # Not counted: the number of chunks would reveal the dead rows' count.
+                chunk = functools.partial(self._sweep_chunk, key=key)
+                deleted = db.run_tx(self.engine, "shuffler.sweep", chunk, counted=False)
                 swept += deleted
                 if deleted < SWEEP_CHUNK:
                     break
         return swept
+
+    def _sweep_chunk(self, conn: Connection, key: GroupKey) -> int:
+        """Delete up to :data:`SWEEP_CHUNK` dead rows of ``key`` (:meth:`sweep`'s transaction)."""
+        self.begin_writing(conn)
+        return _delete_ids(conn, _dead_ids(conn, key, SWEEP_CHUNK))
 
     def ledger(self) -> dict[str, int]:
         """Where every acknowledged contribution went (for audits, metrics and tests)."""
@@ -762,6 +789,16 @@ class ContributionStore(ABC):
             )
             for row in rows
         ]
+
+
+def _stage_part(conn: Connection, sealed: SealedPart, now: float) -> None:
+    """Insert one signed part ``staged``, with its body (:meth:`ContributionStore._stage`)."""
+    conn.execute(insert(tables.batch_parts).values(**_part_row(sealed, now)))
+    conn.execute(
+        insert(tables.part_bodies).values(
+            batch_id=sealed.batch_id, part=sealed.part, body=sealed.body
+        )
+    )
 
 
 def _stale_batches(
@@ -1255,12 +1292,10 @@ class SqliteContributionStore(ContributionStore):
         with self._writing:
             self._held_keys()
         p = tables.batch_parts.c
-        with self.engine.begin() as conn:
-            conn.execute(
-                update(tables.batch_parts)
-                .where(p.lease_until.is_not(None))
-                .values(lease_until=None)
-            )
+        query = (
+            update(tables.batch_parts).where(p.lease_until.is_not(None)).values(lease_until=None)
+        )
+        db.run_tx(self.engine, "shuffler.release_leases", lambda conn: conn.execute(query))
 
     def _held_keys(self) -> HeldKeys:
         """The keys of the open epochs' rows, read from the table once (at
@@ -1383,9 +1418,12 @@ class PostgresContributionStore(ContributionStore):
         Raises:
             sqlalchemy.exc.OperationalError: the lock was not granted in time.
         """
-        with self.engine.begin() as conn:
+
+        def wait(conn: Connection) -> None:
             conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{BARRIER_TIMEOUT_MS}ms'")
             conn.exec_driver_sql(f"LOCK TABLE {tables.contributions.name} IN SHARE MODE")
+
+        db.run_tx(self.engine, "shuffler.barrier", wait)
 
     @contextlib.contextmanager
     def _autocommit(self) -> Iterator[Connection]:
