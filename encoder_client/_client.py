@@ -72,8 +72,9 @@ OUTBOX_BACKOFF = Backoff(base=0.5, cap=300.0)
 #: fetched again.
 OUTDATED = frozenset({"channel_retired", "config_outdated", "channel_terms_changed"})
 #: Said of a contribution refused ``400 epoch_not_open``: its epoch is this device's clock,
-#: and a shuffler takes only the epochs its own clock has open (docs/sdk.md, "Clocks"), so a
-#: clock minutes off loses its reports (the shuffler's detail, logged, names the open ones).
+#: and a shuffler takes only the epochs its own clock has open (docs/operations.md, "Clock
+#: skew"), so a clock minutes off loses its reports (the shuffler's detail, logged, names the
+#: open ones).
 CLOCK_HINT = " (its epoch is not open at the shuffler: is this device's clock right?)"
 #: Least seconds between two config fetches for channels the config does not name.
 UNKNOWN_CHANNEL_REFRESH_SECONDS = 10.0

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from common.collection import TrustAnchors
     from services.tools.credentials import Credentials
     from services.tools.loadgen import Pace
+    from services.tools.loadtest.prepare import LoadPlan
 
 
 def _populations(values: tuple[str, ...]) -> dict[str, str]:
@@ -248,7 +249,6 @@ def _main(kw: dict[str, Any]) -> None:
     from services.tools.loadgen import LoadError
     from services.tools.loadtest import verify
     from services.tools.loadtest.population import PopulationError
-    from services.tools.loadtest.prepare import LoadPlan
     from services.tools.loadtest.run import Options, execute
 
     console = Console(stderr=True)
@@ -264,20 +264,8 @@ def _main(kw: dict[str, Any]) -> None:
             services, trust_file = _start_local(console, own)
             tokens = Credentials(folder=own / "keys")
             analyzer_url = services[0].url
-        plan = LoadPlan(
-            analyzer_url=analyzer_url.rstrip("/"),
-            trust=_pinned(trust_file or kw["var"] / launcher.TRUST_FILE),
-            devices=kw["devices"],
-            duration=kw["duration"],
-            workdir=kw["out"],
-            channels=kw["channels"],
-            populations=_populations(kw["populations"]),
-            workers=kw["workers"],
-            seed=kw["seed"],
-            clock_offsets=_clock_offsets(kw["clock_offsets"]),
-        )
         options = Options(
-            plan=plan,
+            plan=_plan(kw, analyzer_url, trust_file or kw["var"] / launcher.TRUST_FILE),
             rate=pace,
             concurrency=kw["concurrency"],
             tokens=tokens,
@@ -300,6 +288,25 @@ def _main(kw: dict[str, Any]) -> None:
     problems = summary.get("verification", {}).get("problems", [])
     if problems:
         raise click.ClickException("verification failed: " + "; ".join(problems))
+
+
+def _plan(kw: dict[str, Any], analyzer_url: str, trust_file: Path) -> LoadPlan:
+    """The load test's plan from its options by name (the deployment's URL and trust file
+    resolved by the caller: given, or of the deployment ``--up`` started)."""
+    from services.tools.loadtest.prepare import LoadPlan
+
+    return LoadPlan(
+        analyzer_url=analyzer_url.rstrip("/"),
+        trust=_pinned(trust_file),
+        devices=kw["devices"],
+        duration=kw["duration"],
+        workdir=kw["out"],
+        channels=kw["channels"],
+        populations=_populations(kw["populations"]),
+        workers=kw["workers"],
+        seed=kw["seed"],
+        clock_offsets=_clock_offsets(kw["clock_offsets"]),
+    )
 
 
 def _clock_offsets(values: tuple[str, ...]) -> tuple[tuple[float, float], ...]:

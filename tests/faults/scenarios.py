@@ -656,7 +656,9 @@ def crash_chains(deployed: Deployed, names: Sequence[str]) -> list[CrashChain]:
     ``analyzer``: :data:`ANALYZER_POINTS`), started."""
     processes = {p.spec.name: p for p in (deployed.analyzer, *deployed.shufflers)}
     return [
-        CrashChain(processes[n], ANALYZER_POINTS if n == "analyzer" else SHUFFLER_POINTS).start()
+        CrashChain(
+            process=processes[n], points=ANALYZER_POINTS if n == "analyzer" else SHUFFLER_POINTS
+        ).start()
         for n in names
     ]
 
