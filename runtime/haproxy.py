@@ -74,6 +74,17 @@ def error_lines() -> list[str]:
     return lines
 
 
+#: How long a device's request (an enrolment, a contribution) may wait for its process's
+#: answer before HAProxy sends it to another replica (a process stopped, hung or stalled: its
+#: health check takes it out only after ~1-3 s, and the requests it had taken would otherwise
+#: wait for it, up to :data:`SERVER_TIMEOUT`): the SDK's own timeout, past which a device
+#: gives up anyway. A resend is never counted twice (docs/architecture.md, "Runtime: HAProxy
+#: and the server").
+DEVICE_TIMEOUT = "10s"
+#: The device routes' retries: :data:`RETRY_POLICY`'s, and an answer not begun within
+#: :data:`DEVICE_TIMEOUT`.
+DEVICE_RETRY = "    retry-on conn-failure empty-response response-timeout"
+
 #: Analyzer POSTs that may be resent after reaching a process (idempotent); any other POST
 #: is resent only on a refused connection.
 ANALYZER_RESENDABLE = ("/v1/batches",)
@@ -111,14 +122,22 @@ def binary() -> Path:
     )
 
 
-def _backend(name: str, balance: str, ports: Sequence[int], track: str | None = None) -> list[str]:
+def _backend(
+    name: str,
+    balance: str,
+    ports: Sequence[int],
+    track: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """One backend over ``ports``, each server health-checked on ``/readyz``, or with ``track``
     (another backend's name) following that backend's checks of the same process instead of
-    checking it again: the enrolment backend of a trust domain tracks its replicas backend, so
-    each process answers one check per interval, not two."""
+    checking it again: the enrolment and contributions backends of a trust domain track its
+    replicas backend, so each process answers one check per interval, not three; ``extra``:
+    more lines of the backend (its own timeout and retries)."""
     lines = [
         f"backend {name}",
         f"    balance {balance}",
+        *extra,
         "    hash-type consistent",
         "    option httpchk",
         "    http-check send meth GET uri /readyz",
@@ -151,14 +170,7 @@ def render(frontends: Sequence[Frontend]) -> str:
     for f in frontends:
         lines += ["", f"frontend {f.name}", f"    bind {ADDRESS}:{f.port}"]
         if f.shuffler:
-            lines += [
-                f"    use_backend {f.name}-enroll if {{ path /v1/enroll }}",
-                f"    default_backend {f.name}-replicas",
-                "",
-                *_backend(f"{f.name}-replicas", "hdr(Authorization)", f.backends),
-                "",
-                *_backend(f"{f.name}-enroll", "source", f.backends, f"{f.name}-replicas"),
-            ]
+            lines += _shuffler(f)
         else:
             resendable = " ".join(ANALYZER_RESENDABLE)
             lines += [
@@ -168,6 +180,25 @@ def render(frontends: Sequence[Frontend]) -> str:
             ]
             lines += _backend(f"{f.name}-workers", "roundrobin", f.backends)
     return "\n".join(lines) + "\n"
+
+
+def _shuffler(f: Frontend) -> list[str]:
+    """A shuffler trust domain's routes: enrolment hashed on the source address, device
+    contributions on the token, both resent elsewhere when a process does not answer within
+    :data:`DEVICE_TIMEOUT`; everything else (admin, metrics, config) on the token."""
+    replicas = f"{f.name}-replicas"
+    device = (f"    timeout server {DEVICE_TIMEOUT}", DEVICE_RETRY)
+    return [
+        f"    use_backend {f.name}-enroll if {{ path /v1/enroll }}",
+        f"    use_backend {f.name}-contributions if METH_POST {{ path /v1/contributions }}",
+        f"    default_backend {replicas}",
+        "",
+        *_backend(replicas, "hdr(Authorization)", f.backends),
+        "",
+        *_backend(f"{f.name}-enroll", "source", f.backends, replicas, device),
+        "",
+        *_backend(f"{f.name}-contributions", "hdr(Authorization)", f.backends, replicas, device),
+    ]
 
 
 def write_config(path: Path, frontends: Sequence[Frontend]) -> Path:

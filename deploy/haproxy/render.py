@@ -43,6 +43,11 @@ class RenderError(RuntimeError):
     """``render``'s output no longer has the shape this adaptation rewrites."""
 
 
+#: The backends of a trust domain that follow its replicas backend's health checks
+#: (enrolment, contributions: :func:`runtime.haproxy.render`).
+TRACKING_BACKENDS = 2
+
+
 def _sub(pattern: str, replacement: str, text: str, count: int) -> str:
     result, found = re.subn(pattern, replacement, text, flags=re.M)
     if found != count:
@@ -65,9 +70,12 @@ def compose_config(domain: str, port: int, hosts: Sequence[str]) -> str:
         text = _sub(rf"^    server p{index} 127\.0\.0\.1:{index} check$", line, text, 1)
         tracked = rf"^    server p{index} 127\.0\.0\.1:{index} track ({domain}-replicas)/p{index}$"
         line = f"    server {host} {host}:{port} track \\1/{host}"
-        text = _sub(tracked, line, text, 1)
+        text = _sub(tracked, line, text, TRACKING_BACKENDS)
     text = _sub(
-        r"^(    default-server .*)$", r"\1 resolvers docker init-addr last,libc,none", text, 2
+        r"^(    default-server .*)$",
+        r"\1 resolvers docker init-addr last,libc,none",
+        text,
+        1 + TRACKING_BACKENDS,
     )
     return _sub(r"^(    timeout http-request .*)$", "\\1\n" + "\n".join(RESOLVERS), text, 1)
 

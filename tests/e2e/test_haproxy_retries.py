@@ -224,6 +224,49 @@ def test_a_replica_killed_under_load_costs_its_clients_nothing(
     assert _stored(postgres_template) == requests.landed
 
 
+def test_a_stopped_replica_costs_its_clients_at_most_the_device_timeout(
+    domain: dict[str, launcher.Service], postgres_template: str
+) -> None:
+    """Replica 2 is stopped (SIGSTOP) for longer than :data:`runtime.haproxy.DEVICE_TIMEOUT`
+    and then continued, never killed (a paused VM, a long GC, a process stopped by a debugger):
+    the requests it had taken are resent to another replica once they waited that long
+    (``response-timeout``), so every one is answered while it is still stopped; when it
+    continues it finds them answered (its own late commits refused: the nonce is unique), and
+    the database holds exactly what was acknowledged."""
+    front = domain[f"haproxy:{SID}"].url
+    config = httpx.get(front + "/v1/config", timeout=30).json()
+    key = load_x25519_public(base64.b64decode(config["public_key"]))
+    pool = _sealed_fragments(domain["haproxy:analyzer"].url)
+    requests, stop = Requests(), threading.Event()
+    threads = [
+        threading.Thread(target=_client_loop, args=(front, key, pool, stop, requests))
+        for _ in range(THREADS)
+    ]
+    timeout = float(haproxy.DEVICE_TIMEOUT.removesuffix("s"))
+    stopped = domain[f"{SID}.r2"].process.pid
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.5)
+        os.kill(stopped, signal.SIGSTOP)
+        paused = time.monotonic()
+        time.sleep(timeout + 4.0)
+        resumed = time.monotonic()  # before SIGCONT: what is answered before it was not its
+        os.kill(stopped, signal.SIGCONT)
+        time.sleep(2.0)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+        stop.set()
+        for thread in threads:
+            thread.join(90)
+    assert not requests.unexpected(), requests.unexpected()[:5]
+    waited = [r for r in requests.done if paused <= r[1] and r[2] - r[1] >= timeout - 0.5]
+    assert waited, "no request reached the stopped replica (none waited the device timeout)"
+    assert all(r[2] < resumed for r in waited if r[1] < resumed - timeout - 1.0)
+    assert requests.since(paused + timeout + 1.0) > 0  # the load went on around it
+    assert _stored(postgres_template) == requests.landed
+
+
 def test_esa_up_and_compose_carry_one_retry_policy(tmp_path: Path) -> None:
     """The ``defaults`` of ``esa up``'s configuration and of every compose configuration hold
     :data:`~runtime.haproxy.RETRY_POLICY` (written once, in render), and
@@ -239,7 +282,10 @@ def test_esa_up_and_compose_carry_one_retry_policy(tmp_path: Path) -> None:
         assert [line for line in defaults if line in haproxy.RETRY_POLICY] == list(
             haproxy.RETRY_POLICY
         )
-        assert sum("retry-on" in line or "redispatch" in line for line in text.splitlines()) == 2
+        retries = [x for x in text.splitlines() if "retry-on" in x or "redispatch" in x]
+        assert set(retries) - set(haproxy.RETRY_POLICY) <= {haproxy.DEVICE_RETRY}
+        # a shuffler's two device routes (enrolment, contributions) add the answer timeout
+        assert retries.count(haproxy.DEVICE_RETRY) == (2 if "-enroll" in text else 0)
     assert "retry-on conn-failure empty-response" in haproxy.RETRY_POLICY[-1]
     # The analyzer resends only idempotent POSTs after they reached a worker.
     assert (
