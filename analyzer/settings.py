@@ -30,6 +30,7 @@ from common.wire import (
     SignedDescriptor,
     b64,
 )
+from runtime import failpoints
 from runtime.cors import CorsSettings
 from runtime.deadlines import DeadlineSettings
 from runtime.keys import Timing, key_timing, overlap_floor
@@ -216,6 +217,7 @@ class AnalyzerSettings(SecretFileSettings, DeadlineSettings, TrustedProxySetting
         ):
             if len(ids) != len(set(ids)):
                 raise ValueError(f"duplicate {name} ids in {ids}")
+        failpoints.refuse_in_production(self.environment)
         refuse_placeholder("admin_token", self.admin_token.get_secret_value(), self.environment)
         if self.metrics_token is not None:
             token = self.metrics_token.get_secret_value()

@@ -73,3 +73,14 @@ def failpoint(name: str) -> None:
     if ARMED and name in ARMED:
         os.write(2, f"failpoint {name}: SIGKILL\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def refuse_in_production(environment: str) -> None:
+    """Refuse to start a production service with a failpoint armed: a stray ``ESA_FAILPOINTS``
+    in a unit file would crash it at a commit point again after every restart.
+
+    Raises:
+        ValueError: ``environment`` is production and :data:`ENV` arms a point.
+    """
+    if ARMED and environment == "production":
+        raise ValueError(f"{ENV} arms {sorted(ARMED)}: failpoints are for tests, never production")

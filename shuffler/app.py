@@ -14,6 +14,7 @@ import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,33 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 RETENTION_INTERVAL = 60.0
 #: Seconds one POST of a batch to the analyzer may take.
 ANALYZER_TIMEOUT = 30.0
+#: Seconds a stop waits for the background work in flight (a part being POSTed under its
+#: forwarding lease) before the store lets go of its database file.
+STOP_GRACE_SECONDS = 10.0
+
+
+class _Loops:
+    """The background loops' threads: a stop waits for the work in flight before the store
+    lets go of its SQLite file, so a successor that takes the file over (and with it every
+    forwarding lease, :meth:`shuffler.store.ContributionStore.start_writing`) never sends a
+    part this process is still sending."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(3, thread_name_prefix="esa-loop")
+        self.running: set[Future[Any]] = set()
+
+    async def run(self, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)`` on the loops' threads."""
+        future = self.pool.submit(work, *args)
+        self.running.add(future)
+        future.add_done_callback(self.running.discard)
+        return await asyncio.wrap_future(future)
+
+    def stop(self, grace: float) -> bool:
+        """Take no more work; whether the work in flight ended within ``grace`` seconds."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        _, pending = wait(list(self.running), timeout=grace)
+        return not pending
 
 
 async def _periodic(interval: float, work: Callable[[], Awaitable[Any]], name: str) -> None:
@@ -68,21 +96,23 @@ async def _periodic(interval: float, work: Callable[[], Awaitable[Any]], name: s
         await asyncio.sleep(interval)
 
 
-def _background(service: ShufflerService, http: httpx.Client) -> list[asyncio.Task[None]]:
+def _background(
+    service: ShufflerService, http: httpx.Client, loops: _Loops
+) -> list[asyncio.Task[None]]:
     """Batching (then forwarding what it released, then sweeping dead rows), forwarding
     retries, retention."""
     settings = service.settings
 
     async def batching() -> None:
-        if await asyncio.to_thread(service.run_batching):
-            await asyncio.to_thread(service.forward_due, http)
-        await asyncio.to_thread(service.sweep)
+        if await loops.run(service.run_batching):
+            await loops.run(service.forward_due, http)
+        await loops.run(service.sweep)
 
     async def forwarding() -> None:
-        await asyncio.to_thread(service.forward_due, http)
+        await loops.run(service.forward_due, http)
 
     async def retention() -> None:
-        await asyncio.to_thread(service.purge)
+        await loops.run(service.purge)
 
     return [
         asyncio.create_task(_periodic(settings.batch_interval_seconds, batching, "batching")),
@@ -117,7 +147,8 @@ def _lifespan(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         published = await _prepare(service)
         writer.start()
-        tasks = _background(service, http)
+        loops = _Loops()
+        tasks = _background(service, http, loops)
         channels = [c.id for c in service.policies.all()]
         # Its own client, no connection kept alive: each fetch's deadline watches its socket.
         fetching = deadline_client(service.settings.config_fetch_deadline_seconds)
@@ -142,9 +173,13 @@ def _lifespan(
             for task in tasks:
                 task.cancel()
             await asyncio.to_thread(writer.stop)
+            idle = await asyncio.to_thread(loops.stop, STOP_GRACE_SECONDS)
             http.close()
             fetching.close()
-            service.store.close()
+            if idle:
+                service.store.close()
+            else:  # the file stays claimed until this process exits (the OS lets it go)
+                log.warning("background work still running at stop; the database stays claimed")
             engine.dispose()
 
     return lifespan

@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from common.wire import PART_FRAGMENTS, ChannelPolicy
+from runtime import failpoints
 from runtime.cors import CorsSettings
 from runtime.deadlines import DeadlineSettings
 from runtime.keys import Timing, key_timing, overlap_floor
@@ -143,6 +144,7 @@ class ShufflerSettings(SecretFileSettings, DeadlineSettings, TrustedProxySetting
             self.channels = [
                 ChannelPolicy(**{k: v for k, v in c.items() if k in fields}) for c in listed
             ]
+        failpoints.refuse_in_production(self.environment)
         for name in ("token_secret", "admin_token", "metrics_token"):
             value = getattr(self, name)
             if value is not None:

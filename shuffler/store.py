@@ -270,7 +270,9 @@ class ContributionStore(ABC):
         """Persist that every epoch <= ``epoch`` of a channel is closed (idempotent)."""
         values = {"channel_id": channel_id, "epoch": epoch, "closed_at": now}
         query = self.insert_ignore(tables.closed_epochs).values(**values)
-        db.run_tx(self.engine, "shuffler.close_epoch", lambda conn: conn.execute(query))
+        db.run_tx(
+            self.engine, "shuffler.close_epoch", lambda conn: conn.execute(query), counted=False
+        )
 
     def closed_epochs(self) -> dict[str, int]:
         """The latest closed epoch of each channel."""
@@ -1423,7 +1425,7 @@ class PostgresContributionStore(ContributionStore):
             conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{BARRIER_TIMEOUT_MS}ms'")
             conn.exec_driver_sql(f"LOCK TABLE {tables.contributions.name} IN SHARE MODE")
 
-        db.run_tx(self.engine, "shuffler.barrier", wait)
+        db.run_tx(self.engine, "shuffler.barrier", wait, counted=False)
 
     @contextlib.contextmanager
     def _autocommit(self) -> Iterator[Connection]:

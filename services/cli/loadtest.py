@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -313,16 +314,24 @@ def _clock_offsets(values: tuple[str, ...]) -> tuple[tuple[float, float], ...]:
     """``SECONDS:SHARE`` pairs (``--clock-offset``).
 
     Raises:
-        click.UsageError: not two numbers, or a share outside (0, 1).
+        click.UsageError: not two finite numbers, a share outside (0, 1), an offset of 0 (the
+            devices on true time are the rest) or one given twice.
     """
-    found = []
+    found: list[tuple[float, float]] = []
     for value in values:
         try:
             offset, share = (float(x) for x in value.split(":"))
         except ValueError as error:
             raise click.UsageError(f"--clock-offset {value!r}: expected SECONDS:SHARE") from error
-        if not 0 < share < 1:
-            raise click.UsageError(f"--clock-offset {value!r}: the share is between 0 and 1")
+        if not (math.isfinite(offset) and 0 < share < 1):
+            raise click.UsageError(
+                f"--clock-offset {value!r}: a finite offset, and a share between 0 and 1"
+            )
+        if offset == 0 or offset in (o for o, _ in found):
+            raise click.UsageError(
+                f"--clock-offset {value!r}: an offset of 0 is the devices on true time (the "
+                "share left), and each offset is one group"
+            )
         found.append((offset, share))
     return tuple(found)
 

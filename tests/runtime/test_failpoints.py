@@ -56,3 +56,30 @@ def test_an_armed_point_kills_the_process_with_sigkill() -> None:
     )
     assert done.returncode == -signal.SIGKILL
     assert done.stderr == f"failpoint {point}: SIGKILL\n" and done.stdout == ""
+
+
+def test_production_refuses_an_armed_failpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    failpoints.refuse_in_production("production")  # nothing armed: starts
+    monkeypatch.setattr(failpoints, "ARMED", frozenset({"analyzer.fold.after_commit"}))
+    failpoints.refuse_in_production("development")  # tests arm them
+    with pytest.raises(ValueError, match="failpoints are for tests, never production"):
+        failpoints.refuse_in_production("production")
+
+
+@pytest.mark.system  # starts a process
+@pytest.mark.parametrize("package", ["shuffler", "analyzer"])
+def test_a_production_service_with_an_armed_failpoint_refuses_its_settings(package: str) -> None:
+    prefix = f"ESA_{package.upper()}_"
+    code = (
+        f"from {package}.settings import {package.capitalize()}Settings\n"
+        f"{package.capitalize()}Settings()\n"
+    )
+    env = {
+        **os.environ,
+        failpoints.ENV: "analyzer.fold.after_commit",
+        prefix + "ENVIRONMENT": "production",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and "failpoints are for tests, never production" in done.stderr

@@ -35,7 +35,14 @@ ROWS = Table(
     Column("value", String, nullable=False),
 )
 #: The shuffler's transactions whose counts would follow group sizes: never counted.
-BATCHING = {"shuffler.record_group", "shuffler.stage_part", "shuffler.unstage", "shuffler.sweep"}
+BATCHING = {
+    "shuffler.record_group",
+    "shuffler.stage_part",
+    "shuffler.unstage",
+    "shuffler.sweep",
+    "shuffler.close_epoch",
+    "shuffler.barrier",
+}
 METRICS_TOKEN = "metrics-secret"
 
 

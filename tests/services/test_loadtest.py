@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import httpx
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ from common.collection import TrustAnchors
 from common.envelope import public_bytes
 from common.wire import MAX_EPOCH_SECONDS, b64
 from services.cli import launcher
-from services.cli.loadtest import loadtest
+from services.cli.loadtest import _clock_offsets, loadtest
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from services.tools.credentials import Credentials
@@ -778,3 +779,22 @@ def test_a_wait_says_what_it_waits_for_and_counts_down(monkeypatch: pytest.Monke
     asyncio.run(watched())
     assert any(t.startswith("waiting for epoch 9: 1 s left") for t in titles), titles
     assert monitor.waiting == ""  # the title is plain again once the wait is over
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (("600:0.1", "600:0.2"), "each offset is one group"),
+        (("0:0.1",), "an offset of 0 is the devices on true time"),
+        (("nan:0.1",), "a finite offset"),
+        (("inf:0.1",), "a finite offset"),
+        (("600:1.5",), "a share between 0 and 1"),
+        (("600",), "expected SECONDS:SHARE"),
+    ],
+)
+def test_clock_offsets_are_refused_unless_each_is_one_finite_group(
+    given: tuple[str, ...], said: str
+) -> None:
+    with pytest.raises(click.UsageError, match=re.escape(said)):
+        _clock_offsets(given)
+    assert _clock_offsets(("600:0.1", "-600:0.1")) == ((600.0, 0.1), (-600.0, 0.1))

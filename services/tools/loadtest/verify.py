@@ -200,10 +200,9 @@ def drain(analyzer_url: str, urls: Sequence[str], tokens: Credentials, timeout: 
     start = time.monotonic()
     while True:
         try:
-            patience = max(0.0, timeout - (time.monotonic() - start))  # the drain's own deadline
-            state = shuffler_state(urls, tokens, patience)
+            state = shuffler_state(urls, tokens, _left(start, timeout))  # the drain's deadline
             waiting = sum(s["pending"] + s["in_batches_unforwarded"] for s in state.values())
-            metrics = scrape(analyzer_url, tokens, patience)
+            metrics = scrape(analyzer_url, tokens, _left(start, timeout))
             unopened = metrics.get("esa_analyzer_parts_unopened", math.nan)
             if waiting == 0 and unopened == 0:
                 return time.monotonic() - start
@@ -216,6 +215,11 @@ def drain(analyzer_url: str, urls: Sequence[str], tokens: Credentials, timeout: 
         if time.monotonic() - start > timeout:
             raise VerifyError(f"not drained after {timeout:.0f} s: {left}")
         time.sleep(0.3)
+
+
+def _left(start: float, timeout: float) -> float:
+    """Seconds left of a ``timeout`` that began at ``start`` (monotonic), at least 0."""
+    return max(0.0, timeout - (time.monotonic() - start))
 
 
 def close_at_analyzer(
