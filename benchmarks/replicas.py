@@ -76,7 +76,7 @@ from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from shuffler import tables
-from shuffler.store import make_store
+from shuffler.store_backends import make_store
 
 POSTGRES = os.environ.get("ESA_BENCH_POSTGRES", "postgres@127.0.0.1:5432")
 PREFIX = os.environ.get("ESA_BENCH_DB_PREFIX", "esa_rb")
