@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _report import machine, run_main
 from rich.console import Console
 
-from analyzer import store as analyzer_tables
+from analyzer import tables as analyzer_tables
 from common.collection import TrustAnchors
 from common.wire import MAX_EPOCH_SECONDS
 from runtime import db
