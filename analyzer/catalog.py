@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import ChannelChangeRefusedError, InvalidChannelError, UnknownChannelError
+from analyzer.records import ChannelLogRow
 from analyzer.settings import largest_part_bytes
-from analyzer.store import ADD, RETIRE, AnalyzerStore, ChannelLogRow
+from analyzer.store import AnalyzerStore
+from analyzer.tables import ADD, RETIRE
 from common.mechanisms import ldpsgd
 from common.wire import ChannelConfig
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from analyzer.errors import InvalidChannelError
-from analyzer.store import ReceivedRange
+from analyzer.records import ReceivedRange
 from common.mechanisms import (
     Accumulator,
     BatchContext,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from analyzer.store import EpochHealth
+from analyzer.records import EpochHealth
 from common.wire import (
     BudgetInUse,
     BudgetLimit,

@@ -41,7 +41,8 @@ from analyzer.errors import (
     UnknownShufflerError,
 )
 from analyzer.metrics import AnalyzerEvents
-from analyzer.store import AnalyzerStore, PartHeader, StoredBatch
+from analyzer.records import PartHeader, StoredBatch
+from analyzer.store import AnalyzerStore
 from common.collection import MAX_CLOCK_SKEW_SECONDS, fingerprint
 from common.envelope import KeyRing, verify
 from common.preauth import Preauth, PreauthError, parse_preauth

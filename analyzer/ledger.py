@@ -22,8 +22,9 @@ from typing import Literal, get_args
 
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import UnknownChannelError
+from analyzer.records import StoredCharge
 from analyzer.settings import LIFETIME_DELTA
-from analyzer.store import AnalyzerStore, StoredCharge
+from analyzer.store import AnalyzerStore
 from common.accounting.lifetime import Epoch, LifetimeResult, charged_crowds, compose_epochs
 from common.accounting.results import Neighbouring
 from common.wire import (

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy.exc import SQLAlchemyError
 
-from analyzer.store import EpochHealth
+from analyzer.records import EpochHealth
 from runtime import db
 from runtime.conservation import ANALYZER_FRAGMENTS, FRAGMENT_STATES
 

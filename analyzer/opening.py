@@ -33,7 +33,8 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import StorageConflictError
 from analyzer.metrics import AnalyzerEvents
-from analyzer.store import AnalyzerStore, Complete, Completion, Fold, Folded, Merge, PartHeader
+from analyzer.records import Complete, Completion, Fold, Folded, Merge, PartHeader
+from analyzer.store import AnalyzerStore
 from common.envelope import EnvelopeError, FragmentContext, KeyRing, open_fragment, seal_key
 from common.wire import Batch
 from runtime.failpoints import failpoint

@@ -35,14 +35,8 @@ from analyzer.errors import (
     UnknownChannelError,
 )
 from analyzer.metrics import AnalyzerEvents
-from analyzer.store import (
-    AnalyzerStore,
-    BatchProgress,
-    CrowdCheck,
-    DeliveredBatch,
-    Group,
-    ReceivedRange,
-)
+from analyzer.records import BatchProgress, CrowdCheck, DeliveredBatch, Group, ReceivedRange
+from analyzer.store import AnalyzerStore
 from common.accounting import BoundResult
 from common.mechanisms import Estimate, LocalPrivacy, NoDataError
 from common.mechanisms._estimates import FloatArray, IntArray

@@ -9,7 +9,8 @@ from sqlalchemy.engine import Engine
 
 from runtime.db import make_engine, upgrade
 from shuffler.app import MIGRATIONS
-from shuffler.store import ContributionStore, make_store
+from shuffler.store import ContributionStore
+from shuffler.store_backends import make_store
 
 #: Rows per group-commit transaction: what ``strace -c`` counted per ``fdatasync`` at a
 #: shuffler under ingest_cpu.py's load.

@@ -2,12 +2,12 @@
 per row, and the wall time per transaction, for batches of 1 to 28 contributions
 (docs/benchmarks.md, "Group commit on PostgreSQL").
 
-Each batch goes through :meth:`shuffler.store.PostgresContributionStore.insert`, the writer's
-call (one ``_PG_INSERT`` statement in autocommit). ``--text`` sends the nine array parameters in
-PostgreSQL's text format instead of the binary one the store uses (``%s`` for ``%b``), to
-compare: the text format hex-encodes every bytea and escapes every element with a regular
-expression in the client. A contribution has ``--fragments`` sealed fragments of ``--bytes``
-bytes each. Run: ``.venv/bin/python benchmarks/group_commit.py [--text]``; PostgreSQL at
+Each batch goes through :meth:`shuffler.store_backends.PostgresContributionStore.insert`, the
+writer's call (one ``_PG_INSERT`` statement in autocommit). ``--text`` sends the nine array
+parameters in PostgreSQL's text format instead of the binary one the store uses (``%s`` for
+``%b``), to compare: the text format hex-encodes every bytea and escapes every element with a
+regular expression in the client. A contribution has ``--fragments`` sealed fragments of
+``--bytes`` bytes each. Run: ``.venv/bin/python benchmarks/group_commit.py [--text]``; PostgreSQL at
 ``ESA_BENCH_POSTGRES`` (default ``postgres@127.0.0.1:5432``); the script creates and drops the
 database ``esa_group_commit``.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.envelope import Contribution
 from runtime import db
-from shuffler import store, tables
+from shuffler import store, store_backends, tables
 from shuffler.records import Pending
 
 POSTGRES = os.environ.get("ESA_BENCH_POSTGRES", "postgres@127.0.0.1:5432")
@@ -93,14 +93,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=3_000, help="rows per batch size")
     args = parser.parse_args()
     if args.text:
-        store._PG_INSERT = store._PG_INSERT.replace("%b", "%s")
+        store_backends._PG_INSERT = store_backends._PG_INSERT.replace("%b", "%s")
     admin(f"DROP DATABASE IF EXISTS {DATABASE}")
     admin(f"CREATE DATABASE {DATABASE}")
     user, hostport = POSTGRES.split("@")
     engine = db.make_engine(f"postgresql+psycopg://{user}@{hostport}/{DATABASE}")
     try:
         tables.metadata.create_all(engine)
-        target = store.make_store(engine)
+        target = store_backends.make_store(engine)
         measure(target, args)
         target.close()
     finally:

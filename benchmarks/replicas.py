@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _report import machine, run_main
 from rich.console import Console
 
-from analyzer import store as analyzer_tables
+from analyzer import tables as analyzer_tables
 from common.collection import TrustAnchors
 from common.wire import MAX_EPOCH_SECONDS
 from runtime import db
@@ -76,7 +76,7 @@ from services.cli import launcher
 from services.tools import loadgen
 from services.tools.catalogue import DEFAULT_CHANNELS
 from shuffler import tables
-from shuffler.store import make_store
+from shuffler.store_backends import make_store
 
 POSTGRES = os.environ.get("ESA_BENCH_POSTGRES", "postgres@127.0.0.1:5432")
 PREFIX = os.environ.get("ESA_BENCH_DB_PREFIX", "esa_rb")

@@ -209,7 +209,7 @@ def _big_batch(tmp: Path) -> tuple[float, int]:
     from shuffler.app import MIGRATIONS
     from shuffler.service import ShufflerService
     from shuffler.settings import ShufflerSettings
-    from shuffler.store import make_store
+    from shuffler.store_backends import make_store
 
     url = f"sqlite:///{tmp / 'big.db'}"
     policy = ChannelPolicy(**CHANNEL)

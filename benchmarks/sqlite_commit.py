@@ -78,19 +78,20 @@ def _bare(path: Path, pending: Sequence[Any], size: int) -> float:
     """:func:`_per_row` for the same transactions on a bare ``sqlite3`` connection (fresh
     receipts and client ids: the rows are stored a second time)."""
     from shuffler import store as store_module
+    from shuffler import store_backends, store_queries
 
     connection = sqlite3.connect(path, isolation_level=None)
     for pragma in ("journal_mode=WAL", "synchronous=FULL", "wal_autocheckpoint=10000"):
         connection.execute(f"PRAGMA {pragma}")
-    checks = store_module._checks_sql("?", 1, 1)
+    checks = store_backends._checks_sql("?", 1, 1)
 
     def insert(batch: list[Any]) -> None:
         receipts = store_module.new_receipts(len(batch))
-        rows = [store_module._row(p, r) for p, r in zip(batch, receipts, strict=True)]
+        rows = [store_queries.contribution_row(p, r) for p, r in zip(batch, receipts, strict=True)]
         connection.execute("BEGIN IMMEDIATE")
         connection.execute(checks, (rows[0][3], rows[0][0])).fetchall()
         values = tuple(value for row in rows for value in row)
-        connection.execute(store_module._insert_sql("?", len(rows)), values)
+        connection.execute(store_backends._insert_sql("?", len(rows)), values)
         connection.execute("COMMIT")
 
     try:

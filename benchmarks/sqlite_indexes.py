@@ -31,7 +31,8 @@ from _store import COMMIT_ROWS, migrated_sqlite
 
 from common.envelope import inner_size, new_nonce
 from shuffler.records import pack_fragments
-from shuffler.store import WAL_AUTOCHECKPOINT_PAGES, _insert_sql, new_receipts
+from shuffler.store import new_receipts
+from shuffler.store_backends import WAL_AUTOCHECKPOINT_PAGES, _insert_sql
 
 #: name: (edit of the table's DDL, extra DDL, page size, checkpoint interval in pages)
 VARIANTS: dict[str, tuple[dict[str, str], list[str], int, int]] = {

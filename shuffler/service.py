@@ -1,7 +1,7 @@
 """The shuffler as one facade (ESA, Bittau et al.; ESA-revisited §V): what the HTTP app calls.
 
 Composes the layers — :mod:`~shuffler.intake` (tokens, rate limits, validation),
-:mod:`~shuffler.store` (every SQL statement), :mod:`~shuffler.batcher` (Algorithm 3 and the
+:mod:`~shuffler.store` (every transaction), :mod:`~shuffler.batcher` (Algorithm 3 and the
 shuffle, pure), :mod:`~shuffler.forwarder` and :mod:`~shuffler.retention` — and counts what
 happens (:mod:`~shuffler.metrics`). It raises :class:`~shuffler.errors.ShufflerError` only and
 knows nothing of HTTP.
@@ -52,7 +52,8 @@ from shuffler.policies import ChannelPolicies, ConfigFollower, PolicyFloor
 from shuffler.records import Conflict, GroupKey, Pending
 from shuffler.retention import Retention
 from shuffler.settings import ShufflerSettings
-from shuffler.store import ContributionStore, CrowdCheck, make_store
+from shuffler.store import ContributionStore, CrowdCheck
+from shuffler.store_backends import make_store
 
 log = logging.getLogger("esa.shuffler")
 #: Most HPKE keys a descriptor lists (:class:`common.wire.ShufflerDescriptor`).

@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from analyzer.store import metadata
+from analyzer.tables import metadata
 
 connection = context.config.attributes["connection"]
 context.configure(

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine, make_url
 
-from analyzer import store as analyzer_tables
+from analyzer import tables as analyzer_tables
 from analyzer.channels import ChannelRuntime
 from common.envelope import (
     Contribution,

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import Engine
 
-from analyzer import store as analyzer_tables
+from analyzer import tables as analyzer_tables
 from analyzer.channels import ChannelRuntime
 from common.envelope import (
     Contribution,
@@ -45,7 +45,7 @@ from services.cli import launcher
 from services.cli.servers import up_command
 from shuffler import tables
 from shuffler.records import GroupKey
-from shuffler.store import group_lock_identity, make_store
+from shuffler.store_backends import group_lock_identity, make_store
 
 from ..shuffler.factory import fill, make_service
 from ..support import LONG_EPOCH_CHANNEL, TEST_SHUFFLER_SETTINGS, own_headers, wait_until

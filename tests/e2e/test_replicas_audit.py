@@ -23,8 +23,8 @@ failing: below 5 × 1e-7 < 1e-6 (Bonferroni).
 ``intake.revoked_token`` included: the auditor revokes at the replica its admin token hashes to
 and at once sends with the revoked token, which hashes to either replica; the other replica has
 not reloaded its revocations yet, and refuses it because the insert reads the shared
-``revoked`` table (:func:`shuffler.store._checks_among`). Before that, about half the runs saw
-the contribution accepted, one more in the first canary group than the auditor counts.
+``revoked`` table (:func:`shuffler.store_backends._checks_among`). Before that, about half the
+runs saw the contribution accepted, one more in the first canary group than the auditor counts.
 The arrival-pattern timing and privacy-game findings are covered on one process by
 ``tests/tools/test_audit.py``.
 """

@@ -19,7 +19,7 @@ from shuffler.app import MIGRATIONS
 from shuffler.records import Pending
 from shuffler.service import ShufflerService, Stored
 from shuffler.settings import ShufflerSettings
-from shuffler.store import make_store
+from shuffler.store_backends import make_store
 
 EPOCH_SECONDS = 3600
 POLICY = ChannelPolicy(

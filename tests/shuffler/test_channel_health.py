@@ -28,7 +28,7 @@ from shuffler.metrics import CHANNEL_EPOCHS, ShufflerCollector
 from shuffler.records import PartKey
 from shuffler.service import ShufflerService
 from shuffler.settings import ShufflerSettings
-from shuffler.store import make_store
+from shuffler.store_backends import make_store
 
 from .factory import EPOCH_SECONDS, Clock
 

@@ -40,7 +40,7 @@ from runtime import db
 from shuffler.app import MIGRATIONS
 from shuffler.service import ShufflerService
 from shuffler.settings import ShufflerSettings
-from shuffler.store import make_store
+from shuffler.store_backends import make_store
 
 from ..support import SMALL_CHANNEL, ServiceProcess, shuffler_process
 from .factory import POLICY, Clock

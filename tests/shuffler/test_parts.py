@@ -20,7 +20,7 @@ from runtime import db
 from shuffler import tables
 from shuffler.forwarder import Outcome
 from shuffler.service import ShufflerService
-from shuffler.store import make_store
+from shuffler.store_backends import make_store
 
 from .factory import Clock, fill, make_service, migrations_on
 

@@ -22,7 +22,7 @@ from common.envelope import new_nonce
 from common.randomness import SeededSource
 from common.wire import Batch, ChannelPolicy
 from shuffler import store as store_module
-from shuffler import tables
+from shuffler import store_backends, store_queries, tables
 from shuffler.batcher import Batcher, DealtBatch, Deletion, Evaluation
 from shuffler.errors import (
     EpochNotOpenError,
@@ -32,11 +32,11 @@ from shuffler.errors import (
 )
 from shuffler.records import Conflict, GroupKey, PartKey, SealedPart
 from shuffler.service import ShufflerService
-from shuffler.store import (
+from shuffler.store import new_receipts
+from shuffler.store_backends import (
     PostgresContributionStore,
     SqliteContributionStore,
     make_store,
-    new_receipts,
 )
 
 from .factory import EPOCH_SECONDS, POLICY, contribute, fill, make_service, open_files, pending
@@ -89,7 +89,7 @@ def test_revocations_hold_in_a_commit_checked_in_several_statements(
     channels in :data:`_PARAMETERS_PER_CHECK` (the parameter limit): a revoked client in any
     of the statements is refused, the closed epochs are read with each, and every other
     client lands."""
-    monkeypatch.setattr(store_module, "_PARAMETERS_PER_CHECK", 5)  # 1 channel + 4 clients
+    monkeypatch.setattr(store_backends, "_PARAMETERS_PER_CHECK", 5)  # 1 channel + 4 clients
     service, clock = make_service(f"sqlite:///{tmp_path / 'test.db'}", tmp_path)
     waiting = [pending(service, service.tokens.issue(), clock.epoch) for _ in range(10)]
     ordered = sorted(waiting, key=lambda p: p.client_id)
@@ -168,7 +168,7 @@ def test_a_failed_conflict_look_up_keeps_the_receipts_that_landed(
     def dropped(*_: object) -> set[bytes]:
         raise OperationalError("SELECT", {}, Exception("server closed the connection"))
 
-    monkeypatch.setattr(store_module, "_nonces_among", dropped)
+    monkeypatch.setattr(store_backends, "nonces_among", dropped)
     landings = service.store.insert(
         [
             pending(service, service.tokens.issue(), clock.epoch, nonce=nonce),
@@ -214,8 +214,10 @@ def test_a_close_waits_for_inserts_that_read_the_epoch_open(
 
     def uncommitted_at_b() -> None:
         with b.store.engine.begin() as conn:
-            row = store_module._row(pending(a, a.tokens.issue(), epoch, nonce=nonce), "r" * 32)
-            store_module._insert_rows(conn.connection.cursor(), b.store.mark, [row])
+            row = store_queries.contribution_row(
+                pending(a, a.tokens.issue(), epoch, nonce=nonce), "r" * 32
+            )
+            store_backends._insert_rows(conn.connection.cursor(), b.store.mark, [row])
             held.set()
             release.wait(30)
 
@@ -256,7 +258,7 @@ def test_sqlite_a_close_cannot_commit_between_the_inserts_reads_and_its_write(
     epoch = clock.epoch
     fill(service, epoch, 10)
     writer, closing = threading.current_thread(), []
-    read = store_module._checks_among
+    read = store_backends._checks_among
 
     def a_close_arrives_after_the_read(*args: Any) -> tuple[set[str], dict[str, int]]:
         result = read(*args)
@@ -266,7 +268,7 @@ def test_sqlite_a_close_cannot_commit_between_the_inserts_reads_and_its_write(
             time.sleep(0.3)  # without the lock, the close commits and evaluates here
         return result
 
-    monkeypatch.setattr(store_module, "_checks_among", a_close_arrives_after_the_read)
+    monkeypatch.setattr(store_backends, "_checks_among", a_close_arrives_after_the_read)
     stored = service.commit([pending(service, service.tokens.issue(), epoch)])
     closing[0].join(30)
     assert stored[0].receipt
@@ -282,7 +284,7 @@ def test_a_close_gives_up_waiting_for_a_conflicting_lock_and_is_retried(
     barrier waiting (and ingest queued behind it), the barrier gives up after
     ``BARRIER_TIMEOUT_MS``: the close stays persisted (no new contribution is acknowledged for
     the epoch), the group is not evaluated that round, and the next round evaluates it."""
-    monkeypatch.setattr(store_module, "BARRIER_TIMEOUT_MS", 200)
+    monkeypatch.setattr(store_backends, "BARRIER_TIMEOUT_MS", 200)
     service, clock = make_service(postgres_url, tmp_path)
     epoch = clock.epoch
     fill(service, epoch, 10)
@@ -324,14 +326,14 @@ def test_a_dropped_insert_connection_costs_at_most_one_refused_commit(
     answers 503), and the next commit lands on a fresh connection; a connection idle for
     longer than ``HELD_IDLE_SECONDS`` goes back through the pool's ping, so no commit fails."""
     service, clock = make_service(postgres_url, tmp_path)
-    monkeypatch.setattr(store_module, "HELD_IDLE_SECONDS", 600.0)  # no ping on a slow machine
+    monkeypatch.setattr(store_backends, "HELD_IDLE_SECONDS", 600.0)  # no ping on a slow machine
     assert contribute(service, service.tokens.issue(), clock.epoch).receipt
     assert _drop_other_connections(postgres_url) >= 1
     with pytest.raises(DBAPIError):
         contribute(service, service.tokens.issue(), clock.epoch)
     assert service.store.ledger()["pending"] == 1
     assert contribute(service, service.tokens.issue(), clock.epoch).receipt
-    monkeypatch.setattr(store_module, "HELD_IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(store_backends, "HELD_IDLE_SECONDS", 0.0)
     assert _drop_other_connections(postgres_url) >= 1
     assert contribute(service, service.tokens.issue(), clock.epoch).receipt
     assert service.store.ledger()["pending"] == 3
@@ -624,8 +626,9 @@ def test_evaluation_streams_the_group_and_conserves_every_survivor(
     """Tiny pages and chunks (so locking, reading and dealing all take many rounds): the parts
     hold exactly the fragments of ``kept`` whole contributions, each once; the others are
     deleted; no spill file is left in the data directory."""
-    monkeypatch.setattr(store_module, "_LOCK_PAGE", 7)
-    monkeypatch.setattr(store_module, "_READ_ROWS", 5)
+    monkeypatch.setattr(store_queries, "_LOCK_PAGE", 7)
+    for module in (store_module, store_backends):  # SQLite's reads and PostgreSQL's
+        monkeypatch.setattr(module, "READ_ROWS", 5)
     service, clock = make_service(database_url, tmp_path, rng=SeededSource(12), part_fragments=9)
     _tagged_group(service, clock.epoch, 83)
     spill = service.store.spill_directory()
@@ -752,14 +755,14 @@ def test_a_purge_racing_a_groups_commit_never_counts_its_rows_twice(
     key = GroupKey("homepage", "", clock.epoch)
     clock.now += 7201  # the rows are past retention; the batch will not be
     applying, go = threading.Event(), threading.Event()
-    original = store_module._apply
+    original = store_module.apply_outcome
 
     def slow_apply(*args: Any, **kwargs: Any) -> None:
         original(*args, **kwargs)
         applying.set()
         assert go.wait(30)
 
-    monkeypatch.setattr(store_module, "_apply", slow_apply)
+    monkeypatch.setattr(store_module, "apply_outcome", slow_apply)
     outcome: list[Evaluation | None] = []
     purged: list[dict[str, int]] = []
     evaluation = threading.Thread(

@@ -21,11 +21,11 @@ from sqlalchemy.exc import OperationalError
 from common.envelope import new_nonce
 from runtime import db
 from services.cli import launcher
-from shuffler import store as store_module
+from shuffler import store_backends
 from shuffler.app import create_app
 from shuffler.records import Conflict
 from shuffler.settings import ShufflerSettings
-from shuffler.store import SqliteContributionStore, make_store
+from shuffler.store_backends import SqliteContributionStore, make_store
 from shuffler.uniqueness import HeldKeys, Key, SecondWriterError, lock_path
 
 from ..support import free_port
@@ -293,8 +293,8 @@ def test_a_failed_group_commit_stores_nothing_holds_no_key_and_the_next_one_comm
         store.insert(batch)
     blocker.rollback()
     blocker.close()
-    real = store_module._insert_rows
-    monkeypatch.setattr(store_module, "_insert_rows", lambda *args: real(*args) - 1)
+    real = store_backends._insert_rows
+    monkeypatch.setattr(store_backends, "_insert_rows", lambda *args: real(*args) - 1)
     with pytest.raises(OperationalError, match="a receipt collided"):
         store.insert(batch)
     monkeypatch.undo()
