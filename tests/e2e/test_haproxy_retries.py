@@ -185,18 +185,25 @@ def _stored(postgres_template: str) -> int:
         engine.dispose()
 
 
-def test_a_replica_killed_under_load_costs_its_clients_nothing(
-    domain: dict[str, launcher.Service], postgres_template: str
-) -> None:
+def _clients(
+    domain: dict[str, launcher.Service], requests: Requests, stop: threading.Event
+) -> list[threading.Thread]:
+    """:data:`THREADS` client loops through the trust domain's HAProxy (not started yet)."""
     front = domain[f"haproxy:{SID}"].url
     config = httpx.get(front + "/v1/config", timeout=30).json()
     key = load_x25519_public(base64.b64decode(config["public_key"]))
     pool = _sealed_fragments(domain["haproxy:analyzer"].url)
-    requests, stop = Requests(), threading.Event()
-    threads = [
+    return [
         threading.Thread(target=_client_loop, args=(front, key, pool, stop, requests))
         for _ in range(THREADS)
     ]
+
+
+def test_a_replica_killed_under_load_costs_its_clients_nothing(
+    domain: dict[str, launcher.Service], postgres_template: str
+) -> None:
+    requests, stop = Requests(), threading.Event()
+    threads = _clients(domain, requests, stop)
     for thread in threads:
         thread.start()
     try:
@@ -233,15 +240,8 @@ def test_a_stopped_replica_costs_its_clients_at_most_the_device_timeout(
     (``response-timeout``), so every one is answered while it is still stopped; when it
     continues it finds them answered (its own late commits refused: the nonce is unique), and
     the database holds exactly what was acknowledged."""
-    front = domain[f"haproxy:{SID}"].url
-    config = httpx.get(front + "/v1/config", timeout=30).json()
-    key = load_x25519_public(base64.b64decode(config["public_key"]))
-    pool = _sealed_fragments(domain["haproxy:analyzer"].url)
     requests, stop = Requests(), threading.Event()
-    threads = [
-        threading.Thread(target=_client_loop, args=(front, key, pool, stop, requests))
-        for _ in range(THREADS)
-    ]
+    threads = _clients(domain, requests, stop)
     timeout = float(haproxy.DEVICE_TIMEOUT.removesuffix("s"))
     stopped = domain[f"{SID}.r2"].process.pid
     for thread in threads:
