@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -112,10 +112,11 @@ def randomized_deletion(n: int, policy: ChannelPolicy, rng: RandomSource) -> Del
 class Batcher:
     """Algorithm 3 for one group at a time: the noise draw, the uniformly chosen survivors, and
     their fragments released as one shuffled sequence in signed parts of at most
-    ``part_fragments`` fragments (the store feeds it rows and stores what it yields)."""
+    ``part_fragments`` fragments (the store feeds it rows and stores what it yields).
+    ``signer`` gives the key that signs, read at each release (a rotation changes it)."""
 
     shuffler_id: str
-    signing_key: Ed25519PrivateKey
+    signer: Callable[[], Ed25519PrivateKey]
     rng: RandomSource = field(default_factory=randomness.default_source)
     part_fragments: int = PART_FRAGMENTS
 
@@ -153,12 +154,14 @@ class Batcher:
         """Deal the survivors' packed fragments (``chunks``, ``fragments`` of them as stored)
         into one uniformly random permutation (:func:`shuffler.dealing.deal`) and sign it as
         parts; the temporary file lives as long as the ``with`` block."""
-        batch_id = secrets.token_hex(16)
+        batch_id, signing_key = secrets.token_hex(16), self.signer()
         with deal(chunks, fragments, self.part_fragments, self.rng, directory) as dealt:
             batch = ReleasedBatch(batch_id, n_contributions, dealt.fragments, dealt.parts)
-            yield DealtBatch(batch, self._sealed(key, batch, dealt))
+            yield DealtBatch(batch, self._sealed(key, batch, dealt, signing_key))
 
-    def _sealed(self, key: GroupKey, batch: ReleasedBatch, dealt: Deal) -> Iterator[SealedPart]:
+    def _sealed(
+        self, key: GroupKey, batch: ReleasedBatch, dealt: Deal, signing_key: Ed25519PrivateKey
+    ) -> Iterator[SealedPart]:
         """The signed parts, one at a time, each body built and signed from its own fragments
         (no whole-batch body ever exists). Every part carries the whole group's
         ``n_contributions`` (docs/protocol.md, "Batches and parts")."""
@@ -174,7 +177,7 @@ class Batcher:
                 n_contributions=batch.n_contributions,
                 fragments=fragments.base64(),
             ).body()
-            yield SealedPart(batch.batch_id, part, body, b64(sign(body, self.signing_key)))
+            yield SealedPart(batch.batch_id, part, body, b64(sign(body, signing_key)))
 
 
 def group_due(

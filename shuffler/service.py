@@ -39,6 +39,7 @@ from runtime.failpoints import failpoint
 from runtime.keys import KeyDirectory, LiveKeys, PartyKeys
 from runtime.publish import publish
 from shuffler.batcher import Batcher, Deletion, GroupStatus, closes_at, group_due
+from shuffler.closing import CrowdCheck, close_group
 from shuffler.errors import (
     FutureEpochError,
     KeyNotLoadedError,
@@ -52,7 +53,7 @@ from shuffler.policies import ChannelPolicies, ConfigFollower, PolicyFloor
 from shuffler.records import Conflict, GroupKey, Pending
 from shuffler.retention import Retention
 from shuffler.settings import ShufflerSettings
-from shuffler.store import ContributionStore, CrowdCheck
+from shuffler.store import ContributionStore
 from shuffler.store_backends import make_store
 
 log = logging.getLogger("esa.shuffler")
@@ -106,7 +107,9 @@ class ShufflerService:
         if self.follower is not None:
             self.intake.on_unknown_channel = self.follower.wake
             self.intake.analyzer_key_retired = self.follower.analyzer_keys.retired
-        self.batcher = Batcher(settings.shuffler_id, signing_key, self.rng, settings.part_fragments)
+        self.batcher = Batcher(
+            settings.shuffler_id, lambda: self.signing_key, self.rng, settings.part_fragments
+        )
         backoff = Backoff(settings.backoff_base_seconds, settings.backoff_cap_seconds)
         self.forwarder = Forwarder(
             settings.shuffler_id,
@@ -280,9 +283,8 @@ class ShufflerService:
         placed, position = self._placement()
         if not placed:
             return None
-        self.batcher.signing_key = self.signing_key
         crowd = self._crowd(key, position)
-        outcome = self.store.evaluate_group(key, self.batcher, policy, now, crowd)
+        outcome = close_group(self.store, key, self.batcher, policy, now, crowd)
         if outcome is None:
             return None
         self._evaluations += 1

@@ -23,7 +23,7 @@ import json
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -38,7 +38,7 @@ from runtime import db
 from runtime.conservation import LEDGER_CAUSES
 from runtime.failpoints import failpoint
 from shuffler import tables
-from shuffler.batcher import Batcher, DealtBatch, Deletion, Evaluation, GroupStatus, ReleasedBatch
+from shuffler.batcher import DealtBatch, Deletion, GroupStatus, ReleasedBatch
 from shuffler.records import Conflict, DuePart, EpochGroups, GroupKey, PartKey, Pending
 from shuffler.store_queries import (
     Ids,
@@ -98,10 +98,6 @@ def new_receipts(count: int) -> list[str]:
     prefix = f"{time.time_ns() // 1000:013x}"
     random = secrets.token_hex(10 * count)  # one system call for the whole batch
     return [prefix + random[20 * i : 20 * i + 19] for i in range(count)]
-
-
-#: (kept contributions, their fragments) → the crowd the analyzer verifies for such a batch.
-CrowdCheck = Callable[[int, int], int]
 
 
 class ContributionStore(ABC):
@@ -242,32 +238,6 @@ class ContributionStore(ABC):
         with self.engine.connect() as conn:
             return group_keys(conn, evaluated=False)
 
-    def evaluate_group(
-        self,
-        key: GroupKey,
-        batcher: Batcher,
-        policy: ChannelPolicy,
-        now: float,
-        crowd: CrowdCheck | None = None,
-    ) -> Evaluation | None:
-        """Apply ESA-revisited Algorithm 3 to the group, whole, and store its outcome; the write
-        lock is held only for the short final step, so ingest goes on while a big group is dealt.
-
-        None when nothing waits in the group, when it was evaluated already, or when it changed
-        meanwhile (evaluated again in a later round). The three steps and why they are safe:
-        docs/shuffler.md, "Evaluating a group".
-
-        ``crowd``: the crowd the analyzer will verify for (kept, fragments); a batch it would
-        withhold below ``min_crowd`` is held here instead, as Algorithm 3 holds a small group.
-
-        Raises:
-            sqlalchemy.exc.IntegrityError: another worker recorded this group first.
-        """
-        with self.exclusive(key) as mine:
-            if not mine:  # another replica is evaluating the group right now
-                return None
-            return self._evaluate(key, batcher, policy, now, crowd)
-
     @contextlib.contextmanager
     def exclusive(self, key: GroupKey) -> Iterator[bool]:
         """Whether this process may evaluate ``key`` now: always on SQLite (one process per
@@ -275,50 +245,35 @@ class ContributionStore(ABC):
         replicas do not deal the same group twice only for one of them to discard it."""
         yield True
 
-    def _evaluate(
-        self,
-        key: GroupKey,
-        batcher: Batcher,
-        policy: ChannelPolicy,
-        now: float,
-        crowd: CrowdCheck | None,
-    ) -> Evaluation | None:
-        """:meth:`evaluate_group`'s three steps (the caller holds :meth:`exclusive`)."""
+    def group_to_evaluate(self, key: GroupKey) -> tuple[Ids, Ids] | None:
+        """The group's waiting contributions as (ids, fragment counts), read without the write
+        lock (:func:`shuffler.closing.close_group`'s first step); None when nothing waits or
+        the group was evaluated already (its rows are dead, awaiting the sweep)."""
         with self.engine.connect() as conn:
             ids, sizes = group_rows(conn, key, lock=False)
             evaluated = times_evaluated(conn, key)
-        if not ids.size or evaluated:  # an evaluated group's rows are dead, awaiting the sweep
-            return None
-        deletion = batcher.decide(int(ids.size), policy)
-        batch = None
-        if deletion.status is GroupStatus.RELEASED:
-            picked = batcher.survivors(int(ids.size), deletion.kept)
-            fragments = int(sizes[picked].sum())
-            if crowd is not None and crowd(deletion.kept, fragments) < policy.min_crowd:
-                deletion = Deletion(GroupStatus.HELD, deletion.n, 0)
-            else:
-                batch = self._stage(key, batcher, ids[picked], fragments, now)
-                if batch is None:
-                    return None
-                failpoint("shuffler.close.after_parts_staged")
-        try:
-            outcome = self._finish(key, ids, deletion, batch, now)
-        except BaseException:
-            if batch is not None:
-                self._unstage(batch.batch_id)
-            raise
-        if outcome is None and batch is not None:
-            self._unstage(batch.batch_id)
-        return outcome
+        return None if not ids.size or evaluated else (ids, sizes)
 
     @abstractmethod
     def begin_writing(self, conn: Connection) -> None:
-        """Start ``conn``'s transaction as a writer (before :meth:`evaluate_group`'s final
-        step reads the group)."""
+        """Start ``conn``'s transaction as a writer (before :meth:`record_group` reads the
+        group again)."""
 
     def spill_directory(self) -> Path | None:
         """Where the streamed shuffle's temporary file goes (None: the system's)."""
         return None
+
+    def survivor_fragments(
+        self, key: GroupKey, survivors: Ids
+    ) -> Generator[list[bytes], None, None]:
+        """The survivors' packed fragments, in chunks, on a connection of their own that the
+        iterator holds until it is exhausted or closed (close it once they are dealt).
+
+        Raises:
+            VanishedError: a survivor's row was deleted meanwhile (a retention purge).
+        """
+        with self.engine.connect() as conn:
+            yield from self.packed(conn, key, survivors)
 
     def packed(self, conn: Connection, key: GroupKey, survivors: Ids) -> Iterator[list[bytes]]:
         """The survivors' packed fragments, :data:`READ_ROWS` contributions at a time, by
@@ -336,27 +291,7 @@ class ContributionStore(ABC):
                 raise VanishedError(f"{len(chunk) - len(blobs)} contributions vanished")
             yield blobs
 
-    def _stage(
-        self, key: GroupKey, batcher: Batcher, survivors: Ids, fragments: int, now: float
-    ) -> ReleasedBatch | None:
-        """Deal the survivors' fragments (read in chunks) and store every signed part
-        ``staged``, one short transaction each; None (nothing left staged) when a survivor's
-        row vanished meanwhile. Any failure deletes what was staged."""
-        n, directory = int(survivors.size), self.spill_directory()
-        try:
-            with (
-                self.engine.connect() as conn,
-                batcher.release(
-                    key, n, fragments, self.packed(conn, key, survivors), directory
-                ) as release,
-            ):
-                conn.rollback()  # the survivors are dealt: end the read before staging
-                self._store_staged(release, now)
-        except VanishedError:
-            return None
-        return release.batch
-
-    def _store_staged(self, release: DealtBatch, now: float) -> None:
+    def stage_parts(self, release: DealtBatch, now: float) -> None:
         """Insert each signed part ``staged`` as it is yielded (one part's body in memory, one
         short transaction each); on any failure delete what was staged.
 
@@ -376,20 +311,21 @@ class ContributionStore(ABC):
                     f"batch {batch.batch_id} announced {batch.parts} parts, made {parts}"
                 )
         except BaseException:
-            self._unstage(batch.batch_id)
+            self.unstage(batch.batch_id)
             raise
 
-    def _finish(
+    def record_group(
         self, key: GroupKey, ids: Ids, deletion: Deletion, batch: ReleasedBatch | None, now: float
-    ) -> Evaluation | None:
-        """Step 3 of :meth:`evaluate_group`, under the write lock: None when another worker
-        evaluated the group first or a row read in step 1 vanished.
+    ) -> bool:
+        """The last step of a group's evaluation, under the write lock: its outcome and batch
+        recorded, and the late arrivals purged; False when another worker evaluated the group
+        first or a row read in the first step vanished.
 
         Run once (``attempts=1``): Algorithm 3's draw (``deletion``) and the signed ``batch``
-        were made before it, and a failure here unstages the batch and leaves the group to the
-        next round, which draws afresh only if nothing committed (docs/shuffler.md, "Evaluating
-        a group"); an ``IntegrityError`` (another worker recorded the group first) reaches the
-        caller as before. Not counted: one per group evaluated, whatever its outcome."""
+        were made before it, and a failure here leaves the group to the next round, which draws
+        afresh only if nothing committed (docs/shuffler.md, "Evaluating a group"); an
+        ``IntegrityError`` (another worker recorded the group first) reaches the caller. Not
+        counted: one per group evaluated, whatever its outcome."""
 
         def record(conn: Connection) -> bool:
             self.begin_writing(conn)
@@ -406,12 +342,9 @@ class ContributionStore(ABC):
             failpoint("shuffler.close.group_before_commit")
             return True
 
-        if not db.run_tx(self.engine, "shuffler.record_group", record, attempts=1, counted=False):
-            return None
-        failpoint("shuffler.close.group_after_commit")
-        return Evaluation(deletion, batch)
+        return db.run_tx(self.engine, "shuffler.record_group", record, attempts=1, counted=False)
 
-    def _unstage(self, batch_id: str) -> None:
+    def unstage(self, batch_id: str) -> None:
         """Delete a batch's staged parts (an evaluation that did not commit), trying a few
         times: the failure that stopped the evaluation may be a dropped connection. What a
         crash leaves behind, retention deletes (:data:`STAGED_GRACE_SECONDS`)."""

@@ -502,7 +502,7 @@ class PostgresContributionStore(ContributionStore):
             yield mine
 
     def begin_writing(self, conn: Connection) -> None:
-        """Nothing: :meth:`evaluate_group` locks the group's rows (``FOR UPDATE``) as it reads
+        """Nothing: :meth:`record_group` locks the group's rows (``FOR UPDATE``) as it reads
         them, which blocks a purge's ``DELETE`` of them until the evaluation commits."""
 
 

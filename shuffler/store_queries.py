@@ -81,7 +81,7 @@ def _group_filter(key: GroupKey, table: Table) -> list[Any]:
 
 def stage_part(conn: Connection, sealed: SealedPart, now: float) -> None:
     """Insert one signed part ``staged``, with its body
-    (:meth:`shuffler.store.ContributionStore._stage`)."""
+    (:meth:`shuffler.store.ContributionStore.stage_parts`)."""
     conn.execute(insert(tables.batch_parts).values(**_part_row(sealed, now)))
     conn.execute(
         insert(tables.part_bodies).values(

@@ -108,7 +108,7 @@ def _parts(batcher: Batcher, blobs: list[bytes], policy: ChannelPolicy) -> list[
         len(sealed),
         deletion.kept,
     )
-    public = batcher.signing_key.public_key()
+    public = batcher.signer().public_key()
     assert all(verify(p.body, base64.b64decode(p.signature), public) for p in sealed)
     assert [p.part for p in sealed] == list(range(len(sealed)))
     return [Batch.model_validate_json(p.body) for p in sealed]
@@ -118,7 +118,8 @@ def _parts(batcher: Batcher, blobs: list[bytes], policy: ChannelPolicy) -> list[
 def test_released_batch_is_signed_parts_of_whole_contributions(part_fragments: int) -> None:
     """The shuffled sequence (Algorithm 3's survivors) cut into parts: each fragment in exactly
     one part, every part signed, within the cap and carrying the whole group's count."""
-    batcher = Batcher("shuffler-1", Ed25519PrivateKey.generate(), SeededSource(3), part_fragments)
+    key = Ed25519PrivateKey.generate()
+    batcher = Batcher("shuffler-1", lambda: key, SeededSource(3), part_fragments)
     policy = ChannelPolicy(id="homepage", min_crowd=5, eps_cr=5.0, delta_cr=0.1)
     blobs = [pack_fragments([bytes([i, 0]) * 36, bytes([i, 1]) * 36]) for i in range(50)]
     parts = _parts(batcher, blobs, policy)
@@ -134,13 +135,13 @@ def test_released_batch_is_signed_parts_of_whole_contributions(part_fragments: i
 
 def test_part_fragments_must_be_positive() -> None:
     with pytest.raises(ValueError, match="part_fragments"):
-        Batcher("shuffler-1", Ed25519PrivateKey.generate(), part_fragments=0)
+        Batcher("shuffler-1", Ed25519PrivateKey.generate, part_fragments=0)
 
 
 def test_survivors_are_a_uniform_subset_of_whole_contributions() -> None:
     """Seeded chi-square over all C(6, 3) = 20 subsets: Algorithm 3 deletes uniformly chosen
     whole contributions, so every subset of survivors is equally likely."""
-    batcher = Batcher("shuffler-1", Ed25519PrivateKey.generate(), SeededSource(5))
+    batcher = Batcher("shuffler-1", Ed25519PrivateKey.generate, SeededSource(5))
     draws = 10_000
     seen = Counter(tuple(batcher.survivors(6, 3).tolist()) for _ in range(draws))
     subsets = list(itertools.combinations(range(6), 3))
@@ -191,3 +192,22 @@ def test_a_legacy_max_batch_key_is_accepted_and_means_nothing() -> None:
     assert "max_batch" not in legacy.model_dump()
     with pytest.raises(ValueError, match="extra"):
         ChannelPolicy.model_validate({"id": "homepage", "max_batches": 10})
+
+
+def test_each_release_is_signed_by_the_key_current_at_that_release() -> None:
+    """The batcher reads its signer at each release: after a rotation the next batch is signed
+    by the new key, and the batch dealt before it stays verifiable by the old one only."""
+    keys = [Ed25519PrivateKey.generate()]
+    batcher = Batcher("shuffler-1", lambda: keys[-1], SeededSource(9), 100)
+    blobs = [pack_fragments([bytes([i, 0]) * 36]) for i in range(40)]
+    signed = []
+    for _ in range(2):
+        with batcher.release(KEY, len(blobs), len(blobs), [blobs]) as release:
+            signed.append(list(release.parts))
+        keys.append(Ed25519PrivateKey.generate())
+    for parts, key in zip(signed, keys, strict=False):
+        other = keys[1] if key is keys[0] else keys[0]
+        assert all(verify(p.body, base64.b64decode(p.signature), key.public_key()) for p in parts)
+        assert not any(
+            verify(p.body, base64.b64decode(p.signature), other.public_key()) for p in parts
+        )

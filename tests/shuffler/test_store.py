@@ -24,6 +24,7 @@ from common.wire import Batch, ChannelPolicy
 from shuffler import store as store_module
 from shuffler import store_backends, store_queries, tables
 from shuffler.batcher import Batcher, DealtBatch, Deletion, Evaluation
+from shuffler.closing import close_group
 from shuffler.errors import (
     EpochNotOpenError,
     QuotaExceededError,
@@ -375,8 +376,8 @@ def test_forwarding_state_and_retention(database_url: str, tmp_path: Path) -> No
 
 def _released(service: ShufflerService, epoch: int, crowd: str = "") -> tuple[str, int, int]:
     """Evaluate the group of ``epoch`` (and ``crowd``): its batch (id, contributions, parts)."""
-    outcome = service.store.evaluate_group(
-        GroupKey("homepage", crowd, epoch), service.batcher, POLICY, service.clock()
+    outcome = close_group(
+        service.store, GroupKey("homepage", crowd, epoch), service.batcher, POLICY, service.clock()
     )
     assert outcome is not None and outcome.batch is not None
     return outcome.batch.batch_id, outcome.batch.n_contributions, outcome.batch.parts
@@ -507,10 +508,10 @@ def test_a_purge_during_an_evaluation_wins_and_the_evaluation_records_nothing(
     fill(service, clock.epoch, 60)
     key = GroupKey("homepage", "", clock.epoch)
     clock.now += 7201  # every contribution is past retention
-    batcher = PausingBatcher("shuffler-1", service.signing_key, SeededSource(8), 16)
+    batcher = PausingBatcher("shuffler-1", lambda: service.signing_key, SeededSource(8), 16)
     outcome: list[Evaluation | None] = []
     evaluation = threading.Thread(
-        target=lambda: outcome.append(service.store.evaluate_group(key, batcher, POLICY, clock.now))
+        target=lambda: outcome.append(close_group(service.store, key, batcher, POLICY, clock.now))
     )
     evaluation.start()
     assert batcher.locked.wait(30)
@@ -561,10 +562,10 @@ def test_ingest_goes_on_while_a_group_is_dealt_and_late_rows_are_purged(
     service, clock = make_service(database_url, tmp_path, rng=SeededSource(21), part_fragments=4)
     fill(service, clock.epoch, 60)
     key = GroupKey("homepage", "", clock.epoch)
-    batcher = StagingPauseBatcher("shuffler-1", service.signing_key, SeededSource(22), 4)
+    batcher = StagingPauseBatcher("shuffler-1", lambda: service.signing_key, SeededSource(22), 4)
     outcome: list[Evaluation | None] = []
     evaluation = threading.Thread(
-        target=lambda: outcome.append(service.store.evaluate_group(key, batcher, POLICY, clock.now))
+        target=lambda: outcome.append(close_group(service.store, key, batcher, POLICY, clock.now))
     )
     evaluation.start()
     try:
@@ -591,8 +592,8 @@ def test_a_purge_never_deletes_a_batch_whose_lease_is_taken_while_it_looks(
     either commits first or finds no part: here it commits, and the batch is kept."""
     service, clock = make_service(database_url, tmp_path, rng=SeededSource(31), part_fragments=8)
     fill(service, clock.epoch, 30)
-    outcome = service.store.evaluate_group(
-        GroupKey("homepage", "", clock.epoch), service.batcher, POLICY, clock.now
+    outcome = close_group(
+        service.store, GroupKey("homepage", "", clock.epoch), service.batcher, POLICY, clock.now
     )
     assert outcome is not None and outcome.batch is not None
     later = clock.now + 10_000
@@ -634,8 +635,8 @@ def test_evaluation_streams_the_group_and_conserves_every_survivor(
     spill = service.store.spill_directory()
     assert spill == (tmp_path if database_url.startswith("sqlite") else None)
     before = sorted(p.name for p in tmp_path.iterdir())
-    outcome = service.store.evaluate_group(
-        GroupKey("homepage", "", clock.epoch), service.batcher, POLICY, clock.now
+    outcome = close_group(
+        service.store, GroupKey("homepage", "", clock.epoch), service.batcher, POLICY, clock.now
     )
     assert outcome is not None and outcome.batch is not None
     kept = outcome.deletion.kept
@@ -680,16 +681,16 @@ def test_a_failed_evaluation_stores_nothing_and_leaves_no_spill(
     service, clock = make_service(database_url, tmp_path, rng=SeededSource(13), part_fragments=5)
     fill(service, clock.epoch, 40)
     key = GroupKey("homepage", "", clock.epoch)
-    failing = FailingBatcher("shuffler-1", service.signing_key, SeededSource(14), 5)
+    failing = FailingBatcher("shuffler-1", lambda: service.signing_key, SeededSource(14), 5)
     with pytest.raises(OSError, match="no space"):
-        service.store.evaluate_group(key, failing, POLICY, clock.now)
+        close_group(service.store, key, failing, POLICY, clock.now)
     ledger = service.ledger()
     assert ledger["pending"] == 40 and ledger["in_batches_unforwarded"] == 0
     with service.store.engine.connect() as conn:
         assert conn.execute(select(tables.groups)).all() == []
         assert conn.execute(select(tables.batch_parts)).all() == []
     assert not [f for f in open_files() if "esa-deal-" in f]
-    outcome = service.store.evaluate_group(key, service.batcher, POLICY, clock.now)
+    outcome = close_group(service.store, key, service.batcher, POLICY, clock.now)
     assert outcome is not None and service.ledger()["pending"] == 0
 
 
@@ -712,14 +713,14 @@ def test_an_evaluated_group_leaves_its_rows_dead_until_swept_and_the_ledger_hold
     fill(service, clock.epoch, 4)  # the current epoch: waiting
     for key in (released, held):
         service.store.close_epoch("homepage", key.epoch, clock.now)
-        assert service.store.evaluate_group(key, service.batcher, POLICY, clock.now) is not None
+        assert close_group(service.store, key, service.batcher, POLICY, clock.now) is not None
     ledger = service.ledger()
     assert ledger["pending"] == 4 and ledger["held"] == 3
     kept = ledger["in_batches_unforwarded"]
     assert 0 < kept <= 40 and kept + ledger["deleted_by_algorithm_3"] == 40
     assert _count(service) == 40 + 3 + 4  # dead rows stay until the sweep
     assert service.store.open_groups() == [GroupKey("homepage", "", clock.epoch)]
-    assert service.store.evaluate_group(released, service.batcher, POLICY, clock.now) is None
+    assert close_group(service.store, released, service.batcher, POLICY, clock.now) is None
     # retention before the sweep: the released group's rows are older than the cutoff, its
     # batch is not; the dead rows are not purged (nor counted) a second time
     assert service.store.purge(cutoff=received + 1, now=clock.now)["retention"] == 0
@@ -767,7 +768,7 @@ def test_a_purge_racing_a_groups_commit_never_counts_its_rows_twice(
     purged: list[dict[str, int]] = []
     evaluation = threading.Thread(
         target=lambda: outcome.append(
-            service.store.evaluate_group(key, service.batcher, POLICY, clock.now)
+            close_group(service.store, key, service.batcher, POLICY, clock.now)
         )
     )
     evaluation.start()
@@ -805,13 +806,23 @@ def test_a_batch_the_analyzer_would_withhold_is_held_instead(
         seen.append((kept, fragments))
         return POLICY.min_crowd - 1
 
-    held = service.store.evaluate_group(
-        GroupKey("homepage", "", epochs[0]), service.batcher, POLICY, clock.now, short
+    held = close_group(
+        service.store,
+        GroupKey("homepage", "", epochs[0]),
+        service.batcher,
+        POLICY,
+        clock.now,
+        short,
     )
     assert held is not None and held.batch is None and held.deletion.status == "held"
     assert seen and seen[0][1] > 0  # asked with the survivors' fragments
     assert held.deletion.deleted == 0
-    kept = service.store.evaluate_group(
-        GroupKey("homepage", "", epochs[1]), service.batcher, POLICY, clock.now, lambda k, f: k
+    kept = close_group(
+        service.store,
+        GroupKey("homepage", "", epochs[1]),
+        service.batcher,
+        POLICY,
+        clock.now,
+        lambda k, f: k,
     )
     assert kept is not None and kept.batch is not None
