@@ -33,7 +33,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from analyzer.channels import ChannelRuntime
 from analyzer.errors import StorageConflictError
 from analyzer.metrics import AnalyzerEvents
-from analyzer.records import Complete, Completion, Fold, Folded, Merge, PartHeader
+from analyzer.records import Completion, Folded, PartHeader, ReceivedRange
 from analyzer.store import AnalyzerStore
 from common.envelope import EnvelopeError, FragmentContext, KeyRing, open_fragment, seal_key
 from common.wire import Batch
@@ -373,21 +373,18 @@ class PartOpener:
         opened = opening.task.result()
         undecryptable = opening.fragments - len(opened)
         failpoint("analyzer.fold.after_opening")
-        invalid: list[tuple[int, int]] = []
-        fold = _folder(runtime, header, [f for _, f in opened], undecryptable, invalid)
-        verified: list[int] = []
-        steps = (_completer(runtime, header, verified), _merger(runtime), runtime.charge)
+        folding = PartFold(runtime, header, [f for _, f in opened], undecryptable)
         keys = [key for key, _ in opened]
-        folded = self.store.fold_part(header, fold, steps, n_opened=len(opened), seal_keys=keys)
+        folded = self.store.fold_part(header, folding, n_opened=len(opened), seal_keys=keys)
         if folded is None:
             return False
         self.events.count("parts_opened")
         self.events.count("fragments_opened", len(opened))
-        self.events.count("fragments_invalid", invalid[-1][0])
-        self.events.count("fragments_repeated", invalid[-1][1])
+        self.events.count("fragments_invalid", folding.invalid)
+        self.events.count("fragments_repeated", folding.repeated)
         if folded is Folded.BATCH:
             self.events.count("batches_accepted")
-            self._check_crowd(header, verified[-1])
+            self._check_crowd(header, folding.verified)
         return True
 
     def _check_crowd(self, header: PartHeader, verified: int) -> None:
@@ -463,52 +460,58 @@ def _transient(error: Exception) -> bool:
     )
 
 
-def _folder(
-    runtime: ChannelRuntime,
-    header: PartHeader,
-    opened: Sequence[bytes],
-    undecryptable: int,
-    invalid: list[tuple[int, int]],
-) -> Fold:
-    # Parts add fragments only: the crowd enters once, verified, when the batch completes.
-    # Fragments seen before in the epoch (``repeated``, positions in ``opened``) are left out
-    # and count as invalid; ``invalid`` receives (invalid, repeated) of the fold that commits.
-    def fold(state: bytes | None, repeated: Collection[int]) -> tuple[bytes, int]:
-        mechanism = runtime.mechanism
+class PartFold:
+    """One opened part's steps in its fold's transaction
+    (:class:`analyzer.records.PartFolding`), over its channel's bound mechanism.
+
+    Parts add fragments only: the crowd enters once, verified, when the batch completes
+    (:meth:`complete`); a crowd below ``min_crowd`` is withheld, as a shuffler holds a group
+    below it ("never released"). Fragments seen before in the epoch are left out and count as
+    invalid. ``invalid``, ``repeated`` and ``verified`` are what the last run of each step
+    computed: after the commit, those of the transaction that committed.
+    """
+
+    def __init__(
+        self,
+        runtime: ChannelRuntime,
+        header: PartHeader,
+        opened: Sequence[bytes],
+        undecryptable: int,
+    ) -> None:
+        self.runtime, self.header = runtime, header
+        self.opened, self.undecryptable = opened, undecryptable
+        self.invalid = self.repeated = self.verified = 0
+
+    def fold(self, state: bytes | None, repeated: Collection[int]) -> tuple[bytes, int]:
+        """The part's first-seen fragments added to its batch's statistics."""
+        mechanism = self.runtime.mechanism
         accumulator = (
             mechanism.new_accumulator() if state is None else mechanism.load_accumulator(state)
         )
         skip = set(repeated)
-        first = [f for i, f in enumerate(opened) if i not in skip] if skip else opened
-        unparsed = runtime.add(accumulator, first, 0, header.shuffler_id)
-        invalid.append((unparsed + undecryptable + len(skip), len(skip)))
-        return accumulator.to_bytes(), unparsed + undecryptable + len(skip)
+        first = [f for i, f in enumerate(self.opened) if i not in skip] if skip else self.opened
+        unparsed = self.runtime.add(accumulator, first, 0, self.header.shuffler_id)
+        self.invalid, self.repeated = unparsed + self.undecryptable + len(skip), len(skip)
+        return accumulator.to_bytes(), self.invalid
 
-    return fold
-
-
-def _completer(runtime: ChannelRuntime, header: PartHeader, verified: list[int]) -> Complete:
-    # ``verified`` receives the crowd of the completion that commits. A crowd below min_crowd
-    # is withheld, as a shuffler holds a group below it: "never released".
-    def complete(state: bytes, valid: int, invalid: int) -> Completion:
+    def complete(self, state: bytes, valid: int, invalid: int) -> Completion:
+        """The batch's verified crowd (and its estimated crowd in the statistics)."""
+        runtime, header = self.runtime, self.header
         count = runtime.fragment_count(header.shuffler_id)
-        crowd = count.verified_crowd(header.n_contributions, valid, invalid)
+        self.verified = count.verified_crowd(header.n_contributions, valid, invalid)
         accumulator = runtime.mechanism.load_accumulator(state)
         estimated = count.estimated_crowd(header.n_contributions, valid, invalid)
         runtime.add(accumulator, (), estimated, header.shuffler_id)
-        verified.append(crowd)
-        released = crowd >= runtime.config.min_crowd
-        return Completion(accumulator.to_bytes(), crowd, released)
+        released = self.verified >= runtime.config.min_crowd
+        return Completion(accumulator.to_bytes(), self.verified, released)
 
-    return complete
-
-
-def _merger(runtime: ChannelRuntime) -> Merge:
-    def merge(state: bytes | None, batch: bytes) -> bytes:
+    def merge(self, state: bytes | None, batch: bytes) -> bytes:
+        """The batch's statistics merged into its accumulator."""
         if state is None:
             return batch
-        load = runtime.mechanism.load_accumulator
-        merged = load(state).merge(load(batch))
-        return bytes(merged.to_bytes())
+        load = self.runtime.mechanism.load_accumulator
+        return bytes(load(state).merge(load(batch)).to_bytes())
 
-    return merge
+    def charge(self, received: ReceivedRange) -> str | None:
+        """The epoch's charge, by the channel's certificate (:meth:`ChannelRuntime.charge`)."""
+        return self.runtime.charge(received)

@@ -1,6 +1,6 @@
 """What passes between the analyzer's store and its layers: the stored rows as values (a part's
 header, a batch's receipt, a channel-log row, a ledger row, an epoch's health) and the steps a
-fold is given (:data:`Fold`, :data:`Complete`, :data:`Merge`, :data:`Charge`).
+fold runs inside its transaction (:class:`PartFolding`, :data:`Charge`).
 
 Plain frozen values, no SQL: :mod:`analyzer.store` reads and writes them
 (docs/architecture.md, "Analyzer internals").
@@ -11,19 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from common.wire import Bound
-
-#: Folds an opened part into its batch's statistics: (serialized state (None when new),
-#: positions of its opened fragments counted before, left out) → (new state, invalid
-#: fragments, the repeated ones included).
-Fold = Callable[[bytes | None, Collection[int]], tuple[bytes, int]]
-#: Completes a batch whose last part was folded: (state, valid fragments, invalid fragments) →
-#: its :class:`Completion`.
-Complete = Callable[[bytes, int, int], "Completion"]
-#: Merges a complete batch's statistics into an accumulator (None when new) → new state.
-Merge = Callable[[bytes | None, bytes], bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +164,30 @@ class DeliveredBatch:
 #: The charge of one epoch from everything received in it: certificates as JSON (None: nothing
 #: a certificate can rest on yet).
 Charge = Callable[[ReceivedRange], str | None]
+
+
+class PartFolding(Protocol):
+    """The domain steps :meth:`analyzer.store.AnalyzerStore.fold_part` runs inside its
+    transaction, for one opened part (:class:`analyzer.opening.PartFold`); each may run again
+    when the transaction is retried, and what the one that committed computed is what counts."""
+
+    def fold(self, state: bytes | None, repeated: Collection[int]) -> tuple[bytes, int]:
+        """The part folded into its batch's statistics (``state`` None when new), the fragments
+        at positions ``repeated`` (counted before in the epoch) left out: (new state, invalid
+        fragments, the repeated ones included)."""
+        ...
+
+    def complete(self, state: bytes, valid: int, invalid: int) -> Completion:
+        """The batch whose last part was folded: its verified crowd entered in its statistics."""
+        ...
+
+    def merge(self, state: bytes | None, batch: bytes) -> bytes:
+        """A complete batch's statistics merged into its accumulator (``state`` None when new)."""
+        ...
+
+    def charge(self, received: ReceivedRange) -> str | None:
+        """The epoch's charge from everything received in it (:data:`Charge`)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,16 +29,14 @@ from analyzer.records import (
     BatchReceipt,
     ChannelLogRow,
     Charge,
-    Complete,
     CompleteEpoch,
     DeliveredBatch,
     EpochHealth,
-    Fold,
     Folded,
     FragmentCounts,
     Group,
     IncompleteEpoch,
-    Merge,
+    PartFolding,
     PartHeader,
     PartStatus,
     ReceivedRange,
@@ -446,8 +444,7 @@ class AnalyzerStore:
     def fold_part(
         self,
         header: PartHeader,
-        fold: Fold,
-        steps: tuple[Complete, Merge, Charge],
+        folding: PartFolding,
         *,
         n_opened: int,
         seal_keys: Sequence[bytes] = (),
@@ -456,7 +453,7 @@ class AnalyzerStore:
         order) into its batch's statistics and mark it opened with its fragment counts, in one
         transaction: its fragments counted before in the epoch are recorded there too, so a
         repeat is left out exactly once whatever crashes or retries (:mod:`analyzer.seen`);
-        when it is the batch's last part, the batch gets its verified crowd (``steps``:
+        when it is the batch's last part, the batch gets its verified crowd (``folding``'s
         complete), joins its accumulator (merge), gets its receipt and its epoch is recharged
         (charge) in the same transaction (so a batch counts once, whole, or not at all).
         Returns None if the part is no longer waiting (opened by another opener, or
@@ -466,19 +463,18 @@ class AnalyzerStore:
             StorageConflictError: if concurrent writers kept colliding.
         """
 
-        def fold_in(conn: Connection) -> tuple[Folded | None, list[seen.Staged]]:
-            staged: list[seen.Staged] = []  # each attempt stages afresh
-            decrypted = (n_opened, seal_keys, self.seen, staged)
-            folded = fold_part(conn, header, fold, steps, decrypted, self.clock())
-            if folded is Folded.PART:
+        def fold_in(conn: Connection) -> tuple[Folded, seen.Staged] | None:
+            decrypted = (n_opened, seal_keys, self.seen)
+            folded = fold_part(conn, header, folding, decrypted, self.clock())
+            if folded is not None and folded[0] is Folded.PART:
                 failpoint("analyzer.fold.part_before_commit")
-            elif folded is Folded.BATCH:
+            elif folded is not None:
                 failpoint("analyzer.fold.batch_before_commit")
-            return folded, staged
+            return folded
 
         try:
             # An IntegrityError is a concurrent writer's row: the next attempt reads it.
-            folded, staged = db.run_tx(
+            folded = db.run_tx(
                 self.engine,
                 "analyzer.fold_part",
                 fold_in,
@@ -489,12 +485,11 @@ class AnalyzerStore:
             )
         except IntegrityError as error:
             raise StorageConflictError("could not fold the part; retry later") from error
-        if folded is not None:
-            failpoint("analyzer.fold.after_commit")
-        # Memory follows the record only once its rows are committed.
-        for part in staged:
-            self.seen.commit(part)
-        return folded
+        if folded is None:
+            return None
+        failpoint("analyzer.fold.after_commit")
+        self.seen.commit(folded[1])  # memory follows the record only once its rows committed
+        return folded[0]
 
     def incomplete(
         self, channel_id: str, crowd_id: str, epoch_from: int, epoch_to: int

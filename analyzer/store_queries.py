@@ -33,14 +33,12 @@ from analyzer import seen
 from analyzer.records import (
     BatchReceipt,
     Charge,
-    Complete,
     CompleteEpoch,
     EpochHealth,
-    Fold,
     Folded,
     Group,
     IncompleteEpoch,
-    Merge,
+    PartFolding,
     PartHeader,
     ReceivedRange,
     StoredState,
@@ -124,21 +122,20 @@ def lock_batch(conn: Connection, header: PartHeader) -> None:
 def fold_part(
     conn: Connection,
     header: PartHeader,
-    fold: Fold,
-    steps: tuple[Complete, Merge, Charge],
-    decrypted: tuple[int, Sequence[bytes], seen.SeenRecord, list[seen.Staged]],
+    folding: PartFolding,
+    decrypted: tuple[int, Sequence[bytes], seen.SeenRecord],
     now: float,
-) -> Folded | None:
+) -> tuple[Folded, seen.Staged] | None:
     """:meth:`analyzer.store.AnalyzerStore.fold_part` in its transaction; ``decrypted``: the
-    fragments opened, their seal keys, the record and where to leave its staged part for after
-    the commit."""
+    fragments opened, their seal keys and the record they are checked against. Returns what
+    was folded and the record's staged part, for after the commit; None if the part is no
+    longer waiting."""
     p, o = batch_parts.c, open_batches.c
-    n_opened, seal_keys, record, staged = decrypted
+    n_opened, seal_keys, record = decrypted
     part_key = (p.batch_id == header.batch_id, p.part == header.part, p.status == STORED)
     if conn.execute(locked(conn, select(p.part).where(*part_key))).first() is None:
         return None
-    repeated, part = record.check(conn, (header.channel_id, header.epoch), seal_keys)
-    staged.append(part)
+    repeated, staged = record.check(conn, (header.channel_id, header.epoch), seal_keys)
     row = conn.execute(
         locked(
             conn,
@@ -147,7 +144,7 @@ def fold_part(
             ),
         )
     ).first()
-    state, invalid = fold(None if row is None else bytes(row.state), repeated)
+    state, invalid = folding.fold(None if row is None else bytes(row.state), repeated)
     # Marked opened with its counts in one statement, under the row lock taken above while it
     # was still stored: the part counts once in the fragment ledger, whoever folds it.
     conn.execute(
@@ -170,9 +167,9 @@ def fold_part(
                 invalid=invalid,
             )
         )
-        return Folded.PART
-    _complete_batch(conn, header, state, (fragments, invalid), steps, now)
-    return Folded.BATCH
+        return Folded.PART, staged
+    _complete_batch(conn, header, state, (fragments, invalid), folding, now)
+    return Folded.BATCH, staged
 
 
 def _complete_batch(
@@ -180,13 +177,13 @@ def _complete_batch(
     header: PartHeader,
     state: bytes,
     counts: tuple[int, int],
-    steps: tuple[Complete, Merge, Charge],
+    folding: PartFolding,
     now: float,
 ) -> None:
     """A batch whose last part was just folded (``counts``: its fragments, invalid ones): its
     verified crowd, its receipt, and unless withheld its accumulator and epoch charge."""
-    (fragments, invalid), (complete, merge, charge) = counts, steps
-    done = complete(state, fragments - invalid, invalid)
+    fragments, invalid = counts
+    done = folding.complete(state, fragments - invalid, invalid)
     receipt = BatchReceipt(
         batch_id=header.batch_id,
         shuffler_id=header.shuffler_id,
@@ -204,8 +201,9 @@ def _complete_batch(
             )
         )
         return
-    _complete(conn, receipt, invalid, merge(_accumulator(conn, receipt), done.state), now)
-    charge_epoch(conn, receipt, charge, now)
+    merged = folding.merge(_accumulator(conn, receipt), done.state)
+    _complete(conn, receipt, invalid, merged, now)
+    charge_epoch(conn, receipt, folding.charge, now)
 
 
 def _accumulator(conn: Connection, receipt: BatchReceipt) -> bytes | None:

@@ -10,6 +10,7 @@ import threading
 
 from sqlalchemy import func, select
 
+from analyzer.opening import PartFold
 from analyzer.seen import RECORD_KEY_SIZE, seen_parts
 from analyzer.store import PartHeader
 from common.wire import Batch
@@ -121,11 +122,12 @@ def test_a_fold_that_fails_records_nothing_and_its_retry_counts_every_fragment(
     header = layers.store.pending_parts()[0]
     fold_part = layers.store.fold_part
 
-    def failing(h: PartHeader, fold: object, steps: object, **kw: object) -> object:
+    def failing(h: PartHeader, folding: PartFold, **kw: object) -> object:
         def broken(state: bytes | None, repeated: object) -> tuple[bytes, int]:
             raise RuntimeError("the database went away mid-fold")
 
-        return fold_part(h, broken, steps, **kw)  # type: ignore[arg-type]
+        folding.fold = broken  # type: ignore[method-assign,assignment]
+        return fold_part(h, folding, **kw)  # type: ignore[arg-type]
 
     layers.store.fold_part = failing  # type: ignore[method-assign,assignment]
     assert layers.opener.open_pending() == 0  # counted against the part, left stored
