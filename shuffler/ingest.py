@@ -262,11 +262,10 @@ class Ingest:
         authorization = headers.get(b"authorization", b"")
         if not authorization.startswith(b"Bearer "):
             raise BadTokenError("Authorization: Bearer <client token> required")
-        intake = self.service.intake
+        service = self.service
         # Exactly "Bearer <token>": a load balancer hashes the header as sent to pick the
         # replica, so padding it must not reach another replica's rate-limit bucket.
-        client_id = intake.tokens.verify(authorization[7:].decode("latin-1"))
-        intake.contributions.check(client_id, time.monotonic(), "slow down")
+        client_id = service.admit(authorization[7:].decode("latin-1"))
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:
             raise BodyTooLargeError(f"body of {int(declared)} bytes > {self.max_body}")
@@ -274,9 +273,9 @@ class Ingest:
         if headers.get(b"content-type", b"").split(b";")[0].strip().lower() != CONTENT_TYPE:
             raise BadContentTypeError("send the sealed contribution as application/octet-stream")
         try:
-            pending = intake.validate(client_id, body)
+            pending = service.validate(client_id, body, catch_up=False)
         except KeyNotLoadedError:  # reading the key files blocks: not on the event loop
-            pending = await asyncio.to_thread(intake.catch_up, client_id, body)
+            pending = await asyncio.to_thread(service.validate, client_id, body)
         stored = await self.writer.submit(pending)
         if stored.refusal is not None:
             raise stored.refusal

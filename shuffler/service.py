@@ -155,19 +155,34 @@ class ShufflerService:
 
     # --- intake ---------------------------------------------------------------------------
 
-    def validate(self, token: str, blob: bytes, client_id: str | None = None) -> Pending:
-        """Authenticate (unless ``client_id`` is already known), open and check one
-        contribution; nothing is stored yet.
+    def admit(self, token: str) -> str:
+        """The client id behind a bearer token, once its contribution rate allows one more
+        (the first step of ``POST /v1/contributions``, before its body is read).
 
         Raises:
-            ShufflerError: bad or revoked token, malformed, unknown channel, too many
-                fragments, epoch not open, a key not loaded (after reading the keys again).
+            BadTokenError: a token that does not verify, or a revoked one.
+            ClientRateLimitedError: the client sends faster than ``rate_per_second``.
         """
-        client = client_id or self.intake.tokens.verify(token)
+        client_id = self.intake.tokens.verify(token)
+        self.intake.contributions.check(client_id, time.monotonic(), "slow down")
+        return client_id
+
+    def validate(self, client_id: str, blob: bytes, *, catch_up: bool = True) -> Pending:
+        """Open and check one admitted client's contribution; nothing is stored yet. A blob
+        sealed to a key this process has not loaded makes it read the key files again
+        (blocking; with ``catch_up=False`` it raises instead, for a caller that must not block).
+
+        Raises:
+            ShufflerError: malformed, unknown channel, too many fragments, epoch not open, a key
+                not loaded (after reading the keys again).
+            KeyNotLoadedError: with ``catch_up=False``, a key not loaded yet.
+        """
         try:
-            return self.intake.validate(client, blob)
+            return self.intake.validate(client_id, blob)
         except KeyNotLoadedError:
-            return self.intake.catch_up(client, blob)
+            if not catch_up:
+                raise
+            return self.intake.catch_up(client_id, blob)
 
     def commit(self, pending: Sequence[Pending]) -> list[Stored]:
         """Commit contributions in one transaction; a receipt only for rows that landed.

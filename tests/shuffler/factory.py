@@ -96,7 +96,7 @@ def sealed(
 
 def pending(service: ShufflerService, token: str, epoch: int, **kwargs: object) -> Pending:
     """A validated contribution (not stored)."""
-    return service.validate(token, sealed(service, epoch, **kwargs))  # type: ignore[arg-type]
+    return service.validate(service.admit(token), sealed(service, epoch, **kwargs))  # type: ignore[arg-type]
 
 
 def contribute(service: ShufflerService, token: str, epoch: int, **kwargs: object) -> Stored:

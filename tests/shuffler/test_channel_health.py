@@ -91,7 +91,7 @@ def _contribute(
             fragments=tuple(bytes([i]) * 72 for i in range(FRAGMENTS)),
         )
         blob = seal_contribution(contribution, service.settings.shuffler_id, service.ring.public())
-        stored = service.commit([service.validate(service.tokens.issue(), blob)])[0]
+        stored = service.commit([service.validate(service.admit(service.tokens.issue()), blob)])[0]
         assert stored.receipt
 
 

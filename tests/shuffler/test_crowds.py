@@ -37,7 +37,7 @@ def _pending(service: ShufflerService, token: str, epoch: int, crowd: str) -> Pe
         fragments=(bytes(72),),
     )
     blob = seal_contribution(contribution, service.settings.shuffler_id, service.ring.public())
-    return service.validate(token, blob)
+    return service.validate(service.admit(token), blob)
 
 
 def test_declared_crowds_are_validated_and_default_to_one_unnamed_crowd() -> None:

@@ -226,7 +226,10 @@ def test_every_live_key_is_listed_with_the_current_one_first(tmp_path: Path) -> 
             "shuffler-1",
             key.public_key(),
         )
-        assert service.validate(service.tokens.issue(), blob).contribution.epoch == clock.epoch
+        assert (
+            service.validate(service.admit(service.tokens.issue()), blob).contribution.epoch
+            == clock.epoch
+        )
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])

@@ -260,14 +260,14 @@ def test_a_replica_reads_its_keys_again_when_a_contribution_names_one_it_lacks(
     public = X25519PublicKey.from_public_bytes(unb64(made.public_key))
     blob = seal_contribution(contribution, "shuffler-1", public)
     assert bytes.fromhex(made.key_id) not in second.ring.keys
-    assert replicas[1].validate("", blob, client_id="c1").contribution == contribution
+    assert replicas[1].validate("c1", blob).contribution == contribution
     assert bytes.fromhex(made.key_id) in second.ring.keys
     # Garbage naming a key in no key file is malformed at once: the key files did not change
     # since they were read, so nothing is read again (anyone can send such a blob).
     reloads: list[str] = []
     second.reload = lambda: reloads.append("reload")  # type: ignore[method-assign]
     with pytest.raises(MalformedContributionError):
-        replicas[1].validate("", bytes(8) + blob[8:], client_id="c2")
+        replicas[1].validate("c2", bytes(8) + blob[8:])
     assert reloads == []
     for replica in replicas:
         replica.store.close()
