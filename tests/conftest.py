@@ -99,13 +99,24 @@ _STARTED: dict[str, list[str]] = {}
 _current: list[str] = []
 
 
+#: Folders whose tests share one resource of the machine and so run in one pytest-xdist worker:
+#: tests/deploy's compose project (one name, fixed subnets), started once for the folder.
+SHARED_FOLDERS = ("deploy",)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test of :data:`SYSTEM_FOLDERS` ``system``."""
+    """Mark every test of :data:`SYSTEM_FOLDERS` ``system``, and group the tests for
+    pytest-xdist (``make test`` runs ``-n 3 --dist loadgroup``): a module's tests in one
+    worker, in order (module fixtures start once; a module may check what its earlier tests
+    recorded), and each of :data:`SHARED_FOLDERS` whole in one worker."""
     here = Path(__file__).parent
     for item in items:
         folder = Path(item.path).parent
         if folder.parent == here and folder.name in SYSTEM_FOLDERS:
             item.add_marker(pytest.mark.system)
+        shared = folder.parent == here and folder.name in SHARED_FOLDERS
+        group = folder.name if shared else str(Path(item.path).relative_to(here))
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _record(what: str) -> None:
