@@ -174,6 +174,32 @@ def refusal(conflict: Conflict) -> ShufflerError:
     return QuotaExceededError("one contribution per (client, channel, epoch) already received")
 
 
+def _never(_: bytes) -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntakeHooks:
+    """What the intake asks the rest of the shuffler, given at construction.
+
+    Attributes:
+        on_unknown_channel: Called when a contribution names a channel not served (yet): a
+            follower of the analyzer's config fetches it again.
+        keys_stale: When a contribution names an HPKE key id not in the ring: whether the key
+            files changed since they were read (cheap).
+        on_unknown_key: Called off the event loop, reads the key files again (another replica
+            may have just rotated), True once it did (then :meth:`Intake.validate` is asked
+            again with ``looked``). None: a fixed ring.
+        analyzer_key_retired: Whether an analyzer HPKE key id was retired (as the followed
+            config says; a shuffler that does not follow the analyzer cannot tell).
+    """
+
+    on_unknown_channel: Callable[[], None] = lambda: None
+    keys_stale: Callable[[], bool] = lambda: False
+    on_unknown_key: Callable[[], bool] | None = None
+    analyzer_key_retired: Callable[[bytes], bool] = _never
+
+
 class Intake:
     """Validates contributions; ``closed_upto`` is shared with the batching schedule."""
 
@@ -183,22 +209,12 @@ class Intake:
         ring: KeyRing,
         clock: Callable[[], float],
         policies: ChannelPolicies,
+        hooks: IntakeHooks | None = None,
     ) -> None:
         self.settings = settings
         self.ring = ring
         self.policies = policies
-        #: Called when a contribution names a channel not served (yet): a follower of the
-        #: analyzer's config fetches it again.
-        self.on_unknown_channel: Callable[[], None] = lambda: None
-        #: When a contribution names an HPKE key id not in the ring: whether the key files
-        #: changed since they were read (cheap), and, called off the event loop, reads them
-        #: again (another replica may have just rotated), True once they are (then
-        #: :meth:`validate` is asked again with ``looked``). None: a fixed ring.
-        self.keys_stale: Callable[[], bool] = lambda: False
-        self.on_unknown_key: Callable[[], bool] | None = None
-        #: Whether an analyzer HPKE key id was retired (as the followed config says; a
-        #: shuffler that does not follow the analyzer cannot tell).
-        self.analyzer_key_retired: Callable[[bytes], bool] = lambda _: False
+        self.hooks = hooks or IntakeHooks()
         self.clock = clock
         self.tokens = TokenAuthority(settings.token_secret.get_secret_value().encode())
         self.contributions = RateLimiter(settings.rate_per_second, settings.rate_burst)
@@ -228,7 +244,7 @@ class Intake:
             raise MalformedContributionError(str(error)) from error
         policy = self.policies.get(contribution.channel_id)
         if policy is None:
-            self.on_unknown_channel()
+            self.hooks.on_unknown_channel()
             raise UnknownChannelError(f"channel {contribution.channel_id!r} is not served here")
         if self.policies.suspension(policy.id) is not None:
             raise ChannelTermsChangedError(
@@ -279,7 +295,8 @@ class Intake:
                 f"every fragment of channel {policy.id!r} is {size} bytes sealed "
                 f"(payload_size={policy.payload_size})"
             )
-        retired = {f[:KEY_ID_SIZE] for f in fragments if self.analyzer_key_retired(f[:KEY_ID_SIZE])}
+        was_retired = self.hooks.analyzer_key_retired
+        retired = {f[:KEY_ID_SIZE] for f in fragments if was_retired(f[:KEY_ID_SIZE])}
         if retired:
             raise ConfigOutdatedError(
                 f"fragments sealed to the analyzer's key {min(retired).hex()}, now retired: "
@@ -297,7 +314,7 @@ class Intake:
         try:
             return open_contribution(blob, self.settings.shuffler_id, self.ring)
         except UnknownKeyError as error:
-            if looked or self.on_unknown_key is None or not self.keys_stale():
+            if looked or self.hooks.on_unknown_key is None or not self.hooks.keys_stale():
                 raise
             raise KeyNotLoadedError(
                 f"{error}: this replica reads its keys again; retry", retry_after=CATCH_UP_SECONDS
@@ -311,7 +328,7 @@ class Intake:
             KeyNotLoadedError: the key files could not be read just now (retry).
             ShufflerError: as :meth:`validate`.
         """
-        if self.on_unknown_key is None or not self.on_unknown_key():
+        if self.hooks.on_unknown_key is None or not self.hooks.on_unknown_key():
             raise KeyNotLoadedError(
                 "this replica could not read its changed keys just now; retry",
                 retry_after=CATCH_UP_SECONDS,

@@ -47,7 +47,7 @@ from shuffler.errors import (
     UnknownChannelError,
 )
 from shuffler.forwarder import Forwarder
-from shuffler.intake import Intake, TokenAuthority, refusal
+from shuffler.intake import Intake, IntakeHooks, TokenAuthority, refusal
 from shuffler.metrics import ShufflerEvents
 from shuffler.policies import ChannelPolicies, ConfigFollower, PolicyFloor
 from shuffler.records import Conflict, GroupKey, Pending
@@ -80,6 +80,7 @@ class ShufflerService:
         signing_key: Ed25519PrivateKey,
         clock: Callable[[], float] = time.time,
         rng: RandomSource | None = None,
+        keys: LiveKeys | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -102,11 +103,8 @@ class ShufflerService:
             if settings.follows_analyzer
             else None
         )
-        self.intake = Intake(settings, ring, clock, self.policies)
+        self.intake = Intake(settings, ring, clock, self.policies, self._intake_hooks(keys))
         self._deferring = False
-        if self.follower is not None:
-            self.intake.on_unknown_channel = self.follower.wake
-            self.intake.analyzer_key_retired = self.follower.analyzer_keys.retired
         self.batcher = Batcher(
             settings.shuffler_id, lambda: self.signing_key, self.rng, settings.part_fragments
         )
@@ -123,12 +121,24 @@ class ShufflerService:
         )
         self.retention = Retention(store, settings.retention_seconds, clock)
         #: The key directory's keys as this replica uses them (:func:`build_service`).
-        self.keys: LiveKeys | None = None
+        self.keys = keys
+        if keys is not None:
+            keys.listeners.append(self.keys_changed)
         self._batching = threading.Lock()
         #: Evaluations so far, and how many there were when a sweep last found nothing dead
         #: (None: look once, for what a previous run left): a sweep scans only after one.
         self._evaluations = 0
         self._swept_at: int | None = None
+
+    def _intake_hooks(self, keys: LiveKeys | None) -> IntakeHooks:
+        """What the intake asks of the config follower and the live keys (those it has)."""
+        follower = self.follower
+        return IntakeHooks(
+            on_unknown_channel=follower.wake if follower else lambda: None,
+            analyzer_key_retired=follower.analyzer_keys.retired if follower else lambda _: False,
+            keys_stale=keys.stale if keys else lambda: False,
+            on_unknown_key=keys.catch_up if keys else None,
+        )
 
     @property
     def signing_key(self) -> Ed25519PrivateKey:
@@ -456,8 +466,7 @@ def build_service(settings: ShufflerSettings) -> ShufflerService:
         lambda: settings.key_timing(service.policies.all()),
         reload_seconds=settings.key_reload_seconds,
     )
-    service = ShufflerService(settings, make_store(engine), keys.ring, keys.current.signer)
-    service.keys = keys
-    keys.listeners.append(service.keys_changed)
-    service.intake.keys_stale, service.intake.on_unknown_key = keys.stale, keys.catch_up
+    service = ShufflerService(
+        settings, make_store(engine), keys.ring, keys.current.signer, keys=keys
+    )
     return service

@@ -5,6 +5,7 @@ the one it follows). shuffler/policies.py ``AnalyzerKeyIds``, shuffler/intake.py
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,7 @@ def test_fragments_sealed_to_a_retired_analyzer_key_are_refused_as_outdated(
     service, clock = make_service(database_url, tmp_path)
     token, epoch = service.tokens.issue(), clock.epoch
     keys = AnalyzerKeyIds()
-    service.intake.analyzer_key_retired = keys.retired
+    service.intake.hooks = replace(service.intake.hooks, analyzer_key_retired=keys.retired)
     keys.adopt([_key(FIRST)], issued_at=100)
     assert pending(service, token, epoch, fragments=1)  # sealed to the current key
     keys.adopt([_key(SECOND)], issued_at=200)

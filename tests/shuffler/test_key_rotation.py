@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +200,7 @@ def test_a_key_another_replica_made_is_read_off_the_event_loop_and_a_failed_read
         service: ShufflerService = client.app.state.service  # type: ignore[attr-defined]
         assert service.keys is not None
         on_loop: list[bool] = []
-        read_again = service.intake.on_unknown_key
+        read_again = service.intake.hooks.on_unknown_key
         assert read_again is not None
 
         def looked() -> bool:
@@ -210,7 +211,7 @@ def test_a_key_another_replica_made_is_read_off_the_event_loop_and_a_failed_read
                 on_loop.append(False)
             return read_again()
 
-        service.intake.on_unknown_key = looked
+        service.intake.hooks = replace(service.intake.hooks, on_unknown_key=looked)
         other = KeyDirectory(slow.key_dir, shuffler_party("shuffler-1"))
         made = other.rotate("hpke", time.time(), slow.key_timing([POLICY]))
         epoch = int(time.time() // POLICY.epoch_seconds)
