@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -465,6 +466,77 @@ class Client:
 
     # --- sealing and queueing -------------------------------------------------------------
 
+    def _submit(self, channel: _Channel, crowd: str, value: Any) -> _Channel:
+        """A reporter's ``value`` encoded with ``channel`` as the current config states it
+        (refreshed first if it expired), sealed and queued with the state; the channel as used.
+
+        Raises:
+            ConfigError: the config expired and no valid one could be fetched.
+            ChannelError: the channel is gone, or now names another mechanism.
+            ChannelRetiredError: the channel takes no report in this epoch.
+            StateFileError: the state file can no longer be read or written.
+        """
+        channel = self._fresh(channel)  # never encode or seal with a config whose vouching expired
+        config = channel.config
+        epoch = self._epoch(config)
+        if not config.takes(epoch):
+            raise ChannelRetiredError(
+                f"channel {config.id!r} is retired from epoch "
+                f"{config.retired_from_epoch} on (this is epoch {epoch})"
+            )
+        try:
+            self._commit(channel, crowd, self._encode(channel, value))
+        except sqlite3.Error as error:
+            raise StateFileError(f"device state file {self.state.path}: {error}") from error
+        return channel
+
+    def _fresh(self, channel: _Channel) -> _Channel:
+        """``channel`` as the current config states it (refreshed first if it expired): a
+        refresh may publish new parameters (a training round's model) or keys.
+
+        Raises:
+            ConfigError: the config expired and no valid one could be fetched.
+            ChannelError: the channel is gone, or now names another mechanism.
+        """
+        self._current()
+        config, mechanism = self.channel(channel.config.id), channel.mechanism
+        if config is channel.config:
+            return channel
+        if config.mechanism != mechanism.name:
+            raise ChannelError(
+                f"channel {config.id!r} is now {config.mechanism}, not {mechanism.name}"
+            )
+        return _Channel(config, _bound(config, mechanism.mechanism))
+
+    def _encode(self, channel: _Channel, value: Any) -> Any:
+        """The mechanism's encoding of ``value`` with this device's saved state."""
+        config, mechanism = channel.config, channel.mechanism
+        saved = self.state.channel_state(config.id, mechanism.name)
+        try:
+            state = saved if saved is not None else mechanism.new_state(_RNG)
+            return mechanism.encode(value, state, _RNG, len(self._shufflers))
+        except StaleUpdateError as error:
+            raise AlreadyReportedError(str(error)) from error
+        except StateConflictError as error:
+            raise StateError(str(error)) from error
+        except (MechanismError, TypeError) as error:  # TypeError: e.g. a str for an int
+            raise ValueOutOfDomainError(f"{value!r}: {error}") from error
+
+    def _commit(self, channel: _Channel, crowd: str, encoded: Any) -> None:
+        """Seal the encoded report's routes and queue them with the state in one transaction."""
+        config, mechanism = channel.config, channel.mechanism
+        if not encoded.routes:
+            if encoded.state is not None:
+                self.state.save_state(config.id, mechanism.name, encoded.state)
+            return
+        epoch = self._epoch(config)
+        outbox = [
+            self._seal(config, crowd, epoch, self._route(slot), list(fragments))
+            for slot, fragments in encoded.routes
+        ]
+        charge = self._charge(config, epoch, mechanism.local_privacy().replacement)
+        self._queue(config, epoch, mechanism.name, encoded.state, outbox, charge)
+
     def _epoch(self, config: ChannelConfig) -> int:
         return int(self._clock() // config.epoch_seconds)
 
@@ -708,10 +780,18 @@ def _bound(config: ChannelConfig, mechanism: DeviceMechanism[Any]) -> BoundDevic
         raise ChannelError(f"channel {config.id!r} does not validate: {error}") from error
 
 
+@dataclass(frozen=True, slots=True)
+class _Channel:
+    """A reporter's channel: its config as last used and its mechanism with those parameters."""
+
+    config: ChannelConfig
+    mechanism: BoundDevice[object]
+
+
 class Reporter:
     """Reports on one channel, in one of its declared crowds, through its mechanism (one
     contribution per epoch, whatever the crowd: docs/protocol.md's quota), with the channel as the
-    client's current config states it at each report."""
+    client's current config states it at each report (:meth:`Client._submit`)."""
 
     def __init__(
         self,
@@ -722,73 +802,11 @@ class Reporter:
     ) -> None:
         self._client = client
         self.crowd = crowd
-        self._config, self._mechanism = config, _bound(config, mechanism)
-
-    def _fresh(self) -> None:
-        """The channel as the current config states it (refreshed first if it expired): a
-        refresh may publish new parameters (a training round's model) or keys.
-
-        Raises:
-            ConfigError: the config expired and no valid one could be fetched.
-            ChannelError: the channel is gone, or now names another mechanism.
-        """
-        self._client._current()
-        config = self._client.channel(self._config.id)
-        if config is self._config:
-            return
-        if config.mechanism != self._mechanism.name:
-            raise ChannelError(
-                f"channel {config.id!r} is now {config.mechanism}, not {self._mechanism.name}"
-            )
-        self._config, self._mechanism = config, _bound(config, self._mechanism.mechanism)
+        self._channel = _Channel(config, _bound(config, mechanism))
 
     def _submit(self, value: Any) -> None:
-        """Encode ``value`` with the channel's mechanism, seal and queue it with the state.
-
-        Raises:
-            StateFileError: the state file can no longer be read or written.
-        """
-        self._fresh()  # never encode or seal with a config whose vouching expired
-        epoch = self._client._epoch(self._config)
-        if not self._config.takes(epoch):
-            raise ChannelRetiredError(
-                f"channel {self._config.id!r} is retired from epoch "
-                f"{self._config.retired_from_epoch} on (this is epoch {epoch})"
-            )
-        try:
-            self._commit(self._encode(value))
-        except sqlite3.Error as error:
-            path = self._client.state.path
-            raise StateFileError(f"device state file {path}: {error}") from error
-
-    def _encode(self, value: Any) -> Any:
-        """The mechanism's encoding of ``value`` with this device's saved state."""
-        client, config, mechanism = self._client, self._config, self._mechanism
-        saved = client.state.channel_state(config.id, mechanism.name)
-        try:
-            state = saved if saved is not None else mechanism.new_state(_RNG)
-            return mechanism.encode(value, state, _RNG, len(client._shufflers))
-        except StaleUpdateError as error:
-            raise AlreadyReportedError(str(error)) from error
-        except StateConflictError as error:
-            raise StateError(str(error)) from error
-        except (MechanismError, TypeError) as error:  # TypeError: e.g. a str for an int
-            raise ValueOutOfDomainError(f"{value!r}: {error}") from error
-
-    def _commit(self, encoded: Any) -> None:
-        """Seal the encoded report's routes and queue them with the state in one transaction."""
-        client, config, mechanism = self._client, self._config, self._mechanism
-        if not encoded.routes:
-            if encoded.state is not None:
-                client.state.save_state(config.id, mechanism.name, encoded.state)
-            return
-        epoch = client._epoch(config)
-        outbox = [
-            client._seal(config, self.crowd, epoch, client._route(slot), list(fragments))
-            for slot, fragments in encoded.routes
-        ]
-        charge = client._charge(config, epoch, mechanism.local_privacy().replacement)
-        client._queue(config, epoch, mechanism.name, encoded.state, outbox, charge)
+        """Encode, seal and queue ``value`` with the channel as it is now (see the callers)."""
+        self._channel = self._client._submit(self._channel, self.crowd, value)
 
 
 class HistogramReporter(Reporter):
