@@ -12,10 +12,11 @@ reuses one below or subclasses :class:`LocalRandomizer`. The arguments (theorems
 from __future__ import annotations
 
 import math
+import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import ClassVar
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, ClassVar
 
 from common.accounting import shuffle_bounds as sb
 from common.accounting._checks import (
@@ -29,6 +30,33 @@ from common.accounting.hockey_stick import ClonePair
 from common.accounting.local import esa_thm_iv1, fragment_eps
 from common.accounting.lower import lower_2rr
 from common.accounting.results import BoundResult, InputValue, Method, Neighbouring
+
+#: The metadata key of a description's field that a tool may fill from a flag of the same name
+#: (``esa account --k``): its help text (:func:`flag`).
+FLAG = "flag"
+
+
+def flag(help_text: str, **kwargs: Any) -> Any:
+    """A field of a description that tools offer as a flag of its name (``--eps-f`` for
+    ``eps_f``) with ``help_text``: ``esa account`` builds its options from these."""
+    return field(metadata={FLAG: help_text}, **kwargs)
+
+
+def flagged(kinds: Mapping[str, type[LocalRandomizer]]) -> dict[str, tuple[type, list[str]]]:
+    """The flags the descriptions ``kinds`` (by the name a user knows them by) take, by field
+    name: its value type (the field's, ``None`` aside) and each one's ``"<name>: <help>"``."""
+    found: dict[str, tuple[type, list[str]]] = {}
+    for label, kind in kinds.items():
+        hints = typing.get_type_hints(kind)
+        for spec in fields(kind):  # type: ignore[arg-type]
+            if FLAG in spec.metadata:
+                kept = [t for t in typing.get_args(hints[spec.name]) if t is not type(None)]
+                value_type = kept[0] if kept else hints[spec.name]
+                found.setdefault(spec.name, (value_type, []))[1].append(
+                    f"{label}: {spec.metadata[FLAG]}"
+                )
+    return found
+
 
 #: An upper bound as a function of (ε0, n, δ), in the description's natural notion.
 BoundFunction = Callable[[float, int, float], BoundResult]
@@ -139,7 +167,9 @@ class GenericRandomizer(LocalRandomizer):
 
     kind: ClassVar[str] = "generic"
     natural: ClassVar[Neighbouring] = "replacement"
-    delta0: float = 0.0
+    delta0: float = flag(
+        "δ0 of an (ε0, δ0)-DP randomizer (FMT21 Theorem 3.8; default 0)", default=0.0
+    )
 
     def __post_init__(self) -> None:
         check_non_negative("delta0", self.delta0)
@@ -199,7 +229,7 @@ class KaryRR(LocalRandomizer):
 
     kind: ClassVar[str] = "k-rr"
     natural: ClassVar[Neighbouring] = "replacement"
-    k: int
+    k: int = flag("alphabet size")
 
     def __post_init__(self) -> None:
         check_count("k", self.k, minimum=2)
@@ -231,8 +261,8 @@ class BackstopFragments(RemovalRandomizer):
     Different users per batch: :func:`rfrag_across_batches`."""
 
     kind: ClassVar[str] = "backstop-fragments"
-    eps_f: float
-    tau: int
+    eps_f: float = flag("fragment ε_f")
+    tau: int = flag("fragments per report")
 
     def __post_init__(self) -> None:
         check_positive("eps_f", self.eps_f)
@@ -277,7 +307,9 @@ class BalcerCheuNoise(LocalRandomizer):
 
     kind: ClassVar[str] = "balcer-cheu"
     natural: ClassVar[Neighbouring] = "replacement"
-    n_declared: int | None = None
+    n_declared: int | None = flag(
+        "the declared crowd size that fixed the noise (default: --n)", default=None
+    )
     delta: float | None = None
 
     def __post_init__(self) -> None:

@@ -13,10 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 from common import accounting
+from common.accounting.randomizers import LocalRandomizer, flagged
 from common.accounting.results import BoundResult, Method
 
 if TYPE_CHECKING:
-    from common.accounting import Certification, LifetimeResult, LocalRandomizer, Plan
+    from common.accounting import Certification, LifetimeResult, Plan
 
 _METHODS = [
     m.value for m in Method if m not in (Method.LOCAL, Method.LOWER_2RR, Method.ESA_THM_IV1)
@@ -58,23 +59,27 @@ _JSON_OPTION = click.option(
 )
 
 
+def _described() -> dict[str, type[LocalRandomizer]]:
+    """Every privacy description a flag of ``esa account`` can fill: accounting's generic one
+    and each registered mechanism's (``randomizer_type``), by the name ``--mechanism`` takes."""
+    from common.mechanisms import registry
+
+    described: dict[str, type[LocalRandomizer]] = {"generic": accounting.GenericRandomizer}
+    for name in registry.names():
+        kind = type(registry.get(name)).randomizer_type
+        if kind is not None:
+            described[name] = kind
+    return described
+
+
 def _param_options() -> list[Callable[..., Any]]:
+    """One option per field the descriptions mark as a flag (:func:`accounting.randomizers.flag`):
+    a mechanism's parameters reach the accountant without this command naming them."""
     return [
-        click.option("--k", type=int, default=None, help="krr: alphabet size."),
-        click.option("--tau", type=int, default=None, help="rfrag: fragments per report."),
-        click.option("--eps-f", type=float, default=None, help="rfrag: fragment ε_f."),
         click.option(
-            "--delta0",
-            type=float,
-            default=None,
-            help="generic: δ0 of an (ε0, δ0)-DP randomizer (FMT21 Theorem 3.8; default 0).",
-        ),
-        click.option(
-            "--n-declared",
-            type=int,
-            default=None,
-            help="zsum: the declared crowd size that fixed the noise (default: --n).",
-        ),
+            "--" + name.replace("_", "-"), type=value_type, default=None, help="; ".join(helps)
+        )
+        for name, (value_type, helps) in sorted(flagged(_described()).items())
     ]
 
 

@@ -110,3 +110,26 @@ def test_bad_input_exits_2_with_the_value_named(args: list[str], message: str) -
 def test_help_explains_commands() -> None:
     out = run("account", "plan", "--help")
     assert out.returncode == 0 and "--target-eps" in out.stdout and "cheu-lemma-ii6" in out.stdout
+
+
+def test_every_flag_a_privacy_description_declares_is_an_option_of_each_command() -> None:
+    """``esa account``'s parameter options come from the descriptions (``flag`` fields of each
+    registered mechanism's ``randomizer_type`` and the generic one), not from a list of its own:
+    each such field is an option of certify, plan and compose, and fills the description."""
+    from dataclasses import fields
+
+    from common.accounting.randomizers import FLAG
+    from services.cli import account
+
+    described = account._described()
+    assert {"generic", "krr", "rfrag", "zsum"} <= set(described)
+    for command in (account.certify_command, account.account.commands["plan"]):
+        options = {opt for param in command.params for opt in param.opts}
+        for kind in described.values():
+            for spec in fields(kind):  # type: ignore[arg-type]
+                if FLAG in spec.metadata:
+                    assert "--" + spec.name.replace("_", "-") in options, (command.name, spec)
+    flags = ("-m", "krr", "--k", "4", "--eps0", "1", "--n", "10000", "--delta", "1e-6", "--json")
+    result = run("account", "certify", *flags)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["randomizer_params"] == {"k": 4}
