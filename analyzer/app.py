@@ -315,7 +315,7 @@ async def post_release(
 
 def _trainer(service: AnalyzerService, channel_id: str) -> Trainer:
     if service.trainer is None:
-        raise UnknownChannelError(f"channel {channel_id[:64]!r} is not an ldp-sgd channel")
+        raise UnknownChannelError(f"channel {channel_id[:64]!r} is not a training channel")
     return service.trainer
 
 
@@ -340,7 +340,8 @@ async def post_training_step(
 
 @channels.get("/{channel_id}/training", response_model=TrainingBody, responses=error_responses(404))
 async def get_training(service: Service, channel_id: str) -> TrainingBody:
-    """An ``ldp-sgd`` channel's training: the current round, θ_t and every step taken."""
+    """A training channel's training (its mechanism offers the facet; LDP-SGD): the current
+    round, θ_t and every step taken."""
     trainer = _trainer(service, channel_id)
     return await asyncio.to_thread(training_body, trainer, channel_id)
 

@@ -20,7 +20,6 @@ from analyzer.records import ChannelLogRow
 from analyzer.settings import largest_part_bytes
 from analyzer.store import AnalyzerStore
 from analyzer.tables import ADD, RETIRE
-from common.mechanisms import ldpsgd
 from common.wire import ChannelConfig
 
 log = logging.getLogger("esa.analyzer")
@@ -164,12 +163,11 @@ class ChannelCatalog:
             return known.config, False
         if config.retired_from_epoch is not None:
             raise InvalidChannelError(f"channel {config.id!r}: a new channel cannot be retired")
-        if config.mechanism == ldpsgd.NAME:
+        if ChannelRuntime.build(config, self.shuffler_ids).mechanism.training is not None:
             raise InvalidChannelError(
-                f"channel {config.id!r}: ldp-sgd channels train state kept from the start; "
-                "configure them in the analyzer's channel file"
+                f"channel {config.id!r}: {config.mechanism} channels train state kept from the "
+                "start; configure them in the analyzer's channel file"
             )
-        ChannelRuntime.build(config, self.shuffler_ids)
         if largest_part_bytes([config]) > max(self.part_cap, largest_part_bytes(self.configured)):
             raise InvalidChannelError(
                 f"channel {config.id!r}: payload_size={config.payload_size} makes parts larger "

@@ -232,8 +232,7 @@ class AnalyzerService:
         self.catalog.refresh()
         revision, published = self.catalog.table.published()
         if self.trainer is not None and self.trainer.channels:
-            models = {c: self.trainer.state(c) for c in self.trainer.channels}
-            published = published_channels(published, models)
+            published = published_channels(published, self.trainer.models())
         now = int(self.clock())
         return signed_config(self.settings, self.keys, now, shufflers, published, revision)
 

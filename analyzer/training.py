@@ -1,13 +1,14 @@
-"""LDP-SGD training state at the analyzer (ESA-revisited Algorithm 5).
+"""Training state at the analyzer, for every channel whose mechanism offers the training facet
+(:class:`common.mechanisms.base.Training`; LDP-SGD, ESA-revisited Algorithm 5).
 
-For every ``ldp-sgd`` channel the analyzer keeps the current round ``t`` and model ``θ_t``
-(``θ_0 = 0``), publishes both in the channel's ``params`` of the signed collection config
-(:func:`published_channels`, keys ``round`` and ``theta``, :func:`common.mechanisms.ldpsgd.
-model_params`) and, at :meth:`Trainer.step`, takes one step from the epochs received since the
-previous step: the reports naming round ``t`` give the noisy gradient of line 5, the projected
-step of line 6 gives ``θ_{t+1}``, and reports naming any other round (a device that trained on a
-stale or forged model) are refused and counted in the step's record. The state is a JSON file per
-channel, replaced atomically, so a restart resumes at the same round.
+For every such channel the analyzer keeps the current round ``t`` and model ``θ_t`` (the
+facet's ``θ_0``), publishes both in the channel's ``params`` of the signed collection config
+(:func:`published_channels`, the facet's ``model_params``: ``round`` and ``theta`` for LDP-SGD)
+and, at :meth:`Trainer.step`, has the facet take one step from the epochs received since the
+previous step: for LDP-SGD the reports naming round ``t`` give the noisy gradient of line 5,
+the projected step of line 6 gives ``θ_{t+1}``, and reports naming any other round (a device
+that trained on a stale or forged model) are refused and counted in the step's record. The
+state is a JSON file per channel, replaced atomically, so a restart resumes at the same round.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from analyzer.channels import ChannelRuntime
 from analyzer.errors import NothingReceivedError, UnknownChannelError
 from analyzer.releases import settled_received
 from analyzer.store import AnalyzerStore
-from common.mechanisms import ldpsgd
+from common.mechanisms.base import BoundTraining
 from common.wire import MAX_INT, ChannelConfig
 
 
@@ -73,20 +74,21 @@ class TrainingState:
 
 
 class Trainer:
-    """The training state of every ``ldp-sgd`` channel, kept in ``state_dir``."""
+    """The training state of every training channel (its mechanism offers the facet), kept in
+    ``state_dir``."""
 
     def __init__(
         self, store: AnalyzerStore, channels: Mapping[str, ChannelRuntime], state_dir: Path
     ) -> None:
         self.store = store
-        self.channels = {k: v for k, v in channels.items() if v.config.mechanism == ldpsgd.NAME}
+        self.channels = {k: v for k, v in channels.items() if v.mechanism.training is not None}
         self.state_dir = state_dir
         self._lock = threading.Lock()
 
     def _runtime(self, channel_id: str) -> ChannelRuntime:
         runtime = self.channels.get(channel_id)
         if runtime is None:
-            raise UnknownChannelError(f"channel {channel_id!r} is not an ldp-sgd channel")
+            raise UnknownChannelError(f"channel {channel_id!r} is not a training channel")
         return runtime
 
     def _path(self, channel_id: str) -> Path:
@@ -98,7 +100,11 @@ class Trainer:
         path = self._path(channel_id)
         if path.exists():
             return TrainingState.from_json(path.read_text())
-        return TrainingState(0, [0.0] * _params(runtime).dim)
+        return TrainingState(0, _training(runtime).initial_model().tolist())
+
+    def models(self) -> dict[str, tuple[TrainingState, BoundTraining[Any, Any]]]:
+        """Every training channel's state and facet (what :func:`published_channels` takes)."""
+        return {c: (self.state(c), _training(r)) for c, r in self.channels.items()}
 
     def _save(self, channel_id: str, state: TrainingState) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +117,7 @@ class Trainer:
         received): θ_{t+1} from the reports of round t; the others refused and counted.
 
         Raises:
-            UnknownChannelError: not an ``ldp-sgd`` channel.
+            UnknownChannelError: not a training channel.
             NothingReceivedError: no report of round t in those epochs (nothing changes).
         """
         self._runtime(channel_id)
@@ -124,7 +130,7 @@ class Trainer:
 
     def _step(self, channel_id: str, epoch_to: int | None) -> StepRecord:
         runtime = self._runtime(channel_id)
-        params = _params(runtime)
+        training = _training(runtime)
         state = self.state(channel_id)
         # Never past the last epoch received, nor past an epoch still waiting for a shuffler's
         # batch (docs/protocol-notes.md, "Releases wait for every shuffler": θ is public): a
@@ -137,12 +143,9 @@ class Trainer:
         last = min([span[1], *(e - 1 for e in settled.waiting)])
         _, received = settled_received(self.store, runtime, "", state.next_epoch, last)
         crowds = runtime.crowds(received)
-        merged = ldpsgd.LdpSgdAccumulator(params.dim)
-        for item in crowds:
-            assert isinstance(item.accumulator, ldpsgd.LdpSgdAccumulator), "an ldp-sgd channel"
-            merged = merged.merge(item.accumulator)
-        used = merged.counts.get(state.round, 0)
-        if used == 0:
+        accumulators = [item.accumulator for item in crowds]
+        step = training.step(np.asarray(state.theta), state.round, accumulators)
+        if step.used == 0:
             raise NothingReceivedError(
                 f"{channel_id!r}: no report of round {state.round} in the settled epochs "
                 f"[{state.next_epoch}, {last}]"
@@ -152,42 +155,47 @@ class Trainer:
                     else ""
                 )
             )
-        gradient = ldpsgd.noisy_gradient(params, merged.sums[state.round], used)
-        theta = ldpsgd.server_step(params, np.asarray(state.theta), gradient)
         record = StepRecord(
             round=state.round,
             epochs=(state.next_epoch, last),
-            reports=used,
-            refused_other_rounds=sum(merged.counts.values()) - used,
-            devices=merged.n,
-            gradient_norm=float(np.linalg.norm(gradient)),
+            reports=step.used,
+            refused_other_rounds=step.refused,
+            devices=step.contributions,
+            gradient_norm=step.gradient_norm,
             eps_central=runtime.certify(crowds).certified.eps,
         )
+        theta = step.theta
         steps = [*state.steps, record]
         self._save(channel_id, TrainingState(state.round + 1, theta.tolist(), last + 1, steps))
         return record
 
 
-def _params(runtime: ChannelRuntime) -> ldpsgd.LdpSgdParams:
-    """The LDP-SGD parameters of a training channel."""
-    params = runtime.mechanism.params
-    if not isinstance(params, ldpsgd.LdpSgdParams):
-        raise UnknownChannelError(f"channel {runtime.config.id!r} is not an ldp-sgd channel")
-    return params
+def _training(runtime: ChannelRuntime) -> BoundTraining[Any, Any]:
+    """The channel's training facet, its parameters bound.
+
+    Raises:
+        UnknownChannelError: its mechanism offers none.
+    """
+    training = runtime.mechanism.training
+    if training is None:
+        raise UnknownChannelError(f"channel {runtime.config.id!r} is not a training channel")
+    return training
 
 
 def published_channels(
-    channels: Sequence[ChannelConfig], models: Mapping[str, TrainingState]
+    channels: Sequence[ChannelConfig],
+    models: Mapping[str, tuple[TrainingState, BoundTraining[Any, Any]]],
 ) -> list[ChannelConfig]:
     """The channels as the signed config publishes them: each training channel's ``params``
-    carry its current ``round`` and ``theta``."""
+    carry its facet's ``model_params`` for its current round and θ."""
     result = []
     for config in channels:
-        state = models.get(config.id)
-        if state is None:
+        found = models.get(config.id)
+        if found is None:
             result.append(config)
             continue
-        model: dict[str, Any] = ldpsgd.model_params(state.round, np.asarray(state.theta))
+        state, training = found
+        model = training.model_params(state.round, np.asarray(state.theta))
         result.append(config.model_copy(update={"params": {**config.params, **model}}))
     return result
 
@@ -262,7 +270,7 @@ def training_body(trainer: Trainer, channel_id: str) -> TrainingBody:
     """The channel's training state on the wire.
 
     Raises:
-        UnknownChannelError: not an ``ldp-sgd`` channel.
+        UnknownChannelError: not a training channel.
     """
     state = trainer.state(channel_id)
     return TrainingBody(

@@ -127,6 +127,66 @@ class PrivacyDescription:
         )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingStep:
+    """One server step of an iterative mechanism (ESA-revisited Algorithm 5, lines 4–6).
+
+    Attributes:
+        theta: The new model θ_{t+1} (θ_t unchanged when ``used`` is 0).
+        used: Reports of round t the step used (m).
+        refused: Reports naming another round (a stale or forged model): left out.
+        contributions: Contributions in the batches consumed.
+        gradient_norm: L2 norm of the noisy gradient g_t (0 when nothing was used).
+    """
+
+    theta: FloatArray
+    used: int
+    refused: int
+    contributions: int
+    gradient_norm: float
+
+
+class Training(Protocol[P, A]):  # type: ignore[misc]
+    """The facet an iterative mechanism offers the analyzer (:meth:`Mechanism.training`): the
+    model devices train at is published in the channel's ``params``, and each step folds the
+    reports of the current round into the next model. The analyzer keeps the round, θ and the
+    steps taken, for any mechanism that offers it; it never names one."""
+
+    def initial_model(self, params: P) -> FloatArray:
+        """θ_0."""
+        ...
+
+    def step(
+        self, params: P, theta: FloatArray, round_: int, accumulators: Sequence[A]
+    ) -> TrainingStep:
+        """θ_{t+1} from the reports of round ``round_`` in ``accumulators``."""
+        ...
+
+    def model_params(self, round_: int, theta: FloatArray) -> dict[str, Any]:
+        """The keys the signed config adds to the channel's ``params`` for round ``round_``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class BoundTraining(Generic[P, A]):
+    """A mechanism's :class:`Training` facet with one channel's parameters bound."""
+
+    facet: Training[P, A]
+    params: P
+
+    def initial_model(self) -> FloatArray:
+        """θ_0."""
+        return self.facet.initial_model(self.params)
+
+    def step(self, theta: FloatArray, round_: int, accumulators: Sequence[A]) -> TrainingStep:
+        """θ_{t+1} from the reports of round ``round_`` (:meth:`Training.step`)."""
+        return self.facet.step(self.params, theta, round_, accumulators)
+
+    def model_params(self, round_: int, theta: FloatArray) -> dict[str, Any]:
+        """What the signed config publishes in the channel's ``params`` at round ``round_``."""
+        return self.facet.model_params(round_, theta)
+
+
 class NoDataError(LookupError):
     """Nothing received that a release could be computed from (the message says what)."""
 
@@ -181,6 +241,11 @@ class Mechanism(DeviceMechanism[P], Generic[P, A]):
         """Exact joint law of how many fragments of one report of ``value`` name each of two
         bins (entry [i, j]: i name ``bins[0]`` and j name ``bins[1]``), which the shuffler
         audit's distinguishing game is fitted to; None when reports do not name bins."""
+        return None
+
+    def training(self) -> Training[P, A] | None:
+        """The iterative facet (:class:`Training`) of a mechanism whose devices train a model
+        the analyzer publishes; None for the others (every histogram mechanism)."""
         return None
 
     # --- privacy ------------------------------------------------------------------------
@@ -257,6 +322,12 @@ class BoundMechanism(BoundDevice[P], Generic[P, A]):
     def bin_count_law(self, value: int, bins: tuple[int, int]) -> FloatArray | None:
         """Joint law of one report's fragments naming two bins (:meth:`Mechanism.bin_count_law`)."""
         return self.mechanism.bin_count_law(self.params, value, bins)
+
+    @property
+    def training(self) -> BoundTraining[P, A] | None:
+        """The channel's iterative facet (:meth:`Mechanism.training`), None if it has none."""
+        facet = self.mechanism.training()
+        return None if facet is None else BoundTraining(facet, self.params)
 
     def privacy(self) -> PrivacyDescription:
         """The privacy argument that covers one report in a shuffled batch."""

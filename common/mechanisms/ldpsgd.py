@@ -20,6 +20,7 @@ import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from common.mechanisms.base import (
     PrivacyDescription,
     Received,
     ReleaseCertificate,
+    TrainingStep,
     compose_epochs,
     epoch_batches,
 )
@@ -206,9 +208,53 @@ def theorem_vi1(params: LdpSgdParams, n: int, delta: float) -> float:
     return math.expm1(params.eps) / math.sqrt(n) * math.sqrt(t * math.log(t / delta) ** 2)
 
 
+class LdpSgdTraining:
+    """Algorithm 5 lines 4–6 at the server, as the analyzer's training facet
+    (:class:`common.mechanisms.base.Training`): the reports naming round t give the noisy
+    gradient of line 5, the projected step of line 6 gives θ_{t+1}; reports naming any other
+    round are left out and counted."""
+
+    def initial_model(self, params: LdpSgdParams) -> FloatArray:
+        """θ_0 = 0."""
+        return np.zeros(params.dim)
+
+    def step(
+        self,
+        params: LdpSgdParams,
+        theta: FloatArray,
+        round_: int,
+        accumulators: Sequence[LdpSgdAccumulator],
+    ) -> TrainingStep:
+        """θ_{t+1} = Π_C(θ_t − η g_t) over the reports of round ``round_``."""
+        merged = LdpSgdAccumulator(params.dim)
+        for accumulator in accumulators:
+            merged = merged.merge(accumulator)
+        used = merged.counts.get(round_, 0)
+        refused = sum(merged.counts.values()) - used
+        if used == 0:
+            return TrainingStep(
+                theta=theta, used=0, refused=refused, contributions=merged.n, gradient_norm=0.0
+            )
+        gradient = noisy_gradient(params, merged.sums[round_], used)
+        return TrainingStep(
+            theta=server_step(params, theta, gradient),
+            used=used,
+            refused=refused,
+            contributions=merged.n,
+            gradient_norm=float(np.linalg.norm(gradient)),
+        )
+
+    def model_params(self, round_: int, theta: FloatArray) -> dict[str, Any]:
+        """``round`` and ``theta`` (:func:`model_params`), which devices train at."""
+        return model_params(round_, theta)
+
+
 class LdpSgd(LdpSgdDevice, Mechanism[LdpSgdParams, LdpSgdAccumulator]):
     """LDP-SGD through the mechanism interface (the estimate is the noisy gradient of the round
-    with the most reports)."""
+    with the most reports); it offers the training facet (:class:`LdpSgdTraining`)."""
+
+    def training(self) -> LdpSgdTraining:
+        return LdpSgdTraining()
 
     def new_accumulator(self, params: LdpSgdParams) -> LdpSgdAccumulator:
         return LdpSgdAccumulator(params.dim)

@@ -23,7 +23,7 @@ from analyzer.training import (
     training_body,
 )
 from common.collection import sign_config, verify_config
-from common.mechanisms import SeededSource, get, ldpsgd
+from common.mechanisms import SeededSource, get, ldpsgd, registry
 from common.wire import AnalyzerInfo, Batch, ChannelConfig, CollectionConfig, HpkeKey
 from tests.analyzer.helpers import CHANNEL, Clock, Layers, build, seal, signed
 
@@ -117,7 +117,10 @@ def test_a_step_waits_for_every_shuffler_of_its_epochs(tmp_path: Path) -> None:
 
 def test_signed_config_publishes_the_model() -> None:
     state = TrainingState(7, [0.25, -0.5, 0.0, 1.0])
-    channels = published_channels([CHANNEL, TRAIN], {"train": state})
+    training = registry.build(TRAIN).training
+    assert training is not None  # ldp-sgd offers the training facet; a histogram does not
+    assert registry.build(CHANNEL).training is None
+    channels = published_channels([CHANNEL, TRAIN], {"train": (state, training)})
     assert channels[0] == CHANNEL
     key = Ed25519PrivateKey.generate()
     config = CollectionConfig(
