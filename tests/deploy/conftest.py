@@ -11,12 +11,14 @@ required: a missing engine there fails the run instead of passing it silently.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 
 from tests.deploy.stack import (
     PORTS,
+    PROJECT,
     Stack,
     compose_command,
     free,
@@ -49,6 +51,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     deployment = Stack(compose_command(), env, secrets)
     everything = deployment.profiles()
     deployment.run(*everything, "down", "-v", "--remove-orphans", timeout=120)  # an earlier run
+    # Networks an interrupted run left (two of one name, which `down` cannot tell apart).
+    label = f"label=com.docker.compose.project={PROJECT}"
+    subprocess.run(["docker", "network", "prune", "-f", "--filter", label], check=False)
     taken = [port for port in PORTS.values() if not free(port)]
     assert not taken, f"ports {taken} are taken on 127.0.0.1: the compose file publishes them"
     try:
