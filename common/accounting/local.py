@@ -16,6 +16,11 @@ import math
 from common.accounting._checks import check_count, check_positive
 from common.accounting.results import BoundResult, Method, Neighbouring
 
+#: The bound ids this module's bounds carry (:meth:`common.accounting.results.Method.declare`).
+ESA_THM_IV1 = Method.declare(
+    "esa-thm-iv1", "ESA-revisited Theorem IV.1: local ε of report fragments (ε_ℓ∞, ε_ℓ1)", "local"
+)
+
 
 def composed_randomizer_eps(eps1: float, eps2: float) -> float:
     """ESA-revisited Appendix B, Corollary .2: ε of ``R2 ∘ R1`` for ε1-, ε2-DP randomizers.
@@ -58,7 +63,7 @@ def esa_thm_iv1(
     return BoundResult(
         eps=eps,
         delta=0.0,
-        method=Method.ESA_THM_IV1,
+        method=ESA_THM_IV1,
         neighbouring=neighbouring,
         inputs=(("eps_b", eps_b), ("eps_f", eps_f), ("tau", tau), ("t", seen)),
         valid_regime=True,

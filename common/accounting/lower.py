@@ -20,6 +20,14 @@ from common.accounting._checks import check_count, check_positive, check_probabi
 from common.accounting.hockey_stick import ABS_TOL, REL_TOL, ROUNDING_SLACK, tail_window
 from common.accounting.results import BoundResult, Method, Neighbouring
 
+#: The bound ids this module's bounds carry (:meth:`common.accounting.results.Method.declare`).
+LOWER_2RR = Method.declare(
+    "lower-2rr",
+    "the exact shuffled binary-RR lower bound (FMT21 Appendix F), never certified",
+    "lower",
+)
+
+
 #: Probability mass left out on each side of the evaluated window (only lowers δ: safe here).
 LOWER_TAIL = 1e-30
 
@@ -73,7 +81,7 @@ def lower_2rr(
     return BoundResult(
         eps=_lower_eps(n, eps0, delta),
         delta=delta,
-        method=Method.LOWER_2RR,
+        method=LOWER_2RR,
         neighbouring=neighbouring,
         inputs=(("eps0", eps0), ("n", n), ("delta", delta)),
         valid_regime=True,

@@ -31,6 +31,16 @@ from common.accounting.local import esa_thm_iv1, fragment_eps
 from common.accounting.lower import lower_2rr
 from common.accounting.results import BoundResult, InputValue, Method, Neighbouring
 
+#: The bound ids this module's bounds carry (:meth:`common.accounting.results.Method.declare`).
+ESA_THM_IV2 = Method.declare("esa-thm-iv2", "ESA-revisited Theorem IV.2, its proven term")
+RFRAG_PER_BATCH = Method.declare(
+    "rfrag-per-batch", "report fragments when batches hold different users"
+)
+LOCAL = Method.declare(
+    "local", "the trivial bound: the local ε, which shuffling cannot make worse", "local"
+)
+
+
 #: The metadata key of a description's field that a tool may fill from a flag of the same name
 #: (``esa account --k``): its help text (:func:`flag`).
 FLAG = "flag"
@@ -155,7 +165,7 @@ class RemovalRandomizer(LocalRandomizer):
         certified: BoundResult,
     ) -> BoundResult:
         # Recomputing only the method that certified at δ keeps `certify` to one extra bound.
-        same = None if certified.method is Method.LOCAL else [certified.method]
+        same = None if certified.method == LOCAL else [certified.method]
         half = best_bound(compute_bounds(self, eps0, n, delta / 2.0, same or methods))
         return removal_to_replacement(half, independent_parts=True)
 
@@ -183,8 +193,8 @@ class GenericRandomizer(LocalRandomizer):
     def applicable(self, methods: Collection[Method | str] | None) -> set[Method]:
         wanted = _wanted_methods(self, methods)
         if self.delta0 > 0.0:
-            return wanted & {Method.FMT21_THM38}
-        wanted.discard(Method.FMT21_THM38)
+            return wanted & {sb.FMT21_THM38}
+        wanted.discard(sb.FMT21_THM38)
         return wanted
 
     def lower(self, eps0: float, n: int, delta: float) -> BoundResult | None:
@@ -242,9 +252,9 @@ class KaryRR(LocalRandomizer):
 
         generic = _generic_methods("replacement", 0.0)
         return (
-            MethodSpec(Method.FMT21_KRR_COR42, lambda e, n, d: sb.fmt21_krr_cor42(e, n, d, k)),
-            MethodSpec(Method.BLANKET_KRR, lambda e, n, d: sb.blanket_krr(e, n, d, k), pair),
-            *(m for m in generic if m.method != Method.FMT21_THM38),
+            MethodSpec(sb.FMT21_KRR_COR42, lambda e, n, d: sb.fmt21_krr_cor42(e, n, d, k)),
+            MethodSpec(sb.BLANKET_KRR, lambda e, n, d: sb.blanket_krr(e, n, d, k), pair),
+            *(m for m in generic if m.method != sb.FMT21_THM38),
         )
 
     def lower(self, eps0: float, n: int, delta: float) -> BoundResult | None:
@@ -279,16 +289,16 @@ class BackstopFragments(RemovalRandomizer):
 
     def methods(self) -> tuple[MethodSpec, ...]:
         backstop = _binary_rr_methods(lambda e: e, "removal")
-        keep = {Method.CHEU_LEMMA_II6, Method.BLANKET_BINARY_RR}
+        keep = {sb.CHEU_LEMMA_II6, sb.BLANKET_BINARY_RR}
         iv2 = MethodSpec(
-            Method.ESA_THM_IV2,
+            ESA_THM_IV2,
             lambda e, n, d: replace(
-                sb.esa_thm_iii1(e, n, d, "removal"), method=Method.ESA_THM_IV2
+                sb.esa_thm_iii1(e, n, d, "removal"), method=ESA_THM_IV2
             ).with_note("second term of Theorem IV.2 (Theorem III.1 at ε_b); first term not used"),
         )
         inf = self.local_eps
         generic = MethodSpec(
-            Method.FMT21_CLONES,
+            sb.FMT21_CLONES,
             lambda e, n, d: sb.fmt21_clones(inf(e), n, d, "removal").with_note(
                 "generic bound on the τ-tuple at ε_ℓ∞"
             ),
@@ -328,7 +338,7 @@ class BalcerCheuNoise(LocalRandomizer):
             total = d if sized is None else sized
             return sb.balcer_cheu_thm12(e, total / 2.0, n if declared is None else declared, n)
 
-        return (MethodSpec(Method.BALCER_CHEU_THM12, bound),)
+        return (MethodSpec(sb.BALCER_CHEU_THM12, bound),)
 
     def other_notion(
         self,
@@ -360,25 +370,25 @@ def _binary_rr_methods(
         return lambda e, n, d: bound(eps_of(e), n, d, natural)
 
     return (
-        MethodSpec(Method.CHEU_LEMMA_II6, at(sb.cheu_lemma_ii6)),
-        MethodSpec(Method.ESA_THM_III1, at(sb.esa_thm_iii1)),
-        MethodSpec(Method.BLANKET_BINARY_RR, at(sb.blanket_binary_rr), blanket_pair),
-        MethodSpec(Method.FMT21_CLONES, at(sb.fmt21_clones), clones_pair),
-        MethodSpec(Method.FMT21_CLOSED, at(sb.fmt21_closed)),
-        MethodSpec(Method.EFMRTT19_THM7, at(sb.efmrtt19_thm7)),
+        MethodSpec(sb.CHEU_LEMMA_II6, at(sb.cheu_lemma_ii6)),
+        MethodSpec(sb.ESA_THM_III1, at(sb.esa_thm_iii1)),
+        MethodSpec(sb.BLANKET_BINARY_RR, at(sb.blanket_binary_rr), blanket_pair),
+        MethodSpec(sb.FMT21_CLONES, at(sb.fmt21_clones), clones_pair),
+        MethodSpec(sb.FMT21_CLOSED, at(sb.fmt21_closed)),
+        MethodSpec(sb.EFMRTT19_THM7, at(sb.efmrtt19_thm7)),
     )
 
 
 def _generic_methods(natural: Neighbouring, delta0: float) -> tuple[MethodSpec, ...]:
     return (
-        MethodSpec(Method.EFMRTT19_THM7, lambda e, n, d: sb.efmrtt19_thm7(e, n, d, natural)),
-        MethodSpec(Method.FMT21_CLOSED, lambda e, n, d: sb.fmt21_closed(e, n, d, natural)),
+        MethodSpec(sb.EFMRTT19_THM7, lambda e, n, d: sb.efmrtt19_thm7(e, n, d, natural)),
+        MethodSpec(sb.FMT21_CLOSED, lambda e, n, d: sb.fmt21_closed(e, n, d, natural)),
         MethodSpec(
-            Method.FMT21_CLONES,
+            sb.FMT21_CLONES,
             lambda e, n, d: sb.fmt21_clones(e, n, d, natural),
             lambda e, n: ClonePair(n - 1, math.exp(-e), e),
         ),
-        MethodSpec(Method.FMT21_THM38, lambda e, n, d: sb.fmt21_thm38(e, delta0, n, d, natural)),
+        MethodSpec(sb.FMT21_THM38, lambda e, n, d: sb.fmt21_thm38(e, delta0, n, d, natural)),
     )
 
 
@@ -386,7 +396,7 @@ def _local_statement(eps0: float, local: float, notion: Neighbouring) -> BoundRe
     return BoundResult(
         eps=local,
         delta=0.0,
-        method=Method.LOCAL,
+        method=LOCAL,
         neighbouring=notion,
         inputs=(("eps0", eps0),),
         valid_regime=True,
@@ -450,10 +460,7 @@ def _wanted_methods(
         return set(available)
     wanted: set[Method] = set()
     for name in methods:
-        try:
-            method = Method(name)
-        except ValueError:
-            raise ValueError(f"unknown method {name!r}; known: {', '.join(Method)}") from None
+        method = Method.parse(name)
         if method not in available:
             known = ", ".join(sorted(available))
             raise ValueError(
@@ -496,7 +503,7 @@ def _trivial(
     return BoundResult(
         eps=local,
         delta=delta0,
-        method=Method.LOCAL,
+        method=LOCAL,
         neighbouring=randomizer.natural,
         inputs=(("eps0", eps0), ("n", n), ("delta", delta)),
         valid_regime=math.isfinite(local),
@@ -609,7 +616,7 @@ def rfrag_across_batches(
     result = BoundResult(
         eps=value,
         delta=delta,
-        method=Method.RFRAG_PER_BATCH,
+        method=RFRAG_PER_BATCH,
         neighbouring="removal",
         inputs=inputs,
         valid_regime=True,

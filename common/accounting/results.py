@@ -9,32 +9,62 @@ and a human-readable note.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
-from typing import Literal
+from typing import ClassVar, Literal
 
 Neighbouring = Literal["removal", "replacement", "add-remove"]
 BoundKind = Literal["upper", "lower"]
 InputValue = float | int | str
 
 
-class Method(StrEnum):
-    """Method ids used in results, the CLI and the analyzer's privacy ledger."""
+#: What a bound id names: a shuffled upper bound (a certificate may rest on it), a local bound,
+#: or a lower bound (shown for honesty, never certified).
+MethodKind = Literal["shuffled", "local", "lower"]
 
-    EFMRTT19_THM7 = "efmrtt19-thm7"
-    FMT21_CLOSED = "fmt21-closed"
-    FMT21_THM38 = "fmt21-thm38"
-    FMT21_CLONES = "fmt21-clones"
-    BLANKET_BINARY_RR = "blanket-binary-rr"
-    CHEU_LEMMA_II6 = "cheu-lemma-ii6"
-    ESA_THM_III1 = "esa-thm-iii1"
-    FMT21_KRR_COR42 = "fmt21-krr-cor42"
-    BLANKET_KRR = "blanket-krr"
-    BALCER_CHEU_THM12 = "balcer-cheu-thm12"
-    ESA_THM_IV1 = "esa-thm-iv1"
-    ESA_THM_IV2 = "esa-thm-iv2"
-    RFRAG_PER_BATCH = "rfrag-per-batch"
-    LOWER_2RR = "lower-2rr"
-    LOCAL = "local"
+
+class Method(str):
+    """The id of an accounting bound, a theorem or a computation (``"fmt21-closed"``), as
+    results, the CLI and the analyzer's privacy ledger show it.
+
+    Each id is declared once, by the module that implements its bound (:meth:`declare`), with
+    what it cites: the set is open, so a plug-in's own bound declares its own id, and tools list
+    the ids declared (:meth:`declared`) instead of keeping a list.
+    """
+
+    __slots__ = ()
+    _declared: ClassVar[dict[str, tuple[str, MethodKind]]] = {}
+
+    @classmethod
+    def declare(cls, value: str, cites: str, kind: MethodKind = "shuffled") -> Method:
+        """Declare the bound id ``value`` (what ``cites`` names).
+
+        Raises:
+            ValueError: ``value`` is declared already (two bounds cannot share an id).
+        """
+        if value in cls._declared:
+            raise ValueError(f"bound id {value!r} is declared twice")
+        cls._declared[value] = (cites, kind)
+        return cls(value)
+
+    @classmethod
+    def parse(cls, value: str) -> Method:
+        """The declared id ``value``.
+
+        Raises:
+            ValueError: no bound declares it (naming the known ones).
+        """
+        if value not in cls._declared:
+            raise ValueError(f"unknown method {value!r}; known: {', '.join(cls._declared)}")
+        return cls(value)
+
+    @classmethod
+    def declared(cls, kind: MethodKind | None = None) -> list[Method]:
+        """The ids declared so far (of ``kind``), in declaration order."""
+        return [cls(v) for v, (_, k) in cls._declared.items() if kind is None or k == kind]
+
+    @property
+    def cites(self) -> str:
+        """What the bound's id names (a paper's theorem or equation, or a computation)."""
+        return self._declared[self][0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,27 @@ from common.accounting._checks import (
 from common.accounting.hockey_stick import ClonePair, eps_for_delta
 from common.accounting.results import BoundResult, InputValue, Method, Neighbouring
 
+#: The bound ids this module's bounds carry (:meth:`common.accounting.results.Method.declare`).
+EFMRTT19_THM7 = Method.declare("efmrtt19-thm7", "EFMRTT19 Theorem 7 (shuffling n ε0-DP reports)")
+FMT21_CLOSED = Method.declare("fmt21-closed", "FMT21 Theorem 3.1, closed form (eq. (1))")
+FMT21_THM38 = Method.declare("fmt21-thm38", "FMT21 Theorem 3.8, for (ε0, δ0)-DP randomizers")
+FMT21_CLONES = Method.declare(
+    "fmt21-clones", "FMT21's numerical clones bound (Appendix E), any ε0-DP randomizer"
+)
+BLANKET_BINARY_RR = Method.declare(
+    "blanket-binary-rr",
+    "the same hockey-stick computation with the privacy-blanket pair of binary RR",
+)
+CHEU_LEMMA_II6 = Method.declare(
+    "cheu-lemma-ii6", "Cheu et al. as ESA-revisited Lemma II.6 states it (the paper's tables)"
+)
+ESA_THM_III1 = Method.declare("esa-thm-iii1", "ESA-revisited Theorem III.1, closed form")
+FMT21_KRR_COR42 = Method.declare("fmt21-krr-cor42", "FMT21 Corollary 4.2 (k-RR)")
+BLANKET_KRR = Method.declare("blanket-krr", "the numerical bound with the k-RR pair")
+BALCER_CHEU_THM12 = Method.declare(
+    "balcer-cheu-thm12", "Balcer–Cheu Theorem 12 (zero-sum histogram)"
+)
+
 
 def _inputs(**values: InputValue) -> tuple[tuple[str, InputValue], ...]:
     return tuple(values.items())
@@ -100,7 +121,7 @@ def efmrtt19_thm7(
     eps0, n, delta = _check_common(eps0, n, delta)
     inputs = _inputs(eps0=eps0, n=n, delta=delta)
     if n <= 1:
-        return _finish(Method.EFMRTT19_THM7, math.inf, eps0, delta, neighbouring, inputs, "n > 1")
+        return _finish(EFMRTT19_THM7, math.inf, eps0, delta, neighbouring, inputs, "n > 1")
     log_inv_delta = math.log(1.0 / delta)
     candidates: list[tuple[float, str]] = []
     log_eps1 = math.log(2.0) + 2.0 * eps0 + math.log(math.expm1(eps0)) - math.log(n)
@@ -117,9 +138,9 @@ def efmrtt19_thm7(
             (12.0 * eps0 * math.sqrt(log_inv_delta / n), "12 ε0 sqrt(log(1/δ)/n) form")
         )
     if not candidates:
-        return _finish(Method.EFMRTT19_THM7, math.inf, eps0, delta, neighbouring, inputs, None)
+        return _finish(EFMRTT19_THM7, math.inf, eps0, delta, neighbouring, inputs, None)
     value, form = min(candidates)
-    return _finish(Method.EFMRTT19_THM7, value, eps0, delta, neighbouring, inputs, None, form)
+    return _finish(EFMRTT19_THM7, value, eps0, delta, neighbouring, inputs, None, form)
 
 
 def fmt21_closed(
@@ -135,9 +156,9 @@ def fmt21_closed(
     limit = math.log(n / (16.0 * math.log(2.0 / delta)))
     if eps0 > limit:
         failure = f"needs ε0 <= log(n/(16 log(2/δ))) = {limit:.4g}"
-        return _finish(Method.FMT21_CLOSED, math.inf, eps0, delta, neighbouring, inputs, failure)
+        return _finish(FMT21_CLOSED, math.inf, eps0, delta, neighbouring, inputs, failure)
     return _finish(
-        Method.FMT21_CLOSED, _fmt21_eq1(eps0, n, delta), eps0, delta, neighbouring, inputs, None
+        FMT21_CLOSED, _fmt21_eq1(eps0, n, delta), eps0, delta, neighbouring, inputs, None
     )
 
 
@@ -182,7 +203,7 @@ def fmt21_thm38(
     lo, hi = 0.0, delta
     if total_delta(delta * 1e-12) > delta:
         failure = "the δ0 term alone exceeds the target δ"
-        return _finish(Method.FMT21_THM38, math.inf, eps0, delta, neighbouring, inputs, failure)
+        return _finish(FMT21_THM38, math.inf, eps0, delta, neighbouring, inputs, failure)
     lo = delta * 1e-12
     for _ in range(200):
         mid = 0.5 * (lo + hi)
@@ -194,9 +215,9 @@ def fmt21_thm38(
     limit = math.log(n / (16.0 * math.log(2.0 / inner)))
     if eps0 > limit:
         failure = f"needs ε0 <= log(n/(16 log(2/δ'))) = {limit:.4g}"
-        return _finish(Method.FMT21_THM38, math.inf, eps0, delta, neighbouring, inputs, failure)
+        return _finish(FMT21_THM38, math.inf, eps0, delta, neighbouring, inputs, failure)
     return _finish(
-        Method.FMT21_THM38,
+        FMT21_THM38,
         _fmt21_eq1(eps0, n, inner),
         eps0,
         delta,
@@ -217,7 +238,7 @@ def fmt21_clones(
     eps0, n, delta = _check_common(eps0, n, delta)
     pair = ClonePair(n - 1, math.exp(-eps0), eps0)
     inputs = _inputs(eps0=eps0, n=n, delta=delta)
-    return _clone_bound(Method.FMT21_CLONES, pair, eps0, delta, neighbouring, inputs)
+    return _clone_bound(FMT21_CLONES, pair, eps0, delta, neighbouring, inputs)
 
 
 def blanket_binary_rr(
@@ -234,7 +255,7 @@ def blanket_binary_rr(
     eps0, n, delta = _check_common(eps0, n, delta)
     pair = ClonePair(n - 1, 2.0 / (math.exp(eps0) + 1.0), eps0)
     inputs = _inputs(eps0=eps0, n=n, delta=delta)
-    return _clone_bound(Method.BLANKET_BINARY_RR, pair, eps0, delta, neighbouring, inputs)
+    return _clone_bound(BLANKET_BINARY_RR, pair, eps0, delta, neighbouring, inputs)
 
 
 def cheu_lemma_ii6(
@@ -253,12 +274,10 @@ def cheu_lemma_ii6(
     floor = 14.0 * math.log(4.0 / delta)
     if not floor <= lam <= n:
         failure = f"needs λ = 2n/(1+e^ε0) = {lam:.4g} in [14 log(4/δ), n] = [{floor:.4g}, {n}]"
-        return _finish(Method.CHEU_LEMMA_II6, math.inf, eps0, delta, neighbouring, inputs, failure)
+        return _finish(CHEU_LEMMA_II6, math.inf, eps0, delta, neighbouring, inputs, failure)
     shrunk = lam - math.sqrt(2.0 * lam * math.log(2.0 / delta))
     value = math.sqrt(32.0 * math.log(4.0 / delta) / shrunk) * (1.0 - shrunk / n)
-    return _finish(
-        Method.CHEU_LEMMA_II6, value, eps0, delta, neighbouring, inputs, None, f"λ = {lam:.6g}"
-    )
+    return _finish(CHEU_LEMMA_II6, value, eps0, delta, neighbouring, inputs, None, f"λ = {lam:.6g}")
 
 
 def esa_thm_iii1(
@@ -273,12 +292,12 @@ def esa_thm_iii1(
     upper = math.log(n) - math.log(14.0 * math.log(4.0 / delta))
     if not 1.0 <= eps0 <= upper:
         failure = f"needs ε0 in [1, log n - log(14 log(4/δ))] = [1, {upper:.4g}]"
-        return _finish(Method.ESA_THM_III1, math.inf, eps0, delta, neighbouring, inputs, failure)
+        return _finish(ESA_THM_III1, math.inf, eps0, delta, neighbouring, inputs, failure)
     if math.log(delta) < -(math.log(n) ** 2):
         failure = "needs δ >= n^(-log n)"
-        return _finish(Method.ESA_THM_III1, math.inf, eps0, delta, neighbouring, inputs, failure)
+        return _finish(ESA_THM_III1, math.inf, eps0, delta, neighbouring, inputs, failure)
     value = math.sqrt(64.0 * math.exp(eps0) * math.log(4.0 / delta) / n)
-    return _finish(Method.ESA_THM_III1, value, eps0, delta, neighbouring, inputs, None)
+    return _finish(ESA_THM_III1, value, eps0, delta, neighbouring, inputs, None)
 
 
 def fmt21_krr_cor42(
@@ -295,12 +314,12 @@ def fmt21_krr_cor42(
     limit = math.log(n / (16.0 * math.log(2.0 / delta)))
     if eps0 > limit:
         failure = f"needs ε0 <= log(n/(16 log(2/δ))) = {limit:.4g}"
-        return _finish(Method.FMT21_KRR_COR42, math.inf, eps0, delta, neighbouring, inputs, failure)
+        return _finish(FMT21_KRR_COR42, math.inf, eps0, delta, neighbouring, inputs, failure)
     e0 = math.exp(eps0)
     inner = 8.0 * math.sqrt((k + 1) * math.log(4.0 / delta)) / math.sqrt((e0 + k - 1) * k * n)
     inner += 8.0 * (k + 1) / (k * n)
     value = math.log1p(math.expm1(eps0) * inner)
-    return _finish(Method.FMT21_KRR_COR42, value, eps0, delta, neighbouring, inputs, None)
+    return _finish(FMT21_KRR_COR42, value, eps0, delta, neighbouring, inputs, None)
 
 
 def krr_weight(eps0: float, k: int) -> float:
@@ -324,7 +343,7 @@ def blanket_krr(
     e0 = math.exp(eps0)
     pair = ClonePair(n - 1, 2.0 / (e0 + k - 1.0), eps0, weight=krr_weight(eps0, k))
     inputs = _inputs(eps0=eps0, n=n, delta=delta, k=k)
-    return _clone_bound(Method.BLANKET_KRR, pair, eps0, delta, neighbouring, inputs)
+    return _clone_bound(BLANKET_KRR, pair, eps0, delta, neighbouring, inputs)
 
 
 def balcer_cheu_thm12(
@@ -350,7 +369,7 @@ def balcer_cheu_thm12(
         return BoundResult(
             eps=value,
             delta=2 * delta,
-            method=Method.BALCER_CHEU_THM12,
+            method=BALCER_CHEU_THM12,
             neighbouring="replacement",
             inputs=inputs,
             valid_regime=valid,

@@ -24,11 +24,11 @@ from common.accounting import (
     BinaryRR,
     BinaryRRSequence,
     LocalRandomizer,
-    Method,
     certify,
     fragment_eps,
     plan_eps0,
 )
+from common.accounting.shuffle_bounds import CHEU_LEMMA_II6
 from common.mechanisms import BoundMechanism, krappor, longitudinal, rfrag
 from common.mechanisms.longitudinal import LongitudinalParams
 from services.tools.populations import HistogramPopulation, LongitudinalPopulation
@@ -48,7 +48,7 @@ COLUMNS = (
     "rmse",
     "rmse_predicted",
 )
-BOUNDS = {"paper": Method.CHEU_LEMMA_II6, "tightest": None}
+BOUNDS = {"paper": CHEU_LEMMA_II6, "tightest": None}
 
 
 @dataclass(frozen=True)

@@ -107,3 +107,25 @@ def test_large_n_small_eps0_amplifies_strongly() -> None:
     value = certify(GenericRandomizer(), 0.5, 10**9, 1e-15).certified.eps
     assert 0 < value < 1e-3
     assert lower_2rr(0.5, 10**9, 1e-15).eps > 0.5 * value
+
+
+def test_bound_ids_are_declared_by_their_bounds_and_the_set_is_open() -> None:
+    """Every id is declared once, by the module of its bound, with what it cites; a plug-in
+    declares its own without editing a list; an unknown or repeated id is refused by name."""
+    from common.accounting import shuffle_bounds as sb
+    from common.accounting.results import Method
+
+    shuffled = Method.declared("shuffled")
+    assert sb.FMT21_CLOSED in shuffled and "local" not in shuffled and "lower-2rr" not in shuffled
+    assert Method.declared("lower") == ["lower-2rr"]
+    assert sb.FMT21_CLOSED.cites.startswith("FMT21 Theorem 3.1")
+    assert Method.parse("blanket-krr") == sb.BLANKET_KRR
+    with pytest.raises(ValueError, match="unknown method 'fmt99'"):
+        Method.parse("fmt99")
+    with pytest.raises(ValueError, match="declared twice"):
+        Method.declare("fmt21-closed", "again")
+    mine = Method.declare("toy-plugin-bound", "a plug-in's own theorem")
+    try:
+        assert Method.parse("toy-plugin-bound") == mine and mine in Method.declared("shuffled")
+    finally:
+        Method._declared.pop("toy-plugin-bound")

@@ -24,13 +24,13 @@ import pytest
 
 from common.accounting import (
     LocalRandomizer,
-    Method,
     MethodSpec,
     blanket_binary_rr,
     compose_epochs,
     lifetime_for_mechanism,
     plan_eps0,
 )
+from common.accounting import shuffle_bounds as sb
 from common.accounting.hockey_stick import ClonePair
 from common.accounting.results import Neighbouring
 from common.mechanisms import (
@@ -69,7 +69,7 @@ class ToyRandomizer(LocalRandomizer):
 
         return (
             MethodSpec(
-                Method.BLANKET_BINARY_RR,
+                sb.BLANKET_BINARY_RR,
                 lambda e, n, d: blanket_binary_rr(e, n, d, "replacement"),
                 pair,
             ),
@@ -208,7 +208,7 @@ def test_toy_description_certifies_plans_and_composes_like_a_built_in() -> None:
     params = toy.parse_params({"eps": 2.0})
     cert = toy.privacy(params).certify(5000, 1e-8)
     truth = blanket_binary_rr(2.0, 5000, 1e-8, "replacement")
-    assert cert.certified.method == Method.BLANKET_BINARY_RR
+    assert cert.certified.method == sb.BLANKET_BINARY_RR
     assert cert.certified.eps == truth.eps and cert.certified.neighbouring == "replacement"
     assert cert.as_dict()["randomizer"] == "toy-binary-rr"
     plan = plan_eps0(cert.certified.eps, 1e-8, 5000, ToyRandomizer())
