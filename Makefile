@@ -28,9 +28,10 @@ unit: venv
 	$(BIN)/pytest -n $(WORKERS) --dist loadgroup --durations=40 -m "not serial"
 	$(BIN)/pytest --durations=10 -m serial
 
-# The inner loop's tier: in-process tests only (no `system` or `slow` mark; tests/conftest.py).
+# The inner loop's tier: in-process tests only (no `system` or `slow` mark; tests/conftest.py),
+# on two pytest-xdist workers (one per core).
 fast: venv
-	$(BIN)/pytest -q -m "not system and not slow"
+	$(BIN)/pytest -q -n 2 --dist loadgroup -m "not system and not slow"
 
 # Lint, types and the fast tier (< 3 min on 2 cores); `make test` runs everything, as CI.
 check: lint typecheck fast
