@@ -119,7 +119,7 @@ class AnalyzerSettings(SecretFileSettings, DeadlineSettings, TrustedProxySetting
     #: Where to publish ``analyzer.pub`` (its config-signing key, base64) at start, for the
     #: other parties and app builders to pin; none: not published.
     publish_dir: Path | None = None
-    #: LDP-SGD training state, one JSON file per training channel (LDP-SGD; :mod:`analyzer.training`).
+    #: Training state, one JSON file per training channel (LDP-SGD; :mod:`analyzer.training`).
     training_dir: Path = Path("var/analyzer/training")
     channels: list[ChannelConfig] = Field(default_factory=list)
     channels_file: Path | None = None

@@ -230,7 +230,7 @@ def main() -> None:
     if args.profile is not None:
         raw = args.profile.with_suffix(".txt")
         for ours in ((), ("shuffler/", "common/")):
-            for frame, inside, alone in top_frames(raw, "ContributionStore.evaluate_group", ours):
+            for frame, inside, alone in top_frames(raw, "close_group (shuffler/closing.py", ours):
                 print(f"{inside:6.1%} inside {alone:6.1%} alone  {frame}")
     command = "flock /tmp/esa-bench.lock .venv/bin/python benchmarks/epoch.py " + " ".join(
         sys.argv[1:]

@@ -443,7 +443,7 @@ def _profiles(profile: Path) -> str:
     lines = []
     for party, phase, within in (
         ("shuffler-1", "ingest", ""),
-        ("shuffler-1", "close", "ContributionStore.evaluate_group"),
+        ("shuffler-1", "close", "close_group (shuffler/closing.py"),
         ("the analyzer and its opening workers", "release", ""),
     ):
         raw = (profile / phase).with_suffix(".txt")

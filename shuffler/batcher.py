@@ -112,7 +112,8 @@ def randomized_deletion(n: int, policy: ChannelPolicy, rng: RandomSource) -> Del
 class Batcher:
     """Algorithm 3 for one group at a time: the noise draw, the uniformly chosen survivors, and
     their fragments released as one shuffled sequence in signed parts of at most
-    ``part_fragments`` fragments (the store feeds it rows and stores what it yields).
+    ``part_fragments`` fragments (:func:`shuffler.closing.close_group` feeds it the store's rows
+    and stores what it yields).
     ``signer`` gives the key that signs, read at each release (a rotation changes it)."""
 
     shuffler_id: str

@@ -275,7 +275,7 @@ class Ingest:
         try:
             pending = service.validate(client_id, body, catch_up=False)
         except KeyNotLoadedError:  # reading the key files blocks: not on the event loop
-            pending = await asyncio.to_thread(service.validate, client_id, body)
+            pending = await asyncio.to_thread(service.catch_up, client_id, body)
         stored = await self.writer.submit(pending)
         if stored.refusal is not None:
             raise stored.refusal

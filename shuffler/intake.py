@@ -232,7 +232,7 @@ class Intake:
             suspended channel), ChannelRetiredError,
             TooFewFragmentsError, FragmentSizeError, UnknownCrowdError, TooManyFragmentsError,
             EpochNotOpenError, ConfigOutdatedError (sealed to a key this shuffler retired),
-            KeyNotLoadedError (a key it lacks: :attr:`on_unknown_key`, then again).
+            KeyNotLoadedError (a key it lacks: :attr:`IntakeHooks.on_unknown_key`, then again).
         """
         try:
             contribution = self._open(blob, looked)
@@ -308,7 +308,7 @@ class Intake:
 
         Raises:
             KeyNotLoadedError: it names a key id this replica lacks while its key files
-                changed since it read them (:attr:`keys_stale`), not ``looked`` for yet.
+                changed since it read them (:attr:`IntakeHooks.keys_stale`), not ``looked`` for yet.
             EnvelopeError: it does not open (a key id in no key file: garbage).
         """
         try:

@@ -178,9 +178,10 @@ class ShufflerService:
         return client_id
 
     def validate(self, client_id: str, blob: bytes, *, catch_up: bool = True) -> Pending:
-        """Open and check one admitted client's contribution; nothing is stored yet. A blob
-        sealed to a key this process has not loaded makes it read the key files again
-        (blocking; with ``catch_up=False`` it raises instead, for a caller that must not block).
+        """Open and check one contribution of a client :meth:`admit` let in (its id, not its
+        token); nothing is stored yet. A blob sealed to a key this process has not loaded makes
+        it read the key files again (:meth:`catch_up`, blocking; with ``catch_up=False`` it
+        raises instead, for a caller that must not block and calls :meth:`catch_up` itself).
 
         Raises:
             ShufflerError: malformed, unknown channel, too many fragments, epoch not open, a key
@@ -192,7 +193,16 @@ class ShufflerService:
         except KeyNotLoadedError:
             if not catch_up:
                 raise
-            return self.intake.catch_up(client_id, blob)
+            return self.catch_up(client_id, blob)
+
+    def catch_up(self, client_id: str, blob: bytes) -> Pending:
+        """:meth:`validate` for a blob sealed to a key not loaded yet: read the key files again
+        (blocking: off the event loop), then open it.
+
+        Raises:
+            ShufflerError: as :meth:`validate`; a key still not loaded after reading them.
+        """
+        return self.intake.catch_up(client_id, blob)
 
     def commit(self, pending: Sequence[Pending]) -> list[Stored]:
         """Commit contributions in one transaction; a receipt only for rows that landed.

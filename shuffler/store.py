@@ -1,7 +1,8 @@
 """The contribution store: every transaction the shuffler runs, behind one interface.
 
-:class:`ContributionStore` opens the transactions (:func:`runtime.db.run_tx`) and sequences
-their steps; the dialect-neutral queries each step runs inside one transaction are in
+:class:`ContributionStore` opens the transactions (:func:`runtime.db.run_tx`), one per step of
+what the service sequences (a group's evaluation: :mod:`shuffler.closing`); the
+dialect-neutral queries each step runs inside one transaction are in
 :mod:`shuffler.store_queries` (SQLAlchemy Core over the tables of :mod:`shuffler.tables`).
 :class:`~shuffler.store_backends.SqliteContributionStore` and
 :class:`~shuffler.store_backends.PostgresContributionStore` supply what differs (the

@@ -57,11 +57,15 @@ def flagged(kinds: Mapping[str, type[LocalRandomizer]]) -> dict[str, tuple[type,
     name: its value type (the field's, ``None`` aside) and each one's ``"<name>: <help>"``."""
     found: dict[str, tuple[type, list[str]]] = {}
     for label, kind in kinds.items():
-        hints = typing.get_type_hints(kind)
+        try:
+            hints = typing.get_type_hints(kind)
+        except (NameError, TypeError):  # a plug-in's annotations that do not resolve: text
+            hints = {}
         for spec in fields(kind):  # type: ignore[arg-type]
             if FLAG in spec.metadata:
-                kept = [t for t in typing.get_args(hints[spec.name]) if t is not type(None)]
-                value_type = kept[0] if kept else hints[spec.name]
+                hint = hints.get(spec.name, str)
+                kept = [t for t in typing.get_args(hint) if t is not type(None)]
+                value_type = kept[0] if kept else hint
                 found.setdefault(spec.name, (value_type, []))[1].append(
                     f"{label}: {spec.metadata[FLAG]}"
                 )

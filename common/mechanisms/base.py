@@ -52,6 +52,9 @@ class Accumulator(Protocol):
 
 
 A = TypeVar("A", bound=Accumulator)
+#: The training facet's parameters and accumulators, which it only takes (:class:`Training`).
+P_in = TypeVar("P_in", contravariant=True)
+A_in = TypeVar("A_in", contravariant=True)
 
 
 @dataclass(frozen=True)
@@ -146,18 +149,18 @@ class TrainingStep:
     gradient_norm: float
 
 
-class Training(Protocol[P, A]):  # type: ignore[misc]
+class Training(Protocol[P_in, A_in]):
     """The facet an iterative mechanism offers the analyzer (:meth:`Mechanism.training`): the
     model devices train at is published in the channel's ``params``, and each step folds the
     reports of the current round into the next model. The analyzer keeps the round, θ and the
     steps taken, for any mechanism that offers it; it never names one."""
 
-    def initial_model(self, params: P) -> FloatArray:
+    def initial_model(self, params: P_in) -> FloatArray:
         """θ_0."""
         ...
 
     def step(
-        self, params: P, theta: FloatArray, round_: int, accumulators: Sequence[A]
+        self, params: P_in, theta: FloatArray, round_: int, accumulators: Sequence[A_in]
     ) -> TrainingStep:
         """θ_{t+1} from the reports of round ``round_`` in ``accumulators``."""
         ...

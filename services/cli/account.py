@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -19,8 +19,12 @@ from common.accounting.results import BoundResult, Method
 if TYPE_CHECKING:
     from common.accounting import Certification, LifetimeResult, Plan
 
-#: The shuffled upper bounds ``--bound`` selects: every id the accounting modules declare.
-_METHODS = [str(m) for m in Method.declared("shuffled")]
+def _shuffled_bounds() -> list[str]:
+    """What ``--bound`` selects: every shuffled upper bound declared, a plug-in's too."""
+    from common.mechanisms import registry
+
+    registry.load_plugins()
+    return [str(m) for m in Method.declared("shuffled")]
 
 
 def _apply(function: Callable[..., Any], options: list[Callable[..., Any]]) -> Callable[..., Any]:
@@ -30,8 +34,8 @@ def _apply(function: Callable[..., Any], options: list[Callable[..., Any]]) -> C
 
 
 class MechanismName(click.ParamType):  # type: ignore[type-arg]
-    """``generic`` or a registered mechanism's name, checked against the registry when used
-    (the registry is not imported for ``--help`` of the command group)."""
+    """``generic`` or a registered mechanism's name (plug-ins included), checked against the
+    registry when used."""
 
     name = "mechanism"
 
@@ -63,10 +67,11 @@ def _described() -> dict[str, type[LocalRandomizer]]:
     and each registered mechanism's (``randomizer_type``), by the name ``--mechanism`` takes."""
     from common.mechanisms import registry
 
+    registry.load_plugins()  # a plug-in's description gets its options too
     described: dict[str, type[LocalRandomizer]] = {"generic": accounting.GenericRandomizer}
     for name in registry.names():
         kind = type(registry.get(name)).randomizer_type
-        if kind is not None:
+        if kind is not None and is_dataclass(kind):  # flags fill a dataclass's fields
             described[name] = kind
     return described
 
@@ -99,7 +104,7 @@ def _common_options(function: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--delta", type=float, required=True, help="δ of the central guarantee."),
         click.option(
             "--bound",
-            type=click.Choice(_METHODS),
+            type=click.Choice(_shuffled_bounds()),
             default=None,
             help="Use only this method (e.g. cheu-lemma-ii6 reproduces the paper's tables).",
         ),

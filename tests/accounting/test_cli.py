@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -133,3 +134,28 @@ def test_every_flag_a_privacy_description_declares_is_an_option_of_each_command(
     result = run("account", "certify", *flags)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["randomizer_params"] == {"k": 4}
+
+
+def test_a_plugins_description_brings_its_own_option_and_bound_id() -> None:
+    """A plug-in loaded by ESA_MECHANISM_MODULES gets ``--alphabet`` from its description's
+    ``flag`` field and ``--bound plugin-local`` from its ``Method.declare``: no list in the CLI
+    names either."""
+    env = {**os.environ, "ESA_MECHANISM_MODULES": "tests.accounting.flag_plugin"}
+    shown = subprocess.run(
+        [*ESA, "account", "certify", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert (
+        "--alphabet" in shown.stdout and "plugin-krr: the plug-in's alphabet size" in shown.stdout
+    )
+    flags = ("-m", "plugin-krr", "--alphabet", "4", "--eps0", "1", "--n", "1000", "--delta", "1e-6")
+    run = subprocess.run(
+        [*ESA, "account", "certify", *flags, "--bound", "plugin-local", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout)
+    assert answer["randomizer_params"] == {"alphabet": 4}
+    assert answer["certified"]["method"] == "plugin-local" and answer["certified"]["eps"] == 1.0

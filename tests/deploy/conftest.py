@@ -53,7 +53,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     deployment.run(*everything, "down", "-v", "--remove-orphans", timeout=120)  # an earlier run
     # Networks an interrupted run left (two of one name, which `down` cannot tell apart).
     label = f"label=com.docker.compose.project={PROJECT}"
-    subprocess.run(["docker", "network", "prune", "-f", "--filter", label], check=False)
+    prune = ["docker", "network", "prune", "-f", "--filter", label]
+    subprocess.run(prune, check=False, timeout=120)
     taken = [port for port in PORTS.values() if not free(port)]
     assert not taken, f"ports {taken} are taken on 127.0.0.1: the compose file publishes them"
     try:

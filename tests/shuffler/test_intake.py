@@ -94,7 +94,7 @@ def test_validation_refuses_each_problem_with_its_code(database_url: str, tmp_pa
         with pytest.raises(error):
             pending(service, token, **{"epoch": epoch, **kwargs})  # type: ignore[arg-type]
     with pytest.raises(MalformedContributionError):
-        service.validate(token, b"not a ciphertext" * 8)
+        service.validate(service.admit(token), b"not a ciphertext" * 8)
     with pytest.raises(BadTokenError):
         pending(service, token.split(".")[0] + ".forged", epoch)
     service.intake.close("homepage", epoch)
@@ -135,11 +135,11 @@ def test_a_wire_version_1_contribution_and_too_few_fragments_are_refused(
     ).encode()
     old = seal(OLD_MAGIC + body[4:], service.ring.public(), outer_info("shuffler-1"))
     with pytest.raises(UnsupportedVersionError, match="wire version 1") as raised:
-        service.validate(token, old)
+        service.validate(service.admit(token), old)
     assert raised.value.code == "unsupported_version"
     unknown = seal(OLD_MAGIC + b"\x00" * 8, service.ring.public(), outer_info("shuffler-1"))
     with pytest.raises(UnsupportedVersionError):  # the magic alone decides
-        service.validate(token, unknown)
+        service.validate(service.admit(token), unknown)
     with pytest.raises(TooFewFragmentsError, match="0 fragments < min_fragments=1"):
         pending(service, token, clock.epoch, fragments=0)
     assert pending(service, token, clock.epoch, fragments=1).contribution.epoch == clock.epoch
