@@ -7,7 +7,7 @@ import base64
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -806,23 +806,13 @@ def test_a_batch_the_analyzer_would_withhold_is_held_instead(
         seen.append((kept, fragments))
         return POLICY.min_crowd - 1
 
-    held = close_group(
-        service.store,
-        GroupKey("homepage", "", epochs[0]),
-        service.batcher,
-        POLICY,
-        clock.now,
-        short,
-    )
+    def close(epoch: int, crowd: Callable[[int, int], int]) -> Evaluation | None:
+        key = GroupKey("homepage", "", epoch)
+        return close_group(service.store, key, service.batcher, POLICY, clock.now, crowd)
+
+    held = close(epochs[0], short)
     assert held is not None and held.batch is None and held.deletion.status == "held"
     assert seen and seen[0][1] > 0  # asked with the survivors' fragments
     assert held.deletion.deleted == 0
-    kept = close_group(
-        service.store,
-        GroupKey("homepage", "", epochs[1]),
-        service.batcher,
-        POLICY,
-        clock.now,
-        lambda k, f: k,
-    )
+    kept = close(epochs[1], lambda k, f: k)
     assert kept is not None and kept.batch is not None
