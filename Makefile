@@ -21,17 +21,18 @@ typecheck: venv
 	$(BIN)/mypy --strict common encoder_client runtime shuffler analyzer services
 
 # Three pytest-xdist workers (the system tests mostly wait on epochs and processes: ~15 min on
-# 2 cores instead of ~45 serially), a module's tests together (tests/conftest.py); then the
+# 2 cores instead of ~45 serially), a module's tests together, tests/deploy whole
+# (tests/conftest.py's work_unit); then the
 # `serial` tests. The slowest 40 are listed at the end, to keep the suite within its budget.
 WORKERS ?= 3
 unit: venv
-	$(BIN)/pytest -n $(WORKERS) --dist loadgroup --durations=40 -m "not serial"
+	$(BIN)/pytest -n $(WORKERS) --dist loadscope --durations=40 -m "not serial"
 	$(BIN)/pytest --durations=10 -m serial
 
 # The inner loop's tier: in-process tests only (no `system` or `slow` mark; tests/conftest.py),
 # on two pytest-xdist workers (one per core).
 fast: venv
-	$(BIN)/pytest -q -n 2 --dist loadgroup -m "not system and not slow"
+	$(BIN)/pytest -q -n 2 --dist loadscope -m "not system and not slow"
 
 # Lint, types and the fast tier (< 3 min on 2 cores); `make test` runs everything, as CI.
 check: lint typecheck fast

@@ -105,18 +105,36 @@ SHARED_FOLDERS = ("deploy",)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test of :data:`SYSTEM_FOLDERS` ``system``, and group the tests for
-    pytest-xdist (``make test`` runs ``-n 3 --dist loadgroup``): a module's tests in one
-    worker, in order (module fixtures start once; a module may check what its earlier tests
-    recorded), and each of :data:`SHARED_FOLDERS` whole in one worker."""
+    """Mark every test of :data:`SYSTEM_FOLDERS` ``system``."""
     here = Path(__file__).parent
     for item in items:
         folder = Path(item.path).parent
         if folder.parent == here and folder.name in SYSTEM_FOLDERS:
             item.add_marker(pytest.mark.system)
-        shared = folder.parent == here and folder.name in SHARED_FOLDERS
-        group = folder.name if shared else str(Path(item.path).relative_to(here))
-        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def work_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker runs whole, in order (``make test``): a module's tests
+    (its fixtures start once; a module may check what its earlier tests recorded), or a whole
+    folder of :data:`SHARED_FOLDERS`."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in SHARED_FOLDERS:
+        return "/".join(parts[:2])
+    return path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's file scheduling with :func:`work_unit` for a unit (its ``--dist
+    loadgroup`` cannot mark groups under pytest 9: it rewrites a node id pytest no longer
+    reads). Overrides ``LoadScopeScheduling._split_scope``: pyproject pins pytest-xdist."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
 
 
 def _record(what: str) -> None:
