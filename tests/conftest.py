@@ -124,6 +124,7 @@ def work_unit(nodeid: str) -> str:
     return path
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: pytest runs without it too
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's file scheduling with :func:`work_unit` for a unit (its ``--dist
     loadgroup`` cannot mark groups under pytest 9: it rewrites a node id pytest no longer
