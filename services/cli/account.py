@@ -13,14 +13,15 @@ from rich.console import Console
 from rich.table import Table
 
 from common import accounting
-from common.accounting.randomizers import LocalRandomizer, flagged
 from common.accounting.results import BoundResult, Method
 
 if TYPE_CHECKING:
-    from common.accounting import Certification, LifetimeResult, Plan
+    from common.accounting import Certification, LifetimeResult, LocalRandomizer, Plan
+
 
 def _shuffled_bounds() -> list[str]:
     """What ``--bound`` selects: every shuffled upper bound declared, a plug-in's too."""
+    from common.accounting import randomizers  # noqa: F401 - declares the built-in bounds
     from common.mechanisms import registry
 
     registry.load_plugins()
@@ -76,19 +77,44 @@ def _described() -> dict[str, type[LocalRandomizer]]:
     return described
 
 
-def _param_options() -> list[Callable[..., Any]]:
+def _param_options() -> list[click.Option]:
     """One option per field the descriptions mark as a flag (:func:`accounting.randomizers.flag`):
     a mechanism's parameters reach the accountant without this command naming them."""
+    from common.accounting.randomizers import flagged
+
     return [
-        click.option(
-            "--" + name.replace("_", "-"), type=value_type, default=None, help="; ".join(helps)
+        click.Option(
+            ["--" + name.replace("_", "-")], type=value_type, default=None, help="; ".join(helps)
         )
         for name, (value_type, helps) in sorted(flagged(_described()).items())
     ]
 
 
-def _apply_params(function: Callable[..., Any]) -> Callable[..., Any]:
-    return _apply(function, _param_options())
+def _bound_and_param_options() -> list[click.Option]:
+    """``--bound`` (every shuffled bound declared, a plug-in's too) and the parameters'."""
+    bound = click.Option(
+        ["--bound"],
+        type=click.Choice(_shuffled_bounds()),
+        default=None,
+        help="Use only this method (e.g. cheu-lemma-ii6 reproduces the paper's tables).",
+    )
+    return [bound, *_param_options()]
+
+
+class DescribedCommand(click.Command):
+    """A command whose options the privacy descriptions name (a mechanism's parameters,
+    ``--bound``) are built when it is first used (parsed, or its own ``--help``): listing the
+    commands (``esa account --help``) loads no mechanism, numpy or scipy."""
+
+    def __init__(self, *args: Any, described: Callable[[], list[click.Option]], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._described: Callable[[], list[click.Option]] | None = described
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if self._described is not None:
+            self.params.extend(self._described())
+            self._described = None
+        return super().get_params(ctx)
 
 
 def _common_options(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -102,14 +128,7 @@ def _common_options(function: Callable[..., Any]) -> Callable[..., Any]:
             help="Crowd size: contributions in the smallest batch.",
         ),
         click.option("--delta", type=float, required=True, help="δ of the central guarantee."),
-        click.option(
-            "--bound",
-            type=click.Choice(_shuffled_bounds()),
-            default=None,
-            help="Use only this method (e.g. cheu-lemma-ii6 reproduces the paper's tables).",
-        ),
         _JSON_OPTION,
-        *_param_options(),
     ]
     return _apply(function, options)
 
@@ -196,7 +215,7 @@ def account() -> None:
     """Privacy accounting: amplification-by-shuffling bounds and the ε0 planner."""
 
 
-@account.command("certify")
+@account.command("certify", cls=DescribedCommand, described=_bound_and_param_options)
 @click.option(
     "--eps0",
     type=float,
@@ -234,7 +253,7 @@ def certify_command(
     _print_certification(Console(), cert, heading)
 
 
-@account.command("plan")
+@account.command("plan", cls=DescribedCommand, described=_bound_and_param_options)
 @click.option(
     "--target-eps",
     type=float,
@@ -360,7 +379,7 @@ def _parse_crowds(crowds: str | None, n: int | None, epochs: int | None) -> list
     return values
 
 
-@account.command("compose")
+@account.command("compose", cls=DescribedCommand, described=_param_options)
 @click.option("--eps0", type=float, default=None, help="Local ε of each report (as in certify).")
 @click.option("--eps-b", type=float, default=None, help="rfrag: backstop ε_b (same as --eps0).")
 @_MECHANISM_OPTION
@@ -373,7 +392,6 @@ def _parse_crowds(crowds: str | None, n: int | None, epochs: int | None) -> list
 @click.option("--eps-cr", type=float, default=None, help="Randomized deletion: ε_cr per epoch.")
 @click.option("--delta-cr", type=float, default=None, help="Randomized deletion: δ_cr per epoch.")
 @_JSON_OPTION
-@_apply_params
 def compose_command(
     eps0: float | None,
     eps_b: float | None,

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import click
 import pytest
 
 pytestmark = pytest.mark.system  # starts real processes
@@ -124,8 +125,13 @@ def test_every_flag_a_privacy_description_declares_is_an_option_of_each_command(
 
     described = account._described()
     assert {"generic", "krr", "rfrag", "zsum"} <= set(described)
-    for command in (account.certify_command, account.account.commands["plan"]):
-        options = {opt for param in command.params for opt in param.opts}
+    for command in (
+        account.certify_command,
+        *map(account.account.commands.get, ["plan", "compose"]),
+    ):
+        assert command is not None
+        params = command.get_params(click.Context(command))
+        options = {opt for param in params for opt in param.opts}
         for kind in described.values():
             for spec in fields(kind):  # type: ignore[arg-type]
                 if FLAG in spec.metadata:
