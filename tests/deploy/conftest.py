@@ -11,14 +11,12 @@ required: a missing engine there fails the run instead of passing it silently.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 
 import pytest
 
 from tests.deploy.stack import (
     PORTS,
-    PROJECT,
     Stack,
     compose_command,
     free,
@@ -49,12 +47,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     for inherited in ("COMPOSE_PROJECT_NAME", "COMPOSE_PROFILES", "ESA_SHUFFLER_URL_TEMPLATE"):
         env.pop(inherited, None)
     deployment = Stack(compose_command(), env, secrets)
-    everything = deployment.profiles()
-    deployment.run(*everything, "down", "-v", "--remove-orphans", timeout=120)  # an earlier run
-    # Networks an interrupted run left (two of one name, which `down` cannot tell apart).
-    label = f"label=com.docker.compose.project={PROJECT}"
-    prune = ["docker", "network", "prune", "-f", "--filter", label]
-    subprocess.run(prune, check=False, timeout=120)
+    deployment.down(volumes=True, timeout=120)  # what an earlier (or interrupted) run left
     taken = [port for port in PORTS.values() if not free(port)]
     assert not taken, f"ports {taken} are taken on 127.0.0.1: the compose file publishes them"
     try:
@@ -67,4 +60,4 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield deployment
     finally:
         print(deployment.logs())
-        deployment.run(*everything, "down", "-v", "--remove-orphans", timeout=180, check=False)
+        deployment.down(volumes=True, check=False)

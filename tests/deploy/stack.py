@@ -162,6 +162,32 @@ class Stack:
             assert done.returncode == 0, (args, done.stdout[-3000:], done.stderr[-3000:])
         return done.stdout
 
+    def down(self, *, volumes: bool = False, timeout: float = 180, check: bool = True) -> None:
+        """Take every profile's containers down (``--remove-orphans``; ``-v``: the volumes
+        too), then remove what is left of the project (a container, one-off or not, that
+        compose missed; a network docker has not removed yet) and wait until its networks are
+        gone: a fixed-subnet network that outlives the down makes the next ``up`` fail with
+        "networks have overlapping IPv4"."""
+        flags = ["-v"] if volumes else []
+        self.run(*self.profiles(), "down", *flags, "--remove-orphans", timeout=timeout, check=check)
+        label = f"label=com.docker.compose.project={PROJECT}"
+        left = list(self.containers())
+        if left:
+            subprocess.run(["docker", "rm", "-f", *left], capture_output=True, timeout=120)
+        deadline = time.monotonic() + 60
+        while True:
+            networks = subprocess.run(
+                ["docker", "network", "ls", "-q", "--filter", label],
+                capture_output=True, text=True, timeout=60,
+            ).stdout.split()  # fmt: skip
+            if not networks:
+                return
+            subprocess.run(["docker", "network", "rm", *networks], capture_output=True, timeout=60)
+            if time.monotonic() > deadline:
+                assert not check, f"networks {networks} of {PROJECT} outlived its down by 60 s"
+                return
+            time.sleep(1)
+
     def container(self, service: str) -> str:
         """The id of ``service``'s container ("" when it has none), as ``compose ps -q``
         finds it but without a compose process per call (~1 s with docker-compose 1.29)."""

@@ -150,9 +150,9 @@ def test_down_and_up_keep_keys_and_data(stack: Stack) -> None:
     key = stack.exec("analyzer", "cat", published)
     trust = stack.trust().to_json()
     received = stack.sql("analyzer", "SELECT count(*) FROM receipts")
-    # every profile's containers too (--remove-orphans): one left on the fixed-subnet network
-    # would keep it, and `up` would then fail to create its subnet again
-    stack.run(*stack.profiles(), "down", "--remove-orphans", timeout=180)
+    # every profile's containers and the project's networks gone (Stack.down): one left on the
+    # fixed-subnet network would keep it, and `up` would then fail to create its subnet again
+    stack.down()
     stack.run("up", "-d", timeout=300)
     stack.wait_healthy()
     # Every service found its keys in its own volume and published the same public keys again.
