@@ -246,6 +246,7 @@ def _sealer_main(
     its parent is gone (end of file): the parent stops it, a Ctrl-C at the terminal is not
     its to act on (:meth:`SealerPool._start`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # its parent's close() sends it
     sealers = {channel_id: _Sealer(config, channel_id, values)}
     while True:
         try:
@@ -358,14 +359,16 @@ class SealerPool:
 
     @staticmethod
     def _start(process: BaseProcess) -> None:
-        """Start a worker with SIGINT blocked, a mask it inherits through spawn's exec: a
-        Ctrl-C at the terminal reaches the whole foreground process group, and a worker that
-        took it would die with a traceback in the middle of its start; its parent stops it
-        (:meth:`close`). A SIGINT meanwhile reaches the parent once it is unblocked. The
-        resource tracker that a spawn start needs is started first: starting it unblocks
-        SIGINT on its way out."""
+        """Start a worker with SIGINT and SIGTERM blocked. SIGINT: a mask the worker inherits
+        through spawn's exec (a Ctrl-C at the terminal reaches the whole foreground process
+        group, and a worker that took it would die with a traceback in the middle of its start;
+        its parent stops it, :meth:`close`). SIGTERM: the parent's handler would raise in the
+        middle of writing the worker's start data, which the worker would then read short and
+        die printing ``EOFError`` (the worker unblocks SIGTERM first thing). Either signal
+        meanwhile reaches the parent once it is unblocked. The resource tracker that a spawn
+        start needs is started first: starting it unblocks SIGINT on its way out."""
         resource_tracker.ensure_running()
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             process.start()
         finally:
