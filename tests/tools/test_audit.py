@@ -57,6 +57,10 @@ from services.tools.audit.runner import AuditConfig, run_audit
 from services.tools.audit.sink import SinkState, answer_batch, fetch_records, serve
 from tests.support import UNFOLLOWED, ServiceProcess, free_port, shuffler_process, wait_until
 
+#: The audit's statistical checks have the power of the groups it sees in its window: beside
+#: other workers' load it sees fewer, so the module runs after the parallel run (Makefile).
+pytestmark = pytest.mark.serial
+
 TOKEN = "sink-token-for-the-audit-tests"
 CHANNEL = {
     "id": "audit",
