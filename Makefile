@@ -21,9 +21,9 @@ typecheck: venv
 	$(BIN)/mypy --strict common encoder_client runtime shuffler analyzer services
 
 # Two pytest-xdist workers, one per core (the system tests mostly wait on epochs and processes;
-# three were ~15 min on 2 cores, one ~45, but three made timing-sensitive tests flaky), a module's tests together, tests/deploy whole
-# (tests/conftest.py's work_unit); then the
-# `serial` tests. The slowest 40 are listed at the end, to keep the suite within its budget.
+# three were ~15 min on 2 cores and one ~45, but three made timing-sensitive tests flaky), each
+# running a module whole, tests/deploy whole (tests/conftest.py's work_unit); then the `serial`
+# tests, alone. The slowest 40 are listed at the end, to keep the suite within its budget.
 WORKERS ?= 2
 unit: venv
 	$(BIN)/pytest -n $(WORKERS) --dist loadscope --durations=40 -m "not serial"
