@@ -245,12 +245,18 @@ def test_each_trust_domain_has_its_own_database_server_on_its_own_network() -> N
         assert _networks(server) == {f"db-{party}"} and "ports" not in server
         assert _mounts(server) == {"/var/lib/postgresql/data": (f"pgdata-{party}", False)}
         assert f"-U {url.username} -d {url.username}" in server["healthcheck"]["test"][1]
-        assert COMPOSE["networks"][f"db-{party}"] == {"internal": True}
+        network = COMPOSE["networks"][f"db-{party}"]
+        assert network["internal"] is True and set(network) == {"internal", "ipam"}
         members = {name for name, s in SERVICES.items() if f"db-{party}" in _networks(s)}
         assert members == {f"postgres-{party}", party} | (
             {f"{party}-r2"} if party != "analyzer" else set()
         )
     assert set(COMPOSE["networks"]) == {"default"} | {f"db-{p}" for p in PARTIES}
+    # every network on a fixed subnet, none overlapping: dockerd chooses none of them
+    subnets = [
+        ipaddress.ip_network(n["ipam"]["config"][0]["subnet"]) for n in COMPOSE["networks"].values()
+    ]
+    assert not any(a.overlaps(b) for i, a in enumerate(subnets) for b in subnets[i + 1 :])
     # The base image's entrypoint reads POSTGRES_PASSWORD_FILE only in the official image;
     # esa-postgres's own reads it for the stand-in too and refuses a placeholder.
     dockerfile = (ROOT / "deploy" / "postgres" / "Dockerfile").read_text()
