@@ -17,6 +17,7 @@ import multiprocessing.process
 import os
 import secrets
 import subprocess
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,10 +129,23 @@ def work_unit(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's file scheduling with :func:`work_unit` for a unit (its ``--dist
     loadgroup`` cannot mark groups under pytest 9: it rewrites a node id pytest no longer
-    reads). Overrides ``LoadScopeScheduling._split_scope``: pyproject pins pytest-xdist."""
+    reads), and tests/deploy handed out last: under ``.ci/run`` its images are still being
+    built in the background when the run starts (tests/deploy waits for them). Overrides
+    ``LoadScopeScheduling._split_scope`` and its ``workqueue``: pyproject pins pytest-xdist."""
     from xdist.scheduler import LoadScopeScheduling
 
+    class DeployLast(OrderedDict[str, Any]):
+        def __setitem__(self, key: str, value: Any) -> None:
+            super().__setitem__(key, value)
+            for shared in SHARED_FOLDERS:
+                if f"tests/{shared}" in self:
+                    self.move_to_end(f"tests/{shared}")
+
     class ByWorkUnit(LoadScopeScheduling):
+        def __init__(self, config: pytest.Config, log: Any) -> None:
+            super().__init__(config, log)
+            self.workqueue = DeployLast()
+
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
